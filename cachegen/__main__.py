@@ -1,0 +1,5 @@
+import sys
+
+from cachegen.cli import main
+
+sys.exit(main())

