@@ -15,6 +15,7 @@ from cachegen.errors import CacheGenError
 
 COMMAND_MODULES = [
     "cachegen.commands",
+    "cachegen.codec.cli",
 ]
 
 

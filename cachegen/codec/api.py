@@ -1,0 +1,121 @@
+"""The codec registry and the functions that work on any bitstream: decode and inspect."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cachegen import models
+from cachegen.codec.base import Codec
+from cachegen.codec.baselines import Fp8Codec, Int8Codec, Int8ZstdCodec, Kivi2Codec, RawCodec, _Int8Decoder
+from cachegen.codec.bitstream import Header, parse_frames, parse_header
+from cachegen.codec.cachegen_codec import CacheGenCodec, CacheGenDecoder
+from cachegen.codec.errors import CodecError
+from cachegen.kv import KVCache
+
+CODECS: dict[str, type[Codec]] = {
+    cls.name: cls for cls in (RawCodec, Int8Codec, Fp8Codec, Int8ZstdCodec, Kivi2Codec, CacheGenCodec)
+}
+CODECS_BY_ID: dict[int, type[Codec]] = {cls.codec_id: cls for cls in CODECS.values()}
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def available_codecs() -> list[str]:
+    return list(CODECS)
+
+
+def get_codec(name: str, model: models.ModelSpec | str | None = None, **options) -> Codec:
+    """A codec by name. ``cachegen`` needs ``model`` (or binds to the KV's model on first
+    encode) for its profile; the baselines ignore it. ``options`` go to the codec's
+    constructor (``chunk_tokens`` for all; ``zstd_level`` for int8-zstd; ``group_size``
+    for kivi2)."""
+    cls = CODECS.get(name)
+    if cls is None:
+        raise CodecError(f"unknown codec {name!r}; available: {', '.join(CODECS)}")
+    try:
+        if cls is CacheGenCodec:
+            return CacheGenCodec(model=model, **options)
+        return cls(**options)
+    except TypeError as exc:
+        raise CodecError(f"bad option for codec {name}: {exc}") from exc
+
+
+def _open(blob: bytes | bytearray | memoryview):
+    header = parse_header(blob)
+    cls = CODECS_BY_ID.get(header.codec_id)
+    if cls is None:
+        raise CodecError(f"bitstream uses codec id {header.codec_id}, which this cachegen does not know")
+    frames = parse_frames(blob, header)
+    decoder = cls.decoder(header)
+    for frame in frames:
+        decoder.check(frame)
+    return header, cls, frames, decoder
+
+
+def decode(blob: bytes | bytearray | memoryview, out_dtype: torch.dtype = torch.bfloat16) -> KVCache:
+    """Decode a bitstream of any codec. Raises ``CodecError`` for corrupt or unsupported input."""
+    if out_dtype not in OUT_DTYPES:
+        raise CodecError(f"out_dtype must be one of {', '.join(str(d) for d in OUT_DTYPES)}")
+    header, _, frames, decoder = _open(blob)
+    out = decoder.decode(frames, out_dtype)
+    ids = np.concatenate([f.token_ids for f in frames]) if frames else np.zeros(0, dtype=np.int64)
+    return KVCache(keys=out[0], values=out[1], token_ids=torch.from_numpy(ids), model=header.model, start=header.start)
+
+
+def int8_size(header: Header) -> int:
+    """Bytes the ``int8`` codec would produce for the same KV and chunking."""
+    dec = _Int8Decoder(header)
+    frames = sum(8 + header.frame_tokens(i) * header.token_width + dec.body_size(header.frame_tokens(i)) for i in range(header.num_frames))
+    return header.size - len(header.params) + frames
+
+
+def inspect(blob: bytes | bytearray | memoryview) -> dict:
+    """What a bitstream holds and what it costs, without decoding it.
+
+    ``bits_per_element`` counts every byte (header, frame headers, token ids, scales,
+    payload; a cachegen profile's tables are shared per model and reported separately).
+    ``ratio_vs_fp16`` compares with 2 bytes per element, ``ratio_vs_int8`` with what the
+    ``int8`` codec (per-token scale) produces for the same tokens and chunking.
+    """
+    header, cls, frames, decoder = _open(blob)
+    total = len(blob)
+    elements = header.num_elements
+    layer = np.zeros((header.num_layers, 2), dtype=np.float64)
+    for frame in frames:
+        layer += decoder.layer_bytes(frame)
+    per_layer_elements = elements / header.num_layers if header.num_layers else 0
+    bpe = total * 8 / elements if elements else None
+    info = {
+        "codec": cls.name,
+        "level": header.level,
+        "format_version": 1,
+        "model": header.model.to_dict(),
+        "num_layers": header.num_layers,
+        "num_kv_heads": header.num_kv_heads,
+        "head_dim": header.head_dim,
+        "start": header.start,
+        "num_tokens": header.num_tokens,
+        "chunk_tokens": header.chunk_tokens,
+        "num_frames": header.num_frames,
+        "source_dtype": str(header.dtype).removeprefix("torch."),
+        "bytes": total,
+        "header_bytes": header.size,
+        "frame_header_bytes": 8 * len(frames),
+        "token_id_bytes": header.num_tokens * header.token_width,
+        "bits_per_element": bpe,
+        "ratio_vs_fp16": (elements * 2 / total) if elements else None,
+        "ratio_vs_int8": (int8_size(header) / total) if elements else None,
+        "layers": [
+            {
+                "layer": i,
+                "key_bytes": float(layer[i, 0]),
+                "value_bytes": float(layer[i, 1]),
+                "bits_per_element": float(layer[i].sum() * 8 / per_layer_elements) if elements else None,
+            }
+            for i in range(header.num_layers)
+        ],
+    }
+    if isinstance(decoder, CacheGenDecoder):
+        info["profile_tables"] = decoder.tables.id
+        info["config"] = decoder.config.to_dict()
+    return info

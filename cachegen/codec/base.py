@@ -1,0 +1,124 @@
+"""What every codec shares: encoding into the common bitstream, decoding out of it.
+
+A codec encodes a ``KVCache`` chunk by chunk (``chunk_tokens`` tokens per frame) into the
+container of ``bitstream.py``; its subclass only writes and reads one frame's *body*. On
+the decoding side a codec class builds a :class:`FrameDecoder` from the header; the
+decoder first checks every frame body's size against what the header implies (so nothing
+is allocated for input that cannot be valid), then decodes into one preallocated tensor.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from cachegen.codec.bitstream import Frame, Header, pack_frame, pack_header
+from cachegen.codec.errors import CodecError
+from cachegen.kv import KVCache
+
+DEFAULT_CHUNK_TOKENS = 256
+MAX_CHUNK_TOKENS = 1 << 20
+
+
+class FrameDecoder:
+    """Decodes the frames of one bitstream (subclasses implement the three hooks)."""
+
+    def __init__(self, header: Header) -> None:
+        self.header = header
+
+    def check(self, frame: Frame) -> None:
+        """Raise ``CodecError`` unless the body's layout matches the header (no decoding)."""
+        raise NotImplementedError
+
+    def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
+        """Write the frame's K/V into ``out[:, :, :, token_offset : token_offset + n]``.
+
+        ``out`` is ``[2, layers, heads, tokens, head_dim]`` (keys, values) in the output dtype.
+        """
+        raise NotImplementedError
+
+    def layer_bytes(self, frame: Frame) -> np.ndarray:
+        """Bytes of the body attributed to each (layer, K/V): ``[layers, 2]`` int64."""
+        raise NotImplementedError
+
+    def decode(self, frames: list[Frame], out_dtype: torch.dtype) -> torch.Tensor:
+        for frame in frames:
+            self.check(frame)
+        h = self.header
+        out = torch.empty((2, h.num_layers, h.num_kv_heads, h.num_tokens, h.head_dim), dtype=out_dtype)
+        offset = 0
+        for frame in frames:
+            self.decode_frame(frame, out, offset)
+            offset += len(frame.token_ids)
+        return out
+
+
+class Codec:
+    """Base class: ``encode`` produces a self-contained bitstream for any token range."""
+
+    name: ClassVar[str]
+    codec_id: ClassVar[int]
+    lossless: ClassVar[bool] = False
+
+    def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        if not 1 <= int(chunk_tokens) <= MAX_CHUNK_TOKENS:
+            raise CodecError(f"chunk_tokens must be in 1..{MAX_CHUNK_TOKENS}, got {chunk_tokens}")
+        self.chunk_tokens = int(chunk_tokens)
+
+    @property
+    def levels(self) -> list[int]:
+        return [0]
+
+    @property
+    def default_level(self) -> int:
+        return 0
+
+    @property
+    def profile_id(self) -> str:
+        """Identifies everything a decoder must share with this encoder beyond the bitstream."""
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(chunk_tokens={self.chunk_tokens})"
+
+    def resolve_level(self, level: int | None) -> int:
+        if level is None:
+            return self.default_level
+        if level not in self.levels:
+            raise CodecError(f"codec {self.name} has no level {level}; levels are {self.levels}")
+        return int(level)
+
+    def encode(self, kv: KVCache, level: int | None = None) -> bytes:
+        level = self.resolve_level(level)
+        params = self.params(kv, level)
+        header, token_width = pack_header(self.codec_id, level, kv, self.chunk_tokens, params)
+        parts = [header]
+        if kv.num_tokens:
+            for chunk in kv.chunks(self.chunk_tokens):
+                parts.append(pack_frame(chunk.token_ids, token_width, self.encode_body(chunk, level)))
+        return b"".join(parts)
+
+    # -- subclass hooks --------------------------------------------------------------------
+
+    def params(self, kv: KVCache, level: int) -> bytes:
+        """Codec parameters stored in the header (what the decoder needs beyond geometry)."""
+        return b""
+
+    def encode_body(self, chunk: KVCache, level: int) -> bytes:
+        raise NotImplementedError
+
+    @classmethod
+    def decoder(cls, header: Header) -> FrameDecoder:
+        raise NotImplementedError
+
+
+def check_size(frame: Frame, expected: int, what: str) -> None:
+    if len(frame.body) != expected:
+        raise CodecError(f"frame {frame.index} is corrupt: {what} body is {len(frame.body)} bytes, expected {expected}")
+
+
+def kv_tensor(chunk: KVCache) -> torch.Tensor:
+    """``[2, L, H, n, D]`` keys and values of a chunk (one copy, on the CPU)."""
+    return torch.stack([chunk.keys, chunk.values]).cpu()

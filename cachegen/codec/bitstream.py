@@ -1,0 +1,213 @@
+"""The container every codec writes: a small self-describing header and checksummed frames.
+
+Layout (all integers little-endian; full spec in ``docs/bitstream.md``)::
+
+    header  : fixed part (32 bytes), model name, model fingerprint, codec parameters, CRC-32
+    frame i : u32 payload length, u32 CRC-32 of the payload, payload
+              (one frame per ``chunk_tokens`` tokens; the last one may be shorter)
+    payload : token ids (u16 or u32 each), then the codec's body for those tokens
+
+Parsing checks every length against the bytes actually present and every checksum before a
+codec sees a byte of its body, so corrupt or hostile input fails fast with ``CodecError``
+and never makes the decoder allocate more than the input can justify.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cachegen.codec.errors import CodecError
+from cachegen.kv import KVCache, ModelIdentity
+
+MAGIC = b"CGKV"
+VERSION = 1
+_FIXED = struct.Struct("<4sBBHBBHHHQII")  # 32 bytes
+_FRAME = struct.Struct("<II")
+
+FLAG_TOKENS_U32 = 1
+FLAG_FINGERPRINT_DIGEST = 2
+_KNOWN_FLAGS = FLAG_TOKENS_U32 | FLAG_FINGERPRINT_DIGEST
+
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+MAX_ELEMENTS_PER_TOKEN = 1 << 24  # layers * heads * head_dim; far above any real model
+MAX_TOKENS = 1 << 30
+
+
+@dataclass(frozen=True)
+class Header:
+    codec_id: int
+    level: int
+    dtype: torch.dtype  # dtype of the KV that was encoded
+    token_width: int  # 2 or 4 bytes per token id
+    model: ModelIdentity
+    start: int
+    num_tokens: int
+    chunk_tokens: int
+    params: bytes  # codec-specific
+    size: int  # header bytes
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.head_dim
+
+    @property
+    def num_frames(self) -> int:
+        return -(-self.num_tokens // self.chunk_tokens)
+
+    def frame_tokens(self, index: int) -> int:
+        return min(self.chunk_tokens, self.num_tokens - index * self.chunk_tokens)
+
+    @property
+    def num_elements(self) -> int:
+        """Elements of keys and values together."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.num_tokens
+
+
+@dataclass(frozen=True)
+class Frame:
+    index: int
+    token_ids: np.ndarray  # int64
+    body: memoryview
+    size: int  # bytes including the frame header
+
+
+def _fingerprint_bytes(fingerprint: str) -> tuple[bytes, bool]:
+    if len(fingerprint) == 64 and all(ch in "0123456789abcdef" for ch in fingerprint):
+        return bytes.fromhex(fingerprint), True
+    data = fingerprint.encode()
+    if len(data) > 255:
+        raise CodecError("model fingerprint is longer than 255 bytes")
+    return data, False
+
+
+def pack_header(codec_id: int, level: int, kv: KVCache, chunk_tokens: int, params: bytes) -> tuple[bytes, int]:
+    """Header bytes for ``kv`` and the token id width chosen."""
+    if kv.dtype not in DTYPE_CODES:
+        raise CodecError(f"cannot encode KV of dtype {kv.dtype}; use float16, bfloat16 or float32")
+    if not 0 <= level <= 0xFFFF:
+        raise CodecError(f"level must fit in 16 bits, got {level}")
+    if kv.num_tokens > MAX_TOKENS or kv.start + kv.num_tokens >= 1 << 63:
+        raise CodecError(f"{kv.num_tokens} tokens from position {kv.start} are more than a bitstream holds")
+    ids = kv.token_ids
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= 1 << 32):
+        raise CodecError("token ids must be in [0, 2**32)")
+    token_width = 4 if ids.numel() and int(ids.max()) >= 1 << 16 else 2
+    name = kv.model.name.encode()
+    if len(name) > 255:
+        raise CodecError(f"model name {kv.model.name[:40]!r}... is longer than 255 bytes")
+    fp, digest = _fingerprint_bytes(kv.model.fingerprint)
+    flags = (FLAG_TOKENS_U32 if token_width == 4 else 0) | (FLAG_FINGERPRINT_DIGEST if digest else 0)
+    if len(params) > 0xFFFF:
+        raise CodecError("codec parameters are too large for the header")
+    out = bytearray(
+        _FIXED.pack(
+            MAGIC, VERSION, codec_id, level, DTYPE_CODES[kv.dtype], flags,
+            kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.start, kv.num_tokens, chunk_tokens,
+        )
+    )
+    out += bytes([len(name)]) + name + bytes([len(fp)]) + fp + struct.pack("<H", len(params)) + params
+    out += struct.pack("<I", zlib.crc32(out))
+    return bytes(out), token_width
+
+
+def pack_frame(token_ids: torch.Tensor, token_width: int, body: bytes | bytearray | memoryview) -> bytes:
+    ids = token_ids.numpy().astype("<u4" if token_width == 4 else "<u2").tobytes()
+    payload = ids + bytes(body)
+    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def parse_header(blob: bytes | memoryview) -> Header:
+    """Validate and read the header (no frames)."""
+    view = memoryview(blob)
+    if len(view) < _FIXED.size:
+        raise CodecError(f"not a cachegen bitstream: {len(view)} bytes is shorter than a header")
+    (magic, version, codec_id, level, dtype_code, flags, layers, heads, head_dim, start, tokens, chunk) = _FIXED.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise CodecError("not a cachegen bitstream (bad magic bytes)")
+    if version != VERSION:
+        raise CodecError(f"bitstream format version {version} is not supported (this cachegen reads version {VERSION})")
+    if dtype_code not in DTYPES or flags & ~_KNOWN_FLAGS:
+        raise CodecError("bitstream header is corrupt (unknown dtype or flags)")
+    if not (layers and heads and head_dim) or layers * heads * head_dim > MAX_ELEMENTS_PER_TOKEN:
+        raise CodecError("bitstream header is corrupt (impossible KV geometry)")
+    if chunk == 0 or tokens > MAX_TOKENS or start + tokens >= 1 << 63:
+        raise CodecError("bitstream header is corrupt (impossible token range or chunk size)")
+    pos = _FIXED.size
+    try:
+        name_len = view[pos]
+        name = bytes(view[pos + 1 : pos + 1 + name_len])
+        pos += 1 + name_len
+        fp_len = view[pos]
+        fp = bytes(view[pos + 1 : pos + 1 + fp_len])
+        pos += 1 + fp_len
+        (params_len,) = struct.unpack_from("<H", view, pos)
+        params = bytes(view[pos + 2 : pos + 2 + params_len])
+        pos += 2 + params_len
+        (crc,) = struct.unpack_from("<I", view, pos)
+    except (IndexError, struct.error) as exc:
+        raise CodecError("bitstream is truncated inside its header") from exc
+    if len(name) != name_len or len(fp) != fp_len or len(params) != params_len:
+        raise CodecError("bitstream is truncated inside its header")
+    if zlib.crc32(view[:pos]) != crc:
+        raise CodecError("bitstream header is corrupt (checksum mismatch)")
+    try:
+        name_str = name.decode()
+        fp_str = fp.hex() if flags & FLAG_FINGERPRINT_DIGEST else fp.decode()
+    except UnicodeDecodeError as exc:
+        raise CodecError("bitstream header is corrupt (model name is not UTF-8)") from exc
+    model = ModelIdentity(name=name_str, fingerprint=fp_str, num_layers=layers, num_kv_heads=heads, head_dim=head_dim)
+    return Header(
+        codec_id=codec_id, level=level, dtype=DTYPES[dtype_code],
+        token_width=4 if flags & FLAG_TOKENS_U32 else 2, model=model, start=start,
+        num_tokens=tokens, chunk_tokens=chunk, params=params, size=pos + 4,
+    )
+
+
+def parse_frames(blob: bytes | memoryview, header: Header) -> list[Frame]:
+    """Split the bytes after the header into frames, checking lengths, counts and checksums."""
+    view = memoryview(blob)
+    # Every frame holds at least its frame header and token ids: reject a token count the
+    # input cannot hold before looking further (or allocating anything for it).
+    minimum = header.size + header.num_frames * _FRAME.size + header.num_tokens * header.token_width
+    if len(view) < minimum:
+        raise CodecError(
+            f"bitstream is truncated: {len(view)} bytes cannot hold {header.num_tokens} tokens "
+            f"(at least {minimum} bytes needed)"
+        )
+    frames = []
+    pos = header.size
+    for index in range(header.num_frames):
+        if pos + _FRAME.size > len(view):
+            raise CodecError(f"bitstream is truncated before frame {index}")
+        length, crc = _FRAME.unpack_from(view, pos)
+        begin, end = pos + _FRAME.size, pos + _FRAME.size + length
+        if end > len(view):
+            raise CodecError(f"bitstream is truncated inside frame {index} ({length} bytes announced, {len(view) - begin} present)")
+        payload = view[begin:end]
+        if zlib.crc32(payload) != crc:
+            raise CodecError(f"frame {index} is corrupt (checksum mismatch)")
+        n = header.frame_tokens(index)
+        id_bytes = n * header.token_width
+        if length < id_bytes:
+            raise CodecError(f"frame {index} is too short for its {n} token ids")
+        ids = np.frombuffer(payload[:id_bytes], dtype="<u4" if header.token_width == 4 else "<u2").astype(np.int64)
+        frames.append(Frame(index=index, token_ids=ids, body=payload[id_bytes:], size=end - pos))
+        pos = end
+    if pos != len(view):
+        raise CodecError(f"bitstream has {len(view) - pos} unexpected trailing bytes")
+    return frames

@@ -1,0 +1,262 @@
+"""The CacheGen codec: layer-wise quantization, optional token locality, per-channel rANS.
+
+Per frame (``chunk_tokens`` tokens) the keys and values are quantized with the level's
+:class:`~cachegen.codec.quant.QuantConfig` into symbol *segments* (all tokens, or anchors
+and deltas when token locality is on); every (layer, K/V, segment) becomes one rANS stream
+coded with the profile's per-channel tables. Frame body::
+
+    scales     fp16, for K then V, for each segment: [L, n] (token), [L, H, n] (token-head)
+               or [L, H, D] (channel)
+    directory  u32 word count of each stream, streams ordered (layer, K/V, segment)
+    streams    the rANS streams, little-endian u16 words (layout in rans.py)
+
+The header's codec parameters are the 16-byte tables id followed by the packed config, so
+the decoder needs nothing but the bitstream and (the tables, or the model to rebuild them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cachegen import models
+from cachegen.codec import rans
+from cachegen.codec.base import Codec, FrameDecoder
+from cachegen.codec.bitstream import Frame, Header
+from cachegen.codec.errors import CodecError
+from cachegen.codec.parallel import run_batches
+from cachegen.codec.profile import KINDS, LevelTables, Profile, find_tables, load_profile
+from cachegen.codec.quant import (
+    QuantConfig,
+    max_level,
+    num_scales,
+    quantize_chunk,
+    reconstruct,
+    scale_strides,
+    segment_tokens,
+)
+from cachegen.kv import KVCache
+
+TABLES_ID_BYTES = 16
+_SLACK_BITS = 0.05  # per symbol, covers rANS rounding in the size lower bound (see _min_words)
+
+
+class CacheGenCodec(Codec):
+    name = "cachegen"
+    codec_id = 6
+
+    def __init__(self, model: models.ModelSpec | str | None = None, chunk_tokens: int = 256, profile: Profile | None = None) -> None:
+        super().__init__(chunk_tokens)
+        if profile is None and model is not None:
+            profile = load_profile(model)
+        self._profile = profile
+
+    @property
+    def profile(self) -> Profile:
+        if self._profile is None:
+            raise CodecError("the cachegen codec needs a model for its profile: get_codec('cachegen', model=NAME)")
+        return self._profile
+
+    @property
+    def levels(self) -> list[int]:
+        return sorted(self.profile.levels)
+
+    @property
+    def default_level(self) -> int:
+        return self.profile.default_level
+
+    @property
+    def profile_id(self) -> str:
+        return self.profile.id
+
+    def __repr__(self) -> str:
+        model = self._profile.model.name if self._profile else None
+        return f"CacheGenCodec(model={model!r}, chunk_tokens={self.chunk_tokens})"
+
+    def encode(self, kv: KVCache, level: int | None = None) -> bytes:
+        if self._profile is None:
+            self._profile = load_profile(kv.model.name)
+        if kv.model.fingerprint != self.profile.model.fingerprint:
+            raise CodecError(f"KV of model {kv.model.name} cannot use the profile of {self.profile.model.name}")
+        return super().encode(kv, level)
+
+    def params(self, kv: KVCache, level: int) -> bytes:
+        tables = self.profile.tables(level)
+        return bytes.fromhex(tables.id) + tables.config.pack()
+
+    def encode_body(self, chunk: KVCache, level: int) -> bytes:
+        tables = self.profile.tables(level)
+        return encode_chunk(chunk, tables)
+
+    @classmethod
+    def decoder(cls, header: Header) -> FrameDecoder:
+        params = header.params
+        if len(params) <= TABLES_ID_BYTES:
+            raise CodecError("cachegen bitstream header is corrupt (parameters)")
+        config = QuantConfig.unpack(params[TABLES_ID_BYTES:])
+        config.check_geometry(header.num_layers, header.head_dim)
+        tables = find_tables(params[:TABLES_ID_BYTES].hex(), config, header.model)
+        m = tables.model
+        if (m.num_layers, m.num_kv_heads, m.head_dim) != (header.num_layers, header.num_kv_heads, header.head_dim):
+            raise CodecError("cachegen bitstream geometry does not match its profile tables")
+        return CacheGenDecoder(header, tables)
+
+
+# ---- encoding -------------------------------------------------------------------------------
+
+
+def encode_chunk(chunk: KVCache, tables: LevelTables) -> bytes:
+    """Frame body for one chunk (see the module docstring)."""
+    L = chunk.num_layers
+    scale_parts: list[bytes] = []
+    outputs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # per (K/V, segment)
+    for k, kind in enumerate(KINDS):
+        x = chunk.keys if kind == "k" else chunk.values
+        for s, seg in enumerate(quantize_chunk(x, tables.config, kind)):
+            scale_parts.append(seg.scales.cpu().numpy().tobytes())
+            sym = seg.symbols.cpu().numpy()  # quantization may run on a GPU, coding runs here
+            capacity = sym[0].size + rans.STATE_WORDS
+            out_off = np.arange(L + 1, dtype=np.int64) * capacity
+            out = np.empty(int(out_off[-1]), dtype=np.uint16)
+            start = np.empty(L, dtype=np.int64)
+            base = np.array([tables.base(layer, k, s) for layer in range(L)], dtype=np.int64)
+            run_batches(lambda todo: rans.encode_layers(sym, base, tables.freq_cum, out, out_off, todo, start), np.ones(L))
+            outputs.append((out, start, out_off))
+    # streams ordered (layer, K/V, segment)
+    streams = [out[start[layer] : off[layer + 1]] for layer in range(L) for out, start, off in outputs]
+    lengths = np.array([len(w) for w in streams], dtype="<u4")
+    return b"".join(scale_parts) + lengths.tobytes() + np.concatenate(streams).astype("<u2").tobytes()
+
+
+# ---- decoding -------------------------------------------------------------------------------
+
+
+class CacheGenDecoder(FrameDecoder):
+    def __init__(self, header: Header, tables: LevelTables) -> None:
+        super().__init__(header)
+        self.tables = tables
+        self.config = tables.config
+        self.S = tables.num_segments
+        self.num_streams = header.num_layers * 2 * self.S
+        # Lower bound of each stream's code length per token: sum over channels of the
+        # cheapest symbol's bits (see docs/bitstream.md, "size checks").
+        min_bits = -np.log2(tables.freq.max(axis=1).astype(np.float64) / rans.PROB_SCALE)
+        per_row = np.maximum(min_bits - _SLACK_BITS, 0.0)
+        self.stream_bits_per_token = per_row.reshape(self.num_streams, tables.num_channels).sum(axis=1)
+
+    def _layout(self, n: int):
+        """Per (K/V, segment): token positions, scale count; plus total scale bytes."""
+        h = self.header
+        segs = segment_tokens(n, self.config.group_size)
+        layout = []
+        for kind in KINDS:
+            for tokens in segs:
+                count = num_scales(self.config.scale(kind), h.num_layers, h.num_kv_heads, len(tokens), h.head_dim)
+                layout.append((kind, tokens, count))
+        return layout, 2 * sum(c for _, _, c in layout)
+
+    def _directory(self, frame: Frame) -> tuple[np.ndarray, int]:
+        n = len(frame.token_ids)
+        _, scale_bytes = self._layout(n)
+        dir_end = scale_bytes + 4 * self.num_streams
+        if len(frame.body) < dir_end:
+            raise CodecError(f"frame {frame.index} is corrupt: {len(frame.body)} bytes cannot hold its scales and stream directory")
+        words = np.frombuffer(frame.body[scale_bytes:dir_end], dtype="<u4").astype(np.int64)
+        return words, dir_end
+
+    def check(self, frame: Frame) -> None:
+        words, dir_end = self._directory(frame)
+        if 2 * int(words.sum()) != len(frame.body) - dir_end:
+            raise CodecError(f"frame {frame.index} is corrupt: stream directory does not match the frame size")
+        n = len(frame.token_ids)
+        seg_n = np.array([len(t) for _, t, _ in self._layout(n)[0]], dtype=np.float64)  # per (K/V, segment)
+        stream_tokens = np.tile(seg_n, self.header.num_layers)  # streams ordered (layer, K/V, segment)
+        needed = rans.STATE_WORDS + np.floor(np.maximum(stream_tokens * self.stream_bits_per_token - 16 * rans.LANES, 0) / 17)
+        if np.any(words < needed):
+            raise CodecError(f"frame {frame.index} is corrupt: a stream is shorter than its symbols can be coded in")
+
+    def layer_bytes(self, frame: Frame) -> np.ndarray:
+        h = self.header
+        layout, _ = self._layout(len(frame.token_ids))
+        words, _ = self._directory(frame)
+        out = np.zeros((h.num_layers, 2), dtype=np.float64)
+        for i, (kind, _, count) in enumerate(layout):
+            out[:, i // self.S] += 2 * count / h.num_layers
+        out += 2 * words.reshape(h.num_layers, 2, self.S).sum(axis=2) + 4 * self.S  # streams + directory
+        return out
+
+    def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
+        h = self.header
+        L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
+        C, S = H * D, self.S
+        n = len(frame.token_ids)
+        layout, scale_bytes = self._layout(n)
+        words_per_stream, dir_end = self._directory(frame)
+        words = np.frombuffer(frame.body[dir_end:], dtype="<u2")
+        word_off = np.concatenate([[0], np.cumsum(words_per_stream)]).astype(np.int64)
+
+        post = self.config.group_size > 0 or self.config.hadamard
+        direct = not post and out.dtype in (torch.bfloat16, torch.float32)
+        if direct:
+            target, T, t0 = out, out.shape[3], token_offset
+        else:
+            target, T, t0 = torch.empty((2, L, H, n, D), dtype=torch.float32), n, 0
+
+        # scales: fp16 absolute maxima -> float32 step (amax / max_level) per layer
+        steps, scale_off_of, strides_of, token_maps = [], [], [], []
+        pos = 0
+        total = 0
+        for kind, tokens, count in layout:
+            amax = np.frombuffer(frame.body[pos : pos + 2 * count], dtype="<f2").astype(np.float32).reshape(L, -1)
+            pos += 2 * count
+            m = np.array([max_level(b) for b in self.config.bins(kind)], dtype=np.float32)[:, None]
+            steps.append((amax / m).reshape(-1))
+            scale_off_of.append(total)
+            total += count
+            strides_of.append(scale_strides(self.config.scale(kind), len(tokens), D))
+            token_maps.append(tokens.numpy().astype(np.int64) + t0)
+        scales = np.concatenate(steps) if steps else np.zeros(0, np.float32)
+        token_map = np.concatenate(token_maps)
+        tm_off = np.concatenate([[0], np.cumsum([len(t) for t in token_maps])]).astype(np.int64)
+
+        num = self.num_streams
+        ntok = np.empty(num, dtype=np.int64)
+        base = np.empty(num, dtype=np.int64)
+        scale_off = np.empty(num, dtype=np.int64)
+        stride = np.empty((num, 3), dtype=np.int64)
+        center = np.empty(num, dtype=np.int32)
+        token_off = np.empty(num, dtype=np.int64)
+        out_base = np.empty(num, dtype=np.int64)
+        for layer in range(L):
+            for k, kind in enumerate(KINDS):
+                for s in range(S):
+                    j = k * S + s  # (K/V, segment) of the layout
+                    i = (layer * 2 + k) * S + s  # stream
+                    _, tokens, count = layout[j]
+                    ntok[i] = len(tokens)
+                    base[i] = self.tables.base(layer, k, s)
+                    scale_off[i] = scale_off_of[j] + layer * (count // L)
+                    stride[i] = strides_of[j]
+                    center[i] = max_level(self.config.bins(kind)[layer])
+                    token_off[i] = tm_off[j]
+                    out_base[i] = ((k * L + layer) * H) * T * D
+        nch = np.full(num, C, dtype=np.int64)
+        status = np.zeros(num, dtype=np.uint8)
+        if target.dtype == torch.bfloat16:
+            out_f32, out_bf16 = np.empty(0, np.float32), target.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        else:
+            out_f32, out_bf16 = target.numpy().reshape(-1), np.empty(0, np.uint16)
+        t = self.tables
+        run_batches(
+            lambda todo: rans.decode_streams(
+                words, word_off, nch, ntok, base, t.slots, t.freq_cum, scales, scale_off, stride, center, D,
+                token_map, token_off, out_f32, out_bf16, out_base, T, todo, status,
+            ),
+            ntok * C + 1,
+        )
+        if status.any():
+            raise CodecError(f"frame {frame.index} is corrupt: {int(status.sum())} of {num} streams do not decode cleanly")
+        if not direct:
+            for k in range(2):
+                target[k] = reconstruct(target[k], self.config)
+            out[:, :, :, token_offset : token_offset + n] = target

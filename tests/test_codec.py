@@ -1,0 +1,397 @@
+"""The codec: round trips of every codec, bounds on lossy error, determinism, profiles, inspect."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from cachegen.codec import (
+    CALIBRATION_TOPICS,
+    PROFILE_TOPICS,
+    CodecError,
+    QuantConfig,
+    available_codecs,
+    decode,
+    get_codec,
+    inspect,
+    load_profile,
+    paper_levels,
+)
+from cachegen.codec import profile as profile_mod
+from cachegen.codec import quant
+from cachegen.codec.api import CODECS
+from cachegen.errors import CacheGenError
+from cachegen.kv import KVCache
+
+TEXT = "\n\n".join(["The quick brown fox jumps over the lazy dog. " * 12, "def f(x):\n    return x * 2\n" * 12])
+
+
+@pytest.fixture(scope="session")
+def tiny_kv(tiny_llama) -> KVCache:
+    from cachegen.extract import extract_kv
+
+    kv = extract_kv(tiny_llama, text=TEXT)
+    assert 200 < kv.num_tokens < 400
+    return kv
+
+
+@pytest.fixture(scope="session")
+def tiny_profile(tiny_llama):
+    return load_profile(tiny_llama)
+
+
+@pytest.fixture
+def isolated_profiles(tmp_path, monkeypatch):
+    """An empty profile directory and no tables in memory."""
+    monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))
+    profile_mod.forget_cached_tables()
+    yield tmp_path / "profiles"
+    profile_mod.forget_cached_tables()
+
+
+def codec_levels():
+    for name in CODECS:
+        for level in ([1, 2, 3] if name == "cachegen" else [0]):
+            yield name, level
+
+
+def f32(kv: KVCache) -> torch.Tensor:
+    return torch.stack([kv.keys, kv.values]).to(torch.float32)
+
+
+def test_required_codecs_are_available():
+    assert {"raw", "int8", "fp8", "int8-zstd", "kivi2", "cachegen"} <= set(available_codecs())
+
+
+def test_calibration_topics_are_exported_for_the_quality_split():
+    assert PROFILE_TOPICS == CALIBRATION_TOPICS
+    assert len(CALIBRATION_TOPICS) == profile_mod.CALIBRATION_NUM_TOPICS
+    assert list(CALIBRATION_TOPICS) == sorted(CALIBRATION_TOPICS)
+
+
+@pytest.mark.parametrize("name,level", list(codec_levels()))
+def test_round_trip_keeps_metadata_and_is_deterministic(name, level, tiny_kv, tiny_llama):
+    part = tiny_kv.slice(37, 170)  # a token range that starts mid-prompt and spans 3 frames
+    codec = get_codec(name, model=tiny_llama, chunk_tokens=64)
+    assert level in codec.levels
+    blob = codec.encode(part, level)
+    assert codec.encode(part, level) == blob
+    out = decode(blob, out_dtype=torch.float32)
+    assert out.start == 37 and out.num_tokens == part.num_tokens
+    assert torch.equal(out.token_ids, part.token_ids)
+    assert out.model == part.model
+    assert out.keys.dtype == torch.float32 and out.keys.shape == part.keys.shape
+    assert decode(blob).keys.dtype == torch.bfloat16
+    info = inspect(blob)
+    assert info["codec"] == name and info["level"] == level and info["num_frames"] == 3
+
+
+def test_raw_is_lossless(tiny_kv):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        kv = tiny_kv.to(dtype)
+        out = decode(get_codec("raw").encode(kv), out_dtype=dtype)
+        assert torch.equal(out.keys, kv.keys) and torch.equal(out.values, kv.values)
+
+
+def test_int8_error_is_within_half_a_step(tiny_kv):
+    x = f32(tiny_kv)
+    y = f32(decode(get_codec("int8").encode(tiny_kv), out_dtype=torch.float32))
+    step = x.abs().amax(dim=(2, 4), keepdim=True).to(torch.float16).float() / 127
+    assert torch.all((x - y).abs() <= step / 2 * 1.001 + 1e-6)
+
+
+def test_fp8_error_is_within_e4m3_precision(tiny_kv):
+    x = f32(tiny_kv)
+    y = f32(decode(get_codec("fp8").encode(tiny_kv), out_dtype=torch.float32))
+    scale = x.abs().amax(dim=(2, 3, 4), keepdim=True) / 448
+    # e4m3: 3 mantissa bits (relative error <= 2^-4), subnormal step 2^-9 of the scale
+    assert torch.all((x - y).abs() <= x.abs() * 2**-4 + scale * 2**-9 + 1e-6)
+
+
+def test_int8_zstd_decodes_to_the_same_values_as_int8(tiny_kv):
+    a = decode(get_codec("int8").encode(tiny_kv), out_dtype=torch.float32)
+    b = decode(get_codec("int8-zstd").encode(tiny_kv), out_dtype=torch.float32)
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_kivi2_error_is_within_half_a_step(tiny_kv):
+    x = f32(tiny_kv)
+    y = f32(decode(get_codec("kivi2", group_size=32).encode(tiny_kv), out_dtype=torch.float32))
+    L, H, n, D = tiny_kv.keys.shape
+    k, v = x[0], x[1]
+    ng = -(-n // 32)
+    kp = torch.cat([k, k[:, :, -1:].expand(L, H, ng * 32 - n, D)], 2).view(L, H, ng, 32, D)
+    kstep = ((kp.amax(3, keepdim=True) - kp.amin(3, keepdim=True)) / 3).expand(L, H, ng, 32, D).reshape(L, H, ng * 32, D)[:, :, :n]
+    vg = v.view(L, H, n, D // 32, 32)
+    vstep = ((vg.amax(4, keepdim=True) - vg.amin(4, keepdim=True)) / 3).expand_as(vg).reshape(L, H, n, D)
+    # half a step, plus the fp16 rounding of the group's minimum and step
+    assert torch.all((k - y[0]).abs() <= kstep * 0.51 + k.abs() * 2e-3 + 1e-3)
+    assert torch.all((v - y[1]).abs() <= vstep * 0.51 + v.abs() * 2e-3 + 1e-3)
+
+
+def _step_bound(x: torch.Tensor, cfg: QuantConfig, kind: str) -> torch.Tensor:
+    """Half a quantization step of each element of x [L, H, n, D] under a plain config."""
+    m = torch.tensor([quant.max_level(b) for b in cfg.bins(kind)], dtype=torch.float32).view(-1, 1, 1, 1)
+    amax = quant._amax(x, cfg.scale(kind)).to(torch.float16).float()
+    return (amax / m / 2).expand_as(x)
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_cachegen_error_is_within_half_a_step(level, tiny_kv, tiny_profile):
+    cfg = tiny_profile.config(level)
+    codec = get_codec("cachegen", model="tiny-llama", chunk_tokens=tiny_kv.num_tokens)
+    out = decode(codec.encode(tiny_kv, level), out_dtype=torch.float32)
+    for kind, x, y in (("k", tiny_kv.keys.float(), out.keys), ("v", tiny_kv.values.float(), out.values)):
+        assert torch.all((x - y).abs() <= _step_bound(x, cfg, kind) * 1.001 + 1e-6)
+
+
+def test_bf16_output_is_the_float32_output_rounded(tiny_kv, tiny_llama):
+    blob = get_codec("cachegen", model=tiny_llama).encode(tiny_kv)
+    a, b = decode(blob, out_dtype=torch.float32), decode(blob, out_dtype=torch.bfloat16)
+    assert torch.equal(a.keys.to(torch.bfloat16), b.keys) and torch.equal(a.values.to(torch.bfloat16), b.values)
+
+
+def test_chunked_bitstreams_decode_like_one(tiny_kv, tiny_llama):
+    codec = get_codec("cachegen", model=tiny_llama, chunk_tokens=64)
+    whole = decode(codec.encode(tiny_kv))
+    parts = KVCache.concat([decode(codec.encode(c)) for c in tiny_kv.chunks(64)])
+    assert torch.equal(whole.keys, parts.keys) and torch.equal(whole.values, parts.values)
+    assert torch.equal(whole.token_ids, parts.token_ids)
+
+
+def test_quantize_kernels_match_the_torch_reference():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 37, 64, generator=gen) * torch.rand(3, 2, 37, 64, generator=gen) * 9
+    x[1, 0, 5] = 0  # an all-zero token
+    bins = (32, 12, 256)
+    for kind in quant.SCALE_KINDS:
+        a, b = quant.quantize(x, bins, kind), quant.quantize_reference(x, bins, kind)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_non_finite_kv_is_refused(tiny_kv, tiny_llama):
+    bad = tiny_kv.slice(0, 8).to(torch.float32)
+    bad.keys[0, 0, 3, 5] = float("nan")
+    with pytest.raises(CodecError, match="NaN"):
+        get_codec("cachegen", model=tiny_llama).encode(bad)
+
+
+def test_paper_presets_scale_with_depth():
+    levels = paper_levels(32)
+    assert levels[2].key_bins == (32,) * 10 + (16,) * 22
+    assert levels[2].value_bins == (32,) * 2 + (16,) * 30
+    assert levels[1].key_bins == (16,) * 22 + (12,) * 10 and levels[1].value_bins == (16,) * 2 + (12,) * 30
+    assert levels[3].key_bins == (32,) * 32
+    assert paper_levels(30)[2].key_bins == (32,) * 10 + (16,) * 20
+    assert paper_levels(4)[2].key_bins == (32, 32, 16, 16)
+
+
+def test_quant_config_packs_compactly_and_round_trips():
+    cfg = QuantConfig(paper_levels(30)[2].key_bins, (24,) * 30, key_scale="channel", value_scale="token-head", hadamard=True, group_size=10)
+    packed = cfg.pack()
+    assert len(packed) < 40
+    assert QuantConfig.unpack(packed) == cfg
+    assert QuantConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(CodecError):
+        QuantConfig((2,), (16,))
+    with pytest.raises(CodecError):
+        QuantConfig((16,), (16,), key_scale="per-galaxy")
+
+
+def test_inspect_counts_every_byte(tiny_kv, tiny_llama):
+    for name in ("int8", "cachegen", "kivi2"):
+        blob = get_codec(name, model=tiny_llama, chunk_tokens=64).encode(tiny_kv)
+        info = inspect(blob)
+        assert info["bytes"] == len(blob)
+        assert info["bits_per_element"] == pytest.approx(len(blob) * 8 / tiny_kv.num_elements)
+        assert info["ratio_vs_fp16"] == pytest.approx(tiny_kv.num_elements * 2 / len(blob))
+        layer_bytes = sum(r["key_bytes"] + r["value_bytes"] for r in info["layers"])
+        overhead = info["header_bytes"] + info["frame_header_bytes"] + info["token_id_bytes"]
+        assert layer_bytes + overhead == pytest.approx(len(blob))
+        assert len(info["layers"]) == tiny_kv.num_layers
+    assert inspect(get_codec("int8").encode(tiny_kv))["ratio_vs_int8"] == pytest.approx(1.0)
+
+
+def test_header_is_small(tiny_kv, tiny_llama):
+    for name in available_codecs():
+        info = inspect(get_codec(name, model=tiny_llama).encode(tiny_kv.slice(0, 16)))
+        assert info["header_bytes"] <= 200, name
+
+
+def test_empty_token_range_round_trips(tiny_kv, tiny_llama):
+    blob = get_codec("cachegen", model=tiny_llama).encode(tiny_kv.slice(5, 5))
+    out = decode(blob)
+    assert out.num_tokens == 0 and out.start == 5
+    assert inspect(blob)["bits_per_element"] is None
+
+
+def test_unknown_codec_and_level_are_refused(tiny_kv, tiny_llama):
+    with pytest.raises(CodecError, match="unknown codec"):
+        get_codec("zip")
+    with pytest.raises(CodecError, match="no level"):
+        get_codec("cachegen", model=tiny_llama).encode(tiny_kv, level=9)
+    with pytest.raises(CodecError):
+        get_codec("raw", chunk_tokens=0)
+    assert issubclass(CodecError, CacheGenError)
+
+
+# ---- profiles --------------------------------------------------------------------------------
+
+
+def test_profile_build_is_deterministic_and_content_addressed(isolated_profiles, tiny_llama, tiny_profile):
+    fresh = load_profile(tiny_llama)
+    assert fresh.id == tiny_profile.id
+    assert fresh.tables_ids == tiny_profile.tables_ids
+    for tables_id in fresh.tables_ids.values():
+        assert (isolated_profiles / "tables" / f"{tables_id}.cgtab").is_file()
+    assert sorted(fresh.levels) == [1, 2, 3] and fresh.default_level == 2
+
+
+def test_decoder_rebuilds_missing_tables_from_the_model(tiny_kv, tiny_llama, tiny_profile, isolated_profiles):
+    blob = get_codec("cachegen", model=tiny_llama).encode(tiny_kv, 3)
+    expected = decode(blob)
+    shutil.rmtree(isolated_profiles)  # a consumer machine with the model but no profile
+    profile_mod.forget_cached_tables()
+    out = decode(blob)
+    assert torch.equal(out.keys, expected.keys) and torch.equal(out.values, expected.values)
+    assert (isolated_profiles / "tables" / f"{tiny_profile.tables_ids[3]}.cgtab").is_file()
+
+
+def test_decoder_says_how_to_get_tables_it_cannot_rebuild(tiny_kv, tiny_profile, isolated_profiles):
+    from cachegen.codec.cachegen_codec import CacheGenCodec
+
+    # KV that claims to come from a model this machine does not have
+    stranger = dataclasses.replace(tiny_kv.model, name="no-such-model")
+    kv = KVCache(tiny_kv.keys, tiny_kv.values, tiny_kv.token_ids, stranger)
+    blob = CacheGenCodec(profile=tiny_profile).encode(kv)
+    shutil.rmtree(isolated_profiles)
+    profile_mod.forget_cached_tables()
+    with pytest.raises(CodecError, match="codec-profile build --model no-such-model"):
+        decode(blob)
+
+
+def test_corrupt_tables_file_is_detected(tiny_kv, tiny_llama, isolated_profiles):
+    blob = get_codec("cachegen", model=tiny_llama).encode(tiny_kv)
+    tables_id = inspect(blob)["profile_tables"]
+    path = isolated_profiles / "tables" / f"{tables_id}.cgtab"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40
+    path.write_bytes(bytes(data))
+    profile_mod.forget_cached_tables()
+    with pytest.raises(CodecError, match="corrupt"):
+        decode(blob)
+
+
+def test_add_level_persists_and_becomes_usable(tiny_kv, tiny_llama, isolated_profiles):
+    profile = load_profile(tiny_llama)
+    old_id = profile.id
+    base = profile.config(2)
+    calibrated = dataclasses.replace(base, key_scale="channel", value_scale="token-head", description="calibrated")
+    profile.add_level(7, calibrated, make_default=True)
+    assert profile.id != old_id
+    again = load_profile(tiny_llama)
+    assert again.default_level == 7 and again.config(7) == calibrated and again.config(7).description == "calibrated"
+    codec = get_codec("cachegen", model=tiny_llama)
+    assert codec.levels == [1, 2, 3, 7] and codec.default_level == 7
+    out = decode(codec.encode(tiny_kv), out_dtype=torch.float32)
+    for kind, x, y in (("k", tiny_kv.keys.float(), out.keys), ("v", tiny_kv.values.float(), out.values)):
+        assert torch.all((x - y).abs() <= _step_bound_chunked(x, calibrated, kind, codec.chunk_tokens) * 1.001 + 1e-6)
+    again.set_default_level(2)
+    again.remove_level(7)
+    assert sorted(load_profile(tiny_llama).levels) == [1, 2, 3]
+    with pytest.raises(CodecError):
+        again.set_default_level(42)
+
+
+def _step_bound_chunked(x, cfg, kind, chunk_tokens):
+    return torch.cat([_step_bound(x[:, :, b : b + chunk_tokens], cfg, kind) for b in range(0, x.shape[2], chunk_tokens)], 2)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"group_size": 10},
+        {"hadamard": True},
+        {"hadamard": True, "group_size": 4, "key_scale": "channel"},
+    ],
+    ids=["locality", "hadamard", "all"],
+)
+def test_variants_round_trip_within_their_step(change, tiny_kv, tiny_llama, isolated_profiles):
+    profile = load_profile(tiny_llama)
+    cfg = dataclasses.replace(profile.config(3), **change)
+    profile.add_level(11, cfg)
+    codec = get_codec("cachegen", model=tiny_llama, chunk_tokens=100)
+    blob = codec.encode(tiny_kv, 11)
+    assert codec.encode(tiny_kv, 11) == blob
+    out = decode(blob, out_dtype=torch.float32)
+    plain = dataclasses.replace(cfg, hadamard=False)
+    for x, y, kind in ((tiny_kv.keys.float(), out.keys, "k"), (tiny_kv.values.float(), out.values, "v")):
+        # Closed-loop locality: each token's error is its own segment's quantization error;
+        # the orthonormal rotation keeps per-token error norms.
+        per_token = (x - y).pow(2).sum(-1).sqrt()
+        x_rot = quant.hadamard(x) if cfg.hadamard else x
+        bound = torch.cat([_segment_bound(x_rot[:, :, b : b + 100], plain, kind) for b in range(0, x.shape[2], 100)], 2)
+        assert torch.all(per_token <= bound * 1.01 + 1e-4)
+
+
+def _segment_bound(x, cfg, kind):
+    """Per-token error norm bound of one chunk: half a step for every element of its segment."""
+    out = torch.empty(x.shape[:3])
+    m = torch.tensor([quant.max_level(b) for b in cfg.bins(kind)], dtype=torch.float32).view(-1, 1, 1, 1)
+    for seg in quant.quantize_chunk(x, cfg, kind):
+        step = (seg.scales.float() / m / 2).expand(*seg.symbols.shape)
+        out[:, :, seg.tokens] = step.pow(2).sum(-1).sqrt()
+    return out
+
+
+# ---- real KV ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_kv(smollm2) -> KVCache:
+    from pydoc_data.topics import topics
+
+    from cachegen.extract import extract_kv
+
+    text = topics["for"] + "\n\n" + topics["while"]  # not calibration topics
+    return extract_kv(smollm2, text=text).slice(0, 256)
+
+
+def test_cachegen_compresses_real_kv_like_the_paper(smollm2, smollm2_kv):
+    codec = get_codec("cachegen", model=smollm2)
+    sizes = {}
+    for level in (1, 2, 3):
+        info = inspect(codec.encode(smollm2_kv, level))
+        sizes[level] = info["bits_per_element"]
+        assert info["ratio_vs_int8"] > 2.0
+    assert sizes[1] < sizes[2] < sizes[3] < 4.0
+    int8_zstd = inspect(get_codec("int8-zstd").encode(smollm2_kv))["bits_per_element"]
+    assert sizes[3] < int8_zstd
+
+
+def test_odd_geometry_uses_the_partial_lane_paths():
+    """12 channels per layer: one full group of 8 lanes and a partial one, in both coders."""
+    from cachegen.codec import rans
+    from cachegen.codec.cachegen_codec import CacheGenCodec
+    from cachegen.codec.profile import LevelTables, Profile, _alphabets, _remember
+    from cachegen.kv import ModelIdentity
+
+    model = ModelIdentity("odd-test-model", "ab" * 32, num_layers=3, num_kv_heads=1, head_dim=12)
+    cfg = QuantConfig((32, 16, 8), (16, 16, 4), key_scale="channel", value_scale="token-head")
+    alphabets = _alphabets(cfg, model)
+    gen = np.random.default_rng(0)
+    counts = gen.integers(0, 1000, size=(alphabets.size, 31))
+    freq = rans.quantize_frequencies(counts, alphabets)
+    tables = LevelTables("0123456789abcdef" * 2, cfg, model, freq)
+    _remember(tables)
+    profile = Profile(model, {1: cfg}, {1: tables.id}, 1, spec=None)
+    x = torch.randn(2, 3, 1, 37, 12, generator=torch.Generator().manual_seed(1)) * 3
+    kv = KVCache(x[0], x[1], torch.arange(37), model, start=5)
+    blob = CacheGenCodec(profile=profile, chunk_tokens=16).encode(kv)
+    out = decode(blob, out_dtype=torch.float32)
+    for kind, a, b in (("k", kv.keys, out.keys), ("v", kv.values, out.values)):
+        assert torch.all((a - b).abs() <= _step_bound_chunked(a, cfg, kind, 16) * 1.001 + 1e-6)

@@ -1,0 +1,183 @@
+"""Corrupt, truncated and hostile bitstreams end in CodecError, never a crash or a huge allocation.
+
+Two kinds of mutation: plain ones (caught by lengths and CRC-32s) and *re-sealed* ones whose
+checksums are recomputed after mutating, so the codecs' own structural checks are the only
+defence. Hypothesis runs a few thousand cases in all.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from cachegen.codec import CodecError, decode, get_codec, inspect
+from cachegen.codec.bitstream import _FIXED, parse_header
+from cachegen.kv import KVCache
+
+FUZZ = settings(max_examples=700, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True)
+
+
+class Blobs(dict):
+    def __repr__(self) -> str:  # keep hypothesis' failure reports readable
+        return f"<{len(self)} bitstreams>"
+
+
+@pytest.fixture(scope="module")
+def blobs(tiny_llama) -> Blobs:
+    from cachegen.extract import extract_kv
+
+    kv = extract_kv(tiny_llama, text="Fuzzing a bitstream: " * 12).slice(3, 43)
+    out = Blobs()
+    for name, level in [("raw", 0), ("int8", 0), ("fp8", 0), ("int8-zstd", 0), ("kivi2", 0), ("cachegen", 1), ("cachegen", 3)]:
+        out[f"{name}-{level}"] = get_codec(name, model=tiny_llama, chunk_tokens=16).encode(kv, level)
+    return out
+
+
+NAMES = ["raw-0", "int8-0", "fp8-0", "int8-zstd-0", "kivi2-0", "cachegen-1", "cachegen-3"]
+
+
+def reseal(blob: bytes) -> bytes:
+    """Recompute the header and frame checksums of a (mutated) blob where its lengths allow."""
+    data = bytearray(blob)
+    try:
+        pos = _FIXED.size
+        pos += 1 + data[pos]
+        pos += 1 + data[pos]
+        (plen,) = struct.unpack_from("<H", data, pos)
+        pos += 2 + plen
+        if pos + 4 > len(data):
+            return bytes(data)
+        struct.pack_into("<I", data, pos, zlib.crc32(data[:pos]))
+        pos += 4
+        while pos + 8 <= len(data):
+            (length,) = struct.unpack_from("<I", data, pos)
+            end = pos + 8 + length
+            if end > len(data):
+                break
+            struct.pack_into("<I", data, pos + 4, zlib.crc32(data[pos + 8 : end]))
+            pos = end
+    except (IndexError, struct.error):
+        pass
+    return bytes(data)
+
+
+def check_decodes_or_refuses(blob: bytes) -> None:
+    try:
+        kv = decode(blob)
+    except CodecError:
+        return
+    # Accepted input must be self-consistent.
+    header = parse_header(blob)
+    assert kv.num_tokens == header.num_tokens and kv.keys.shape[0] == header.num_layers
+    inspect(blob)
+
+
+mutation = st.tuples(
+    st.sampled_from(NAMES),
+    st.lists(st.tuples(st.integers(min_value=0), st.integers(min_value=1, max_value=255)), min_size=1, max_size=6),
+    st.booleans(),
+)
+
+
+@FUZZ
+@given(case=mutation)
+def test_flipped_bytes_are_refused_or_consistent(blobs, case):
+    name, flips, resealed = case
+    data = bytearray(blobs[name])
+    for pos, xor in flips:
+        data[pos % len(data)] ^= xor
+    assume(data != blobs[name])
+    data = reseal(bytes(data)) if resealed else bytes(data)
+    if not resealed:
+        with pytest.raises(CodecError):
+            decode(data)
+    else:
+        check_decodes_or_refuses(data)
+
+
+@FUZZ
+@given(name=st.sampled_from(NAMES), cut=st.integers(min_value=0), resealed=st.booleans())
+def test_truncated_bitstreams_are_refused(blobs, name, cut, resealed):
+    blob = blobs[name]
+    data = blob[: cut % len(blob)]
+    with pytest.raises(CodecError):
+        decode(reseal(data) if resealed else data)
+
+
+@FUZZ
+@given(name=st.sampled_from(NAMES), pos=st.integers(min_value=0), junk=st.binary(min_size=1, max_size=64), resealed=st.booleans())
+def test_inserted_bytes_are_refused(blobs, name, pos, junk, resealed):
+    blob = blobs[name]
+    p = pos % (len(blob) + 1)
+    data = blob[:p] + junk + blob[p:]
+    if resealed:
+        check_decodes_or_refuses(reseal(data))
+    else:
+        with pytest.raises(CodecError):
+            decode(data)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(data=st.binary(max_size=300))
+def test_random_bytes_are_refused(data):
+    with pytest.raises(CodecError):
+        decode(b"CGKV\x01" + data)
+    with pytest.raises(CodecError):
+        decode(data)
+
+
+def _forge_header(blob: bytes, **fields) -> bytes:
+    """The blob with header fields replaced and the header checksum fixed."""
+    names = ["magic", "version", "codec", "level", "dtype", "flags", "layers", "heads", "head_dim", "start", "tokens", "chunk"]
+    values = dict(zip(names, _FIXED.unpack_from(blob, 0)))
+    values.update(fields)
+    data = bytearray(blob)
+    _FIXED.pack_into(data, 0, *[values[n] for n in names])
+    return reseal(bytes(data))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hostile_sizes_are_refused_before_allocating(blobs, name):
+    blob = blobs[name]
+    # A billion tokens, a frame per token, or a gigantic geometry: the input cannot back any
+    # of these claims, so decoding stops at the size checks, before allocating the output.
+    for fields in ({"tokens": 1 << 30}, {"chunk": 1}, {"layers": 60000, "heads": 250}, {"head_dim": 4096}, {"tokens": 0}):
+        with pytest.raises(CodecError):
+            decode(_forge_header(blob, **fields))
+
+
+def test_cachegen_stream_too_short_for_its_symbols_is_refused(blobs):
+    """A re-sealed frame whose streams were emptied cannot claim to hold the chunk's symbols."""
+    blob = blobs["cachegen-3"]
+    kv = decode(blob)
+    header = parse_header(blob)
+    # replace every frame by token ids + scales + a directory of 16-word (state-only) streams
+    from cachegen.codec.api import _open
+
+    _, _, frames, decoder = _open(blob)
+    out = bytearray(blob[: header.size])
+    for frame in frames:
+        words, dir_end = decoder._directory(frame)
+        scale_bytes = dir_end - 4 * len(words)
+        body = bytes(frame.body[:scale_bytes]) + struct.pack(f"<{len(words)}I", *([16] * len(words))) + bytes(32 * len(words))
+        payload = frame.token_ids.astype("<u2").tobytes() + body
+        out += struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
+    assert kv.num_tokens == header.num_tokens
+    with pytest.raises(CodecError, match="shorter than its symbols"):
+        decode(bytes(out))
+
+
+def test_valid_bitstreams_survive_the_reseal_helper(blobs):
+    for blob in blobs.values():
+        assert reseal(blob) == blob
+        assert isinstance(decode(blob), KVCache)
+
+
+def test_out_dtype_is_checked(blobs):
+    with pytest.raises(CodecError):
+        decode(blobs["raw-0"], out_dtype=torch.int8)
