@@ -16,6 +16,8 @@ from cachegen.errors import CacheGenError
 COMMAND_MODULES = [
     "cachegen.commands",
     "cachegen.codec.cli",
+    "cachegen.store.cli",
+    "cachegen.stream.cli",
 ]
 
 

@@ -1,0 +1,83 @@
+"""Chunk keys: a hash chained over token ids, namespaced by model and codec profile.
+
+A key names the chunk ``[i * chunk_tokens, (i + 1) * chunk_tokens)`` of a token sequence and
+is ``"<namespace>/<digest>"``:
+
+* ``namespace`` (16 hex) hashes the model identity (name, weights fingerprint, KV geometry),
+  the codec profile id and the chunk size, so two models, two codec profiles or two chunkings
+  never read each other's entries;
+* ``digest`` (40 hex) is ``h_i = sha256(h_{i-1} || int64-LE token ids of chunk i)`` with
+  ``h_{-1} = sha256(namespace)``: it depends on every token up to the chunk's end, so the
+  stored chunks of a prompt are found by walking its keys until the first miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from cachegen.store.errors import StoreConfigError
+
+if TYPE_CHECKING:  # a chunk server process reads stores without importing torch
+    from cachegen.kv import ModelIdentity
+
+KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}/[A-Za-z0-9_-]{1,128}$")
+NAMESPACE_HEX = 16
+DIGEST_HEX = 40
+
+
+def namespace(model: ModelIdentity, codec_profile_id: str, chunk_tokens: int) -> str:
+    """The 16-hex namespace shared by all chunk keys of one (model, codec profile, chunking)."""
+    if chunk_tokens <= 0:
+        raise StoreConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    ident = json.dumps(
+        {"model": model.to_dict(), "codec_profile": str(codec_profile_id), "chunk_tokens": int(chunk_tokens)},
+        sort_keys=True,
+    )
+    return hashlib.sha256(ident.encode()).hexdigest()[:NAMESPACE_HEX]
+
+
+def chunk_keys(
+    model: ModelIdentity,
+    codec_profile_id: str,
+    token_ids: Sequence[int] | np.ndarray,
+    chunk_tokens: int,
+    *,
+    include_partial: bool = True,
+) -> list[str]:
+    """Keys of the consecutive chunks of ``token_ids`` (a list, numpy array or torch tensor).
+
+    With ``include_partial`` the last, shorter chunk gets a key too; its digest differs from
+    any full chunk's, so it only ever matches the exact same tail.
+    """
+    ns = namespace(model, codec_profile_id, chunk_tokens)
+    ids = np.asarray(token_ids, dtype="<i8").reshape(-1)
+    state = hashlib.sha256(ns.encode()).digest()
+    keys = []
+    for begin in range(0, len(ids), chunk_tokens):
+        piece = ids[begin : begin + chunk_tokens]
+        if len(piece) < chunk_tokens and not include_partial:
+            break
+        state = hashlib.sha256(state + piece.tobytes()).digest()
+        keys.append(f"{ns}/{state.hex()[:DIGEST_HEX]}")
+    return keys
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is a safe store key (``NAME/NAME``, letters, digits, ``_``, ``-``)."""
+    if not isinstance(key, str) or not KEY_RE.match(key):
+        raise StoreConfigError(
+            f"invalid chunk key {key!r}: expected 'namespace/digest' made of letters, digits, '_' and '-' "
+            "(use cachegen.store.chunk_keys to derive keys)"
+        )
+    return key
+
+
+def validate_level(level: int) -> int:
+    if not isinstance(level, (int, np.integer)) or isinstance(level, bool) or not 0 <= int(level) <= 65535:
+        raise StoreConfigError(f"invalid quality level {level!r}: expected an integer 0..65535")
+    return int(level)

@@ -1,0 +1,244 @@
+"""The local-directory chunk store (the embedded default).
+
+Layout under the root directory::
+
+    cachegen-store.json               marker: format name and version
+    chunks/<namespace>/<digest>/L<level>.cgc   one record (see record.py) per (key, level)
+    tmp/                              records being written
+    .lock                             taken while evicting
+
+Writes go to ``tmp/`` and are renamed into place, so a reader opens either the old or the
+new complete file, never a partial one; a reader whose file is evicted meanwhile still
+reads it whole (the inode lives until closed). Reads bump the file's mtime, which is the
+LRU clock for eviction when ``max_bytes`` bounds the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from cachegen.store import record
+from cachegen.store.base import ChunkInfo, ChunkStore
+from cachegen.store.errors import ChunkMissing, StoreConfigError, StoreError
+from cachegen.store.keys import validate_key, validate_level
+
+MARKER = "cachegen-store.json"
+FORMAT = "cachegen-chunk-store"
+VERSION = 1
+SUFFIX = ".cgc"
+STALE_TMP_S = 3600
+EVICT_TO = 0.9  # after an over-capacity put, evict down to this fraction of max_bytes
+
+
+class LocalStore(ChunkStore):
+    def __init__(self, root: str | os.PathLike, *, max_bytes: int | None = None, fsync: bool = False) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.url = self.root.as_uri()
+        if max_bytes is not None and max_bytes <= 0:
+            raise StoreConfigError(f"max_bytes must be positive, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.fsync = fsync
+        self._chunks = self.root / "chunks"
+        self._tmp = self.root / "tmp"
+        self._init_root()
+        self._lock = threading.Lock()
+        self._approx_bytes = self._scan_bytes() if max_bytes else 0
+
+    def _init_root(self) -> None:
+        marker = self.root / MARKER
+        try:
+            if self.root.exists() and not marker.exists() and any(self.root.iterdir()):
+                raise StoreConfigError(
+                    f"{self.root} is a non-empty directory that is not a cachegen chunk store; choose another path"
+                )
+            self._chunks.mkdir(parents=True, exist_ok=True)
+            self._tmp.mkdir(exist_ok=True)
+            if not marker.exists():
+                tmp = self._tmp / f"{uuid.uuid4().hex}.json"
+                tmp.write_text(json.dumps({"format": FORMAT, "version": VERSION}) + "\n")
+                os.replace(tmp, marker)
+            meta = json.loads(marker.read_text())
+        except OSError as exc:
+            raise StoreConfigError(f"cannot use {self.root} as a chunk store: {exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise StoreConfigError(f"{marker} is damaged ({exc}); remove the directory or pick another") from exc
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise StoreConfigError(f"{self.root} holds store format {meta!r}; this cachegen reads {FORMAT} v{VERSION}")
+        now = time.time()
+        for leftover in self._tmp.iterdir():  # writers that died mid-write
+            with contextlib.suppress(OSError):
+                if now - leftover.stat().st_mtime > STALE_TMP_S:
+                    leftover.unlink()
+
+    def _path(self, key: str, level: int) -> Path:
+        return self._chunks / validate_key(key) / f"L{validate_level(level)}{SUFFIX}"
+
+    # ---- writing ---------------------------------------------------------------------
+
+    def put(self, key: str, level: int, blob: bytes) -> None:
+        path = self._path(key, level)
+        data = record.pack(key, level, blob)
+        if self.max_bytes is not None and len(blob) > self.max_bytes:
+            raise StoreError(f"chunk of {len(blob)} bytes exceeds the store capacity of {self.max_bytes} bytes")
+        tmp = self._tmp / f"{uuid.uuid4().hex}{SUFFIX}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            for attempt in range(3):  # an evictor may remove the empty parent between mkdir and rename
+                path.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.replace(tmp, path)
+                    break
+                except FileNotFoundError:
+                    if attempt == 2:
+                        raise
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise StoreError(f"cannot write chunk {key} level {level} under {self.root}: {exc}") from exc
+        if self.max_bytes is not None:
+            with self._lock:
+                self._approx_bytes += len(blob)
+                over = self._approx_bytes > self.max_bytes
+            if over:
+                self.evict(int(self.max_bytes * EVICT_TO))
+
+    # ---- reading ---------------------------------------------------------------------
+
+    def get_record(self, key: str, level: int) -> bytes:
+        path = self._path(key, level)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise ChunkMissing(f"chunk {key} level {level} is not in {self.url}") from None
+        except OSError as exc:
+            raise StoreError(f"cannot read chunk {key} level {level}: {exc}") from exc
+        with contextlib.suppress(OSError):
+            os.utime(path)  # LRU clock
+        return data
+
+    def get_stream(self, key: str, level: int, block_size: int = 1 << 20) -> Iterator[bytes]:
+        # One open file for the whole read, so a concurrent replace cannot mix two versions.
+        path = self._path(key, level)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise ChunkMissing(f"chunk {key} level {level} is not in {self.url}") from None
+        with f:
+            yield from record.iter_payload(f.read, key, level, block_size)
+
+    def exists_many(self, keys: Sequence[str], level: int) -> list[bool]:
+        return [self._path(k, level).is_file() for k in keys]
+
+    def levels(self, key: str) -> list[int]:
+        directory = self._chunks / validate_key(key)
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n[1 : -len(SUFFIX)]) for n in names if n.startswith("L") and n.endswith(SUFFIX))
+
+    def sizes(self, keys: Sequence[str], level: int) -> list[int | None]:
+        out: list[int | None] = []
+        for key in keys:
+            try:
+                out.append(self._path(key, level).stat().st_size - record.HEADER_SIZE)
+            except FileNotFoundError:
+                out.append(None)
+        return out
+
+    def list(self, prefix: str = "") -> Iterator[ChunkInfo]:
+        for ns_dir in sorted(self._chunks.iterdir()):
+            for chunk_dir in sorted(_listdir(ns_dir)):
+                key = f"{ns_dir.name}/{chunk_dir.name}"
+                if not key.startswith(prefix):
+                    continue
+                for entry in sorted(_listdir(chunk_dir)):
+                    if not (entry.name.startswith("L") and entry.name.endswith(SUFFIX)):
+                        continue
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:
+                        continue
+                    level = int(entry.name[1 : -len(SUFFIX)])
+                    yield ChunkInfo(key, level, st.st_size - record.HEADER_SIZE, st.st_mtime)
+
+    # ---- removal ---------------------------------------------------------------------
+
+    def delete(self, key: str, level: int | None = None) -> int:
+        levels = self.levels(key) if level is None else [level]
+        removed = 0
+        for lv in levels:
+            with contextlib.suppress(FileNotFoundError):
+                self._path(key, lv).unlink()
+                removed += 1
+        _prune_empty(self._chunks / validate_key(key), self._chunks)
+        return removed
+
+    def evict(self, max_bytes: int) -> int:
+        if max_bytes < 0:
+            raise StoreConfigError(f"max_bytes must be >= 0, got {max_bytes}")
+        with _file_lock(self.root / ".lock"):
+            entries = sorted(self.list(), key=lambda e: e.last_used or 0.0)
+            total = sum(e.size for e in entries)
+            removed = 0
+            for entry in entries:
+                if total <= max_bytes:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    self._path(entry.key, entry.level).unlink()
+                    removed += 1
+                total -= entry.size
+                _prune_empty(self._chunks / entry.key, self._chunks)
+            with self._lock:
+                self._approx_bytes = total
+        return removed
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self.max_bytes
+
+    def _scan_bytes(self) -> int:
+        return sum(e.size for e in self.list())
+
+
+def _listdir(path: Path) -> list[Path]:
+    try:
+        return [p for p in path.iterdir()]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _prune_empty(directory: Path, stop: Path) -> None:
+    """Remove ``directory`` and its parents up to ``stop`` while they are empty."""
+    while directory != stop and stop in directory.parents:
+        try:
+            directory.rmdir()
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                return
+            raise
+        directory = directory.parent
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

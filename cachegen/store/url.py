@@ -1,0 +1,102 @@
+"""``open_store(url)``: one factory from a URL to a chunk store.
+
+    file:///abs/dir[?max_bytes=2gb&fsync=1]     local directory (a plain path works too)
+    redis://host:port/db[?ttl_s=3600&max_memory=1gb&prefix=cachegen&timeout_s=5]
+    rediss://...                                  the same over TLS
+    valkey://host:port/db                         Valkey (speaks the Redis protocol)
+    redis+cluster://host:port                     a Redis Cluster, any node as entry point
+
+Options may also be given as keyword arguments; they override the URL's query.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+from cachegen.store.base import ChunkStore
+from cachegen.store.errors import StoreConfigError
+
+DEFAULT_STORE_DIR = "~/.cache/cachegen/chunks"
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}  # fmt: skip
+LOCAL_OPTIONS = {"max_bytes": "size", "fsync": "bool"}
+REDIS_OPTIONS = {"ttl_s": "int", "max_memory": "size", "prefix": "str", "timeout_s": "float", "retries": "int"}
+
+
+def default_store_url() -> str:
+    base = os.environ.get("CACHEGEN_CACHE_DIR")
+    path = os.path.join(base, "chunks") if base else os.path.expanduser(DEFAULT_STORE_DIR)
+    return "file://" + os.path.abspath(path)
+
+
+def parse_size(text: str | int) -> int:
+    """``"512mb"``, ``"1GiB"``, ``"100000"`` -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _UNITS:
+        raise StoreConfigError(f"cannot read size {text!r}: use bytes or a unit such as 512mb, 2gb, 1GiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _convert(name: str, kind: str, value):
+    if not isinstance(value, str):
+        return value
+    try:
+        if kind == "size":
+            return parse_size(value)
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind == "bool":
+            return value.lower() in ("1", "true", "yes", "on")
+        return value
+    except ValueError:
+        raise StoreConfigError(f"store option {name}={value!r} is not a valid {kind}") from None
+
+
+def _split_options(query: str, known: dict[str, str], overrides: dict) -> tuple[dict, str]:
+    ours, rest = {}, []
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        (ours.__setitem__(name, value) if name in known else rest.append((name, value)))
+    ours.update(overrides)
+    unknown = set(overrides) - set(known)
+    if unknown:
+        raise StoreConfigError(f"unknown store option(s) {sorted(unknown)}; known: {sorted(known)}")
+    return {k: _convert(k, known[k], v) for k, v in ours.items()}, urlencode(rest)
+
+
+def open_store(url: str | None = None, **options) -> ChunkStore:
+    """Open the chunk store at ``url`` (default: a directory in the user cache)."""
+    url = url or default_store_url()
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme in ("", "file"):
+        from cachegen.store.local import LocalStore
+
+        if scheme == "file" and parts.netloc not in ("", "localhost"):
+            raise StoreConfigError(f"file URL {url!r} names host {parts.netloc!r}; use file:///absolute/path")
+        path = unquote(parts.path) if scheme == "file" else url.split("?", 1)[0]
+        if not path:
+            raise StoreConfigError(f"store URL {url!r} has no path")
+        opts, rest = _split_options(parts.query, LOCAL_OPTIONS, options)
+        if rest:
+            raise StoreConfigError(f"unknown option(s) in {url!r}; known: {sorted(LOCAL_OPTIONS)}")
+        return LocalStore(path, **opts)
+    if scheme in ("redis", "rediss", "valkey", "valkeys", "redis+cluster", "rediss+cluster"):
+        from cachegen.store.redis_backend import RedisStore
+
+        opts, rest = _split_options(parts.query, REDIS_OPTIONS, options)
+        cluster = scheme.endswith("+cluster")
+        wire_scheme = {"valkey": "redis", "valkeys": "rediss"}.get(scheme, scheme.removesuffix("+cluster"))
+        client_url = urlunsplit((wire_scheme, parts.netloc, parts.path, rest, ""))
+        return RedisStore(client_url, cluster=cluster, public_url=url, **opts)
+    raise StoreConfigError(
+        f"unknown store URL scheme {parts.scheme!r} in {url!r}; use file:///dir, redis://host:port/db, "
+        "valkey://host:port/db or redis+cluster://host:port"
+    )
