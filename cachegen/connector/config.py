@@ -1,0 +1,152 @@
+"""Connector options: one dataclass, filled from ``kv_connector_extra_config`` and overridden
+per request from ``kv_transfer_params``.
+
+Engine-wide keys (``kv_connector_extra_config``):
+  store           URL of the chunk store (``file:///dir`` or ``redis://host:port/db``, see
+                  ``cachegen.store.open_store``); default: the local chunk directory
+  chunk_tokens    tokens per stored chunk; a multiple of vLLM's block size (default 256)
+  save_modes      modes whose encodings are written after a prefill (default: ``[mode]``;
+                  ``cachegen`` and ``adaptive`` write every level in ``cachegen_levels``)
+  cachegen_levels the cachegen levels that are stored and that ``adaptive`` chooses from
+                  (default: every level of the model's codec profile)
+  shaper          how ``bandwidth_mbps`` is enforced: ``token-bucket`` (default) or ``netns``
+  prefill_tokens_per_s  the engine's prefill rate, used by ``adaptive`` to price recomputation
+                  (default: measured by the connector on this engine's own prefills)
+  load_async      load in a worker thread while vLLM keeps serving other requests (default
+                  true); false loads inside the engine step that needs the KV
+  save_async      encode and store in a worker thread (default true); false does it inside
+                  the engine step that finished the prefill
+Per-request keys (also accepted engine-wide as defaults):
+  mode            raw | int8 | fp8 | cachegen | adaptive        (default cachegen)
+  level           quality level for ``cachegen`` (default: the codec's default level)
+  slo_ms          time budget for loading the prefix in ``adaptive`` mode
+  bandwidth_mbps  rate limit of the transfer in Mbit/s for experiments (unset: unlimited)
+  rtt_ms          added round-trip time of the transfer in ms for experiments (default 0)
+  load, save      switch loading / saving off for one request (default true)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachegen.connector.errors import ConnectorError
+from cachegen.store import default_store_url
+
+MODES = ("raw", "int8", "fp8", "cachegen", "adaptive")
+REQUEST_KEYS = frozenset({"mode", "level", "slo_ms", "bandwidth_mbps", "rtt_ms", "load", "save"})
+ENGINE_KEYS = REQUEST_KEYS | {
+    "store", "chunk_tokens", "save_modes", "cachegen_levels", "shaper", "prefill_tokens_per_s", "load_async",
+    "save_async",
+}
+SHAPERS = ("token-bucket", "netns")
+DEFAULT_CHUNK_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What one request asks of the connector."""
+
+    mode: str = "cachegen"
+    level: int | None = None
+    slo_ms: float | None = None
+    bandwidth_mbps: float | None = None
+    rtt_ms: float = 0.0
+    load: bool = True
+    save: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConnectorError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.level is not None and (isinstance(self.level, bool) or not isinstance(self.level, int)):
+            raise ConnectorError(f"level must be an integer, got {self.level!r}")
+        for name in ("slo_ms", "bandwidth_mbps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ConnectorError(f"{name} must be a positive number, got {value!r}")
+        if isinstance(self.rtt_ms, bool) or not isinstance(self.rtt_ms, (int, float)) or self.rtt_ms < 0:
+            raise ConnectorError(f"rtt_ms must be a number >= 0, got {self.rtt_ms!r}")
+        if self.mode == "adaptive" and self.slo_ms is None:
+            raise ConnectorError("adaptive mode needs slo_ms (the time budget for loading the prefix)")
+        for name in ("load", "save"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConnectorError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    def override(self, params: dict[str, Any] | None) -> "RequestOptions":
+        """These options with a request's ``kv_transfer_params`` applied on top."""
+        if not params:
+            return self
+        unknown = set(params) - REQUEST_KEYS
+        if unknown:
+            raise ConnectorError(
+                f"unknown kv_transfer_params {sorted(unknown)}; the cachegen connector accepts {sorted(REQUEST_KEYS)}"
+            )
+        return dataclasses.replace(self, **params)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Engine-wide connector configuration."""
+
+    store: str = field(default_factory=default_store_url)  # the store package's default directory
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    save_modes: tuple[str, ...] = ()
+    cachegen_levels: tuple[int, ...] | None = None
+    shaper: str = "token-bucket"
+    prefill_tokens_per_s: float | None = None
+    load_async: bool = True
+    save_async: bool = True
+    defaults: RequestOptions = field(default_factory=RequestOptions)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunk_tokens, bool) or not isinstance(self.chunk_tokens, int) or self.chunk_tokens <= 0:
+            raise ConnectorError(f"chunk_tokens must be a positive integer, got {self.chunk_tokens!r}")
+        for mode in self.save_modes:
+            if mode not in MODES:
+                raise ConnectorError(f"unknown mode {mode!r} in save_modes; choose from {', '.join(MODES)}")
+        if self.shaper not in SHAPERS:
+            raise ConnectorError(f"unknown shaper {self.shaper!r}; choose one of {', '.join(SHAPERS)}")
+        rate = self.prefill_tokens_per_s
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0):
+            raise ConnectorError(f"prefill_tokens_per_s must be a positive number, got {rate!r}")
+        if self.cachegen_levels is not None and (
+            not self.cachegen_levels or not all(isinstance(x, int) and not isinstance(x, bool) for x in self.cachegen_levels)
+        ):
+            raise ConnectorError(f"cachegen_levels must be a non-empty list of integers, got {self.cachegen_levels!r}")
+        for name in ("load_async", "save_async"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConnectorError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.store, str) or "://" not in self.store:
+            raise ConnectorError(f"store must be a URL like file:///path or redis://host:port/0, got {self.store!r}")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        unknown = set(extra) - ENGINE_KEYS
+        if unknown:
+            raise ConnectorError(
+                f"unknown kv_connector_extra_config keys {sorted(unknown)}; the cachegen connector accepts "
+                f"{sorted(ENGINE_KEYS)}"
+            )
+        defaults = RequestOptions().override({k: extra.pop(k) for k in list(extra) if k in REQUEST_KEYS})
+        save_modes = extra.pop("save_modes", None)
+        if save_modes is None:
+            save_modes = [defaults.mode]
+        if isinstance(save_modes, str) or not isinstance(save_modes, (list, tuple)):
+            raise ConnectorError(f"save_modes must be a list of modes, got {save_modes!r}")
+        kwargs: dict[str, Any] = {"defaults": defaults, "save_modes": tuple(save_modes)}
+        levels = extra.pop("cachegen_levels", None)
+        if levels is not None:
+            if isinstance(levels, (str, int)) or not isinstance(levels, (list, tuple)):
+                raise ConnectorError(f"cachegen_levels must be a list of levels, got {levels!r}")
+            kwargs["cachegen_levels"] = tuple(levels)
+        kwargs.update(extra)  # the engine-only keys
+        return cls(**kwargs)
+
+    def check_block_size(self, block_size: int) -> None:
+        if self.chunk_tokens % block_size:
+            raise ConnectorError(
+                f"chunk_tokens={self.chunk_tokens} is not a multiple of vLLM's block size {block_size}; "
+                f"set kv_connector_extra_config chunk_tokens to a multiple of {block_size}"
+            )

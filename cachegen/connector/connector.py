@@ -1,0 +1,156 @@
+"""``CacheGenConnector``: vLLM's KV-connector API wired to the scheduler and worker sides.
+
+vLLM builds one instance per role: the scheduler's (lookup and planning, ``SchedulerSide``)
+and each worker's (moving KV in and out of the paged cache, ``WorkerSide``). This class only
+routes vLLM's calls to the right side.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from cachegen.connector.config import ConnectorConfig
+from cachegen.connector.errors import ConnectorError
+from cachegen.connector.metadata import LoadReports, StepMetadata
+from cachegen.connector.scheduler import SchedulerSide
+from cachegen.connector.transport import ChunkTransport
+from cachegen.connector.worker import WorkerSide
+from cachegen import models
+from cachegen.models import ModelSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def served_model(model_path: str) -> ModelSpec:
+    """The spec of the model vLLM serves; a cachegen-built model keeps its short name, so its
+    chunks are shared with offline tools (``cachegen encode``/``store``) that name it so."""
+    path = Path(model_path).expanduser()
+    if path.is_dir():
+        resolved = path.resolve()
+        for name in models.known_names():
+            if (models.models_dir() / name).resolve() == resolved:
+                return models.resolve(name)
+    return models.resolve(model_path)
+
+
+class CacheGenConnector(KVConnectorBase_V1):
+    """Stores prompt prefixes' KV (compressed by the cachegen codec) and loads it back."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ConnectorError("the cachegen connector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only")
+        if transfer.kv_load_failure_policy != "recompute":
+            logger.warning(
+                "cachegen connector: kv_load_failure_policy=%r makes a failed KV load fail the request; "
+                "set kv_load_failure_policy='recompute' to have vLLM recompute those tokens instead",
+                transfer.kv_load_failure_policy,
+            )
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ConnectorError("the cachegen connector supports models with one KV cache group (plain attention) only")
+        spec = served_model(vllm_config.model_config.model)
+        identity = spec.identity()
+        block_size = vllm_config.cache_config.block_size
+        transport = ChunkTransport(self.config, spec, identity)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self.config, transport, block_size, transfer.kv_role)
+        else:
+            self._worker = WorkerSide(transport, identity, block_size, self.config.chunk_tokens,
+                                      save_async=self.config.save_async)
+
+    # ---- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        layers = self._vllm_config.compilation_config.static_forward_context
+        self._worker.register(kv_caches, layers)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.step_started()  # called before the forward pass of every step
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMetadata)
+        self._worker.start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete inside start_load_kv, before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        return  # the whole prompt is copied out once, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMetadata)
+        self._worker.submit_saves(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        meta = self._connector_metadata
+        idle = isinstance(meta, StepMetadata) and meta.step_tokens == 0
+        return None, self._worker.finished_loads(idle) or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        return self._worker.take_reports()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self._scheduler is not None
+        reports = connector_output.kv_connector_worker_meta
+        self._scheduler.on_worker_output(
+            reports if isinstance(reports, LoadReports) else None, set(connector_output.finished_recving or ())
+        )
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)

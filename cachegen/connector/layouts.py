@@ -1,0 +1,280 @@
+"""Translation between vLLM's physical paged KV caches and the library's logical layout.
+
+vLLM hands every attention layer's cache to a connector as one tensor with the logical
+shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``. What the memory behind it
+means depends on the attention backend:
+
+* ``split`` (FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION): the view means what it says. Token
+  ``o`` of block ``b``, head ``h`` has its key in ``[b, h, o, :head_size]`` and its value in
+  ``[b, h, o, head_size:]``; the physical order of the axes may be permuted (vLLM's
+  ``KVCacheLayout``), which strided indexing handles.
+* ``cpu-packed`` (CPU_ATTN): the view is only a container. The kernel reinterprets each
+  (block, head) as ``2 * block_size * head_size`` elements: the first half holds the keys,
+  the second half the values, in an ISA-specific order. With the ``vec``/``vec16`` kernels
+  (AVX-512/AVX2) keys are stored transposed (``[head_size, block_size]``) and values row-major
+  (``[block_size, head_size]``); the ``amx`` kernel interleaves pairs of rows for VNNI tiles.
+  Indexing the view at a token's slot does NOT give that token's K/V.
+
+For ``cpu-packed`` we do not re-implement each ISA's order from vLLM's C++ source: at start-up
+we run vLLM's own ``cpu_attn_reshape_and_cache`` kernel once on a scratch block whose values
+encode their logical position, read back where every (token, channel) landed, and check the
+result is a permutation. The connector therefore reads and writes exactly what the attention
+kernel reads, for whichever ISA vLLM picked, and an ISA whose packing is not a permutation of
+one block fails at start-up instead of loading wrong KV.
+
+All functions take and return K/V of one layer as ``[num_kv_heads, num_tokens, head_dim]``
+(one layer of ``cachegen.kv.KVCache``); tokens are addressed by vLLM slot numbers
+``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cachegen.connector.errors import ConnectorError
+
+# Backends whose per-layer view splits K and V on the last dimension (read from vLLM 0.32's
+# FlashAttention/Triton/Flex implementations: ``kv_cache.transpose(1, 2).split(head_size, -1)``).
+SPLIT_BACKENDS = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"})
+CPU_BACKEND = "CPU_ATTN"
+# The probe encodes positions as base-128 digits: 0..127 for keys, 128..255 for values, all
+# exactly representable in bf16, fp16 and fp32.
+_DIGIT_BASE = 128
+
+
+class PagedLayout:
+    """Where each token's K and V live inside one layer's paged cache tensor."""
+
+    kind: str
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[num_kv_heads, len(slots), head_dim]`` of the tokens at ``slots``."""
+        raise NotImplementedError
+
+    def scatter(self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write K and V ``[num_kv_heads, len(slots), head_dim]`` into the tokens at ``slots``."""
+        raise NotImplementedError
+
+    # Whole blocks are the common case (chunks and vLLM's hits are block-aligned); these
+    # move a block's run at once and are several times faster than per-token indexing.
+
+    def gather_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[num_kv_heads, len(blocks) * block_size, head_dim]`` of whole blocks."""
+        return self.gather(cache, self._block_slots(blocks))
+
+    def scatter_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.scatter(cache, self._block_slots(blocks), keys, values)
+
+    def _block_slots(self, blocks: torch.Tensor) -> torch.Tensor:
+        return (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
+
+    def check_cache(self, cache: torch.Tensor) -> None:
+        expected = (self.num_kv_heads, self.block_size, 2 * self.head_dim)
+        if cache.dim() != 4 or tuple(cache.shape[1:]) != expected:
+            raise ConnectorError(
+                f"{self.kind} layout expects a cache of shape [blocks, {expected[0]}, {expected[1]}, {expected[2]}], "
+                f"got {tuple(cache.shape)}"
+            )
+
+    def _check_kv(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        shape = (self.num_kv_heads, slots.numel(), self.head_dim)
+        if tuple(keys.shape) != shape or tuple(values.shape) != shape:
+            raise ConnectorError(
+                f"K/V of shapes {tuple(keys.shape)}/{tuple(values.shape)} do not fit {slots.numel()} slots "
+                f"of {self.num_kv_heads} heads x {self.head_dim} channels"
+            )
+
+
+@dataclass
+class SplitLayout(PagedLayout):
+    """K in ``[..., :head_dim]``, V in ``[..., head_dim:]`` of the ``[B, H, N, 2D]`` view."""
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    kind: str = "split"
+
+    def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = slots.to(cache.device)
+        rows = cache[slots // self.block_size, :, slots % self.block_size]  # [n, H, 2D]
+        rows = rows.transpose(0, 1)
+        return rows[..., : self.head_dim], rows[..., self.head_dim :]
+
+    def scatter(self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._check_kv(slots, keys, values)
+        slots = slots.to(cache.device)
+        rows = torch.cat([keys, values], dim=-1).transpose(0, 1).to(device=cache.device, dtype=cache.dtype)
+        cache[slots // self.block_size, :, slots % self.block_size] = rows
+
+    def gather_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        runs = cache[blocks.to(cache.device)]  # [n, H, bs, 2D]
+        rows = runs.transpose(0, 1).reshape(self.num_kv_heads, -1, 2 * self.head_dim)
+        return rows[..., : self.head_dim], rows[..., self.head_dim :]
+
+    def scatter_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._check_kv(self._block_slots(blocks), keys, values)
+        rows = torch.cat([keys, values], dim=-1).to(device=cache.device, dtype=cache.dtype)
+        cache[blocks.to(cache.device)] = rows.view(self.num_kv_heads, len(blocks), self.block_size, -1).transpose(0, 1)
+
+
+@dataclass
+class CpuPackedLayout(PagedLayout):
+    """vLLM CPU attention: each (block, head) is a packed ``2 * block_size * head_dim`` run.
+
+    ``key_offsets[o, d]`` / ``value_offsets[o, d]`` give the position, inside that run, of
+    channel ``d`` of the token at offset ``o`` in the block.
+    """
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    key_offsets: torch.Tensor = field(repr=False)
+    value_offsets: torch.Tensor = field(repr=False)
+    isa: str = "vec"
+    kind: str = "cpu-packed"
+
+    def __post_init__(self) -> None:
+        vec_keys, vec_values = vec_packing_offsets(self.block_size, self.head_dim)
+        # The vec packing is two strided copies per block (K transposed, V as is).
+        self.is_vec = torch.equal(self.key_offsets, vec_keys) and torch.equal(self.value_offsets, vec_values)
+
+    def _runs(self, cache: torch.Tensor) -> torch.Tensor:
+        if not cache.is_contiguous():
+            raise ConnectorError("the CPU KV cache tensor is not contiguous; this vLLM layout is not supported")
+        return cache.view(cache.shape[0], self.num_kv_heads, 2 * self.block_size * self.head_dim)
+
+    def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        runs = self._runs(cache)
+        blocks = (slots // self.block_size)[:, None]
+        offsets = slots % self.block_size
+        # Advanced indices around a slice put their dims first: [n, D, H] -> [H, n, D].
+        keys = runs[blocks, :, self.key_offsets[offsets]].permute(2, 0, 1)
+        values = runs[blocks, :, self.value_offsets[offsets]].permute(2, 0, 1)
+        return keys, values
+
+    def scatter(self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._check_kv(slots, keys, values)
+        runs = self._runs(cache)
+        blocks = (slots // self.block_size)[:, None]
+        offsets = slots % self.block_size
+        runs[blocks, :, self.key_offsets[offsets]] = keys.permute(1, 2, 0).to(cache.dtype)
+        runs[blocks, :, self.value_offsets[offsets]] = values.permute(1, 2, 0).to(cache.dtype)
+
+    def gather_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_vec:
+            return super().gather_blocks(cache, blocks)
+        H, bs, D, n = self.num_kv_heads, self.block_size, self.head_dim, len(blocks)
+        runs = self._runs(cache).view(-1, H, 2, bs * D)[blocks]  # [n, H, K|V, bs*D]
+        keys = runs[:, :, 0].reshape(n, H, D, bs).permute(1, 0, 3, 2).reshape(H, n * bs, D)
+        values = runs[:, :, 1].reshape(n, H, bs, D).permute(1, 0, 2, 3).reshape(H, n * bs, D)
+        return keys, values
+
+    def scatter_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if not self.is_vec:
+            return super().scatter_blocks(cache, blocks, keys, values)
+        self._check_kv(self._block_slots(blocks), keys, values)
+        H, bs, D, n = self.num_kv_heads, self.block_size, self.head_dim, len(blocks)
+        runs = self._runs(cache).view(-1, H, 2, bs * D)
+        k = keys.to(cache.dtype).reshape(H, n, bs, D).permute(1, 0, 3, 2).reshape(n, H, bs * D)
+        v = values.to(cache.dtype).reshape(H, n, bs, D).permute(1, 0, 2, 3).reshape(n, H, bs * D)
+        runs[blocks] = torch.stack([k, v], dim=2)
+
+
+def vec_packing_offsets(block_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``vec``/``vec16`` packing written out: K transposed, then V row-major."""
+    tokens = torch.arange(block_size)[:, None]
+    dims = torch.arange(head_dim)[None, :]
+    return dims * block_size + tokens, block_size * head_dim + tokens * head_dim + dims
+
+
+def probe_cpu_packing(isa: str, block_size: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Learn the CPU kernel's packing for ``isa`` by running it on position-encoded K/V.
+
+    Returns ``(key_offsets, value_offsets)``, each ``[block_size, head_dim]`` int64. Raises
+    ``ConnectorError`` if the kernel is unavailable or its packing is not a permutation of
+    one (block, head) run.
+    """
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError as exc:  # pragma: no cover - vLLM is a hard dependency of the connector
+        raise ConnectorError(f"vLLM's CPU kernels cannot be imported: {exc}") from exc
+
+    run = 2 * block_size * head_dim
+    logical = torch.arange(block_size * head_dim).view(block_size, 1, head_dim)  # [T, H=1, D]
+    digits = max(1, math.ceil(math.log(block_size * head_dim, _DIGIT_BASE)))
+    key_pos = torch.zeros(run, dtype=torch.int64)
+    is_key = None
+    for digit in range(digits):
+        code = (logical // _DIGIT_BASE**digit) % _DIGIT_BASE
+        cache = torch.full((1, 1, block_size, 2 * head_dim), -1.0, dtype=dtype)
+        key_cache, value_cache = cache.view(1, 1, 2 * block_size, head_dim).chunk(2, dim=2)
+        try:
+            ops.cpu_attn_reshape_and_cache(
+                code.to(dtype), (code + _DIGIT_BASE).to(dtype), key_cache, value_cache,
+                torch.arange(block_size, dtype=torch.int64), isa,
+            )
+        except (RuntimeError, NotImplementedError, AttributeError) as exc:
+            raise ConnectorError(f"vLLM's CPU kernel rejects isa={isa!r}, head_dim={head_dim}, {dtype}: {exc}") from exc
+        written = cache.view(run).to(torch.int64)
+        if (written < 0).any():
+            raise ConnectorError(f"CPU KV packing for isa={isa!r} leaves cache positions unwritten; unsupported layout")
+        digit_is_key = written < _DIGIT_BASE
+        if is_key is None:
+            is_key = digit_is_key
+        elif not torch.equal(is_key, digit_is_key):
+            raise ConnectorError(f"CPU KV packing for isa={isa!r} is not a fixed permutation; unsupported layout")
+        key_pos += (written % _DIGIT_BASE) * _DIGIT_BASE**digit
+    assert is_key is not None
+    offsets = []
+    for mask in (is_key, ~is_key):
+        positions = torch.nonzero(mask).flatten()
+        ids = key_pos[positions]
+        if positions.numel() != block_size * head_dim or not torch.equal(torch.sort(ids).values, torch.arange(ids.numel())):
+            raise ConnectorError(f"CPU KV packing for isa={isa!r} is not a permutation of one block; unsupported layout")
+        table = torch.empty(block_size * head_dim, dtype=torch.int64)
+        table[ids] = positions
+        offsets.append(table.view(block_size, head_dim))
+    return offsets[0], offsets[1]
+
+
+def layout_for_layer(layer: Any, cache: torch.Tensor) -> PagedLayout:
+    """The layout of one attention layer's cache, or ``ConnectorError`` if unsupported.
+
+    ``layer`` is vLLM's ``Attention`` module for that layer (it carries the backend, the
+    KV dtype and, on CPU, the kernel ISA).
+    """
+    backend_cls = getattr(layer, "attn_backend", None)
+    backend = backend_cls.get_name() if backend_cls is not None else type(layer).__name__
+    kv_dtype = getattr(layer, "kv_cache_dtype", "auto")
+    if kv_dtype not in ("auto", "bfloat16", "float16", "float32", "half", "float"):
+        raise ConnectorError(
+            f"KV cache dtype {kv_dtype!r} is not supported by the cachegen connector (it carries scales it does "
+            f"not translate); run vLLM with kv_cache_dtype='auto'"
+        )
+    if cache.dim() != 4 or cache.shape[-1] % 2:
+        raise ConnectorError(f"{backend}: unexpected KV cache shape {tuple(cache.shape)} (MLA and other packed caches are unsupported)")
+    _, num_kv_heads, block_size, content = cache.shape
+    head_dim = content // 2
+    if backend in SPLIT_BACKENDS:
+        return SplitLayout(block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    if backend == CPU_BACKEND:
+        isa = getattr(layer, "isa", None)
+        if isa is None:
+            raise ConnectorError("CPU attention layer has no kernel ISA set; cannot tell its KV packing")
+        key_offsets, value_offsets = probe_cpu_packing(isa, block_size, head_dim, cache.dtype)
+        return CpuPackedLayout(
+            block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            key_offsets=key_offsets, value_offsets=value_offsets, isa=isa,
+        )
+    supported = ", ".join(sorted(SPLIT_BACKENDS | {CPU_BACKEND}))
+    raise ConnectorError(
+        f"attention backend {backend} is not supported by the cachegen connector (supported: {supported}); "
+        f"choose one of those with VLLM_ATTENTION_BACKEND or attention_backend=..."
+    )

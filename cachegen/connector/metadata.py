@@ -1,0 +1,58 @@
+"""What the scheduler-side connector tells the workers each step, and what they report back.
+
+Plain dataclasses of ints, strings and lists: vLLM may ship them between processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from cachegen.connector.config import RequestOptions
+
+
+@dataclass
+class LoadTask:
+    """Load tokens ``[begin, end)`` of a prompt from the store into the request's blocks."""
+
+    req_id: str
+    token_ids: list[int]  # prompt tokens up to the end of the last chunk that is fetched
+    block_ids: list[int]
+    begin: int  # first token to inject (tokens before it are already in vLLM's cache)
+    end: int  # one past the last token to inject
+    options: RequestOptions
+    in_background: bool = False  # load in a worker thread while vLLM keeps stepping (load_async)
+
+
+@dataclass
+class SaveTask:
+    """Store the full chunks of a prompt whose prefill completes in this step."""
+
+    req_id: str
+    token_ids: list[int]  # the prompt's tokens, cut to whole chunks
+    block_ids: list[int]
+    modes: tuple[str, ...]
+    first_chunk: int = 0  # chunks before it are already stored in every mode
+
+
+@dataclass
+class StepMetadata(KVConnectorMetadata):
+    step_tokens: int = 0  # tokens vLLM computes in this step (to measure the prefill rate)
+    loads: list[LoadTask] = field(default_factory=list)
+    saves: list[SaveTask] = field(default_factory=list)
+
+
+@dataclass
+class LoadReports(KVConnectorWorkerMetadata):
+    """Per-request statistics of the loads a worker finished in one step."""
+
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, LoadReports):
+            merged = dict(self.reports)
+            merged.update(other.reports)
+            return LoadReports(merged)
+        return self

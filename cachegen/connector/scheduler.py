@@ -1,0 +1,176 @@
+"""Scheduler side of the connector: prefix lookup, load/save planning, per-request reports.
+
+Runs inside vLLM's scheduler loop, so nothing here may raise into vLLM: a bad request option
+or an unreachable store turns into "no hit" (vLLM computes the prompt) plus an ``error`` entry
+in the request's output ``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cachegen.connector.config import ConnectorConfig, RequestOptions
+from cachegen.connector.errors import ConnectorError
+from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
+from cachegen.connector.transport import ChunkTransport
+from cachegen.errors import CacheGenError
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+REPORT_KEY = "cachegen"  # output kv_transfer_params[REPORT_KEY] holds the connector's report
+
+
+@dataclass
+class _Tracked:
+    request: "Request"
+    options: RequestOptions | None  # None: the request's options were invalid
+    error: str | None = None
+    lookup: tuple[int, int] | None = None  # (num_computed_tokens asked with, tokens matched)
+    load: LoadTask | None = None  # granted by vLLM, not yet sent to the workers
+    loading: bool = False  # an asynchronous load is running on the workers
+    load_failed: bool = False  # never retried: vLLM recomputes instead
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig, transport: ChunkTransport, block_size: int, role: str) -> None:
+        config.check_block_size(block_size)
+        self.config = config
+        self.transport = transport
+        self.block_size = block_size
+        self.can_load = role in ("kv_consumer", "kv_both")
+        self.can_save = role in ("kv_producer", "kv_both")
+        self._tracked: dict[str, _Tracked] = {}
+
+    # ---- lookup ------------------------------------------------------------------------------
+
+    def _track(self, request: "Request") -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            try:
+                options = self.config.defaults.override(request.kv_transfer_params)
+                tracked = _Tracked(request, options)
+            except (ConnectorError, TypeError) as exc:
+                logger.warning("request %s: ignoring the cachegen connector: %s", request.request_id, exc)
+                tracked = _Tracked(request, None, error=str(exc))
+            self._tracked[request.request_id] = tracked
+        return tracked
+
+    def num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        tracked = self._track(request)
+        if not self.can_load or tracked.options is None or not tracked.options.load or tracked.load_failed:
+            return 0, False
+        if tracked.lookup is None or tracked.lookup[0] != num_computed_tokens:
+            tracked.lookup = (num_computed_tokens, self._lookup(tracked, num_computed_tokens))
+        matched = tracked.lookup[1]
+        return matched, matched > 0 and self.config.load_async
+
+    def _lookup(self, tracked: _Tracked, num_computed_tokens: int) -> int:
+        prompt = tracked.request.prompt_token_ids or []
+        # Never the whole prompt: vLLM must compute at least one token to produce logits.
+        limit = (len(prompt) - 1) // self.block_size * self.block_size
+        try:
+            stored = self.transport.stored_chunks(prompt, tracked.options)
+        except CacheGenError as exc:
+            logger.warning("request %s: store lookup failed, computing instead: %s", tracked.request.request_id, exc)
+            tracked.error = f"lookup failed: {exc}"
+            return 0
+        return max(0, min(stored * self.config.chunk_tokens, limit) - num_computed_tokens)
+
+    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        tracked = self._track(request)
+        if num_external_tokens <= 0:
+            return
+        assert tracked.lookup is not None and tracked.options is not None
+        begin = tracked.lookup[0]
+        end = begin + num_external_tokens
+        last_chunk_end = -(-end // self.config.chunk_tokens) * self.config.chunk_tokens
+        tracked.load = LoadTask(
+            req_id=request.request_id,
+            token_ids=list(request.prompt_token_ids[:last_chunk_end]),
+            block_ids=list(blocks.get_block_ids()[0]),  # one KV cache group (checked at start-up)
+            begin=begin,
+            end=end,
+            options=tracked.options,
+            in_background=self.config.load_async,
+        )
+
+    # ---- per-step metadata ----------------------------------------------------------------------
+
+    def build_meta(self, scheduler_output: "SchedulerOutput") -> StepMetadata:
+        meta = StepMetadata(step_tokens=scheduler_output.total_num_scheduled_tokens)
+        for tracked in self._tracked.values():
+            if tracked.load is not None:  # a load is issued once; a failure makes vLLM recompute
+                meta.loads.append(tracked.load)
+                tracked.report["load_planned_tokens"] = tracked.load.end - tracked.load.begin
+                tracked.loading = tracked.load.in_background
+                tracked.load = None
+        block_state = scheduler_output.kv_connector_block_state
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is not None and tracked.options is not None:
+                save = self._plan_save(tracked, num_scheduled, block_state)
+                if save is not None:
+                    meta.saves.append(save)
+        return meta
+
+    def _plan_save(self, tracked: _Tracked, num_scheduled: int, block_state: Any) -> SaveTask | None:
+        """A save when this step completes the prompt's prefill (so its KV is all in cache)."""
+        request = tracked.request
+        options = tracked.options
+        if not self.can_save or options is None or not options.save or not self.config.save_modes:
+            return None
+        prompt = request.prompt_token_ids or []
+        before = request.num_computed_tokens
+        if not before < len(prompt) <= before + num_scheduled:
+            return None
+        full = len(prompt) // self.config.chunk_tokens * self.config.chunk_tokens
+        if full == 0:
+            return None
+        try:
+            stored = self.transport.saved_chunks(prompt[:full], self.config.save_modes)
+        except CacheGenError as exc:
+            logger.warning("request %s: store unavailable, not saving: %s", request.request_id, exc)
+            tracked.report["save_error"] = str(exc)
+            return None
+        if stored * self.config.chunk_tokens >= full:
+            return None
+        groups = block_state.get_block_ids(request.request_id) if block_state is not None else None
+        if not groups:
+            return None
+        tracked.report["save_chunks"] = full // self.config.chunk_tokens - stored
+        return SaveTask(request.request_id, list(prompt[:full]), list(groups[0]), self.config.save_modes, first_chunk=stored)
+
+    # ---- worker feedback and completion ---------------------------------------------------------
+
+    def on_worker_output(self, reports: LoadReports | None, finished_loading: set[str]) -> None:
+        if reports is not None:
+            for req_id, report in reports.reports.items():
+                tracked = self._tracked.get(req_id)
+                if tracked is not None:
+                    tracked.report.update(report)
+                    tracked.load_failed |= "load_error" in report
+        for req_id in finished_loading:
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.loading = False
+
+    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is None:
+            return False, None
+        report = dict(tracked.report)
+        if tracked.options is not None:
+            report.setdefault("mode", tracked.options.mode)
+        if tracked.error:
+            report["error"] = tracked.error
+        # A background load still writing into the request's blocks keeps them until the
+        # worker reports it finished (vLLM frees them then).
+        return tracked.loading, {REPORT_KEY: report}

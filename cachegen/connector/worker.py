@@ -1,0 +1,292 @@
+"""Worker side of the connector: inject fetched KV into vLLM's paged cache, and copy a finished
+prefill's KV out of it for saving.
+
+Where the work runs (chosen by measurement, see docs/connector.md "Where the work runs"):
+  * loads (``load_async``, default): a background thread streams, decodes and injects while
+    vLLM keeps stepping the other requests; the request waits in vLLM's
+    WAITING_FOR_REMOTE_KVS state and is released through ``get_finished``. Inline loads
+    (``load_async=false``) run in ``start_load_kv`` before the forward pass and stall every
+    other request for the whole transfer.
+  * saves (``save_async``, default): the prompt's KV is copied out of the paged cache inside
+    ``wait_for_save`` (a memory copy) and a background thread encodes and stores it, so the
+    request's first token does not wait for the encoder or the store.
+  * not layer by layer: a CacheGen chunk carries all layers of its tokens, so the first layer
+    is complete only when the last chunk is decoded; per-layer hand-off would gain nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from cachegen.connector.errors import ConnectorError
+from cachegen.connector.layouts import PagedLayout, layout_for_layer
+from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
+from cachegen.connector.transport import ChunkTransport
+from cachegen.kv import KVCache, ModelIdentity
+
+logger = logging.getLogger(__name__)
+
+SAVE_QUEUE_DEPTH = 4  # prompts waiting to be encoded; more are dropped (a cache may miss)
+RATE_MIN_TOKENS = 256  # steps with fewer tokens say little about the prefill rate
+RATE_EWMA = 0.5
+IDLE_WAIT_S = 0.005  # longest wait of an idle engine step for a background load to finish
+
+
+def _whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
+    """The kernel blocks that ``slots`` fill exactly (in order), or None if they do not."""
+    n = slots.numel()
+    if n == 0 or n % block_size or int(slots[0]) % block_size:
+        return None
+    grid = slots.view(-1, block_size)
+    if not torch.equal(grid - grid[:, :1], torch.arange(block_size).expand_as(grid)):
+        return None
+    return grid[:, 0] // block_size
+
+
+class _Background:
+    """One daemon thread running queued jobs in order; ``pending`` counts unfinished jobs."""
+
+    def __init__(self, name: str, depth: int = 0) -> None:
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            return False
+        return True
+
+    @property
+    def pending(self) -> int:
+        return self._jobs.unfinished_tasks
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                job()
+            except Exception:  # noqa: BLE001 - jobs report their own failures; the thread must live
+                logger.exception("cachegen connector background job failed")
+            finally:
+                self._jobs.task_done()
+
+    def close(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._jobs.put(None)
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1)
+
+
+class WorkerSide:
+    def __init__(
+        self, transport: ChunkTransport, model: ModelIdentity, block_size: int, chunk_tokens: int, *, save_async: bool
+    ) -> None:
+        self.transport = transport
+        self.model = model
+        self.block_size = block_size  # the scheduler's block size (block ids refer to it)
+        self.chunk_tokens = chunk_tokens
+        self._layers: list[tuple[torch.Tensor, PagedLayout]] = []
+        self._lock = threading.Lock()  # guards the collections below (loader thread)
+        self._load_done = threading.Condition(self._lock)
+        self._in_flight = 0  # background loads submitted and not finished
+        self._invalid_blocks: set[int] = set()
+        self._reports: dict[str, dict[str, Any]] = {}
+        self._finished_loads: set[str] = set()
+        self._failed_inline: set[str] = set()
+        self._loader = _Background("cachegen-load")
+        self._saver = _Background("cachegen-save", SAVE_QUEUE_DEPTH) if save_async else None
+        self._step_started = 0.0
+        self.prefill_tokens_per_s: float | None = None  # measured on this engine's prefill steps
+
+    # ---- start-up ------------------------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, torch.Tensor], layers: dict[str, Any]) -> None:
+        """Order the per-layer caches by layer index and learn each one's layout."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        indexed = sorted((extract_layer_index(name), name) for name in kv_caches)
+        if [i for i, _ in indexed] != list(range(self.model.num_layers)):
+            raise ConnectorError(
+                f"vLLM has attention caches for layers {[i for i, _ in indexed]}, but {self.model.name} has "
+                f"{self.model.num_layers} layers; cross-layer or shared KV caches are not supported"
+            )
+        self._layers = []
+        for _, name in indexed:
+            cache = kv_caches[name]
+            layout = layout_for_layer(layers[name], cache)
+            layout.check_cache(cache)
+            if (layout.num_kv_heads, layout.head_dim) != (self.model.num_kv_heads, self.model.head_dim):
+                raise ConnectorError(
+                    f"layer {name}: vLLM holds {layout.num_kv_heads} KV heads x {layout.head_dim}, the model has "
+                    f"{self.model.num_kv_heads} x {self.model.head_dim} (tensor parallelism is not supported)"
+                )
+            if self.block_size % layout.block_size:
+                raise ConnectorError(f"kernel block size {layout.block_size} does not divide block size {self.block_size}")
+            self._layers.append((cache, layout))
+        logger.info("cachegen connector: %d layers, %s layout", len(self._layers), self._layers[0][1].kind)
+
+    # ---- moving KV between the paged cache and KVCache -----------------------------------------
+
+    def _slots(self, block_ids: list[int], begin: int, end: int) -> torch.Tensor:
+        positions = torch.arange(begin, end)
+        blocks = torch.as_tensor(block_ids, dtype=torch.int64)[positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+    def gather(self, block_ids: list[int], token_ids: list[int], begin: int, end: int) -> KVCache:
+        """Logical KV of prompt tokens ``[begin, end)`` read from the paged cache (a copy)."""
+        slots = self._slots(block_ids, begin, end)
+        keys, values = [], []
+        for cache, layout in self._layers:
+            blocks = _whole_blocks(slots, layout.block_size)
+            k, v = layout.gather(cache, slots) if blocks is None else layout.gather_blocks(cache, blocks)
+            keys.append(k)
+            values.append(v)
+        return KVCache(
+            keys=torch.stack(keys).cpu(),
+            values=torch.stack(values).cpu(),
+            token_ids=torch.as_tensor(token_ids[begin:end], dtype=torch.int64),
+            model=self.model,
+            start=begin,
+        )
+
+    def inject(self, block_ids: list[int], kv: KVCache, begin: int, end: int) -> int:
+        """Write the part of ``kv`` inside tokens ``[begin, end)`` into the paged cache."""
+        lo, hi = max(begin, kv.start), min(end, kv.start + kv.num_tokens)
+        if lo >= hi:
+            return 0
+        slots = self._slots(block_ids, lo, hi)
+        part = kv.slice(lo - kv.start, hi - kv.start)
+        for layer, (cache, layout) in enumerate(self._layers):
+            blocks = _whole_blocks(slots, layout.block_size)
+            if blocks is None:
+                layout.scatter(cache, slots, part.keys[layer], part.values[layer])
+            else:
+                layout.scatter_blocks(cache, blocks, part.keys[layer], part.values[layer])
+        return hi - lo
+
+    # ---- loads ---------------------------------------------------------------------------------
+
+    def step_started(self) -> None:
+        self._step_started = time.perf_counter()
+
+    def start_loads(self, meta: StepMetadata) -> None:
+        for task in meta.loads:
+            if task.in_background:
+                with self._lock:
+                    self._in_flight += 1
+                self._loader.submit(lambda task=task: self._load(task))
+            else:
+                self._load(task)
+
+    def _load(self, task: LoadTask) -> None:
+        t0 = time.perf_counter()
+        first = task.begin // self.chunk_tokens
+        count = -(-task.end // self.chunk_tokens) - first
+        inject_s = 0.0
+
+        def on_chunk(kv: KVCache) -> None:
+            nonlocal inject_s
+            t = time.perf_counter()
+            self.inject(task.block_ids, kv, task.begin, task.end)
+            inject_s += time.perf_counter() - t
+
+        try:
+            result = self.transport.load(task.token_ids, first, count, task.options, on_chunk, self.prefill_tokens_per_s)
+            error, done_chunks, stats = result.error, result.chunks_loaded, result.stats
+        except Exception as exc:  # noqa: BLE001 - any failure of a load must become a recompute
+            logger.exception("request %s: KV load failed", task.req_id)
+            error, done_chunks, stats = f"{type(exc).__name__}: {exc}", 0, {}
+        loaded_end = max(task.begin, min(task.end, (first + done_chunks) * self.chunk_tokens))
+        if error is None and loaded_end < task.end:
+            error = f"only {done_chunks} of {count} chunks arrived"
+        report = {**stats, "loaded_tokens": loaded_end - task.begin, "chunks": done_chunks,
+                  "inject_s": inject_s, "load_s": time.perf_counter() - t0}
+        with self._lock:
+            if error is not None:
+                report["load_error"] = error
+                # vLLM recomputes from the first block that failed (kv_load_failure_policy="recompute").
+                self._invalid_blocks.update(task.block_ids[loaded_end // self.block_size : -(-task.end // self.block_size)])
+                if not task.in_background:
+                    self._failed_inline.add(task.req_id)
+            self._reports[task.req_id] = report
+            if task.in_background:
+                self._finished_loads.add(task.req_id)
+                self._in_flight -= 1
+                self._load_done.notify_all()
+        if error is not None:
+            logger.warning("request %s: loaded %d of %d tokens, recomputing the rest: %s",
+                           task.req_id, loaded_end - task.begin, task.end - task.begin, error)
+
+    def finished_loads(self, idle: bool) -> set[str]:
+        """Background loads done since the last call (their failed blocks are reported with them).
+
+        ``idle``: vLLM had nothing to compute this step. It then steps again at once, only to
+        ask whether a load finished; waiting here a few milliseconds (woken the moment a load
+        ends) keeps that loop from spinning and taking the CPU from the loader thread.
+        """
+        with self._lock:
+            if idle and self._in_flight and not self._finished_loads:
+                self._load_done.wait(timeout=IDLE_WAIT_S)
+            done, self._finished_loads = self._finished_loads, set()
+        return done
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
+
+    def take_reports(self) -> LoadReports | None:
+        with self._lock:
+            reports, self._reports = self._reports, {}
+        return LoadReports(reports) if reports else None
+
+    # ---- saves ---------------------------------------------------------------------------------
+
+    def _measure_step(self, meta: StepMetadata) -> None:
+        """Prefill rate from steps that computed many tokens and loaded nothing."""
+        if meta.loads or meta.step_tokens < RATE_MIN_TOKENS or not self._step_started:
+            return
+        seconds = time.perf_counter() - self._step_started
+        if seconds > 0:
+            sample = meta.step_tokens / seconds
+            rate = self.prefill_tokens_per_s
+            self.prefill_tokens_per_s = sample if rate is None else (1 - RATE_EWMA) * rate + RATE_EWMA * sample
+
+    def submit_saves(self, meta: StepMetadata) -> None:
+        self._measure_step(meta)
+        with self._lock:
+            failed, self._failed_inline = self._failed_inline, set()
+        for task in meta.saves:
+            if task.req_id in failed:
+                continue  # its cache holds KV that vLLM is about to recompute
+            kv = self.gather(task.block_ids, task.token_ids, task.first_chunk * self.chunk_tokens, len(task.token_ids))
+            if self._saver is None:
+                self._save(task, kv)
+            elif not self._saver.submit(lambda task=task, kv=kv: self._save(task, kv)):
+                logger.warning("request %s: save queue full, not storing this prefix", task.req_id)
+
+    def _save(self, task: SaveTask, kv: KVCache) -> None:
+        t0 = time.perf_counter()
+        try:
+            nbytes = self.transport.save(task.token_ids, kv, task.modes)
+        except Exception:  # noqa: BLE001 - a failed save is a future cache miss, never a crash
+            logger.exception("request %s: storing its KV failed", task.req_id)
+            return
+        logger.debug("request %s: stored %d bytes in %.3f s", task.req_id, nbytes, time.perf_counter() - t0)
+
+    def shutdown(self) -> None:
+        self._loader.close(timeout=30)
+        if self._saver is not None:
+            self._saver.close(timeout=60)
+        self.transport.close()
