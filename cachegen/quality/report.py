@@ -1,0 +1,58 @@
+"""Writing evaluation results: terminal table, JSON document, Markdown table and plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from cachegen.quality import frontier
+
+
+def terminal_table(rows: list[dict]) -> str:
+    cols = [
+        ("codec/level", lambda r: frontier.label(r) + (" *" if r.get("pareto") else "")),
+        ("bits/elem", lambda r: f"{r['bits_per_element']:.3f}"),
+        ("ppl %", lambda r: f"{r['ppl_change_pct']:+.2f}"),
+        ("top-1", lambda r: f"{100 * r['top1_agreement']:.1f}%"),
+        ("KL", lambda r: f"{r['kl']:.4f}"),
+        ("exact", lambda r: "-" if r.get("exact_match") is None else f"{r['exact_match']:.2f}"),
+        ("ROUGE-L", lambda r: "-" if r.get("rougeL") is None else f"{r['rougeL']:.3f}"),
+        ("BLEU", lambda r: "-" if r.get("bleu") is None else f"{r['bleu']:.1f}"),
+        ("windows", lambda r: str(r["windows"])),
+    ]
+    if any("retrieval_accuracy" in r for r in rows):
+        cols.append(("retrieval orig->dec", lambda r: f"{100 * r['retrieval_accuracy_original']:.1f}%->"
+                     f"{100 * r['retrieval_accuracy']:.1f}%" if "retrieval_accuracy" in r else "-"))
+    cells = [[fmt(r) for _, fmt in cols] for r in rows]
+    widths = [max(len(name), *(len(c[i]) for c in cells)) for i, (name, _) in enumerate(cols)]
+    lines = ["  ".join(name.ljust(w) for (name, _), w in zip(cols, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.append("* on the Pareto frontier of bits/element vs perplexity change")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, document) -> None:
+    """Write ``document`` as JSON atomically (temporary file renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(document, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_outputs(out: Path, stem: str, document: dict, title: str) -> list[Path]:
+    """``<stem>.json``, ``<stem>.md`` (table) and ``<stem>.png`` (rate-distortion plot) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = document["rows"]
+    json_path, md_path, png_path = out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"
+    write_json(json_path, document)
+    md_path.write_text(frontier.markdown_table(rows))
+    frontier.plot(rows, png_path, title)
+    return [json_path, md_path, png_path]
