@@ -41,8 +41,26 @@ services:
 test: models services
 	$(PY) -m pytest --benchmark-skip -q
 
+# The main job: the asv suite on the embedded model (one sweep, shared by every suite through
+# setup_cache), the dashboard, results.json, the figures and the reproduction report.
+# QUICK=1 runs the smoke profile into benchmarks/out/quick/.
+BENCH_PROFILE := $(if $(QUICK),quick,default)
+BENCH_DIR := $(if $(QUICK),benchmarks/out/quick,benchmarks)
+ASV := $(VENV)/bin/asv
+
 bench: models
-	$(VENV)/bin/cachegen extract --model smollm2-135m --text-file cachegen/commands.py --out $$(mktemp -d)/kv --json
+	@mkdir -p $(BENCH_DIR)
+	$(ASV) machine --yes --machine cachegen-local >/dev/null
+	CACHEGEN_BENCH_PROFILE=$(BENCH_PROFILE) CACHEGEN_BENCH_OUT=$(abspath $(BENCH_DIR))/results.json \
+	  $(ASV) run --python=same --machine cachegen-local --set-commit-hash $$(git rev-parse HEAD) --show-stderr
+	$(ASV) publish
+	$(VENV)/bin/cachegen plot $(BENCH_DIR)/results.json --out $(BENCH_DIR)
+	$(VENV)/bin/cachegen report $(BENCH_DIR)/results.json --out $(if $(QUICK),$(BENCH_DIR)/reproduction.md,docs/reproduction.md)
+	@echo
+	@echo "results:   $(BENCH_DIR)/results.json"
+	@echo "figures:   $(BENCH_DIR)/*.png"
+	@echo "report:    $(if $(QUICK),$(BENCH_DIR)/reproduction.md,docs/reproduction.md)"
+	@echo "dashboard: .asv/html/index.html (serve it with: $(ASV) preview)"
 
 clean:
 	rm -rf $(VENV)

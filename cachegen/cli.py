@@ -15,7 +15,9 @@ from cachegen.errors import CacheGenError
 
 COMMAND_MODULES = [
     "cachegen.commands",
+    "cachegen.quality.cli",
     "cachegen.codec.cli",
+    "cachegen.bench.cli",
     "cachegen.store.cli",
     "cachegen.stream.cli",
 ]

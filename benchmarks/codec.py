@@ -1,0 +1,70 @@
+"""Codec speed and memory on real KV: encode, decode (entropy decode + dequantize) per codec."""
+
+import os
+import statistics
+import time
+
+import torch
+
+from cachegen.bench.modes import Mode
+from cachegen.bench.prompts import contexts
+from cachegen.codec import decode, get_codec
+from cachegen.kv import KVCache
+
+from .common import CODEC_MODES, MODELS, QUICK
+
+CONTEXT_TOKENS = 512 if QUICK else 1024
+KV_DIR = "codec-kv"
+
+
+def extract_kv() -> str:
+    """KV of ``CONTEXT_TOKENS`` tokens of held-out CPython documentation for the first model, saved once."""
+    from cachegen.extract import extract_kv as extract, load_model
+
+    _, tokenizer, spec = load_model(MODELS[0])
+    (context,) = contexts(tokenizer, [CONTEXT_TOKENS])
+    extract(spec, token_ids=torch.tensor(context.ids), prefill_chunk_tokens=512).save(KV_DIR)
+    return os.path.abspath(KV_DIR)
+
+
+extract_kv.timeout = 600
+
+
+class CodecSpeed:
+    """Whole-context encode and decode of ``CONTEXT_TOKENS`` tokens of the first model's KV."""
+
+    params = (CODEC_MODES,)
+    param_names = ("mode",)
+    setup_cache = staticmethod(extract_kv)
+    number = 1
+    repeat = (1, 3, 5.0) if QUICK else (3, 10, 20.0)  # (min samples, max samples, seconds budget)
+    rounds = 1 if QUICK else 2
+    warmup_time = 0
+
+    def setup(self, kv_dir, mode):
+        parsed = Mode.parse(mode)
+        self.kv = KVCache.load(kv_dir)
+        self.codec = get_codec(parsed.codec_name, model=MODELS[0])
+        self.level = self.codec.resolve_level(parsed.level)
+        self.blob = self.codec.encode(self.kv, level=self.level)
+        decode(self.blob)  # tables and kernels loaded before timing
+
+    def time_encode(self, kv_dir, mode):
+        self.codec.encode(self.kv, level=self.level)
+
+    def time_decode(self, kv_dir, mode):
+        decode(self.blob)
+
+    def peakmem_decode(self, kv_dir, mode):
+        decode(self.blob)
+
+    def track_decode_rate(self, kv_dir, mode):
+        """KV elements decoded per second, median of five whole-context decodes."""
+        times = []
+        for _ in range(5):
+            begin = time.perf_counter()
+            decode(self.blob)
+            times.append(time.perf_counter() - begin)
+        return self.kv.num_elements / statistics.median(times) / 1e6
+
+    track_decode_rate.unit = "M elements/s"
