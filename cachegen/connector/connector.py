@@ -19,13 +19,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from cachegen import models
 from cachegen.connector.config import ConnectorConfig
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.metadata import LoadReports, StepMetadata
 from cachegen.connector.scheduler import SchedulerSide
 from cachegen.connector.transport import ChunkTransport
 from cachegen.connector.worker import WorkerSide
-from cachegen import models
 from cachegen.models import ModelSpec
 
 if TYPE_CHECKING:

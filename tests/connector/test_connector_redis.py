@@ -1,5 +1,9 @@
 """The connector over a real redis-server: the store going down, and the adaptive controller
-giving up. Every fallback must produce the cache-less answer."""
+giving up. Every fallback must produce the cache-less answer.
+
+This module's engine loads and saves inline (``load_async``/``save_async`` off), so the
+failure paths of both placements are covered: test_connector_engine.py runs the default
+background loads through the same kinds of failure."""
 
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ from cachegen.connector.engine import ConnectorEngine
 @pytest.fixture(scope="module")
 def engine(tiny_llama, redis_server):
     with ConnectorEngine(tiny_llama, store=redis_server.url, chunk_tokens=256, max_model_len=2048,
-                         save_modes=("raw", "cachegen")) as eng:
+                         save_modes=("raw", "cachegen"), cachegen_levels=(1, 3), load_async=False,
+                         save_async=False) as eng:
         yield eng
 
 
