@@ -24,9 +24,18 @@ def capture() -> dict:
         "os": f"{platform.system()} {platform.release()} {platform.machine()}",
         "python": platform.python_version(),
         "device": "cpu",
+        "load_average": {"start": load_average(), "end": None},
         "versions": _versions(),
         "git": git_state(),
     }
+
+
+def load_average() -> float | None:
+    """1-minute load average: other jobs on the machine change every timing."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _cpu_model() -> str:

@@ -324,10 +324,11 @@ def _quality_vs_size(doc: dict):
         if not rows:
             _empty(ax, f"{model}: no quality measurements\n{_missing_note(doc, 'quality', model)}")
             continue
-        for row in rows:
+        for i, row in enumerate(sorted(rows, key=lambda r: r["bits_per_element"])):
             ax.scatter(row["bits_per_element"], row["ppl_change_pct"], s=40, zorder=3)
+            # Alternate above/below so neighbours of similar size (int8, fp8) stay legible.
             ax.annotate(_label(row), (row["bits_per_element"], row["ppl_change_pct"]), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8)
+                        xytext=(5, 5 if i % 2 == 0 else -12), fontsize=8)
         front = pareto([(r["bits_per_element"], r["ppl_change_pct"]) for r in rows])
         ax.plot([p[0] for p in front], [p[1] for p in front], "-", color="tab:red", alpha=0.6, label="Pareto frontier")
         ax.set_xlabel("bits per KV element (everything counted)")

@@ -54,7 +54,10 @@ def new_document(command: str, environment: dict, config: dict) -> dict:
 
 def finish(doc: dict) -> dict:
     """Stamp the time, compute medians and validate; returns ``doc``."""
+    from cachegen.bench.environment import load_average
+
     doc["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    doc["environment"].setdefault("load_average", {})["end"] = load_average()
     doc["medians"] = medians(doc["runs"])
     validate(doc)
     return doc

@@ -12,6 +12,7 @@ that fails) is listed under ``missing`` with the reason; no number is ever made 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -87,7 +88,7 @@ def profile(name: str, **overrides) -> SweepConfig:
     chosen = overrides.get("models") or ["smollm2-135m", *extra]
     if name == "default":
         base = dict(models=chosen, modes=["all"], bandwidth_mbps=[100.0, 500.0, 1000.0],
-                    context_tokens=[1536, 4096], repeats=3, output_tokens=16, quality_windows=8,
+                    context_tokens=[1536, 4096], repeats=3, output_tokens=16, quality_windows=4,
                     quality_context_tokens=1024)
     elif name == "quick":
         base = dict(models=chosen, modes=["all"], bandwidth_mbps=[100.0, 1000.0],
@@ -105,53 +106,50 @@ def profile(name: str, **overrides) -> SweepConfig:
 
 def run_sweep(cfg: SweepConfig, *, command: str, progress: bool = True, log=None) -> dict:
     """Measure everything ``cfg`` asks for; returns a validated results document."""
+    from transformers import AutoTokenizer
+
     from cachegen import models
-    from cachegen.bench.measure_e2e import E2EMeasurer
+    from cachegen.bench.measure_e2e import MARGIN_TOKENS, E2EMeasurer
     from cachegen.bench.measure_quality import measure_quality
     from cachegen.bench.measure_stream import measure_stream
     from cachegen.bench.prompts import contexts
 
     doc = results.new_document(command, environment.capture(), cfg.to_json())
-    total = len(cfg.models) * _cells(cfg)
-    bar = tqdm(total=total, desc="cachegen bench", unit="run", disable=not progress, file=sys.stderr)
-
-    def tick(n: int = 1) -> None:
-        bar.update(n)
-
     seconds = doc["config"]["part_seconds"] = {}  # wall time per model and part, for sizing profiles
+    bar = tqdm(total=len(cfg.models) * _cells(cfg), desc="cachegen bench", unit="run", disable=not progress,
+               file=sys.stderr)
+
+    @contextlib.contextmanager
+    def part(name: str):
+        bar.set_postfix_str(name)
+        began = time.perf_counter()
+        yield
+        seconds[name] = round(time.perf_counter() - began, 1)
+
     try:
         for model in cfg.models:
-            began = time.perf_counter()
-            spec = models.resolve(model)
-            identity = spec.identity()
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(spec.path)
-            too_long = [c for c in cfg.context_tokens if c + 64 + cfg.output_tokens > spec.max_positions]
-            if too_long:
-                raise InputError(f"contexts {too_long} do not fit {model}'s {spec.max_positions} positions with the question "
-                                 f"and {cfg.output_tokens} output tokens; choose shorter --context-tokens")
-            ctxs = contexts(tokenizer, cfg.context_tokens)
-            doc["config"].setdefault("default_levels", {})[model] = _default_level(model)
-            seconds[f"{model} prepare"] = round(time.perf_counter() - began, 1)
+            with part(f"{model} prepare"):
+                spec = models.resolve(model)
+                identity = spec.identity()
+                tokenizer = AutoTokenizer.from_pretrained(spec.path)
+                too_long = [c for c in cfg.context_tokens if c + MARGIN_TOKENS + cfg.output_tokens > spec.max_positions]
+                if too_long:
+                    raise InputError(f"contexts {too_long} do not fit {model}'s {spec.max_positions} positions with the "
+                                     f"question and {cfg.output_tokens} output tokens; choose shorter --context-tokens")
+                ctxs = contexts(tokenizer, cfg.context_tokens)
+                doc["config"].setdefault("default_levels", {})[model] = _default_level(model)
             if "e2e" in cfg.parts:
-                began = time.perf_counter()
-                bar.set_postfix_str(f"{model} e2e")
-                measurer = E2EMeasurer(cfg, model, spec, identity, ctxs, tokenizer,
-                                       runs=doc["runs"], missing=doc["missing"], tick=tick, log=log)
-                measurer.run()
-                doc["config"]["notes"] += [f"{model}: {n}" for n in measurer.notes]
-                seconds[f"{model} e2e"] = round(time.perf_counter() - began, 1)
+                with part(f"{model} e2e"):
+                    measurer = E2EMeasurer(cfg, model, spec, identity, ctxs, tokenizer,
+                                           runs=doc["runs"], missing=doc["missing"], tick=bar.update, log=log)
+                    measurer.run()
+                    doc["config"]["notes"] += [f"{model}: {n}" for n in measurer.notes]
             if "stream" in cfg.parts:
-                began = time.perf_counter()
-                bar.set_postfix_str(f"{model} stream")
-                measure_stream(cfg, model, identity, ctxs, runs=doc["runs"], missing=doc["missing"], tick=tick)
-                seconds[f"{model} stream"] = round(time.perf_counter() - began, 1)
+                with part(f"{model} stream"):
+                    measure_stream(cfg, model, identity, ctxs, runs=doc["runs"], missing=doc["missing"], tick=bar.update)
             if "quality" in cfg.parts:
-                began = time.perf_counter()
-                bar.set_postfix_str(f"{model} quality")
-                measure_quality(cfg, model, quality=doc["quality"], missing=doc["missing"], tick=tick)
-                seconds[f"{model} quality"] = round(time.perf_counter() - began, 1)
+                with part(f"{model} quality"):
+                    measure_quality(cfg, model, quality=doc["quality"], missing=doc["missing"], tick=bar.update)
     finally:
         bar.close()
     return results.finish(doc)
@@ -174,7 +172,7 @@ def _cells(cfg: SweepConfig) -> int:
     if "e2e" in cfg.parts:
         n += len(cfg.context_tokens) * cfg.repeats * (int(Mode("recompute") in cfg.modes) + len(kv) * len(cfg.bandwidth_mbps))
     if "stream" in cfg.parts:
-        n += len(cfg.context_tokens) * len([m for m in kv if m.codec_name or m.mode == "adaptive"])
+        n += len(cfg.context_tokens) * len([m for m in kv if m.codec_name])
     if "quality" in cfg.parts and cfg.quality_windows:
         n += 1
     return n
