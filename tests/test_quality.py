@@ -342,6 +342,18 @@ def test_cli_eval_json_rows(capsys, tmp_path):
     assert (tmp_path / "eval.png").stat().st_size > 0 and "raw/0" in (tmp_path / "eval.md").read_text()
 
 
+def test_cli_sweep_replot_redraws_from_json(capsys, tmp_path):
+    code, _, err = run_cli(capsys, *EVAL, "--codec", "raw", "--codec", "int8", "--out", str(tmp_path))
+    assert code == 0, err
+    (tmp_path / "eval.json").rename(tmp_path / "sweep.json")
+    code, out, err = run_cli(capsys, "sweep", "--out", str(tmp_path), "--replot")
+    assert code == 0, err
+    assert "int8/0" in (tmp_path / "sweep.md").read_text() and (tmp_path / "sweep.png").stat().st_size > 0
+    (tmp_path / "sweep.json").write_text('{"rows": "not a list"}')
+    code, out, err = run_cli(capsys, "sweep", "--out", str(tmp_path), "--replot")
+    assert code == 1 and "not a results file" in err and len(err.strip().splitlines()) == 1
+
+
 def test_cli_eval_table_and_retrieval(capsys):
     code, out, err = run_cli(capsys, "eval", "--model", "tiny-llama", "--dataset", "retrieval", "--windows", "1",
                              "--retrieval-lengths", "200,300:1", "--codec", "raw", "--no-progress", "--json")

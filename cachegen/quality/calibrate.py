@@ -69,7 +69,7 @@ class CalibrationSettings:
     batch_tokens: int = 16384
     # Calibration runs the model in float32: in bf16 *any* change to the KV, however small,
     # decorrelates the rounding of the whole forward pass and costs a floor of KL (about
-    # 0.002 nats/token on SmolLM2) that would drown the per-group probes.
+    # what int8 shows) that would drown the per-group probes.
     dtype: torch.dtype = torch.float32
 
 

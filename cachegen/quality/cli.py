@@ -81,6 +81,7 @@ def register(subparsers) -> None:
     p.set_defaults(gen_windows=32)
     p.add_argument("--no-variants", action="store_true", help="only the codecs' own levels, no extra cachegen options")
     p.add_argument("--out", type=Path, required=True, help="directory for sweep.json, sweep.md and sweep.png")
+    p.add_argument("--replot", action="store_true", help="do not measure: rewrite sweep.md and sweep.png from --out's sweep.json")
     p.add_argument("--json", action="store_true", help="print the result rows as JSON")
     p.set_defaults(func=_sweep)
 
@@ -187,6 +188,12 @@ def _sweep(args: argparse.Namespace) -> int:
     from cachegen.quality.evaluate import evaluate
     from cachegen.quality.sweep import check_targets, grid
 
+    if args.replot:
+        document = report.read_document(args.out / "sweep.json")
+        written = report.write_outputs(args.out, "sweep", document, f"{document['model']}: rate-distortion on "
+                                       f"{document['data']['dataset']}")
+        print("wrote " + ", ".join(map(str, written[1:])), file=sys.stderr)
+        return 0
     data, settings = _settings(args)
     _, tokenizer, spec = load_model(args.model)
     windows = load_windows(data, tokenizer, spec.max_positions)

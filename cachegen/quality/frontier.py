@@ -115,6 +115,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
         ax.set_xlabel("bits per element (all overhead counted)")
         ax.set_ylabel(LABELS[metric])
         ax.set_yscale("symlog", linthresh={"ppl_change_pct": 0.1, "top1_agreement": 1e-3, "kl": 1e-4}[metric])
+        ax.set_ylim(bottom=0)
         ax.grid(True, which="both", alpha=0.3)
     for name in families:
         axes[0].scatter([], [], color=colors[name], label=name)

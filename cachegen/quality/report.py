@@ -47,6 +47,19 @@ def write_json(path: Path, document) -> None:
         raise
 
 
+def read_document(path: Path) -> dict:
+    """A results document written by :func:`write_outputs`."""
+    from cachegen.errors import InputError
+
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot read results {path}: {exc}") from exc
+    if not isinstance(document, dict) or not isinstance(document.get("rows"), list) or "model" not in document:
+        raise InputError(f"{path} is not a results file written by `cachegen sweep` or `cachegen eval --out`")
+    return document
+
+
 def write_outputs(out: Path, stem: str, document: dict, title: str) -> list[Path]:
     """``<stem>.json``, ``<stem>.md`` (table) and ``<stem>.png`` (rate-distortion plot) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
