@@ -328,6 +328,8 @@ def test_variants_round_trip_within_their_step(change, tiny_kv, tiny_llama, isol
     blob = codec.encode(tiny_kv, 11)
     assert codec.encode(tiny_kv, 11) == blob
     out = decode(blob, out_dtype=torch.float32)
+    # bfloat16 output (rotated inside the decoding threads) is the float32 output, rounded
+    assert torch.equal(decode(blob, out_dtype=torch.bfloat16).keys, out.keys.to(torch.bfloat16))
     plain = dataclasses.replace(cfg, hadamard=False)
     for x, y, kind in ((tiny_kv.keys.float(), out.keys, "k"), (tiny_kv.values.float(), out.values, "v")):
         # Closed-loop locality: each token's error is its own segment's quantization error;
@@ -349,6 +351,14 @@ def _segment_bound(x, cfg, kind):
 
 
 # ---- real KV ---------------------------------------------------------------------------------
+
+
+def test_fresh_profile_of_the_embedded_model_has_its_calibrated_levels(smollm2, isolated_profiles):
+    """A new install gets the levels `cachegen calibrate` chose (docs/quality.md), default included."""
+    profile = load_profile(smollm2)
+    assert sorted(profile.levels) == [1, 2, 3, 4, 6] and profile.default_level == 4
+    assert profile.config(4).hadamard and profile.config(4).value_bins == (12,) * 30
+    assert get_codec("cachegen", model=smollm2).default_level == 4
 
 
 @pytest.fixture(scope="session")

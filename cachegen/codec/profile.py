@@ -431,9 +431,27 @@ def _read_profile(path: Path, spec: models.ModelSpec) -> Profile | None:
     return Profile(spec.identity(), levels, tables_ids, default, spec)
 
 
+SHIPPED_DIR = Path(__file__).parent / "calibrated"
+
+
+def shipped_levels(model: ModelIdentity) -> tuple[dict[int, QuantConfig], int | None]:
+    """Levels that ``cachegen calibrate`` chose for ``model`` and that ship with the package
+    (``cachegen/codec/calibrated/*.json``, matched by weights fingerprint), and their default.
+
+    They let a fresh install use the calibrated default without running the calibration.
+    """
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        data = json.loads(path.read_text())
+        if data["model"]["fingerprint"] == model.fingerprint:
+            levels = {int(k): QuantConfig.from_dict(v["config"]) for k, v in data["levels"].items()}
+            return levels, int(data["default_level"])
+    return {}, None
+
+
 def load_profile(model: str | models.ModelSpec, *, build: bool = True) -> Profile:
-    """The profile of ``model``, built with the paper presets on first use (calibration runs
-    the model once: seconds for tiny models, about half a minute for SmolLM2 on 2 cores)."""
+    """The profile of ``model``, built on first use with the paper presets and any shipped
+    calibrated levels (building runs the model once: seconds for tiny models, about 15 s for
+    SmolLM2 on 2 cores)."""
     spec = models.resolve(model) if isinstance(model, str) else model
     identity = spec.identity()
     path = profile_path(identity)
@@ -446,8 +464,10 @@ def load_profile(model: str | models.ModelSpec, *, build: bool = True) -> Profil
         existing = _read_profile(path, spec)
         if existing is not None:
             return existing
-        presets = paper_levels(identity.num_layers)
-        tables_ids = {level: build_tables(spec, config).id for level, config in presets.items()}
-        profile = Profile(identity, presets, tables_ids, DEFAULT_LEVEL, spec)
+        levels = paper_levels(identity.num_layers)
+        calibrated, default = shipped_levels(identity)
+        levels.update(calibrated)
+        tables_ids = {level: build_tables(spec, config).id for level, config in levels.items()}
+        profile = Profile(identity, levels, tables_ids, default or DEFAULT_LEVEL, spec)
         profile._save()
         return profile

@@ -208,7 +208,8 @@ def paper_levels(num_layers: int) -> dict[int, QuantConfig]:
 
 
 @functools.lru_cache(maxsize=8)
-def _hadamard_cpu(n: int) -> torch.Tensor:
+def hadamard_matrix(n: int) -> torch.Tensor:
+    """The orthonormal (and symmetric) Sylvester Hadamard matrix of order ``n``, float32, CPU."""
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -216,8 +217,8 @@ def _hadamard_cpu(n: int) -> torch.Tensor:
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """Multiply the last dimension by the orthonormal (and symmetric) Hadamard matrix."""
-    h = _hadamard_cpu(x.shape[-1]).to(device=x.device, dtype=x.dtype)
+    """Multiply the last dimension by the orthonormal Hadamard matrix."""
+    h = hadamard_matrix(x.shape[-1]).to(device=x.device, dtype=x.dtype)
     return x @ h
 
 
