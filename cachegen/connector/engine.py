@@ -114,12 +114,6 @@ class Submitted:
             connector=dict((self.final.kv_transfer_params or {}).get(REPORT_KEY, {})),
         )
 
-    @property
-    def max_gap_s(self) -> float:
-        """Longest wait between two consecutive output tokens (a stall of the decode loop)."""
-        gaps = [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-        return max(gaps, default=0.0)
-
 
 class ConnectorEngine:
     """An in-process vLLM ``LLM`` whose KV connector is ``CacheGenConnector``."""

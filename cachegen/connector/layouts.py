@@ -167,24 +167,32 @@ class CpuPackedLayout(PagedLayout):
         runs[blocks, :, self.key_offsets[offsets]] = keys.permute(1, 2, 0).to(cache.dtype)
         runs[blocks, :, self.value_offsets[offsets]] = values.permute(1, 2, 0).to(cache.dtype)
 
+    # The vec packing moves block by block: each (block, head) is a 2-D transpose (keys) and a
+    # plain copy (values). Measured on SmolLM2 (30 layers, 4096 tokens, 2 cores), this takes
+    # ~40 ms where one batched permute-copy of all blocks took ~550 ms (torch's generic
+    # strided bf16 copy is slow for 4-D permutations).
+
     def gather_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_vec:
             return super().gather_blocks(cache, blocks)
-        H, bs, D, n = self.num_kv_heads, self.block_size, self.head_dim, len(blocks)
-        runs = self._runs(cache).view(-1, H, 2, bs * D)[blocks]  # [n, H, K|V, bs*D]
-        keys = runs[:, :, 0].reshape(n, H, D, bs).permute(1, 0, 3, 2).reshape(H, n * bs, D)
-        values = runs[:, :, 1].reshape(n, H, bs, D).permute(1, 0, 2, 3).reshape(H, n * bs, D)
+        H, bs, D = self.num_kv_heads, self.block_size, self.head_dim
+        runs = self._runs(cache).view(-1, H, 2, bs * D)
+        keys = torch.empty(H, len(blocks) * bs, D, dtype=cache.dtype, device=cache.device)
+        values = torch.empty_like(keys)
+        for j, block in enumerate(blocks.tolist()):
+            keys[:, j * bs : (j + 1) * bs].copy_(runs[block, :, 0].view(H, D, bs).transpose(1, 2))
+            values[:, j * bs : (j + 1) * bs].copy_(runs[block, :, 1].view(H, bs, D))
         return keys, values
 
     def scatter_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         if not self.is_vec:
             return super().scatter_blocks(cache, blocks, keys, values)
         self._check_kv(self._block_slots(blocks), keys, values)
-        H, bs, D, n = self.num_kv_heads, self.block_size, self.head_dim, len(blocks)
+        H, bs, D = self.num_kv_heads, self.block_size, self.head_dim
         runs = self._runs(cache).view(-1, H, 2, bs * D)
-        k = keys.to(cache.dtype).reshape(H, n, bs, D).permute(1, 0, 3, 2).reshape(n, H, bs * D)
-        v = values.to(cache.dtype).reshape(H, n, bs, D).permute(1, 0, 2, 3).reshape(n, H, bs * D)
-        runs[blocks] = torch.stack([k, v], dim=2)
+        for j, block in enumerate(blocks.tolist()):
+            runs[block, :, 0].view(H, D, bs).copy_(keys[:, j * bs : (j + 1) * bs].transpose(1, 2))
+            runs[block, :, 1].view(H, bs, D).copy_(values[:, j * bs : (j + 1) * bs])
 
 
 def vec_packing_offsets(block_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ names, ``adaptive`` streams the ``cachegen`` codec's levels under the adaptive c
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -51,7 +52,9 @@ class ChunkTransport:
         except CacheGenError as exc:
             raise ConnectorError(f"cannot open the KV store {config.store!r}: {exc}") from exc
         self._codecs: dict[str, Any] = {}
+        self._links: dict[tuple[float | None, float], Any] = {}
         self._goodput_mbps: dict[tuple[float | None, float], float] = {}
+        self._exits = contextlib.ExitStack()
         self._lock = threading.Lock()
 
     # ---- codecs, keys, levels -------------------------------------------------------------------
@@ -101,12 +104,19 @@ class ChunkTransport:
     # ---- load ----------------------------------------------------------------------------------
 
     def _link(self, options: RequestOptions) -> Any:
-        """A fresh link per load: each load starts on an idle link of the requested rate, and
-        no bandwidth banked by one link's token bucket while idle carries over to the next."""
-        if options.bandwidth_mbps is None and not options.rtt_ms:
-            return open_link(self.store, shaper="none")
-        return open_link(self.store, bandwidth_mbps=options.bandwidth_mbps, rtt_ms=options.rtt_ms,
-                         shaper=self.config.shaper)
+        """The link for ``options``' rate and RTT, started on first use and kept for the next
+        loads: its chunk server is a child process (a remote machine's stand-in) whose start-up
+        (about 0.2 s) must not be charged to every load's TTFT."""
+        key = (options.bandwidth_mbps, float(options.rtt_ms))
+        with self._lock:
+            if key not in self._links:
+                if options.bandwidth_mbps is None and not options.rtt_ms:
+                    link = open_link(self.store, shaper="none")
+                else:
+                    link = open_link(self.store, bandwidth_mbps=options.bandwidth_mbps, rtt_ms=options.rtt_ms,
+                                     shaper=self.config.shaper)
+                self._links[key] = self._exits.enter_context(link)
+            return self._links[key]
 
     def load(
         self,
@@ -148,8 +158,7 @@ class ChunkTransport:
         else:
             kwargs["level"] = self.load_levels(options)[0]
         try:
-            with self._link(options) as link:
-                stats = stream_load(link.source, keys, _decode, consume, **kwargs)
+            stats = stream_load(self._link(options).source, keys, _decode, consume, **kwargs)
         except CacheGenError as exc:
             partial = getattr(exc, "stats", None)
             loaded = partial.n_loaded if partial else 0
@@ -196,6 +205,7 @@ class ChunkTransport:
         return written
 
     def close(self) -> None:
+        self._exits.close()
         self.store.close()
 
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from cachegen.connector.engine import TEXT, ConnectorEngine, Submitted
+from cachegen.connector.engine import TEXT, ConnectorEngine
 from cachegen.errors import InputError
 
 QUESTION = "\n\nQuestion: Summarize the text above in one sentence.\nAnswer:"
@@ -77,6 +77,7 @@ class TTFTBench:
         self.model = self.engine.spec.name
         self._prepared: set[tuple[int, ...]] = set()
         self._warm = False
+        self._links_started: set[float | None] = set()
 
     # ---- prompts -------------------------------------------------------------------------------
 
@@ -136,6 +137,10 @@ class TTFTBench:
         if mode == "adaptive" and slo_ms is None:
             slo_ms = DEFAULT_SLO_MS
         self.warm_up(prompt)
+        if mode != TEXT and bandwidth_mbps not in self._links_started:
+            # The first load at a new rate starts that link's chunk server: not part of a TTFT.
+            self.engine.run(prompt, mode="raw", bandwidth_mbps=bandwidth_mbps, max_tokens=2)
+            self._links_started.add(bandwidth_mbps)
         runs = [
             self.engine.run(prompt, mode=mode, level=level, bandwidth_mbps=None if mode == TEXT else bandwidth_mbps,
                             slo_ms=slo_ms, max_tokens=max_tokens)
@@ -148,6 +153,7 @@ class TTFTBench:
             "level": level,
             "bandwidth_mbps": bandwidth_mbps,
             "slo_ms": slo_ms,
+            "shaper": self.engine.config.shaper,
             "prompt_tokens": last.prompt_tokens,
             "repeats": repeats,
             "ttft_s": _median([r.ttft_s for r in runs]),
@@ -237,7 +243,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         text = next((r for r in mine if r["mode"] == TEXT), None)
         int8 = {r["bandwidth_mbps"]: r for r in mine if r["mode"] == "int8"}
         out.append(f"**{context}-token context** (+ {mine[0]['prompt_tokens'] - context}-token question), "
-                   f"TTFT in seconds (median of {mine[0]['repeats']}); x = TTFT of text recompute / int8 over this row's")
+                   f"TTFT in seconds (median of {mine[0]['repeats']}), link shaped by {mine[0]['shaper']}; "
+                   f"x = TTFT of text recompute / int8 over this row's")
         out.append("")
         head = "| mode | KV size (MB) | " + " | ".join(f"{b:g} Mbit/s" for b in bandwidths) + " |"
         out.append(head)
@@ -353,18 +360,25 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES))
     t.add_argument("--slo-ms", type=float, default=DEFAULT_SLO_MS)
     t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--shaper", choices=["token-bucket", "netns"], default="token-bucket",
+                   help="how the link rate is enforced (netns: kernel tc in a private network namespace, root)")
     t.add_argument("--json", type=Path, help="also write every row to this JSON file")
+    t.add_argument("--markdown", type=Path, help="also write the tables to this file (vLLM logs to stdout)")
     p = sub.add_parser("placement", help="inline vs background loads and saves")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--json", type=Path)
+    p.add_argument("--markdown", type=Path)
     args = parser.parse_args(argv)
     if args.command == "table":
-        with TTFTBench(args.model) as bench:
+        with TTFTBench(args.model, shaper=args.shaper) as bench:
             rows = ttft_table(bench, args.contexts, args.bandwidths, args.modes, slo_ms=args.slo_ms, repeats=args.repeats)
-        print(markdown(rows))
+        text = markdown(rows)
     else:
         rows = placement(args.model)
-        print(placement_markdown(rows))
+        text = placement_markdown(rows)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
