@@ -226,8 +226,8 @@ def _differences(doc: dict) -> list[str]:
     models = ", ".join(cfg["models"])
     contexts = ", ".join(map(str, cfg["context_tokens"]))
     return [
-        f"- **Hardware.** The paper ran on NVIDIA A40 GPUs; this run used {env['cpu_cores']} cores of a "
-        f"{env['cpu_model']} ({env['device']}) with vLLM's CPU build. Prefill is far slower on a CPU, which "
+        f"- **Hardware.** The paper ran on NVIDIA A40 GPUs; this run used {env['cpu_cores']} CPU cores "
+        f"({env['cpu_model']}) with vLLM's CPU build. Prefill is far slower on a CPU, which "
         "makes text recompute relatively more expensive, while decoding the bitstream runs on the same few "
         "cores that serve the model.",
         f"- **Models.** The paper used 7B-70B models (Mistral-7B, Llama-34B/70B); this run used {models}. A small "
