@@ -85,6 +85,15 @@ def test_cachegen_decode(benchmark, kv, profile, threads, monkeypatch):
     _record(benchmark, kv.num_elements, f"cachegen level {LEVEL} -> bf16, {threads} thread(s)", DECODE_TARGET)
 
 
+def test_cachegen_decode_default_level(benchmark, kv, profile):
+    """The level the connector uses unless told otherwise (calibrated: Hadamard, 32/12 bins)."""
+    codec = get_codec("cachegen", model="smollm2-135m", chunk_tokens=CHUNK)
+    blob = codec.encode(kv)
+    benchmark.group = "codec decode"
+    benchmark(decode, blob)
+    _record(benchmark, kv.num_elements, f"cachegen default level {codec.default_level} -> bf16, 2 thread(s)", DECODE_TARGET)
+
+
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_cachegen_encode(benchmark, kv, profile, threads, monkeypatch):
     monkeypatch.setenv("CACHEGEN_CODEC_THREADS", threads)
@@ -92,6 +101,13 @@ def test_cachegen_encode(benchmark, kv, profile, threads, monkeypatch):
     benchmark.group = "codec encode"
     benchmark(codec.encode, kv, LEVEL)
     _record(benchmark, kv.num_elements, f"cachegen level {LEVEL} from bf16, {threads} thread(s)", ENCODE_TARGET)
+
+
+def test_cachegen_encode_default_level(benchmark, kv, profile):
+    codec = get_codec("cachegen", model="smollm2-135m", chunk_tokens=CHUNK)
+    benchmark.group = "codec encode"
+    benchmark(codec.encode, kv)
+    _record(benchmark, kv.num_elements, f"cachegen default level {codec.default_level} from bf16, 2 thread(s)", ENCODE_TARGET)
 
 
 @pytest.mark.parametrize("name", ["raw", "int8", "fp8", "int8-zstd", "kivi2"])

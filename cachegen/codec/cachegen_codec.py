@@ -263,10 +263,15 @@ class CacheGenDecoder(FrameDecoder):
                 words, word_off, nch, ntok, base, t.slots, t.freq_cum, scales, scale_off, stride, center, D,
                 token_map, token_off, dec_f32, dec_bf16, out_base, T, todo, status,
             )
-            if fused_rotation:  # streams are (layer, K/V) without locality; rotate while in cache
-                for i in todo.tolist():
-                    layer, k = divmod(i, 2)
-                    out[k, layer, :, token_offset : token_offset + n] = target[k, layer] @ rotation
+            if fused_rotation:
+                # Streams are (layer, K/V) without locality and ``todo`` is a contiguous range,
+                # so its keys and its values are each a contiguous run of layers: rotate them
+                # while they are in cache, one matrix product per run (torch releases the GIL).
+                for k in range(2):
+                    layers = todo[todo % 2 == k] // 2
+                    if len(layers):
+                        a, b = int(layers[0]), int(layers[-1]) + 1
+                        out[k, a:b, :, token_offset : token_offset + n] = target[k, a:b] @ rotation
 
         run_batches(kernel, ntok * C + 1)
         if status.any():
