@@ -326,6 +326,17 @@ def test_controller_picks_best_level_that_fits():
     assert c.decisions[1].estimate_s == pytest.approx(0.36)
 
 
+def test_controller_orders_levels_by_size_not_by_number():
+    """Calibrated levels are numbered after the paper's: level 6 may be coarser than level 4."""
+    sizes = {1: [100_000] * 10, 4: [400_000] * 10, 6: [200_000] * 10, 9: [None] * 10}
+    c = AdaptiveController(1.0, sizes, [100] * 10, prefill_tokens_per_s=20_000.0, drop_factor=1.0)
+    assert c.levels == [1, 6, 4, 9]
+    c.observe_throughput(10_000_000, 1.0)
+    assert c.choose(1, 0.0) == 4  # the biggest (finest) level that fits
+    assert c.choose(1, 0.75) == 6  # 0.25 s left: level 6 (0.18 s) fits, level 4 (0.36 s) does not
+    assert c.choose(1, 0.88) == 1
+
+
 def test_controller_when_nothing_fits():
     c = make_controller(0.5, prefill_tps=100_000.0)
     c.observe_throughput(10_000, 1.0)  # 10 kB/s: 7 chunks at level 0 take 70 s

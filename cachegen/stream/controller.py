@@ -2,8 +2,8 @@
 
 Before each chunk is requested, the controller estimates how long the rest of the load
 would take at each quality level (bytes still to come over the throughput measured on the
-chunks so far, decoding pipelined with the transfer) and picks the highest level that
-still fits the time budget (the TTFT SLO minus the time already spent). When even the
+chunks so far, decoding pipelined with the transfer) and picks the finest level (the one
+with the most bytes, see :func:`quality_order`) that still fits the time budget (the TTFT SLO minus the time already spent). When even the
 smallest level cannot fit, the chunk is marked ``RECOMPUTE`` if recomputing the remaining
 tokens from text fits; when nothing fits, it takes whichever is estimated faster.
 
@@ -43,6 +43,23 @@ class Decision:
         return asdict(self)
 
 
+def quality_order(sizes: Mapping[int, Sequence[int | None]], chunk_tokens: Sequence[int]) -> list[int]:
+    """Levels from coarsest to finest, taking a bigger encoding of the same KV as a finer one.
+
+    Level numbers do not order quality once calibrated levels join the paper's presets (on
+    SmolLM2, calibrated level 6 is smaller and coarser than calibrated level 4, and level 8
+    is smaller than the paper's level 2). Bytes per token over the chunks stored at a level
+    do; a level with no stored chunk goes last (it can never be chosen).
+    """
+
+    def bytes_per_token(level: int) -> float:
+        stored = [(size, tokens) for size, tokens in zip(sizes[level], chunk_tokens) if size is not None]
+        total_tokens = sum(tokens for _, tokens in stored)
+        return sum(size for size, _ in stored) / total_tokens if total_tokens else float("inf")
+
+    return sorted(sizes, key=lambda level: (bytes_per_token(level), level))
+
+
 class AdaptiveController:
     """Per-chunk level choice under a TTFT budget.
 
@@ -70,11 +87,11 @@ class AdaptiveController:
             raise InputError("slo_s and prefill_tokens_per_s must be positive, safety in (0, 1], drop_factor >= 1")
         if not sizes:
             raise InputError("the controller needs chunk sizes for at least one level")
-        self.levels = sorted(sizes)
         self.n = len(chunk_tokens)
-        for level in self.levels:
+        for level in sizes:
             if len(sizes[level]) != self.n:
                 raise InputError(f"level {level} has {len(sizes[level])} sizes for {self.n} chunks")
+        self.levels = quality_order(sizes, chunk_tokens)
         self.slo_s = slo_s
         self.sizes = {lv: list(sizes[lv]) for lv in self.levels}
         self.tokens = list(chunk_tokens)
