@@ -260,7 +260,7 @@ def test_redis_stopped_raises_unavailable(redis_server):
 
 def test_redis_cluster_single_node(tmp_path):
     """The cluster client path against a real one-node Redis Cluster owning every slot."""
-    port = _free_port()
+    port = _free_cluster_port()
     proc = subprocess.Popen(
         [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"),
@@ -293,13 +293,32 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) exists and is free too: redis-server
+    in cluster mode exits at start-up otherwise, and ephemeral ports go up to 60999."""
+    for _ in range(100):
+        port = _free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free port pair for a Redis Cluster node")
+
+
 def _wait_for_redis(port: int) -> redis.Redis:
-    r = redis.Redis(host="127.0.0.1", port=port)
-    for _ in range(200):
+    # Socket timeouts bound each try: a server that accepts but never answers must fail the
+    # test, not hang it.
+    r = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1, socket_connect_timeout=1)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
         try:
             r.ping()
             return r
-        except redis.exceptions.ConnectionError:
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
             time.sleep(0.05)
     raise AssertionError(f"redis-server on port {port} did not start")
 
