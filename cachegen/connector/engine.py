@@ -90,6 +90,8 @@ class Submitted:
     t_submit: float = 0.0
     t_end: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    steps_to_first_token: int = 0  # engine steps from submission to the first token
+    first_token_step_s: float = 0.0  # duration of the step that produced the first token
     final: Any = None
 
     def measurement(self) -> Measurement:
@@ -235,13 +237,19 @@ class ConnectorEngine:
         while not all(r.final is not None for r in requests) and engine.has_unfinished_requests():
             if until is not None and until():
                 return
+            began = time.perf_counter()
             outputs = engine.step()
             now = time.perf_counter()
+            for request in self._running.values():
+                if not request.token_times:
+                    request.steps_to_first_token += 1
             for out in outputs:
                 request = self._running.get(out.request_id)
                 if request is None:
                     continue
                 count = len(out.outputs[0].token_ids) if out.outputs else 0
+                if count and not request.token_times:
+                    request.first_token_step_s = now - began
                 request.token_times.extend([now] * (count - len(request.token_times)))
                 if out.finished:
                     request.final = out

@@ -14,6 +14,7 @@ Command line (the table in docs/connector.md):
 
     python -m cachegen.connector.ttft_bench table --contexts 1536 4096 --bandwidths 100 500 1000
     python -m cachegen.connector.ttft_bench placement     # where the connector's work runs
+    python -m cachegen.connector.ttft_bench timeline      # TTFT = load + what follows it
 
 ``text`` means no KV from the store (vLLM prefills the whole prompt); every other mode loads
 the context's chunks through a token-bucket link of the given rate.
@@ -278,6 +279,63 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+# ---- where a load's TTFT goes ------------------------------------------------------------------------
+
+
+def timeline(bench: TTFTBench, context_tokens: int, modes: Sequence[tuple[str, int | None]],
+             bandwidth_mbps: float | None, repeats: int = 3) -> list[dict[str, Any]]:
+    """Split TTFT around the load, per mode: medians over ``repeats`` runs of one prompt.
+
+    ``load_s`` is the connector's load (first request to last chunk injected);
+    ``after_load_s`` = TTFT - ``load_s`` (vLLM noticing the load finished, scheduling the
+    request and computing its uncached tokens); ``first_token_step_s`` the engine step that
+    computed the uncached tokens and produced the first token; ``steps`` the engine steps
+    from submission to the first token (idle steps while the load runs included).
+    """
+    prompt = bench.prompt(context_tokens)
+    bench.prepare(prompt)
+    bench.warm_up(prompt)
+    rows = []
+    for mode, level in modes:
+        bandwidth = None if mode == TEXT else bandwidth_mbps
+        bench.measure(prompt, mode, level, bandwidth, repeats=1, max_tokens=2)  # starts the link
+        runs = []
+        for _ in range(repeats):
+            request = bench.engine.submit(prompt, mode=mode, level=level, bandwidth_mbps=bandwidth, max_tokens=2,
+                                          slo_ms=DEFAULT_SLO_MS if mode == "adaptive" else None)
+            bench.engine.step_until_done([request])
+            m = request.measurement()
+            load_s = m.connector.get("load_s", 0.0)
+            runs.append({"ttft_s": m.ttft_s, "load_s": load_s, "after_load_s": m.ttft_s - load_s,
+                         "first_token_step_s": request.first_token_step_s, "steps": request.steps_to_first_token,
+                         "loaded_tokens": m.connector.get("loaded_tokens", 0)})
+        row = {"mode": mode, "level": level, "bandwidth_mbps": bandwidth, "context_tokens": context_tokens,
+               "prompt_tokens": len(prompt), "repeats": repeats, "runs": runs}
+        row.update({key: _median([r[key] for r in runs]) for key in
+                    ("ttft_s", "load_s", "after_load_s", "first_token_step_s", "steps")})
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "runs"}), file=sys.stderr)
+    return rows
+
+
+def timeline_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    out = ["| mode | link (Mbit/s) | TTFT (s) | load (s) | TTFT - load (s) | first-token step (s) | steps to first token |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        name = r["mode"] if r["level"] is None else f"{r['mode']} level {r['level']}"
+        link = "-" if r["bandwidth_mbps"] is None else f"{r['bandwidth_mbps']:g}"
+        out.append(f"| {name} | {link} | {r['ttft_s']:.3f} | {r['load_s']:.3f} | {r['after_load_s']:.3f} | "
+                   f"{r['first_token_step_s']:.3f} | {r['steps']:g} |")
+    return "\n".join(out)
+
+
+def _parse_mode(label: str) -> tuple[str, int | None]:
+    mode, _, level = label.partition(":")
+    if mode not in ("text", "raw", "int8", "fp8", "cachegen", "adaptive") or (level and not level.isdigit()):
+        raise InputError(f"unknown mode {label!r}; use text, raw, int8, fp8, cachegen[:LEVEL] or adaptive")
+    return mode, int(level) if level else None
+
+
 # ---- where the connector's work runs ---------------------------------------------------------------
 
 
@@ -364,12 +422,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="how the link rate is enforced (netns: kernel tc in a private network namespace, root)")
     t.add_argument("--json", type=Path, help="also write every row to this JSON file")
     t.add_argument("--markdown", type=Path, help="also write the tables to this file (vLLM logs to stdout)")
+    tl = sub.add_parser("timeline", help="split TTFT into the load and what follows it, per mode")
+    tl.add_argument("--model", default="smollm2-135m")
+    tl.add_argument("--context", type=int, default=4096)
+    tl.add_argument("--bandwidth", type=float, default=1000.0)
+    tl.add_argument("--modes", nargs="+", default=["text", "int8", "cachegen:1", "cachegen:2", "cachegen"],
+                    help="text, raw, int8, fp8, cachegen[:LEVEL] (no level: the default), adaptive")
+    tl.add_argument("--repeats", type=int, default=3)
+    tl.add_argument("--json", type=Path)
+    tl.add_argument("--markdown", type=Path)
     p = sub.add_parser("placement", help="inline vs background loads and saves")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
     args = parser.parse_args(argv)
-    if args.command == "table":
+    if args.command == "timeline":
+        modes = [_parse_mode(m) for m in args.modes]
+        with TTFTBench(args.model) as bench:
+            rows = timeline(bench, args.context, modes, args.bandwidth, repeats=args.repeats)
+        text = timeline_markdown(rows)
+    elif args.command == "table":
         with TTFTBench(args.model, shaper=args.shaper) as bench:
             rows = ttft_table(bench, args.contexts, args.bandwidths, args.modes, slo_ms=args.slo_ms, repeats=args.repeats)
         text = markdown(rows)

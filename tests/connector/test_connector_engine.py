@@ -12,6 +12,7 @@ import pytest
 
 from cachegen.connector.config import RequestOptions
 from cachegen.connector.engine import ConnectorEngine
+from cachegen.errors import InputError
 from cachegen.store import open_store
 
 CHUNK = 256  # two of vLLM's 128-token CPU blocks
@@ -158,3 +159,22 @@ def test_ttft_bench_measures_every_mode_on_one_engine(engine):
     assert "| raw |" in table and "100 Mbit/s" in table
     bench.close()  # leaves the module's engine running
     assert engine.run(bench.prompt(300), max_tokens=2).output_tokens == 2
+
+
+def test_ttft_timeline_splits_ttft_around_the_load(engine):
+    from cachegen.connector.ttft_bench import TTFTBench, _parse_mode, timeline, timeline_markdown
+
+    bench = TTFTBench(engine=engine)
+    rows = timeline(bench, 512, [("text", None), ("raw", None)], 100.0, repeats=2)
+    text, raw = rows
+    assert text["load_s"] == 0.0 and text["bandwidth_mbps"] is None and raw["bandwidth_mbps"] == 100.0
+    assert all(r["loaded_tokens"] == 512 for r in raw["runs"])
+    # the load is part of TTFT, and the step that produced the first token comes after it
+    assert 0 < raw["load_s"] < raw["ttft_s"]
+    for run in raw["runs"]:
+        assert 0 < run["first_token_step_s"] <= run["after_load_s"] and run["steps"] >= 2
+    assert "| raw | 100 |" in timeline_markdown(rows)
+    assert _parse_mode("cachegen:3") == ("cachegen", 3) and _parse_mode("int8") == ("int8", None)
+    with pytest.raises(InputError):
+        _parse_mode("zip")
+    bench.close()
