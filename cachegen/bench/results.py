@@ -11,11 +11,11 @@ import json
 import math
 import os
 import statistics
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 from cachegen.errors import InputError
+from cachegen.fileio import write_atomic
 
 SCHEMA_PATH = Path(__file__).with_name("results.schema.json")
 SCHEMA_NAME = "cachegen-bench-results"
@@ -109,19 +109,7 @@ def validate(doc: object) -> None:
 def save(doc: dict, path: str | os.PathLike) -> Path:
     """Validate and write atomically (temp file + rename), so readers never see half a file."""
     validate(doc)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it private; results are meant to be shared
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh, indent=1)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomic(path, (json.dumps(doc, indent=1) + "\n").encode())
 
 
 def load(path: str | os.PathLike) -> dict:

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from cachegen.codec import available_codecs, decode, get_codec, inspect, load_profile
 from cachegen.errors import InputError
+from cachegen.fileio import write_atomic
 from cachegen.kv import KVCache
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -78,23 +77,11 @@ def _read(path: Path) -> bytes:
     return path.read_bytes()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _encode(args: argparse.Namespace) -> int:
     kv = KVCache.load(args.kv_dir)
     codec = get_codec(args.codec, model=kv.model.name if args.codec == "cachegen" else None, chunk_tokens=args.chunk_tokens)
     blob = codec.encode(kv, args.level)
-    _write_atomic(args.out, blob)
+    write_atomic(args.out, blob)
     info = inspect(blob)
     if args.json:
         print(json.dumps(info))

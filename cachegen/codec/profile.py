@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +45,7 @@ from cachegen.codec import rans
 from cachegen.codec.errors import CodecError
 from cachegen.codec.quant import QuantConfig, alphabet_size, paper_levels, quantize_chunk
 from cachegen.errors import CacheGenError
+from cachegen.fileio import write_atomic
 from cachegen.kv import KVCache, ModelIdentity
 
 CALIBRATION_NUM_TOPICS = 6
@@ -95,19 +95,6 @@ def profiles_dir() -> Path:
 
 def _canonical(data: dict) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 @contextlib.contextmanager
@@ -219,7 +206,7 @@ def build_tables(spec: models.ModelSpec, config: QuantConfig) -> LevelTables:
     tables_id = hashlib.sha256(data).hexdigest()[:32]
     path = tables_path(tables_id)
     if not path.is_file():
-        _atomic_write(path, data)
+        write_atomic(path, data)
     tables = LevelTables(tables_id, config, model, freq)
     _remember(tables)
     return tables
@@ -399,7 +386,7 @@ class Profile:
         }
 
     def _save(self) -> None:
-        _atomic_write(self.path, json.dumps(self._content(), indent=1, sort_keys=True).encode() + b"\n")
+        write_atomic(self.path, json.dumps(self._content(), indent=1, sort_keys=True).encode() + b"\n")
 
     def _reload(self) -> None:
         """Pick up levels another process added since this profile was loaded."""

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
+from cachegen.fileio import write_atomic
 from cachegen.quality import frontier
 
 
@@ -35,16 +34,7 @@ def terminal_table(rows: list[dict]) -> str:
 
 def write_json(path: Path, document) -> None:
     """Write ``document`` as JSON atomically (temporary file renamed into place)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(document, fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, (json.dumps(document, indent=2) + "\n").encode())
 
 
 def read_document(path: Path) -> dict:
