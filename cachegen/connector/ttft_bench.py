@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from cachegen.connector.engine import TEXT, ConnectorEngine
+from cachegen.connector.engine import RUN_MODES, TEXT, ConnectorEngine
 from cachegen.errors import InputError
 
 QUESTION = "\n\nQuestion: Summarize the text above in one sentence.\nAnswer:"
@@ -331,8 +331,8 @@ def timeline_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 def _parse_mode(label: str) -> tuple[str, int | None]:
     mode, _, level = label.partition(":")
-    if mode not in ("text", "raw", "int8", "fp8", "cachegen", "adaptive") or (level and not level.isdigit()):
-        raise InputError(f"unknown mode {label!r}; use text, raw, int8, fp8, cachegen[:LEVEL] or adaptive")
+    if mode not in RUN_MODES or (level and not level.isdigit()):
+        raise InputError(f"unknown mode {label!r}; use {', '.join(RUN_MODES)} (cachegen:LEVEL for a level)")
     return mode, int(level) if level else None
 
 
