@@ -164,6 +164,15 @@ def kv_geometry(config: dict) -> dict:
     return {"num_layers": layers, "num_kv_heads": kv_heads, "head_dim": head_dim}
 
 
+def rope_theta(config: dict) -> float:
+    """The rotary base of a model that rotates its keys (RoPE), from its Hugging Face config;
+    0 for a model without one (e.g. OPT's learned positions)."""
+    text_cfg = config.get("text_config", config)
+    params = text_cfg.get("rope_parameters") or {}
+    theta = params.get("rope_theta") or text_cfg.get("rope_theta")
+    return float(theta) if theta else 0.0
+
+
 def fingerprint(path: Path) -> str:
     """A cheap identity of a model directory: config plus size and edges of each weight file.
 

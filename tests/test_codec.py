@@ -200,6 +200,17 @@ def test_quant_config_packs_compactly_and_round_trips():
         QuantConfig((2,), (16,))
     with pytest.raises(CodecError):
         QuantConfig((16,), (16,), key_scale="per-galaxy")
+    # the rotary and exact-token options travel in an extension that older configs do not carry
+    extended = dataclasses.replace(cfg, rope_theta=500000.0, exact_tokens=4)
+    assert len(extended.pack()) == len(packed) + 6
+    assert QuantConfig.unpack(extended.pack()) == extended
+    assert QuantConfig.from_dict(extended.to_dict()) == extended
+    assert "rope_theta" not in cfg.to_dict() and "exact_tokens" not in cfg.to_dict()
+    for bad in ({"rope_theta": -1.0}, {"rope_theta": float("nan")}, {"exact_tokens": 70000}):
+        with pytest.raises(CodecError):
+            dataclasses.replace(cfg, **bad)
+    with pytest.raises(CodecError, match="malformed|truncated"):
+        QuantConfig.unpack(extended.pack()[:-1])
 
 
 def test_inspect_counts_every_byte(tiny_kv, tiny_llama):
@@ -317,8 +328,11 @@ def _step_bound_chunked(x, cfg, kind, chunk_tokens):
         {"group_size": 10},
         {"hadamard": True},
         {"hadamard": True, "group_size": 4, "key_scale": "channel"},
+        {"rope_theta": 10000.0},
+        {"hadamard": True, "rope_theta": 10000.0, "exact_tokens": 3, "value_scale": "token-head"},
+        {"hadamard": True, "group_size": 4, "rope_theta": 10000.0, "exact_tokens": 150},
     ],
-    ids=["locality", "hadamard", "all"],
+    ids=["locality", "hadamard", "all-old", "rotary", "rotary-hadamard-exact", "everything"],
 )
 def test_variants_round_trip_within_their_step(change, tiny_kv, tiny_llama, isolated_profiles):
     profile = load_profile(tiny_llama)
@@ -328,16 +342,65 @@ def test_variants_round_trip_within_their_step(change, tiny_kv, tiny_llama, isol
     blob = codec.encode(tiny_kv, 11)
     assert codec.encode(tiny_kv, 11) == blob
     out = decode(blob, out_dtype=torch.float32)
-    # bfloat16 output (rotated inside the decoding threads) is the float32 output, rounded
+    # bfloat16 output (rotated inside the decoding threads) is the float32 output, rounded;
+    # float16 output takes the torch path and agrees to its precision
     assert torch.equal(decode(blob, out_dtype=torch.bfloat16).keys, out.keys.to(torch.bfloat16))
-    plain = dataclasses.replace(cfg, hadamard=False)
+    torch.testing.assert_close(decode(blob, out_dtype=torch.float16).keys.float(), out.keys, rtol=2e-3, atol=2e-3)
+    exact = cfg.exact_tokens
+    assert torch.equal(out.keys[:, :, :exact], tiny_kv.keys[:, :, :exact].float())
+    assert torch.equal(out.values[:, :, :exact], tiny_kv.values[:, :, :exact].float())
+    plain = dataclasses.replace(cfg, hadamard=False, rope_theta=0.0, exact_tokens=0)
     for x, y, kind in ((tiny_kv.keys.float(), out.keys, "k"), (tiny_kv.values.float(), out.values, "v")):
         # Closed-loop locality: each token's error is its own segment's quantization error;
-        # the orthonormal rotation keeps per-token error norms.
+        # the orthonormal rotations (Hadamard, rotary angles) keep per-token error norms.
         per_token = (x - y).pow(2).sum(-1).sqrt()
-        x_rot = quant.hadamard(x) if cfg.hadamard else x
+        x_rot = quant.rotate_keys(x, 0, cfg.rope_theta, inverse=True) if kind == "k" and cfg.rope_theta else x
+        x_rot = quant.hadamard(x_rot) if cfg.hadamard else x_rot
         bound = torch.cat([_segment_bound(x_rot[:, :, b : b + 100], plain, kind) for b in range(0, x.shape[2], 100)], 2)
         assert torch.all(per_token <= bound * 1.01 + 1e-4)
+
+
+def test_rotary_and_exact_options_follow_positions_across_bitstreams(tiny_kv, tiny_llama, isolated_profiles):
+    """Keys are turned by the angles of their absolute positions and only the first tokens of
+    the sequence are stored exactly, however the tokens are split into bitstreams."""
+    profile = load_profile(tiny_llama)
+    cfg = dataclasses.replace(profile.config(2), hadamard=True, rope_theta=10000.0, exact_tokens=3)
+    profile.add_level(11, cfg)
+    profile.add_level(12, dataclasses.replace(cfg, exact_tokens=0))
+    codec = get_codec("cachegen", model=tiny_llama, chunk_tokens=64)
+    whole = decode(codec.encode(tiny_kv, 11))
+    parts = KVCache.concat([decode(codec.encode(c, 11)) for c in tiny_kv.chunks(64)])
+    assert torch.equal(whole.keys, parts.keys) and torch.equal(whole.values, parts.values)
+    first, later = tiny_kv.slice(0, 64), tiny_kv.slice(64, 128)
+    exact_bytes = 2 * first.num_layers * first.num_kv_heads * 3 * first.head_dim * first.dtype.itemsize
+    assert len(codec.encode(first, 11)) == len(codec.encode(first, 12)) + exact_bytes
+    assert len(codec.encode(later, 11)) == len(codec.encode(later, 12))
+
+
+def test_keys_turned_back_by_rotary_angles_are_the_models_pre_rope_keys(tiny_llama):
+    """The codec's rotary convention is the model's: turning the cached keys back gives what
+    k_proj computed (a wrong convention would still decode right but compress worse)."""
+    from cachegen import models
+    from cachegen.extract import extract_kv, load_model
+
+    hf_model, _, spec = load_model(tiny_llama, torch.float32)
+    theta = models.rope_theta(spec.config)
+    assert theta > 0 and models.rope_theta(models.resolve("tiny-opt").config) == 0
+    ids = torch.arange(3, 203)
+    captured = []
+    layer = hf_model.model.layers[-1].self_attn
+    hook = layer.k_proj.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        kv = extract_kv(tiny_llama, token_ids=ids, dtype=torch.float32)
+        with torch.no_grad():
+            hf_model(ids[None])
+    finally:
+        hook.remove()
+    identity = spec.identity()
+    pre_rope = captured[-1][0].view(len(ids), identity.num_kv_heads, identity.head_dim).transpose(0, 1)
+    turned_back = quant.rotate_keys(kv.keys[-1].float(), 0, theta, inverse=True)
+    torch.testing.assert_close(turned_back, pre_rope, rtol=1e-4, atol=1e-4 * float(pre_rope.abs().max()))
+    assert not torch.allclose(kv.keys[-1].float(), pre_rope, atol=1e-2)
 
 
 def _segment_bound(x, cfg, kind):
@@ -357,7 +420,9 @@ def test_fresh_profile_of_the_embedded_model_has_its_calibrated_levels(smollm2, 
     """A new install gets the levels `cachegen calibrate` chose (docs/quality.md), default included."""
     profile = load_profile(smollm2)
     assert sorted(profile.levels) == [1, 2, 3, 4, 6, 7, 8, 9, 10] and profile.default_level == 4
-    assert profile.config(4).hadamard and profile.config(4).value_bins == (12,) * 30
+    default = profile.config(4)
+    assert default.hadamard and default.rope_theta == 100000.0 and default.exact_tokens == 1
+    assert default.key_bins[:3] == (24, 32, 32) and len(default.value_bins) == 30
     assert get_codec("cachegen", model=smollm2).default_level == 4
 
 

@@ -5,6 +5,8 @@ Per frame (``chunk_tokens`` tokens) the keys and values are quantized with the l
 and deltas when token locality is on); every (layer, K/V, segment) becomes one rANS stream
 coded with the profile's per-channel tables. Frame body::
 
+    exact      the frame's exactly stored tokens (positions below the level's ``exact_tokens``):
+               keys then values [L, H, e, D] in the KV's dtype; empty in most frames
     scales     fp16, for K then V, for each segment: [L, n] (token), [L, H, n] (token-head)
                or [L, H, D] (channel)
     directory  u32 word count of each stream, streams ordered (layer, K/V, segment)
@@ -28,6 +30,9 @@ from cachegen.codec.parallel import run_batches
 from cachegen.codec.profile import KINDS, LevelTables, Profile, find_tables, load_profile
 from cachegen.codec.quant import (
     QuantConfig,
+    apply_rotary,
+    exact_count,
+    rotary_cos_sin,
     max_level,
     num_scales,
     hadamard_matrix,
@@ -106,14 +111,22 @@ class CacheGenCodec(Codec):
 # ---- encoding -------------------------------------------------------------------------------
 
 
+def exact_bytes(chunk: KVCache, config: QuantConfig) -> int:
+    """Size of the frame body's exact section for ``chunk``."""
+    e = exact_count(config, chunk.start, chunk.num_tokens)
+    return 2 * chunk.num_layers * chunk.num_kv_heads * e * chunk.head_dim * chunk.dtype.itemsize
+
+
 def encode_chunk(chunk: KVCache, tables: LevelTables) -> bytes:
     """Frame body for one chunk (see the module docstring)."""
     L = chunk.num_layers
-    scale_parts: list[bytes] = []
+    e = exact_count(tables.config, chunk.start, chunk.num_tokens)
+    exact = torch.stack([chunk.keys[:, :, :e], chunk.values[:, :, :e]]).cpu().contiguous()
+    scale_parts: list[bytes] = [exact.view(torch.uint8).numpy().tobytes()]
     outputs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # per (K/V, segment)
     for k, kind in enumerate(KINDS):
         x = chunk.keys if kind == "k" else chunk.values
-        for s, seg in enumerate(quantize_chunk(x, tables.config, kind)):
+        for s, seg in enumerate(quantize_chunk(x, tables.config, kind, chunk.start)):
             scale_parts.append(seg.scales.cpu().numpy().tobytes())
             sym = seg.symbols.cpu().numpy()  # quantization may run on a GPU, coding runs here
             capacity = sym[0].size + rans.STATE_WORDS
@@ -154,6 +167,17 @@ class CacheGenDecoder(FrameDecoder):
             self._buffer = torch.empty(size, dtype=torch.float32)
         return self._buffer[:size].view(shape)
 
+    def _frame_start(self, frame: Frame) -> int:
+        """Position of the frame's first token in its sequence."""
+        return self.header.start + frame.index * self.header.chunk_tokens
+
+    def _exact_tokens(self, frame: Frame) -> int:
+        return exact_count(self.config, self._frame_start(frame), len(frame.token_ids))
+
+    def _exact_bytes(self, frame: Frame) -> int:
+        h = self.header
+        return 2 * h.num_layers * h.num_kv_heads * self._exact_tokens(frame) * h.head_dim * h.dtype.itemsize
+
     def _layout(self, n: int):
         """Per (K/V, segment): token positions, scale count; plus total scale bytes."""
         h = self.header
@@ -168,10 +192,10 @@ class CacheGenDecoder(FrameDecoder):
     def _directory(self, frame: Frame) -> tuple[np.ndarray, int]:
         n = len(frame.token_ids)
         _, scale_bytes = self._layout(n)
-        dir_end = scale_bytes + 4 * self.num_streams
+        dir_end = self._exact_bytes(frame) + scale_bytes + 4 * self.num_streams
         if len(frame.body) < dir_end:
             raise CodecError(f"frame {frame.index} is corrupt: {len(frame.body)} bytes cannot hold its scales and stream directory")
-        words = np.frombuffer(frame.body[scale_bytes:dir_end], dtype="<u4").astype(np.int64)
+        words = np.frombuffer(frame.body[dir_end - 4 * self.num_streams : dir_end], dtype="<u4").astype(np.int64)
         return words, dir_end
 
     def check(self, frame: Frame) -> None:
@@ -193,6 +217,7 @@ class CacheGenDecoder(FrameDecoder):
         for i, (kind, _, count) in enumerate(layout):
             out[:, i // self.S] += 2 * count / h.num_layers
         out += 2 * words.reshape(h.num_layers, 2, self.S).sum(axis=2) + 4 * self.S  # streams + directory
+        out += self._exact_bytes(frame) / (2 * h.num_layers)
         return out
 
     def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
@@ -206,11 +231,13 @@ class CacheGenDecoder(FrameDecoder):
         word_off = np.concatenate([[0], np.cumsum(words_per_stream)]).astype(np.int64)
 
         # Three paths: dequantize straight into ``out``; decode into a float32 scratch and let
-        # the kernel rotate it into ``out`` (Hadamard only); or decode, reconstruct in torch
-        # and copy (token locality, or an output dtype the kernels do not write).
+        # the kernel rotate it (Hadamard, rotary angles of keys) into ``out``; or decode,
+        # reconstruct in torch and copy (token locality, or an output dtype the kernels do not
+        # write).
         writable = out.dtype in (torch.bfloat16, torch.float32)
-        direct = writable and not self.config.group_size and not self.config.hadamard
-        fused_rotation = writable and not self.config.group_size and self.config.hadamard
+        transformed = bool(self.config.hadamard or self.config.rope_theta)
+        direct = writable and not self.config.group_size and not transformed
+        fused_rotation = writable and not self.config.group_size and transformed
         if direct:
             target, T, t0 = out, out.shape[3], token_offset
         else:
@@ -218,7 +245,7 @@ class CacheGenDecoder(FrameDecoder):
 
         # scales: fp16 absolute maxima -> float32 step (amax / max_level) per layer
         steps, scale_off_of, strides_of, token_maps = [], [], [], []
-        pos = 0
+        pos = exact_end = self._exact_bytes(frame)
         total = 0
         for kind, tokens, count in layout:
             amax = np.frombuffer(frame.body[pos : pos + 2 * count], dtype="<f2").astype(np.float32).reshape(L, -1)
@@ -258,7 +285,8 @@ class CacheGenDecoder(FrameDecoder):
         status = np.zeros(num, dtype=np.uint8)
         dec_f32, dec_bf16 = _flat_views(target)
         t = self.tables
-        rotation = hadamard_matrix(D) if fused_rotation else None
+        rotation = hadamard_matrix(D) if self.config.hadamard else None
+        rotary = rotary_cos_sin(self._frame_start(frame), n, D, self.config.rope_theta) if self.config.rope_theta else None
 
         def kernel(todo: np.ndarray) -> None:
             rans.decode_streams(
@@ -267,21 +295,30 @@ class CacheGenDecoder(FrameDecoder):
             )
             if fused_rotation:
                 # Streams are (layer, K/V) without locality and ``todo`` is a contiguous range,
-                # so its keys and its values are each a contiguous run of layers: rotate them
-                # while they are in cache, one matrix product per run (torch releases the GIL).
+                # so its keys and its values are each a contiguous run of layers: transform them
+                # while they are in cache, a few torch ops per run (torch releases the GIL).
                 for k in range(2):
                     layers = todo[todo % 2 == k] // 2
                     if len(layers):
                         a, b = int(layers[0]), int(layers[-1]) + 1
-                        out[k, a:b, :, token_offset : token_offset + n] = target[k, a:b] @ rotation
+                        block = target[k, a:b]
+                        if rotation is not None:
+                            block = block @ rotation
+                        if k == 0 and rotary is not None:
+                            block = apply_rotary(block, *rotary)
+                        out[k, a:b, :, token_offset : token_offset + n] = block
 
         run_batches(kernel, ntok * C + 1)
         if status.any():
             raise CodecError(f"frame {frame.index} is corrupt: {int(status.sum())} of {num} streams do not decode cleanly")
         if not direct and not fused_rotation:
-            for k in range(2):
-                target[k] = reconstruct(target[k], self.config)
-            out[:, :, :, token_offset : token_offset + n] = target
+            start = self._frame_start(frame)
+            for k, kind in enumerate(KINDS):
+                out[k, :, :, token_offset : token_offset + n] = reconstruct(target[k], self.config, kind, start)
+        e = self._exact_tokens(frame)
+        if e:
+            exact = torch.frombuffer(bytearray(frame.body[:exact_end]), dtype=h.dtype).view(2, L, H, e, D)
+            out[:, :, :, token_offset : token_offset + e] = exact
 
 
 def _flat_views(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -189,7 +189,7 @@ def _count_symbols(kv: KVCache, config: QuantConfig) -> np.ndarray:
     for chunk in kv.chunks(CALIBRATION_CHUNK):
         for k, kind in enumerate(KINDS):
             x = chunk.keys if kind == "k" else chunk.values
-            for s, seg in enumerate(quantize_chunk(x, config, kind)):
+            for s, seg in enumerate(quantize_chunk(x, config, kind, chunk.start)):
                 sym = seg.symbols.permute(0, 1, 3, 2).reshape(L, C, -1).to(torch.int64)
                 row = ((layer * 2 + k) * S + s) * C + channel
                 counts += torch.bincount((row * width + sym).reshape(-1), minlength=counts.numel())

@@ -16,7 +16,15 @@ into small integer symbols before entropy coding:
 * ``group_size``: CacheGen's token-wise locality. Tokens of a chunk form groups of
   ``group_size``; the first token of a group (the anchor) is quantized as is, the others as
   deltas against the *reconstructed* anchor (closed loop, so anchor error does not add up).
-  0 turns it off.
+  0 turns it off;
+* ``rope_theta``: keys are turned back by their rotary position angles (NeoX "rotate half"
+  pairs, ``position * theta ** (-2i / head_dim)``) before quantizing and turned forward
+  after decoding. A channel of pre-RoPE keys keeps one distribution across positions, so
+  the per-channel tables code it in fewer bits (KVQuant makes the same observation). Any
+  theta decodes to the right keys; only the model's own theta saves bits. 0 turns it off;
+* ``exact_tokens``: the first ``exact_tokens`` positions of a sequence are also stored
+  exactly (the KV's own dtype). The first token is the attention sink: nearly every query
+  attends to it, so its quantization error reaches every later token.
 
 All kernels work on float32 torch tensors of shape ``[layers, heads, tokens, head_dim]``
 and run unchanged on a GPU.
@@ -40,6 +48,7 @@ SCALE_KINDS = ("token", "token-head", "channel")
 MIN_BINS = 4
 MAX_BINS = 256  # 255 symbols: fits the coder's uint8 alphabet
 FP16_MAX = 65504.0
+_EXTENSION = struct.Struct("<fH")  # rope_theta, exact_tokens (see QuantConfig.pack)
 
 
 def max_level(bins: int) -> int:
@@ -61,6 +70,8 @@ class QuantConfig:
     value_scale: str = "token"
     hadamard: bool = False
     group_size: int = 0
+    rope_theta: float = 0.0
+    exact_tokens: int = 0
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +87,12 @@ class QuantConfig:
                 raise CodecError(f"unknown scale granularity {kind!r}; use one of {', '.join(SCALE_KINDS)}")
         if not 0 <= int(self.group_size) <= 65535 or self.group_size == 1:
             raise CodecError(f"group_size must be 0 (off) or 2..65535, got {self.group_size}")
+        # float32 is what the header stores, so the config compares equal after a round trip
+        object.__setattr__(self, "rope_theta", float(np.float32(self.rope_theta)))
+        if not (math.isfinite(self.rope_theta) and self.rope_theta >= 0):
+            raise CodecError(f"rope_theta must be 0 (off) or a positive number, got {self.rope_theta}")
+        if not 0 <= int(self.exact_tokens) <= 65535:
+            raise CodecError(f"exact_tokens must be in 0..65535, got {self.exact_tokens}")
 
     @property
     def num_layers(self) -> int:
@@ -92,11 +109,13 @@ class QuantConfig:
             raise CodecError(f"quantization config has {self.num_layers} layers, the model has {num_layers}")
         if self.hadamard and head_dim & (head_dim - 1):
             raise CodecError(f"the Hadamard rotation needs a power-of-two head_dim, the model has {head_dim}")
+        if self.rope_theta and head_dim % 2:
+            raise CodecError(f"turning keys back by their rotary angles needs an even head_dim, the model has {head_dim}")
 
     # -- serialization: JSON for profiles, compact bytes for bitstream headers --------------
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "key_bins": list(self.key_bins),
             "value_bins": list(self.value_bins),
             "key_scale": self.key_scale,
@@ -105,6 +124,12 @@ class QuantConfig:
             "group_size": self.group_size,
             "description": self.description,
         }
+        # Written only when on, so the ids of levels made before these options stay the same.
+        if self.rope_theta:
+            out["rope_theta"] = self.rope_theta
+        if self.exact_tokens:
+            out["exact_tokens"] = self.exact_tokens
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "QuantConfig":
@@ -116,20 +141,31 @@ class QuantConfig:
                 value_scale=str(data.get("value_scale", "token")),
                 hadamard=bool(data.get("hadamard", False)),
                 group_size=int(data.get("group_size", 0)),
+                rope_theta=float(data.get("rope_theta", 0.0)),
+                exact_tokens=int(data.get("exact_tokens", 0)),
                 description=str(data.get("description", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CodecError(f"malformed quantization config: {exc!r}") from exc
 
     def pack(self) -> bytes:
-        """Compact form for bitstream headers: flags, group size, run-length coded bins."""
-        flags = SCALE_KINDS.index(self.key_scale) | SCALE_KINDS.index(self.value_scale) << 2 | int(self.hadamard) << 4
+        """Compact form for bitstream headers: flags, group size, run-length coded bins, then
+        (flag bit 5) rope_theta as float32 and exact_tokens as u16."""
+        extended = bool(self.rope_theta or self.exact_tokens)
+        flags = (
+            SCALE_KINDS.index(self.key_scale)
+            | SCALE_KINDS.index(self.value_scale) << 2
+            | int(self.hadamard) << 4
+            | int(extended) << 5
+        )
         out = bytearray(struct.pack("<BH", flags, self.group_size))
         for bins in (self.key_bins, self.value_bins):
             runs = _runs(bins)
             out += struct.pack("<H", len(runs))
             for count, value in runs:
                 out += struct.pack("<HH", count, value)
+        if extended:
+            out += _EXTENSION.pack(self.rope_theta, self.exact_tokens)
         return bytes(out)
 
     @classmethod
@@ -151,7 +187,11 @@ class QuantConfig:
                         raise CodecError("quantization config has too many layers")
                     bins += [value] * count
                 lists.append(tuple(bins))
-            if pos != len(data) or flags >> 5 or (flags & 3) >= len(SCALE_KINDS) or (flags >> 2 & 3) >= len(SCALE_KINDS):
+            rope_theta, exact_tokens = 0.0, 0
+            if flags >> 5 & 1:
+                rope_theta, exact_tokens = _EXTENSION.unpack_from(data, pos)
+                pos += _EXTENSION.size
+            if pos != len(data) or flags >> 6 or (flags & 3) >= len(SCALE_KINDS) or (flags >> 2 & 3) >= len(SCALE_KINDS):
                 raise CodecError("quantization config is malformed")
         except struct.error as exc:
             raise CodecError("quantization config is truncated") from exc
@@ -162,6 +202,8 @@ class QuantConfig:
             value_scale=SCALE_KINDS[flags >> 2 & 3],
             hadamard=bool(flags >> 4 & 1),
             group_size=group,
+            rope_theta=rope_theta,
+            exact_tokens=exact_tokens,
         )
 
 
@@ -338,9 +380,12 @@ def segment_tokens(num_tokens: int, group_size: int) -> list[torch.Tensor]:
     return [idx[anchor], idx[~anchor]]
 
 
-def quantize_chunk(x: torch.Tensor, config: QuantConfig, kind: str) -> list[Segment]:
-    """Quantize one chunk's keys or values (``kind`` "k"/"v"), x [L, H, T, D] (any float dtype)."""
+def quantize_chunk(x: torch.Tensor, config: QuantConfig, kind: str, start: int = 0) -> list[Segment]:
+    """Quantize one chunk's keys or values (``kind`` "k"/"v"), x [L, H, T, D] (any float dtype)
+    whose first token is at position ``start`` of its sequence."""
     bins, scale = config.bins(kind), config.scale(kind)
+    if kind == "k" and config.rope_theta:
+        x = rotate_keys(x.to(torch.float32), start, config.rope_theta, inverse=True)
     if config.hadamard:
         x = hadamard(x.to(torch.float32))
     parts = segment_tokens(x.shape[2], config.group_size)
@@ -355,8 +400,9 @@ def quantize_chunk(x: torch.Tensor, config: QuantConfig, kind: str) -> list[Segm
     return [Segment(qa, sa, anchors_idx), Segment(qd, sd, deltas_idx)]
 
 
-def reconstruct(decoded: torch.Tensor, config: QuantConfig) -> torch.Tensor:
-    """Undo locality and rotation on one chunk's dequantized segments, in place when it can.
+def reconstruct(decoded: torch.Tensor, config: QuantConfig, kind: str, start: int = 0) -> torch.Tensor:
+    """Undo locality, rotation and (keys) the rotary de-rotation on one chunk's dequantized
+    segments, in place when it can; the chunk starts at position ``start``.
 
     ``decoded`` [L, H, T, D] float32 holds the dequantized anchors at anchor positions and
     dequantized deltas elsewhere.
@@ -369,4 +415,42 @@ def reconstruct(decoded: torch.Tensor, config: QuantConfig) -> torch.Tensor:
         decoded[:, :, delta] += decoded[:, :, owner[delta]]
     if config.hadamard:
         decoded = hadamard(decoded)
+    if kind == "k" and config.rope_theta:
+        decoded = rotate_keys(decoded, start, config.rope_theta)
     return decoded
+
+
+def exact_count(config: QuantConfig, start: int, num_tokens: int) -> int:
+    """How many of the tokens at positions ``start ..`` are stored exactly."""
+    return max(0, min(num_tokens, config.exact_tokens - start))
+
+
+@functools.lru_cache(maxsize=16)
+def _inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+
+def rotary_cos_sin(start: int, num_tokens: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[num_tokens, head_dim]`` (float32) of the NeoX rotary angles of positions
+    ``start ..``; angles are computed in float64 so that far positions keep their precision."""
+    positions = torch.arange(start, start + num_tokens, dtype=torch.float64)
+    angles = positions[:, None] * _inverse_frequencies(head_dim, theta)[None, :]
+    angles = torch.cat([angles, angles], dim=1)
+    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., tokens, head_dim] rotated by the angles whose cos and sin are given (as
+    :func:`rotary_cos_sin` makes them); a new float32 tensor."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half] -= x[..., half:] * sin[:, :half]
+    out[..., half:] += x[..., :half] * sin[:, half:]
+    return out
+
+
+def rotate_keys(x: torch.Tensor, start: int, theta: float, *, inverse: bool = False) -> torch.Tensor:
+    """Rotate float32 keys ``[..., tokens, head_dim]`` of positions ``start ..`` by their rotary
+    angles (``inverse``: back to their pre-RoPE form); returns a new tensor."""
+    cos, sin = rotary_cos_sin(start, x.shape[-2], x.shape[-1], theta)
+    return apply_rotary(x, cos.to(x.device), (-sin if inverse else sin).to(x.device))

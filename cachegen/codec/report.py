@@ -107,7 +107,7 @@ def measure(codec, level: int, windows: list[KVCache], chunk_tokens: int) -> dic
 
 def coder_overhead(profile: Profile, level: int, windows: list[KVCache], chunk_tokens: int) -> dict:
     """Coded stream size vs the ideal code length of the same symbols under the same tables."""
-    from cachegen.codec.cachegen_codec import encode_chunk
+    from cachegen.codec.cachegen_codec import encode_chunk, exact_bytes
     from cachegen.codec.quant import quantize_chunk
 
     tables = profile.tables(level)
@@ -119,15 +119,15 @@ def coder_overhead(profile: Profile, level: int, windows: list[KVCache], chunk_t
             L = chunk.num_layers
             for k, kind in enumerate("kv"):
                 x = (chunk.keys if kind == "k" else chunk.values).float()
-                for s, seg in enumerate(quantize_chunk(x, tables.config, kind)):
+                for s, seg in enumerate(quantize_chunk(x, tables.config, kind, chunk.start)):
                     sym = seg.symbols.permute(0, 1, 3, 2).reshape(L, C, -1).numpy()
                     for layer in range(L):
                         rows = tables.base(layer, k, s) + np.arange(C)
                         ideal += rans.code_length_bits(tables.freq, rows, sym[layer])
             scale_bytes = sum(seg.scales.numel() * 2 for kind in "kv" for seg in quantize_chunk(
-                (chunk.keys if kind == "k" else chunk.values).float(), tables.config, kind))
+                (chunk.keys if kind == "k" else chunk.values).float(), tables.config, kind, chunk.start))
             num_streams = L * 2 * tables.num_segments
-            coded += (len(body) - scale_bytes - 4 * num_streams) * 8
+            coded += (len(body) - exact_bytes(chunk, tables.config) - scale_bytes - 4 * num_streams) * 8
     return {"coded_bits": coded, "ideal_bits": ideal, "overhead_percent": 100 * (coded / ideal - 1)}
 
 
@@ -192,6 +192,10 @@ def _describe(cfg: QuantConfig) -> str:
         parts.append("Hadamard")
     if cfg.group_size:
         parts.append(f"locality {cfg.group_size}")
+    if cfg.rope_theta:
+        parts.append("pre-RoPE keys")
+    if cfg.exact_tokens:
+        parts.append(f"first {cfg.exact_tokens} token(s) exact")
     return ", ".join(parts)
 
 

@@ -4,7 +4,8 @@ Calibration tries hundreds of (layer, K/V, bins) variants; running the full code
 rANS) for each would waste time on bytes nobody stores. :func:`quantize_kv` applies the
 codec's own kernels (``cachegen.codec.quant``) chunk by chunk exactly as the encoder does,
 and :func:`estimated_bits` estimates what the entropy coder would spend: the empirical
-entropy of each (layer, K/V, channel)'s symbols plus the fp16 scales. Final numbers
+entropy of each (layer, K/V, channel)'s symbols plus the fp16 scales and the exactly stored
+tokens. Final numbers
 always come from the real codec.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cachegen.codec.quant import QuantConfig, alphabet_size, dequantize, quantize_chunk, reconstruct
+from cachegen.codec.quant import QuantConfig, alphabet_size, dequantize, exact_count, quantize_chunk, reconstruct
 from cachegen.kv import KVCache
 
 KINDS = ("k", "v")
@@ -40,7 +41,7 @@ def quantize_kind(
     for begin in range(0, T, chunk_tokens):
         chunk = x[:, :, begin : begin + chunk_tokens]
         decoded = torch.empty_like(chunk)
-        for s, seg in enumerate(quantize_chunk(chunk, config, kind)):
+        for s, seg in enumerate(quantize_chunk(chunk, config, kind, kv.start + begin)):
             decoded[:, :, seg.tokens] = dequantize(seg.symbols, seg.scales, bins)
             if not count_bits:
                 continue
@@ -48,10 +49,13 @@ def quantize_kind(
             index = (row + s * H * D * width + sym).reshape(-1)
             counts += torch.bincount(index, minlength=counts.numel()).view(counts.shape)
             scale_bits += SCALE_BITS * seg.scales[0].numel()
-        out[:, :, begin : begin + chunk_tokens] = reconstruct(decoded, config)
+        out[:, :, begin : begin + chunk_tokens] = reconstruct(decoded, config, kind, kv.start + begin)
+    exact = exact_count(config, kv.start, T)
+    out[:, :, :exact] = x[:, :, :exact]
     if not count_bits:
         return out, None
-    bits = torch.tensor([_entropy_bits(counts[layer].view(-1, width)) for layer in range(L)]) + scale_bits
+    exact_bits = kv.dtype.itemsize * 8 * H * exact * D
+    bits = torch.tensor([_entropy_bits(counts[layer].view(-1, width)) for layer in range(L)]) + scale_bits + exact_bits
     return out, bits
 
 
