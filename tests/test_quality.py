@@ -15,6 +15,7 @@ import torch
 
 from cachegen.codec import PROFILE_TOPICS, get_codec
 from cachegen.codec import profile as profile_mod
+from cachegen import models
 from cachegen.errors import InputError
 from cachegen.kv import KVCache
 from cachegen.quality import frontier
@@ -303,13 +304,27 @@ def test_variant_candidates_leave_the_saved_profile_alone(tiny_llama, isolated_p
     candidates = grid(tiny_llama)
     names = [f"{c.codec}/{c.level}" for c in candidates]
     assert {"raw/0", "int8/0", "fp8/0", "int8-zstd/0", "kivi2/0", "cachegen/1", "cachegen/2", "cachegen/3"} <= set(names)
-    assert {f"cachegen/{v}" for v in variants(4)} <= set(names)
+    assert {f"cachegen/{v}" for v in variants(tiny_llama)} <= set(names)
+    assert {"cachegen/k32-vth6+rope", "cachegen/k32-vth6+rope+sink"} <= set(names)  # tiny-llama has RoPE
     assert set(get_codec("cachegen", model=tiny_llama).levels) == before
     variant = next(c for c in candidates if c.level == "had-th-16")
     from cachegen.extract import extract_kv
 
     decoded, bits = variant.roundtrip(extract_kv(tiny_llama, token_ids=windows[0].context_ids))
     assert decoded.keys.shape[2] == SMALL["context_tokens"] and bits > 0
+
+
+def test_eval_takes_sweep_variants_by_name(tiny_llama, isolated_profiles):
+    from cachegen.quality.candidates import codec_candidates
+
+    (candidate,) = codec_candidates(tiny_llama, "cachegen", ["k32-vth6+rope+sink"])
+    assert candidate.options["exact_tokens"] == 1 and candidate.options["rope_theta"] > 0
+    with pytest.raises(InputError, match="k32-vth6"):
+        codec_candidates(tiny_llama, "cachegen", ["no-such-variant"])
+    opt_variants = {c.level for c in codec_candidates(models.resolve("tiny-opt"), "cachegen", ["k32-vth6+sink"])}
+    assert opt_variants == {"k32-vth6+sink"}
+    with pytest.raises(InputError):  # OPT has learned positions: nothing to turn back
+        codec_candidates(models.resolve("tiny-opt"), "cachegen", ["k32-vth6+rope"])
 
 
 # ---- CLI -------------------------------------------------------------------------------------------
@@ -349,6 +364,23 @@ def test_cli_sweep_replot_redraws_from_json(capsys, tmp_path):
     code, out, err = run_cli(capsys, "sweep", "--out", str(tmp_path), "--replot")
     assert code == 0, err
     assert "int8/0" in (tmp_path / "sweep.md").read_text() and (tmp_path / "sweep.png").stat().st_size > 0
+    # re-evaluated rows replace theirs, new ones are added, dropped ones go; other windows are refused
+    update = tmp_path / "update"
+    code, _, err = run_cli(capsys, *EVAL, "--codec", "int8", "--codec", "fp8", "--out", str(update))
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "sweep", "--out", str(tmp_path), "--replot", "--update", str(update / "eval.json"),
+                             "--drop", "raw/0")
+    assert code == 0, err
+    merged = json.loads((tmp_path / "sweep.json").read_text())
+    assert [f"{r['codec']}/{r['level']}" for r in merged["rows"]] == ["int8/0", "fp8/0"]
+    assert merged["updates"][0]["command"].startswith("cachegen eval") and merged["updates"][1] == {"dropped": ["raw/0"]}
+    other = tmp_path / "other"
+    code, _, err = run_cli(capsys, *EVAL[:-1], "--seed", "5", "--no-progress", "--codec", "fp8", "--out", str(other))
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "sweep", "--out", str(tmp_path), "--replot", "--update", str(other / "eval.json"))
+    assert code == 1 and "other data" in err
+    code, out, err = run_cli(capsys, "sweep", "--out", str(tmp_path), "--drop", "fp8/0")
+    assert code == 1 and "--replot" in err
     (tmp_path / "sweep.json").write_text('{"rows": "not a list"}')
     code, out, err = run_cli(capsys, "sweep", "--out", str(tmp_path), "--replot")
     assert code == 1 and "not a results file" in err and len(err.strip().splitlines()) == 1

@@ -8,7 +8,8 @@ profile's text):
    those keys or values quantized by a reference quantizer; the KL divergence of the next-token
    distributions per unit of squared error is that group's sensitivity.
 2. **Statistics.** For every option (Hadamard rotation, scale granularity for keys and for
-   values) and every bin count of a ladder, the codec's own quantizer gives each group's
+   values; keys turned back by their rotary angles and the first token stored exactly in all
+   of them unless the settings say otherwise) and every bin count of a ladder, the codec's own quantizer gives each group's
    squared error and estimated bits (symbol entropy + scales), without any model run.
 3. **Allocation.** With KL modelled as sensitivity x squared error and additive over groups,
    a Lagrangian trade-off ``bits + lambda * KL`` picks per-layer bins for each option
@@ -35,6 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm import tqdm
 
+from cachegen import models
 from cachegen.codec import SCALE_KINDS, QuantConfig
 from cachegen.errors import InputError
 from cachegen.kv import KVCache
@@ -65,6 +67,14 @@ class CalibrationSettings:
     hadamard: tuple[bool, ...] = (False, True)
     scales: tuple[str, ...] = SCALE_KINDS
     chunk_tokens: int = 256  # the codec's chunk size (per-chunk scales depend on it)
+    # Options every allocation gets (see cachegen.codec.quant): turn keys back by the
+    # model's rotary angles (when it has RoPE) and store the first tokens exactly.
+    derotate_keys: bool = True
+    exact_tokens: int = 1
+    # How a target picks among the verified allocations (the cheapest one that passes):
+    # "kl": KL within the budget the perplexity target maps to (regression over all trials)
+    # and perplexity within the target; "ppl": measured perplexity change within margin x target.
+    select: str = "kl"
     seed: int = 0
     batch_tokens: int = 16384
     # Calibration runs the model in float32: in bf16 *any* change to the KV, however small,
@@ -102,7 +112,7 @@ class Choice:
     target_ppl_pct: float
     trial: Trial
     config: QuantConfig  # the trial's config, described
-    kl_budget: float
+    kl_budget: float | None  # None when the choice was made on perplexity alone
     ppl_per_kl: float
     codec_bits_per_element: float
 
@@ -135,6 +145,10 @@ class CalibrationResult:
             "context_tokens": s.context_tokens,
             "continuation_tokens": s.continuation_tokens,
             "probe_groups": s.probe_groups,
+            "seed": s.seed,
+            "select": s.select,
+            "derotate_keys": s.derotate_keys,
+            "exact_tokens": s.exact_tokens,
             "dtype": str(s.dtype).removeprefix("torch."),
             "split": "calibrate",
             "choices": [c.to_dict() for c in self.choices],
@@ -210,8 +224,10 @@ def _layer_groups(layers: int, groups: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
 
 
-def _uniform(bins: int, layers: int, key_scale: str, value_scale: str, hadamard: bool) -> QuantConfig:
-    return QuantConfig((bins,) * layers, (bins,) * layers, key_scale, value_scale, hadamard)
+def _fixed_options(spec, settings: CalibrationSettings) -> dict:
+    """The QuantConfig options every allocation of this calibration shares."""
+    theta = models.rope_theta(spec.config) if settings.derotate_keys else 0.0
+    return {"rope_theta": theta, "exact_tokens": settings.exact_tokens}
 
 
 def _mse_per_layer(kv: KVCache, kind: str, decoded: torch.Tensor) -> torch.Tensor:
@@ -226,7 +242,8 @@ class _Model:
         self.settings = settings
         first = data.items[0][0]
         self.layers = first.num_layers
-        probe = _uniform(PROBE_BINS, self.layers, "token-head", "token-head", True)
+        self.fixed = _fixed_options(data.spec, settings)
+        probe = self._uniform(PROBE_BINS, "token-head", "token-head", True)
         chunk = settings.chunk_tokens
         # 1. sensitivity: KL per unit of squared error, one probe run per (kind, layer group);
         #    every layer of a group gets the group's sensitivity.
@@ -259,7 +276,7 @@ class _Model:
         combos = [(h, s, b) for h in settings.hadamard for s in settings.scales for b in settings.ladder]
         bar = tqdm(total=len(combos) * 2, desc="quantizer statistics", unit="config", disable=not data.progress, leave=False)
         for h, s, b in combos:
-            config = _uniform(b, self.layers, s, s, h)
+            config = self._uniform(b, s, s, h)
             for kind in KINDS:
                 mse = torch.zeros(self.layers, dtype=torch.float64)
                 bits = torch.zeros(self.layers, dtype=torch.float64)
@@ -271,6 +288,9 @@ class _Model:
                 self.bits[(h, kind, s, b)] = bits / elements  # contribution to bits/element
                 bar.update()
         bar.close()
+
+    def _uniform(self, bins: int, key_scale: str, value_scale: str, hadamard: bool) -> QuantConfig:
+        return QuantConfig((bins,) * self.layers, (bins,) * self.layers, key_scale, value_scale, hadamard, **self.fixed)
 
     def families(self) -> list[tuple[bool, str, str]]:
         """Option families: (Hadamard rotation, key scale granularity, value scale granularity)."""
@@ -300,7 +320,7 @@ class _Model:
             bins[kind] = tuple(ladder[int(i)] for i in pick[0])
             bits += float(b_rows.gather(0, pick).sum())
             kl += c * float(k_rows.gather(0, pick).sum())
-        return QuantConfig(bins["k"], bins["v"], key_scale, value_scale, h), bits, kl
+        return QuantConfig(bins["k"], bins["v"], key_scale, value_scale, h, **self.fixed), bits, kl
 
     def allocate(self, lam: float, *, per_layer: bool = True) -> tuple[QuantConfig, float, float]:
         """The family and bins minimizing ``bits + lam * predicted KL`` over all families."""
@@ -356,8 +376,11 @@ def _verify(data: _Windows, trials: list[Trial], desc: str, settings: Calibratio
 
 def _choose(data: _Windows, trials: list[Trial], target: float, settings: CalibrationSettings) -> Choice:
     ppl_per_kl = _ppl_per_kl(trials, target)
-    budget = settings.margin * target / ppl_per_kl
-    within = [t for t in trials if t.kl <= budget and abs(t.ppl_change_pct) <= target]
+    budget = None if settings.select == "ppl" else settings.margin * target / ppl_per_kl
+    if budget is None:
+        within = [t for t in trials if abs(t.ppl_change_pct) <= settings.margin * target]
+    else:
+        within = [t for t in trials if t.kl <= budget and abs(t.ppl_change_pct) <= target]
     if not within:
         raise InputError(
             f"no allocation kept the perplexity change within {target}% on the calibration windows "
@@ -368,6 +391,35 @@ def _choose(data: _Windows, trials: list[Trial], target: float, settings: Calibr
         f"calibrated: perplexity change <= {target:g}% target, est. {trial.est_bits_per_element:.2f} bits/element"
     ))
     return Choice(target, trial, config, budget, ppl_per_kl, _codec_bits(data, config, settings))
+
+
+def choose_again(model: str, path, settings: CalibrationSettings, *, progress: bool = True) -> CalibrationResult:
+    """Choose for ``settings.targets`` (with ``settings.select`` and ``margin``) among the
+    allocations an earlier calibration verified (its ``calibration.json``), without measuring
+    them again; the windows and sampling are the earlier run's."""
+    document = _read_calibration(path, model)
+    try:
+        settings = replace(
+            settings,
+            windows=int(document["windows"]),
+            context_tokens=int(document["context_tokens"]),
+            continuation_tokens=int(document["continuation_tokens"]),
+            probe_groups=int(document["probe_groups"]),
+            seed=int(document.get("seed", 0)),
+            derotate_keys=bool(document.get("derotate_keys", False)),
+            exact_tokens=int(document.get("exact_tokens", 0)),
+        )
+        trials = [
+            Trial(QuantConfig.from_dict(t["config"]), float(t["est_bits_per_element"]), float(t["predicted_kl"]),
+                  float(t["kl"]), float(t["ppl_change_pct"]), float(t["top1_agreement"]))
+            for t in document["trials"]
+        ]
+        sensitivity = {kind: [float(x) for x in document["sensitivity_kl_per_mse"][kind]] for kind in KINDS}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{path} has a malformed entry: {exc!r}") from exc
+    data = _Windows(model, settings, progress)
+    choices = [_choose(data, trials, target, settings) for target in settings.targets]
+    return CalibrationResult(document["model"], choices, trials, sensitivity, settings)
 
 
 def _codec_bits(data: _Windows, config: QuantConfig, settings: CalibrationSettings) -> float:
@@ -391,11 +443,10 @@ def save_level(model: str, config: QuantConfig, level: int, *, make_default: boo
     return {"level": level, "profile": str(profile.path), "default": profile.default_level == level}
 
 
-def load_choices(path, model: str) -> list[QuantConfig]:
-    """The chosen configs of a saved calibration (``calibration.json``) for ``model``."""
+def _read_calibration(path, model: str) -> dict:
+    """An earlier run's ``calibration.json``, checked to belong to ``model``."""
     import json
 
-    from cachegen.codec import CodecError
     from cachegen.models import resolve
 
     try:
@@ -408,6 +459,14 @@ def load_choices(path, model: str) -> list[QuantConfig]:
     if document.get("model", {}).get("fingerprint") != fingerprint:
         raise InputError(f"{path} was calibrated for {document.get('model', {}).get('name')!r}, not for {model!r} "
                          f"(weights differ); calibrate this model instead")
+    return document
+
+
+def load_choices(path, model: str) -> list[QuantConfig]:
+    """The chosen configs of a saved calibration (``calibration.json``) for ``model``."""
+    from cachegen.codec import CodecError
+
+    document = _read_calibration(path, model)
     try:
         return [QuantConfig.from_dict(choice["config"]) for choice in document["choices"]]
     except (KeyError, TypeError, CodecError) as exc:

@@ -35,18 +35,26 @@ def config_codec(spec: ModelSpec, config, level: int):
 
 
 def codec_candidates(spec: ModelSpec, name: str, levels: list[str] | None) -> list[Candidate]:
-    """One candidate per requested level of codec ``name`` (``None``: all its levels)."""
+    """One candidate per requested level of codec ``name`` (``None``: all its levels); for
+    cachegen a level may also name one of the sweep's variants."""
     from cachegen.codec import get_codec
+    from cachegen.quality.sweep import variant_candidate, variants
 
     codec = get_codec(name, model=spec)
     available = {str(level): level for level in codec.levels}
+    named = variants(spec) if name == "cachegen" else {}
     wanted = list(available) if levels is None else levels
-    unknown = [level for level in wanted if level not in available]
+    unknown = [level for level in wanted if level not in available and level not in named]
     if unknown:
+        extra = f"; or one of the variants {', '.join(named)}" if named else ""
         raise InputError(
-            f"codec {name} has no level {', '.join(unknown)}; its levels are {', '.join(available) or '(none)'}"
+            f"codec {name} has no level {', '.join(unknown)}; its levels are {', '.join(available) or '(none)'}{extra}"
         )
-    return [Candidate(name, level, codec_roundtrip(codec, available[level])) for level in wanted]
+    return [
+        Candidate(name, level, codec_roundtrip(codec, available[level])) if level in available
+        else variant_candidate(spec, level, named[level])
+        for level in wanted
+    ]
 
 
 def parse_codec_args(codecs: list[str], levels: str | None) -> list[tuple[str, list[str] | None]]:

@@ -82,6 +82,11 @@ def register(subparsers) -> None:
     p.add_argument("--no-variants", action="store_true", help="only the codecs' own levels, no extra cachegen options")
     p.add_argument("--out", type=Path, required=True, help="directory for sweep.json, sweep.md and sweep.png")
     p.add_argument("--replot", action="store_true", help="do not measure: rewrite sweep.md and sweep.png from --out's sweep.json")
+    p.add_argument("--update", type=Path, action="append", default=[], metavar="EVAL_JSON",
+                   help="with --replot: rows of this `cachegen eval --out` result (same data and windows) replace the "
+                   "sweep's rows of the same codec and level, or are added (repeatable)")
+    p.add_argument("--drop", action="append", default=[], metavar="CODEC/LEVEL",
+                   help="with --replot: remove this row, e.g. a level the profile no longer has (repeatable)")
     p.add_argument("--json", action="store_true", help="print the result rows as JSON")
     p.set_defaults(func=_sweep)
 
@@ -102,12 +107,22 @@ def register(subparsers) -> None:
     p.add_argument("--probe-groups", type=int, default=10,
                    help="sensitivity probes per K/V: runs of consecutive layers (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="window sampling seed (default: %(default)s)")
+    p.add_argument("--exact-tokens", type=int, default=1,
+                   help="store the first N tokens of a sequence exactly, the attention sink (default: %(default)s)")
+    p.add_argument("--no-derotate", action="store_true",
+                   help="quantize keys as the model stores them (after RoPE) instead of turned back by their rotary angles")
     p.add_argument("--level", type=int, default=4,
                    help="level number for the first target; further targets take the next numbers (default: %(default)s)")
     p.add_argument("--set-default", action="store_true", help="make the first target's level the model's default")
     p.add_argument("--dry-run", action="store_true", help="report the choice without saving a level")
+    p.add_argument("--select", choices=("kl", "ppl"), default="kl",
+                   help="how a target picks among verified allocations: kl = KL within the budget the target maps to "
+                   "(robust on few windows), ppl = measured perplexity change within margin x target (default: %(default)s)")
     p.add_argument("--apply", type=Path, metavar="CALIBRATION_JSON",
                    help="do not measure: save the levels of an earlier run's calibration.json (same model)")
+    p.add_argument("--trials", type=Path, metavar="CALIBRATION_JSON",
+                   help="do not measure allocations: choose again (--target-ppl, --select, --margin) among those an "
+                   "earlier run verified, on its windows")
     p.add_argument("--out", type=Path, help="also write calibration.json (all verified allocations) here")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -188,11 +203,18 @@ def _sweep(args: argparse.Namespace) -> int:
     from cachegen.quality.evaluate import evaluate
     from cachegen.quality.sweep import check_targets, grid
 
+    if (args.update or args.drop) and not args.replot:
+        raise InputError("--update and --drop change an existing sweep: use them with --replot")
     if args.replot:
         document = report.read_document(args.out / "sweep.json")
+        if args.update or args.drop:
+            updates = [report.read_document(path) for path in args.update]
+            report.update_rows(document, updates, args.drop)
+            frontier.annotate(document["rows"])
+            document["targets"] = check_targets(document["rows"])
         written = report.write_outputs(args.out, "sweep", document, f"{document['model']}: rate-distortion on "
                                        f"{document['data']['dataset']}")
-        print("wrote " + ", ".join(map(str, written[1:])), file=sys.stderr)
+        print("wrote " + ", ".join(map(str, written if args.update or args.drop else written[1:])), file=sys.stderr)
         return 0
     data, settings = _settings(args)
     _, tokenizer, spec = load_model(args.model)
@@ -221,6 +243,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from cachegen.quality import report
     from cachegen.quality.calibrate import CalibrationSettings, calibrate, save_level
 
+    if args.apply and args.trials:
+        raise InputError("--apply and --trials are alternatives: give one")
     if args.apply:
         from cachegen.quality.calibrate import load_choices
 
@@ -234,16 +258,26 @@ def _calibrate(args: argparse.Namespace) -> int:
     for flag in ("windows", "context_tokens", "continuation_tokens", "probe_groups"):
         if getattr(args, flag) < 1:
             raise InputError(f"--{flag.replace('_', '-')} must be at least 1")
+    if not 0 <= args.exact_tokens <= 65535:
+        raise InputError(f"--exact-tokens must be in 0..65535, got {args.exact_tokens}")
     settings = CalibrationSettings(
         targets=tuple(args.target_ppl),
         margin=args.margin,
+        select=args.select,
         windows=args.windows,
         context_tokens=args.context_tokens,
         continuation_tokens=args.continuation_tokens,
         probe_groups=args.probe_groups,
         seed=args.seed,
+        derotate_keys=not args.no_derotate,
+        exact_tokens=args.exact_tokens,
     )
-    result = calibrate(args.model, settings, progress=not args.no_progress)
+    if args.trials:
+        from cachegen.quality.calibrate import choose_again
+
+        result = choose_again(args.model, args.trials, settings, progress=not args.no_progress)
+    else:
+        result = calibrate(args.model, settings, progress=not args.no_progress)
     summary = result.to_dict()
     if not args.dry_run:
         for i, (choice, entry) in enumerate(zip(result.choices, summary["choices"])):
@@ -253,8 +287,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "trials"}, indent=2))
         return 0
-    print(f"{len(result.trials)} allocations verified on {settings.windows} calibration windows "
-          f"(aiming at {settings.margin:.0%} of each target)")
+    print(f"{len(result.trials)} allocations verified on {result.settings.windows} calibration windows "
+          f"(aiming at {result.settings.margin:.0%} of each target)")
     for entry in summary["choices"]:
         config = entry["config"]
         print(f"target |perplexity change| <= {entry['target_ppl_pct']:g}%: hadamard={config['hadamard']} "

@@ -50,6 +50,37 @@ def read_document(path: Path) -> dict:
     return document
 
 
+def update_rows(document: dict, updates: list[dict], drop: list[str]) -> None:
+    """Replace (or add) ``document``'s rows with those of ``updates``, results measured on the
+    same data and windows, and remove the rows labelled in ``drop``. The commands behind the
+    rows are kept in ``document["updates"]``."""
+    from cachegen.errors import InputError
+
+    def key(row: dict) -> str:
+        return f"{row['codec']}/{row['level']}"
+
+    rows = list(document["rows"])
+    for update in updates:
+        same = all(update.get(f) == document.get(f) for f in ("model", "data", "windows", "gen_tokens", "gen_windows"))
+        if not same:
+            raise InputError(f"cannot merge `{update.get('command')}`: it was measured on other data, windows or "
+                             f"generation settings than the sweep ({document.get('command')})")
+        index = {key(row): i for i, row in enumerate(rows)}
+        for row in update["rows"]:
+            if key(row) in index:
+                rows[index[key(row)]] = row
+            else:
+                rows.append(row)
+    unknown = sorted(set(drop) - {key(row) for row in rows})
+    if unknown:
+        raise InputError(f"--drop: the sweep has no row {', '.join(unknown)}")
+    document["rows"] = [row for row in rows if key(row) not in set(drop)]
+    history = document.setdefault("updates", [])
+    history += [{"command": u.get("command"), "rows": [key(r) for r in u["rows"]]} for u in updates]
+    if drop:
+        history.append({"dropped": list(drop)})
+
+
 def write_outputs(out: Path, stem: str, document: dict, title: str) -> list[Path]:
     """``<stem>.json``, ``<stem>.md`` (table) and ``<stem>.png`` (rate-distortion plot) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,10 @@ with the issue's targets.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cachegen.codec import QuantConfig, available_codecs, get_codec, paper_levels
-from cachegen.models import ModelSpec
+from cachegen.models import ModelSpec, rope_theta
 from cachegen.quality.candidates import codec_candidates, codec_roundtrip, config_codec
 from cachegen.quality.evaluate import Candidate
 
@@ -19,14 +21,27 @@ BASELINES = ("raw", "int8", "int8-zstd", "fp8", "kivi2")  # int8 next to int8-zs
 VARIANT_LEVEL = 0xFFFF  # level number written into variant bitstreams (they are not profile levels)
 
 
-def variants(num_layers: int) -> dict[str, QuantConfig]:
-    """Named cachegen configurations swept besides the profile's levels."""
-    L = num_layers
+def variants(spec: ModelSpec) -> dict[str, QuantConfig]:
+    """Named cachegen configurations swept besides the profile's levels (``cachegen eval
+    --codec cachegen:NAME`` takes them too)."""
+    L = spec.identity().num_layers
+    theta = rope_theta(spec.config)
 
     def uniform(bins: int, key_scale: str, value_scale: str, hadamard: bool) -> QuantConfig:
         return QuantConfig((bins,) * L, (bins,) * L, key_scale, value_scale, hadamard)
 
+    def ablation(name: str, config: QuantConfig) -> dict[str, QuantConfig]:
+        """``config`` alone, with the first token exact, with keys turned back by their
+        rotary angles, and with both (models without RoPE: the first two only)."""
+        out = {name: config, f"{name}+sink": replace(config, exact_tokens=1)}
+        if theta:
+            out[f"{name}+rope"] = replace(config, rope_theta=theta)
+            out[f"{name}+rope+sink"] = replace(config, rope_theta=theta, exact_tokens=1)
+        return out
+
     paper2 = paper_levels(L)[2]
+    k16_v6 = QuantConfig((16,) * L, (6,) * L, "token", "token-head", hadamard=True)
+    k32_v6 = QuantConfig((32,) * L, (6,) * L, "token", "token-head", hadamard=False)
     return {
         # the paper's level 2 with its token-wise locality (anchors + deltas) switched on
         "p2-locality": QuantConfig(paper2.key_bins, paper2.value_bins, group_size=10),
@@ -35,6 +50,10 @@ def variants(num_layers: int) -> dict[str, QuantConfig]:
         # Hadamard rotation with uniform bins: what calibration's per-layer allocation must beat
         "had-th-12": uniform(12, "token-head", "token-head", True),
         "had-th-16": uniform(16, "token-head", "token-head", True),
+        # what pre-RoPE keys and an exact first token each buy, on two configurations: keys
+        # 16 / values 6 bins with Hadamard (the earlier level 8) and keys 32 / values 6 without
+        **ablation("had-k16-vth6", k16_v6),
+        **ablation("k32-vth6", k32_v6),
     }
 
 
@@ -55,7 +74,7 @@ def grid(spec: ModelSpec, *, include_variants: bool = True) -> list[Candidate]:
         candidate.options = config.to_dict()
     candidates += profile_levels
     if include_variants:
-        candidates += [variant_candidate(spec, name, config) for name, config in variants(spec.identity().num_layers).items()]
+        candidates += [variant_candidate(spec, name, config) for name, config in variants(spec).items()]
     return candidates
 
 
