@@ -41,7 +41,7 @@ from cachegen.codec.quant import (
     scale_strides,
     segment_tokens,
 )
-from cachegen.kv import KVCache
+from cachegen.kv import KVCache, ModelIdentity
 
 TABLES_ID_BYTES = 16
 _SLACK_BITS = 0.05  # per symbol, covers rANS rounding in the size lower bound (see _min_words)
@@ -111,10 +111,14 @@ class CacheGenCodec(Codec):
 # ---- encoding -------------------------------------------------------------------------------
 
 
+def _exact_section_bytes(model: ModelIdentity, tokens: int, dtype: torch.dtype) -> int:
+    """Size of a frame body's exact section holding ``tokens`` tokens (keys and values)."""
+    return 2 * model.num_layers * model.num_kv_heads * tokens * model.head_dim * dtype.itemsize
+
+
 def exact_bytes(chunk: KVCache, config: QuantConfig) -> int:
     """Size of the frame body's exact section for ``chunk``."""
-    e = exact_count(config, chunk.start, chunk.num_tokens)
-    return 2 * chunk.num_layers * chunk.num_kv_heads * e * chunk.head_dim * chunk.dtype.itemsize
+    return _exact_section_bytes(chunk.model, exact_count(config, chunk.start, chunk.num_tokens), chunk.dtype)
 
 
 def encode_chunk(chunk: KVCache, tables: LevelTables) -> bytes:
@@ -175,8 +179,7 @@ class CacheGenDecoder(FrameDecoder):
         return exact_count(self.config, self._frame_start(frame), len(frame.token_ids))
 
     def _exact_bytes(self, frame: Frame) -> int:
-        h = self.header
-        return 2 * h.num_layers * h.num_kv_heads * self._exact_tokens(frame) * h.head_dim * h.dtype.itemsize
+        return _exact_section_bytes(self.header.model, self._exact_tokens(frame), self.header.dtype)
 
     def _layout(self, n: int):
         """Per (K/V, segment): token positions, scale count; plus total scale bytes."""

@@ -376,10 +376,11 @@ def _verify(data: _Windows, trials: list[Trial], desc: str, settings: Calibratio
 
 def _choose(data: _Windows, trials: list[Trial], target: float, settings: CalibrationSettings) -> Choice:
     ppl_per_kl = _ppl_per_kl(trials, target)
-    budget = None if settings.select == "ppl" else settings.margin * target / ppl_per_kl
-    if budget is None:
+    if settings.select == "ppl":
+        budget = None
         within = [t for t in trials if abs(t.ppl_change_pct) <= settings.margin * target]
     else:
+        budget = settings.margin * target / ppl_per_kl
         within = [t for t in trials if t.kl <= budget and abs(t.ppl_change_pct) <= target]
     if not within:
         raise InputError(
