@@ -18,6 +18,8 @@ the decoder needs nothing but the bitstream and (the tables, or the model to reb
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -44,7 +46,7 @@ from cachegen.codec.quant import (
 from cachegen.kv import KVCache, ModelIdentity
 
 TABLES_ID_BYTES = 16
-_SLACK_BITS = 0.05  # per symbol, covers rANS rounding in the size lower bound (see _min_words)
+_SLACK_BITS = 0.05  # per symbol, covers rANS rounding in the size lower bound (see check)
 
 
 class CacheGenCodec(Codec):
@@ -158,18 +160,8 @@ class CacheGenDecoder(FrameDecoder):
         self.num_streams = header.num_layers * 2 * self.S
         # Lower bound of each stream's code length per token: sum over channels of the
         # cheapest symbol's bits (see docs/bitstream.md, "size checks").
-        min_bits = -np.log2(tables.freq.max(axis=1).astype(np.float64) / rans.PROB_SCALE)
-        per_row = np.maximum(min_bits - _SLACK_BITS, 0.0)
+        per_row = np.maximum(tables.cheapest_symbol_bits - _SLACK_BITS, 0.0)
         self.stream_bits_per_token = per_row.reshape(self.num_streams, tables.num_channels).sum(axis=1)
-        self._buffer = torch.empty(0, dtype=torch.float32)  # see _scratch
-
-    def _scratch(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A float32 buffer reused across frames: a fresh one per frame costs page faults
-        (about 5 ms per 256-token SmolLM2 frame, a third of its decoding)."""
-        size = int(np.prod(shape))
-        if self._buffer.numel() < size:
-            self._buffer = torch.empty(size, dtype=torch.float32)
-        return self._buffer[:size].view(shape)
 
     def _frame_start(self, frame: Frame) -> int:
         """Position of the frame's first token in its sequence."""
@@ -244,7 +236,7 @@ class CacheGenDecoder(FrameDecoder):
         if direct:
             target, T, t0 = out, out.shape[3], token_offset
         else:
-            target, T, t0 = self._scratch((2, L, H, n, D)), n, 0
+            target, T, t0 = _scratch((2, L, H, n, D)), n, 0
 
         # scales: fp16 absolute maxima -> float32 step (amax / max_level) per layer
         steps, scale_off_of, strides_of, token_maps = [], [], [], []
@@ -322,6 +314,20 @@ class CacheGenDecoder(FrameDecoder):
         if e:
             exact = torch.frombuffer(bytearray(frame.body[:exact_end]), dtype=h.dtype).view(2, L, H, e, D)
             out[:, :, :, token_offset : token_offset + e] = exact
+
+
+_scratch_buffers = threading.local()
+
+
+def _scratch(shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 buffer reused by every frame this thread decodes. A fresh one per frame costs
+    page faults (about 5 ms per 256-token SmolLM2 frame, a third of its decoding), and the
+    connector decodes each chunk as its own bitstream, with its own decoder."""
+    size = int(np.prod(shape))
+    buffer = getattr(_scratch_buffers, "float32", None)
+    if buffer is None or buffer.numel() < size:
+        buffer = _scratch_buffers.float32 = torch.empty(size, dtype=torch.float32)
+    return buffer[:size].view(shape)
 
 
 def _flat_views(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

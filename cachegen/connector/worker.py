@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from cachegen.connector.errors import ConnectorError
-from cachegen.connector.layouts import PagedLayout, layout_for_layer
+from cachegen.connector.layouts import CpuPackedLayout, PagedLayout, layout_for_layer
 from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
 from cachegen.connector.transport import ChunkTransport
 from cachegen.kv import KVCache, ModelIdentity
@@ -96,7 +96,8 @@ class WorkerSide:
         self.model = model
         self.block_size = block_size  # the scheduler's block size (block ids refer to it)
         self.chunk_tokens = chunk_tokens
-        self._layers: list[tuple[torch.Tensor, PagedLayout]] = []
+        self._caches: list[torch.Tensor] = []  # one per layer, in layer order
+        self._layout: PagedLayout | None = None  # the same for every layer
         self._lock = threading.Lock()  # guards the collections below (loader thread)
         self._load_done = threading.Condition(self._lock)
         self._in_flight = 0  # background loads submitted and not finished
@@ -121,7 +122,7 @@ class WorkerSide:
                 f"vLLM has attention caches for layers {[i for i, _ in indexed]}, but {self.model.name} has "
                 f"{self.model.num_layers} layers; cross-layer or shared KV caches are not supported"
             )
-        self._layers = []
+        caches, layouts = [], []
         for _, name in indexed:
             cache = kv_caches[name]
             layout = layout_for_layer(layers[name], cache)
@@ -133,8 +134,14 @@ class WorkerSide:
                 )
             if self.block_size % layout.block_size:
                 raise ConnectorError(f"kernel block size {layout.block_size} does not divide block size {self.block_size}")
-            self._layers.append((cache, layout))
-        logger.info("cachegen connector: %d layers, %s layout", len(self._layers), self._layers[0][1].kind)
+            if layouts and (layout != layouts[0] or cache.dtype != caches[0].dtype):
+                raise ConnectorError(f"layer {name} has another KV layout or dtype than layer 0; mixed layouts are not supported")
+            caches.append(cache)
+            layouts.append(layout)
+        self._caches, self._layout = caches, layouts[0]
+        extra = f", isa {self._layout.isa}, vec packing {self._layout.is_vec}" if isinstance(self._layout, CpuPackedLayout) else ""
+        logger.info("cachegen connector: %d layers, %s layout (kernel block %d%s)", len(caches), self._layout.kind,
+                    self._layout.block_size, extra)
 
     # ---- moving KV between the paged cache and KVCache -----------------------------------------
 
@@ -146,15 +153,15 @@ class WorkerSide:
     def gather(self, block_ids: list[int], token_ids: list[int], begin: int, end: int) -> KVCache:
         """Logical KV of prompt tokens ``[begin, end)`` read from the paged cache (a copy)."""
         slots = self._slots(block_ids, begin, end)
-        keys, values = [], []
-        for cache, layout in self._layers:
-            blocks = _whole_blocks(slots, layout.block_size)
-            k, v = layout.gather(cache, slots) if blocks is None else layout.gather_blocks(cache, blocks)
-            keys.append(k)
-            values.append(v)
+        layout = self._layout
+        blocks = _whole_blocks(slots, layout.block_size)
+        if blocks is None:
+            keys, values = (torch.stack(x) for x in zip(*(layout.gather(cache, slots) for cache in self._caches)))
+        else:
+            keys, values = layout.gather_blocks(self._caches, blocks)
         return KVCache(
-            keys=torch.stack(keys).cpu(),
-            values=torch.stack(values).cpu(),
+            keys=keys.cpu(),
+            values=values.cpu(),
             token_ids=torch.as_tensor(token_ids[begin:end], dtype=torch.int64),
             model=self.model,
             start=begin,
@@ -167,12 +174,12 @@ class WorkerSide:
             return 0
         slots = self._slots(block_ids, lo, hi)
         part = kv.slice(lo - kv.start, hi - kv.start)
-        for layer, (cache, layout) in enumerate(self._layers):
-            blocks = _whole_blocks(slots, layout.block_size)
-            if blocks is None:
-                layout.scatter(cache, slots, part.keys[layer], part.values[layer])
-            else:
-                layout.scatter_blocks(cache, blocks, part.keys[layer], part.values[layer])
+        blocks = _whole_blocks(slots, self._layout.block_size)
+        if blocks is None:
+            for layer, cache in enumerate(self._caches):
+                self._layout.scatter(cache, slots, part.keys[layer], part.values[layer])
+        else:
+            self._layout.scatter_blocks(self._caches, blocks, part.keys, part.values)
         return hi - lo
 
     # ---- loads ---------------------------------------------------------------------------------

@@ -145,32 +145,35 @@ def test_scatter_rejects_mismatched_kv():
         layout.scatter(torch.zeros(2, 2, 16, 128), torch.arange(4), torch.zeros(2, 5, 64), torch.zeros(2, 5, 64))
 
 
-@pytest.mark.parametrize("isa", ["vec", "amx"])
-def test_whole_block_paths_match_the_kernel(isa):
+@pytest.mark.parametrize("isa,dtype", [("vec", torch.bfloat16), ("vec", torch.float32), ("amx", torch.bfloat16)])
+def test_whole_block_paths_match_the_kernel(isa, dtype):
     torch.manual_seed(3)
     num_blocks, heads, block_size, head_dim = 6, 3, 128, 64
     blocks = torch.tensor([4, 1, 3])
     slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
-    keys = torch.randn(len(slots), heads, head_dim).to(torch.bfloat16)
-    values = torch.randn(len(slots), heads, head_dim).to(torch.bfloat16)
-    cache = _kernel_cache(isa, torch.bfloat16, num_blocks, heads, block_size, head_dim, slots, keys, values)
-    key_offsets, value_offsets = probe_cpu_packing(isa, block_size, head_dim, torch.bfloat16)
+    layers = [(torch.randn(len(slots), heads, head_dim).to(dtype), torch.randn(len(slots), heads, head_dim).to(dtype))
+              for _ in range(2)]
+    caches = [_kernel_cache(isa, dtype, num_blocks, heads, block_size, head_dim, slots, k, v) for k, v in layers]
+    keys = torch.stack([k.transpose(0, 1) for k, _ in layers])  # [layers, H, n, D]
+    values = torch.stack([v.transpose(0, 1) for _, v in layers])
+    key_offsets, value_offsets = probe_cpu_packing(isa, block_size, head_dim, dtype)
     layout = CpuPackedLayout(block_size, heads, head_dim, key_offsets, value_offsets, isa)
     assert layout.is_vec == (isa == "vec")
-    got_keys, got_values = layout.gather_blocks(cache, blocks)
-    assert torch.equal(got_keys, keys.transpose(0, 1)) and torch.equal(got_values, values.transpose(0, 1))
-    rebuilt = torch.zeros_like(cache)
-    layout.scatter_blocks(rebuilt, blocks, keys.transpose(0, 1), values.transpose(0, 1))
-    assert torch.equal(rebuilt, cache)
+    got_keys, got_values = layout.gather_blocks(caches, blocks)
+    assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+    rebuilt = [torch.zeros_like(c) for c in caches]
+    layout.scatter_blocks(rebuilt, blocks, keys, values)
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt, caches))
 
 
 def test_split_layout_whole_blocks():
     torch.manual_seed(4)
-    cache = _split_cache(5, 2, 16, 64, (0, 2, 1, 3))
+    caches = [_split_cache(5, 2, 16, 64, (0, 2, 1, 3)) for _ in range(2)]
     layout = SplitLayout(16, 2, 64)
     blocks = torch.tensor([3, 0])
-    keys, values = torch.randn(2, 32, 64), torch.randn(2, 32, 64)
-    layout.scatter_blocks(cache, blocks, keys, values)
+    keys, values = torch.randn(2, 2, 32, 64), torch.randn(2, 2, 32, 64)
+    layout.scatter_blocks(caches, blocks, keys, values)
     slots = (blocks[:, None] * 16 + torch.arange(16)).flatten()
-    assert all(torch.equal(a, b) for a, b in zip(layout.gather(cache, slots), (keys, values)))
-    assert all(torch.equal(a, b) for a, b in zip(layout.gather_blocks(cache, blocks), (keys, values)))
+    for layer, cache in enumerate(caches):
+        assert all(torch.equal(a, b) for a, b in zip(layout.gather(cache, slots), (keys[layer], values[layer])))
+    assert all(torch.equal(a, b) for a, b in zip(layout.gather_blocks(caches, blocks), (keys, values)))
