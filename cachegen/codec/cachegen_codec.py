@@ -30,9 +30,9 @@ from cachegen.codec.bitstream import Frame, Header
 from cachegen.codec.errors import CodecError
 from cachegen.codec.parallel import run_batches
 from cachegen.codec.profile import KINDS, LevelTables, Profile, find_tables, load_profile
+from cachegen.codec.qkernels import store_rotated
 from cachegen.codec.quant import (
     QuantConfig,
-    apply_rotary,
     exact_count,
     rotary_cos_sin,
     max_level,
@@ -291,7 +291,8 @@ class CacheGenDecoder(FrameDecoder):
             if fused_rotation:
                 # Streams are (layer, K/V) without locality and ``todo`` is a contiguous range,
                 # so its keys and its values are each a contiguous run of layers: transform them
-                # while they are in cache, a few torch ops per run (torch releases the GIL).
+                # while they are in cache, the Hadamard product in torch, the rotary angles and
+                # the store in one numba pass (both release the GIL).
                 for k in range(2):
                     layers = todo[todo % 2 == k] // 2
                     if len(layers):
@@ -299,9 +300,10 @@ class CacheGenDecoder(FrameDecoder):
                         block = target[k, a:b]
                         if rotation is not None:
                             block = block @ rotation
-                        if k == 0 and rotary is not None:
-                            block = apply_rotary(block, *rotary)
-                        out[k, a:b, :, token_offset : token_offset + n] = block
+                        rows = out[k, a:b, :, token_offset : token_offset + n].view(-1, n, D)
+                        rotate = k == 0 and rotary is not None
+                        cos, sin = rotary if rotate else (_NO_ANGLES, _NO_ANGLES)
+                        store_rotated(block.reshape(-1, n, D).numpy(), cos.numpy(), sin.numpy(), rotate, *_strided_views(rows))
 
         run_batches(kernel, ntok * C + 1)
         if status.any():
@@ -328,6 +330,17 @@ def _scratch(shape: tuple[int, ...]) -> torch.Tensor:
     if buffer is None or buffer.numel() < size:
         buffer = _scratch_buffers.float32 = torch.empty(size, dtype=torch.float32)
     return buffer[:size].view(shape)
+
+
+_NO_ANGLES = torch.zeros(1, 1)
+
+
+def _strided_views(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 elements, bfloat16 bits) views of a CPU tensor of either dtype, any strides;
+    the other one is empty (and of the same rank)."""
+    if x.dtype == torch.bfloat16:
+        return np.empty((0,) * x.dim(), np.float32), x.view(torch.int16).numpy().view(np.uint16)
+    return x.numpy(), np.empty((0,) * x.dim(), np.uint16)
 
 
 def _flat_views(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -70,6 +70,20 @@ def prefetch(typingctx, array, index):
     return types.void(array, index), codegen
 
 
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """``a * b + c`` on float32, rounded once (what torch's CPU ``addcmul`` computes)."""
+    if not (a == b == c == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32")
+        return builder.call(fn, list(args))
+
+    return types.float32(a, b, c), codegen
+
+
 @numba.njit(inline="always")
 def f32_to_bf16(value):
     """float32 -> bfloat16 bits, rounding to nearest even (what torch does)."""
@@ -187,3 +201,36 @@ def quantize_layers(x, kind, inv, max_level, out, todo):
                     s = inv[a0 + (t if kind == 0 else h * n + t)]
                     for d in range(D):
                         out[layer, h, t, d] = symbol_of(as_f32(x[layer, h, t, d]), s, m)
+
+
+# ---- the decoder's last step -----------------------------------------------------------------
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def store_rotated(src, cos, sin, rotate, out_f32, out_bf16):
+    """Write float32 ``src`` ``[rows, n, D]`` to ``out_bf16`` (bfloat16 bits) if that is
+    non-empty, else to ``out_f32`` (same shape, any strides), turned by the rotary angles
+    first if ``rotate``: ``cos``/``sin`` ``[n, D]`` as ``quant.rotary_cos_sin`` gives them,
+    the same NeoX arithmetic as ``quant.apply_rotary``, bit for bit (torch's CPU kernels fuse
+    the multiply-add). One pass instead of torch's four
+    (product, two in-place updates, converting copy): measured 0.1 s less per 4,096 SmolLM2
+    tokens on one core."""
+    rows, n, D = src.shape
+    half = D // 2
+    to_bf16 = out_bf16.shape[0] > 0
+    for r in range(rows):
+        for t in range(n):
+            for d in range(half):
+                x1 = src[r, t, d]
+                x2 = src[r, t, d + half]
+                if rotate:
+                    y1 = fma32(-x2, sin[t, d], x1 * cos[t, d])
+                    y2 = fma32(x1, sin[t, d + half], x2 * cos[t, d + half])
+                else:
+                    y1, y2 = x1, x2
+                if to_bf16:
+                    out_bf16[r, t, d] = f32_to_bf16(y1)
+                    out_bf16[r, t, d + half] = f32_to_bf16(y2)
+                else:
+                    out_f32[r, t, d] = y1
+                    out_f32[r, t, d + half] = y2
