@@ -189,7 +189,7 @@ class CpuPackedLayout(PagedLayout):
 
     # The vec packing (K transposed, V as is, per block and head) moves through numba
     # kernels, one call for all layers: injecting 4,096 SmolLM2 tokens takes 26-28 ms
-    # (benchmarks/micro/test_connector_layouts.py) where per-block torch copies took 46-56 ms
+    # (benchmarks/micro/test_cache_packing.py) where per-block torch copies took 46-56 ms
     # and one batched permute-copy ~550 ms (torch's strided bf16 copies are slow).
 
     def _runs_bits(self, caches: Sequence[torch.Tensor]) -> tuple[np.ndarray, ...]:

@@ -1,6 +1,6 @@
 """Moving KV in and out of vLLM's CPU paged cache (pytest-benchmark; skipped by `--benchmark-skip`).
 
-    .venv/bin/pytest benchmarks/micro/test_connector_layouts.py --benchmark-only
+    .venv/bin/pytest benchmarks/micro/test_cache_packing.py --benchmark-only
 
 What the connector does per load and per save (docs/connector.md, "Backend layouts"): the
 KV of 4,096 SmolLM2 tokens (30 layers, 3 KV heads x 64) written into, and read out of, the
