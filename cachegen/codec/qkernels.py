@@ -210,11 +210,13 @@ def quantize_layers(x, kind, inv, max_level, out, todo):
 def store_rotated(src, cos, sin, rotate, out_f32, out_bf16):
     """Write float32 ``src`` ``[rows, n, D]`` to ``out_bf16`` (bfloat16 bits) if that is
     non-empty, else to ``out_f32`` (same shape, any strides), turned by the rotary angles
-    first if ``rotate``: ``cos``/``sin`` ``[n, D]`` as ``quant.rotary_cos_sin`` gives them,
-    the same NeoX arithmetic as ``quant.apply_rotary``, bit for bit (torch's CPU kernels fuse
-    the multiply-add). One pass instead of torch's four
-    (product, two in-place updates, converting copy): measured 0.1 s less per 4,096 SmolLM2
-    tokens on one core."""
+    first if ``rotate``.
+
+    ``cos``/``sin`` are ``[n, D]`` as ``quant.rotary_cos_sin`` gives them; the arithmetic is
+    ``quant.apply_rotary``'s, bit for bit (torch's CPU kernels fuse the multiply-add, so this
+    does too). One pass instead of torch's four (product, two in-place updates, converting
+    copy): 0.1 s less per 4,096 SmolLM2 tokens on one core.
+    """
     rows, n, D = src.shape
     half = D // 2
     to_bf16 = out_bf16.shape[0] > 0
