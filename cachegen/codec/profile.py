@@ -339,6 +339,13 @@ class Profile:
     def path(self) -> Path:
         return profile_path(self.model)
 
+    def calibrated_levels(self) -> list[int]:
+        """The levels that are the model's shipped calibration, unchanged: ``cachegen
+        calibrate``'s choices for measured perplexity targets (docs/quality.md). Empty for a
+        model without one."""
+        shipped, _ = shipped_levels(self.model)
+        return sorted(level for level, config in shipped.items() if self.levels.get(level) == config)
+
     def config(self, level: int) -> QuantConfig:
         if level not in self.levels:
             raise CodecError(f"level {level} is not defined for {self.model.name}; levels are {sorted(self.levels)}")

@@ -8,7 +8,8 @@ Engine-wide keys (``kv_connector_extra_config``):
   save_modes      modes whose encodings are written after a prefill (default: ``[mode]``;
                   ``cachegen`` and ``adaptive`` write every level in ``cachegen_levels``)
   cachegen_levels the cachegen levels that are stored and that ``adaptive`` chooses from
-                  (default: every level of the model's codec profile)
+                  (default: every level of the model's codec profile is stored; ``adaptive``
+                  chooses among the model's shipped calibrated levels if it has them)
   shaper          how ``bandwidth_mbps`` is enforced: ``token-bucket`` (default) or ``netns``
   prefill_tokens_per_s  the engine's prefill rate, used by ``adaptive`` to price recomputation
                   (default: measured by the connector on this engine's own prefills)

@@ -68,3 +68,25 @@ def test_chunk_must_align_with_vllm_blocks():
     with pytest.raises(ConnectorError, match="multiple of vLLM's block size 128"):
         config.check_block_size(128)
     ConnectorConfig.from_extra_config({"chunk_tokens": 256}).check_block_size(128)
+
+
+def test_adaptive_chooses_among_the_calibrated_levels(smollm2, tiny_llama, tmp_path):
+    """With calibrated levels shipped for the model, adaptive leaves out the paper presets they
+    dominate (bytes alone would rank the presets in between); an explicit list is taken as is;
+    a model without a calibration offers every level."""
+    from cachegen.codec import load_profile
+    from cachegen.connector.transport import ChunkTransport
+
+    def levels(spec, **extra):
+        config = ConnectorConfig.from_extra_config({"store": (tmp_path / "store").as_uri(), **extra})
+        transport = ChunkTransport(config, spec, spec.identity())
+        try:
+            return transport.adaptive_levels(), transport.levels("cachegen")
+        finally:
+            transport.close()
+
+    calibrated = load_profile(smollm2).calibrated_levels()
+    assert calibrated and not {1, 2, 3} & set(calibrated)
+    assert levels(smollm2) == (calibrated, sorted(load_profile(smollm2).levels))  # every level is stored
+    assert levels(smollm2, cachegen_levels=[2, 4]) == ([2, 4], [2, 4])
+    assert levels(tiny_llama)[0] == sorted(load_profile(tiny_llama).levels)
