@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import subprocess
 import threading
@@ -93,6 +94,34 @@ def test_token_bucket_never_exceeds_its_rate():
     for _ in range(50):
         bucket.consume(20_000)
     assert time.monotonic() - start >= (50 * 20_000 - 10_000) / 10e6
+
+
+def test_a_connection_starts_on_an_idle_link(local_store):
+    """Tokens a link banked while idle must not speed up the next connection, even when its
+    first response was queued before the sender looked (the reader prefetches)."""
+    server = ChunkServer(local_store, rate_mbps=8, burst_bytes=1_000)  # 1 MB/s
+    server.bucket.set_origin(time.monotonic() - 5)  # idle for 5 s: 5 MB worth of tokens
+    body = b"x" * 200_000
+    outbox = queue.Queue()
+    outbox.put((0, time.monotonic(), protocol.OK, body))
+    outbox.put(None)
+    sender, receiver = socket.socketpair()
+    received = []
+    drain = threading.Thread(target=lambda: received.append(_read_all(receiver)))
+    drain.start()
+    start = time.monotonic()
+    server._send_responses(sender, outbox, threading.Event())
+    drain.join()
+    assert len(received[0]) > len(body)
+    assert time.monotonic() - start >= (len(body) - 1_000) / 1e6
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    parts = []
+    while chunk := sock.recv(1 << 16):
+        parts.append(chunk)
+    sock.close()
+    return b"".join(parts)
 
 
 # ---- loading over real sockets ---------------------------------------------------------

@@ -145,10 +145,14 @@ class ChunkServer:
             _put(outbox, None, done)
 
     def _send_responses(self, conn: socket.socket, outbox: queue.Queue, done: threading.Event) -> None:
+        # A connection's first response follows an idle link even when the reader queued it
+        # before this thread first looked: otherwise the tokens banked since the link's last
+        # use (seconds of them between loads) let a whole load out at loopback speed.
+        fresh = True
         try:
             while True:
                 try:
-                    item, fresh = outbox.get_nowait(), False
+                    item = outbox.get_nowait()
                 except queue.Empty:  # nothing queued: the link goes idle
                     item, fresh = outbox.get(), True
                 if item is None:
@@ -159,6 +163,7 @@ class ChunkServer:
                     time.sleep(delay)
                     fresh = True
                 self._send(conn, protocol.pack_response_header(request_id, status, len(body)), fresh)
+                fresh = False
                 view = memoryview(body)
                 for start in range(0, len(view), SEND_BLOCK):
                     self._send(conn, view[start : start + SEND_BLOCK])
