@@ -63,24 +63,39 @@ class PagedLayout:
         """Write K and V ``[num_kv_heads, len(slots), head_dim]`` into the tokens at ``slots``."""
         raise NotImplementedError
 
-    # Whole blocks are the common case (chunks and vLLM's hits are block-aligned). These move
-    # every layer's run of whole blocks in one call: several times faster than per-token
-    # indexing, and (on CPU) one release of the GIL per chunk instead of one per layer.
+    # All layers at once: the worker moves a chunk's KV of every layer in one call, so a layout
+    # can do it in one pass (the CPU vec packing: one release of the GIL per chunk).
+
+    def gather_layers(self, caches: Sequence[torch.Tensor], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[len(caches), num_kv_heads, len(slots), head_dim]``, one cache per layer."""
+        return _stack_layers(self.gather(cache, slots) for cache in caches)
+
+    def scatter_layers(
+        self, caches: Sequence[torch.Tensor], slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Write K and V ``[len(caches), num_kv_heads, len(slots), head_dim]``."""
+        for layer, cache in enumerate(caches):
+            self.scatter(cache, slots, keys[layer], values[layer])
+
+    # Whole blocks are the common case (chunks and vLLM's hits are block-aligned); layouts
+    # move a block's run at once, several times faster than per-token indexing.
 
     def gather_blocks(self, caches: Sequence[torch.Tensor], blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[len(caches), num_kv_heads, len(blocks) * block_size, head_dim]`` of whole
-        blocks, one cache per layer."""
-        slots = self._block_slots(blocks)
-        keys, values = zip(*(self.gather(cache, slots) for cache in caches))
-        return torch.stack(keys), torch.stack(values)
+        """K and V ``[len(caches), num_kv_heads, len(blocks) * block_size, head_dim]`` of whole blocks."""
+        return _stack_layers(self._gather_layer_blocks(cache, blocks) for cache in caches)
 
     def scatter_blocks(
         self, caches: Sequence[torch.Tensor], blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
         """Write K and V ``[len(caches), num_kv_heads, len(blocks) * block_size, head_dim]``."""
-        slots = self._block_slots(blocks)
         for layer, cache in enumerate(caches):
-            self.scatter(cache, slots, keys[layer], values[layer])
+            self._scatter_layer_blocks(cache, blocks, keys[layer], values[layer])
+
+    def _gather_layer_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gather(cache, self._block_slots(blocks))
+
+    def _scatter_layer_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.scatter(cache, self._block_slots(blocks), keys, values)
 
     def _block_slots(self, blocks: torch.Tensor) -> torch.Tensor:
         return (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
@@ -123,23 +138,15 @@ class SplitLayout(PagedLayout):
         rows = torch.cat([keys, values], dim=-1).transpose(0, 1).to(device=cache.device, dtype=cache.dtype)
         cache[slots // self.block_size, :, slots % self.block_size] = rows
 
-    def gather_blocks(self, caches: Sequence[torch.Tensor], blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = [], []
-        for cache in caches:
-            runs = cache[blocks.to(cache.device)]  # [n, H, bs, 2D]
-            rows = runs.transpose(0, 1).reshape(self.num_kv_heads, -1, 2 * self.head_dim)
-            keys.append(rows[..., : self.head_dim])
-            values.append(rows[..., self.head_dim :])
-        return torch.stack(keys), torch.stack(values)
+    def _gather_layer_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        runs = cache[blocks.to(cache.device)]  # [n, H, bs, 2D]
+        rows = runs.transpose(0, 1).reshape(self.num_kv_heads, -1, 2 * self.head_dim)
+        return rows[..., : self.head_dim], rows[..., self.head_dim :]
 
-    def scatter_blocks(
-        self, caches: Sequence[torch.Tensor], blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> None:
-        slots = self._block_slots(blocks)
-        for layer, cache in enumerate(caches):
-            self._check_kv(slots, keys[layer], values[layer])
-            rows = torch.cat([keys[layer], values[layer]], dim=-1).to(device=cache.device, dtype=cache.dtype)
-            cache[blocks.to(cache.device)] = rows.view(self.num_kv_heads, len(blocks), self.block_size, -1).transpose(0, 1)
+    def _scatter_layer_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._check_kv(self._block_slots(blocks), keys, values)
+        rows = torch.cat([keys, values], dim=-1).to(device=cache.device, dtype=cache.dtype)
+        cache[blocks.to(cache.device)] = rows.view(self.num_kv_heads, len(blocks), self.block_size, -1).transpose(0, 1)
 
 
 @dataclass
@@ -220,6 +227,12 @@ class CpuPackedLayout(PagedLayout):
         dtype = caches[0].dtype
         scatter_vec_blocks(self._runs_bits(caches), blocks.numpy().astype("int64"),
                            _as_bits(keys.to(dtype)), _as_bits(values.to(dtype)))
+
+
+def _stack_layers(pairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-layer (keys, values) pairs stacked into keys and values with a leading layer axis."""
+    keys, values = zip(*pairs)
+    return torch.stack(keys), torch.stack(values)
 
 
 _BITS = {2: torch.int16, 4: torch.int32}

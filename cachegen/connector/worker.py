@@ -156,7 +156,7 @@ class WorkerSide:
         layout = self._layout
         blocks = _whole_blocks(slots, layout.block_size)
         if blocks is None:
-            keys, values = (torch.stack(x) for x in zip(*(layout.gather(cache, slots) for cache in self._caches)))
+            keys, values = layout.gather_layers(self._caches, slots)
         else:
             keys, values = layout.gather_blocks(self._caches, blocks)
         return KVCache(
@@ -176,8 +176,7 @@ class WorkerSide:
         part = kv.slice(lo - kv.start, hi - kv.start)
         blocks = _whole_blocks(slots, self._layout.block_size)
         if blocks is None:
-            for layer, cache in enumerate(self._caches):
-                self._layout.scatter(cache, slots, part.keys[layer], part.values[layer])
+            self._layout.scatter_layers(self._caches, slots, part.keys, part.values)
         else:
             self._layout.scatter_blocks(self._caches, blocks, part.keys, part.values)
         return hi - lo
