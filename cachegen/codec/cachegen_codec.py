@@ -278,7 +278,7 @@ class CacheGenDecoder(FrameDecoder):
                     out_base[i] = ((k * L + layer) * H) * T * D
         nch = np.full(num, C, dtype=np.int64)
         status = np.zeros(num, dtype=np.uint8)
-        dec_f32, dec_bf16 = _flat_views(target)
+        dec_f32, dec_bf16 = _strided_views(target.view(-1))
         t = self.tables
         rotation = hadamard_matrix(D) if self.config.hadamard else None
         rotary = rotary_cos_sin(self._frame_start(frame), n, D, self.config.rope_theta) if self.config.rope_theta else None
@@ -341,10 +341,3 @@ def _strided_views(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     if x.dtype == torch.bfloat16:
         return np.empty((0,) * x.dim(), np.float32), x.view(torch.int16).numpy().view(np.uint16)
     return x.numpy(), np.empty((0,) * x.dim(), np.uint16)
-
-
-def _flat_views(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """(float32 elements, bfloat16 bits) of a contiguous CPU tensor; the other one is empty."""
-    if x.dtype == torch.bfloat16:
-        return np.empty(0, np.float32), x.view(torch.int16).numpy().view(np.uint16).reshape(-1)
-    return x.numpy().reshape(-1), np.empty(0, np.uint16)
