@@ -10,6 +10,7 @@ names, ``adaptive`` streams the ``cachegen`` codec's levels under the adaptive c
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -82,6 +83,7 @@ class ChunkTransport:
             raise ConnectorError(f"cachegen_levels {unknown} are not levels of this model's profile {list(codec.levels)}")
         return list(chosen)
 
+    @functools.cached_property
     def adaptive_levels(self) -> list[int]:
         """The levels ``adaptive`` chooses from: ``cachegen_levels`` when set, else the model's
         shipped calibrated levels when it has them, else every level.
@@ -90,7 +92,8 @@ class ChunkTransport:
         on SmolLM2 the paper's level 3 is 0.4% larger than calibrated level 4 at 2.7x its
         perplexity change, so with both on offer it sent level 3. The calibrated levels were
         each chosen for a measured perplexity target and together dominate the presets
-        (docs/quality.md)."""
+        (docs/quality.md). Found once per transport: the scheduler asks on every lookup, and the
+        shipped calibration is read from files."""
         if self.config.cachegen_levels is None:
             calibrated = self.codec("adaptive").profile.calibrated_levels()
             if calibrated:
@@ -100,7 +103,7 @@ class ChunkTransport:
     def load_levels(self, options: RequestOptions) -> list[int]:
         """Levels a chunk must be stored at to be loadable with ``options``."""
         if options.mode == "adaptive":
-            return self.adaptive_levels()
+            return list(self.adaptive_levels)
         codec = self.codec(options.mode)
         level = codec.default_level if options.level is None else options.level
         if level not in self.levels(options.mode):

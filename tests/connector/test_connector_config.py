@@ -81,7 +81,7 @@ def test_adaptive_chooses_among_the_calibrated_levels(smollm2, tiny_llama, tmp_p
         config = ConnectorConfig.from_extra_config({"store": (tmp_path / "store").as_uri(), **extra})
         transport = ChunkTransport(config, spec, spec.identity())
         try:
-            return transport.adaptive_levels(), transport.levels("cachegen")
+            return transport.adaptive_levels, transport.levels("cachegen")
         finally:
             transport.close()
 
