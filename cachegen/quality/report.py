@@ -71,10 +71,11 @@ def update_rows(document: dict, updates: list[dict], drop: list[str]) -> None:
                 rows[index[key(row)]] = row
             else:
                 rows.append(row)
-    unknown = sorted(set(drop) - {key(row) for row in rows})
+    dropped = set(drop)
+    unknown = sorted(dropped - {key(row) for row in rows})
     if unknown:
         raise InputError(f"--drop: the sweep has no row {', '.join(unknown)}")
-    document["rows"] = [row for row in rows if key(row) not in set(drop)]
+    document["rows"] = [row for row in rows if key(row) not in dropped]
     history = document.setdefault("updates", [])
     history += [{"command": u.get("command"), "rows": [key(r) for r in u["rows"]]} for u in updates]
     if drop:
