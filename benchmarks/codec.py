@@ -6,10 +6,10 @@ import time
 
 import torch
 
-from cachegen.bench.modes import Mode
-from cachegen.bench.prompts import contexts
 from cachegen.codec import decode, get_codec
 from cachegen.kv import KVCache
+from cachegen.lab.bench.prompts import contexts
+from cachegen.modes import Mode
 
 from .common import CODEC_MODES, MODELS, QUICK
 
@@ -19,7 +19,8 @@ KV_DIR = "codec-kv"
 
 def extract_kv() -> str:
     """KV of ``CONTEXT_TOKENS`` tokens of held-out CPython documentation for the first model, saved once."""
-    from cachegen.extract import extract_kv as extract, load_model
+    from cachegen.extract import extract_kv as extract
+    from cachegen.extract import load_model
 
     _, tokenizer, spec = load_model(MODELS[0])
     (context,) = contexts(tokenizer, [CONTEXT_TOKENS])

@@ -2,7 +2,7 @@
 
 The suites are thin. ``sweep`` is the ``setup_cache`` of every end-to-end class: asv runs it
 once per run (same function, same cache key), it measures the whole sweep with
-``cachegen.bench`` (one vLLM engine per model) and writes the results document into asv's
+``cachegen.lab.bench`` (one vLLM engine per model) and writes the results document into asv's
 cache directory; each ``track_*`` then reads one number from it.
 
 Environment variables:
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 
-from cachegen.bench import results
-from cachegen.bench.sweep import profile, run_sweep
+from cachegen.lab.bench import results
+from cachegen.lab.bench.sweep import profile, run_sweep
 
 PROFILE = os.environ.get("CACHEGEN_BENCH_PROFILE", "default")
 CONFIG = profile(PROFILE)
@@ -48,24 +48,37 @@ sweep.timeout = 3600  # seconds; the default profile takes well under 20 minutes
 
 def median_row(path: str, kind: str, model: str, mode: str, bandwidth_mbps, context_tokens) -> dict:
     """The median row of one cell, or NotImplementedError (asv: skipped) when it was not measured."""
-    from cachegen.bench.modes import Mode
+    from cachegen.modes import Mode
 
     parsed = Mode.parse(mode)
     doc = results.load(path)
-    rows = results.lookup(doc, kind=kind, model=model, mode=parsed.mode, level=parsed.level,
-                          context_tokens=context_tokens)
-    rows = [r for r in rows if r["bandwidth_mbps"] in (None, bandwidth_mbps) or bandwidth_mbps is None]
+    rows = results.lookup(
+        doc,
+        kind=kind,
+        model=model,
+        mode=parsed.mode,
+        level=parsed.level,
+        context_tokens=context_tokens,
+    )
+    rows = [
+        r for r in rows if r["bandwidth_mbps"] in (None, bandwidth_mbps) or bandwidth_mbps is None
+    ]
     if not rows:
-        raise NotImplementedError(f"{kind} {model} {mode} {bandwidth_mbps} {context_tokens} was not measured")
+        raise NotImplementedError(
+            f"{kind} {model} {mode} {bandwidth_mbps} {context_tokens} was not measured"
+        )
     return rows[0]
 
 
 def quality_row(path: str, model: str, mode: str) -> dict:
-    from cachegen.bench.modes import Mode
+    from cachegen.modes import Mode
 
     parsed = Mode.parse(mode)
-    rows = [q for q in results.load(path)["quality"]
-            if q["model"] == model and q["mode"] == parsed.mode and q["level"] == parsed.level]
+    rows = [
+        q
+        for q in results.load(path)["quality"]
+        if q["model"] == model and q["mode"] == parsed.mode and q["level"] == parsed.level
+    ]
     if not rows:
         raise NotImplementedError(f"quality of {model} {mode} was not measured")
     return rows[0]

@@ -62,7 +62,11 @@ def extract_kv(
     hf_model, tokenizer, spec = load_model(model, dtype)
     if (text is None) == (token_ids is None):
         raise InputError("give exactly one of text or token_ids")
-    ids = tokenize(tokenizer, text) if text is not None else torch.as_tensor(token_ids, dtype=torch.int64).flatten()
+    ids = (
+        tokenize(tokenizer, text)
+        if text is not None
+        else torch.as_tensor(token_ids, dtype=torch.int64).flatten()
+    )
     if ids.numel() == 0:
         raise InputError("no tokens to prefill")
     if ids.numel() > spec.max_positions:
@@ -78,10 +82,14 @@ def extract_kv(
     cache = DynamicCache(config=hf_model.config)
     bounds = range(0, ids.numel(), step)
     with torch.inference_mode():
-        for begin in tqdm(bounds, desc=f"prefill {spec.name}", unit="chunk", disable=not progress, leave=False):
+        for begin in tqdm(
+            bounds, desc=f"prefill {spec.name}", unit="chunk", disable=not progress, leave=False
+        ):
             piece = ids[begin : begin + step].unsqueeze(0)
             positions = torch.arange(begin, begin + piece.shape[1]).unsqueeze(0)
             hf_model(input_ids=piece, past_key_values=cache, position_ids=positions, use_cache=True)
     keys = torch.stack([layer.keys[0] for layer in cache.layers])
     values = torch.stack([layer.values[0] for layer in cache.layers])
-    return KVCache(keys=keys.to(dtype), values=values.to(dtype), token_ids=ids, model=spec.identity())
+    return KVCache(
+        keys=keys.to(dtype), values=values.to(dtype), token_ids=ids, model=spec.identity()
+    )

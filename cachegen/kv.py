@@ -57,7 +57,7 @@ class ModelIdentity:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelIdentity":
+    def from_dict(cls, data: dict) -> ModelIdentity:
         try:
             return cls(
                 name=str(data["name"]),
@@ -82,9 +82,13 @@ class KVCache:
 
     def __post_init__(self) -> None:
         if self.keys.shape != self.values.shape:
-            raise KVError(f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} differ in shape")
+            raise KVError(
+                f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} differ in shape"
+            )
         if self.keys.dim() != 4:
-            raise KVError(f"expected [layers, kv_heads, tokens, head_dim], got shape {tuple(self.keys.shape)}")
+            raise KVError(
+                f"expected [layers, kv_heads, tokens, head_dim], got shape {tuple(self.keys.shape)}"
+            )
         layers, heads, tokens, head_dim = self.keys.shape
         expected = (self.model.num_layers, self.model.num_kv_heads, self.model.head_dim)
         if (layers, heads, head_dim) != expected:
@@ -126,7 +130,7 @@ class KVCache:
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() * 2
 
-    def slice(self, begin: int, end: int) -> "KVCache":
+    def slice(self, begin: int, end: int) -> KVCache:
         """Tokens ``[begin, end)`` relative to this cache (views, no copy)."""
         if not 0 <= begin <= end <= self.num_tokens:
             raise KVError(f"token range [{begin}, {end}) is outside 0..{self.num_tokens}")
@@ -138,14 +142,17 @@ class KVCache:
             start=self.start + begin,
         )
 
-    def chunks(self, chunk_tokens: int) -> list["KVCache"]:
+    def chunks(self, chunk_tokens: int) -> list[KVCache]:
         """Consecutive slices of at most ``chunk_tokens`` tokens."""
         if chunk_tokens <= 0:
             raise KVError(f"chunk_tokens must be positive, got {chunk_tokens}")
-        return [self.slice(i, min(i + chunk_tokens, self.num_tokens)) for i in range(0, self.num_tokens, chunk_tokens)]
+        return [
+            self.slice(i, min(i + chunk_tokens, self.num_tokens))
+            for i in range(0, self.num_tokens, chunk_tokens)
+        ]
 
     @staticmethod
-    def concat(parts: list["KVCache"]) -> "KVCache":
+    def concat(parts: list[KVCache]) -> KVCache:
         """Join consecutive slices back into one cache."""
         if not parts:
             raise KVError("nothing to concatenate")
@@ -160,8 +167,10 @@ class KVCache:
             start=parts[0].start,
         )
 
-    def to(self, dtype: torch.dtype) -> "KVCache":
-        return KVCache(self.keys.to(dtype), self.values.to(dtype), self.token_ids, self.model, self.start)
+    def to(self, dtype: torch.dtype) -> KVCache:
+        return KVCache(
+            self.keys.to(dtype), self.values.to(dtype), self.token_ids, self.model, self.start
+        )
 
     def summary(self) -> dict:
         return {
@@ -217,12 +226,16 @@ class KVCache:
         return target
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, expect_model: ModelIdentity | None = None) -> "KVCache":
+    def load(
+        cls, directory: str | os.PathLike, expect_model: ModelIdentity | None = None
+    ) -> KVCache:
         """Read a cache written by :meth:`save`, verifying checksum, shapes and model."""
         directory = Path(directory)
         meta_path, tensor_path = directory / META_FILE, directory / TENSOR_FILE
         if not meta_path.is_file() or not tensor_path.is_file():
-            raise KVError(f"{directory} is not a KV directory (expected {META_FILE} and {TENSOR_FILE})")
+            raise KVError(
+                f"{directory} is not a KV directory (expected {META_FILE} and {TENSOR_FILE})"
+            )
         try:
             meta = json.loads(meta_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -230,10 +243,14 @@ class KVCache:
         if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
             raise KVError(f"{meta_path} is not a cachegen KV description")
         if meta.get("version") != FORMAT_VERSION:
-            raise KVError(f"{meta_path} has format version {meta.get('version')}; this cachegen reads {FORMAT_VERSION}")
+            raise KVError(
+                f"{meta_path} has format version {meta.get('version')}; this cachegen reads {FORMAT_VERSION}"
+            )
         blob = tensor_path.read_bytes()
         if len(blob) != meta.get("size") or hashlib.sha256(blob).hexdigest() != meta.get("sha256"):
-            raise KVError(f"{tensor_path} is corrupt or truncated (size or checksum mismatch); extract the KV again")
+            raise KVError(
+                f"{tensor_path} is corrupt or truncated (size or checksum mismatch); extract the KV again"
+            )
         model = ModelIdentity.from_dict(meta.get("model", {}))
         if expect_model is not None and model != expect_model:
             raise KVError(

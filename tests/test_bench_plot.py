@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from cachegen.bench import results
-from cachegen.bench.plots import FIGURES, pareto
 from cachegen.cli import main
+from cachegen.lab.bench import results
+from cachegen.lab.bench.plots import FIGURES, pareto
 
 FIXTURE = Path(__file__).parent / "fixtures" / "bench_results.json"
 
@@ -36,8 +36,15 @@ def test_plot_copes_with_parts_that_were_not_measured(tmp_path):
     doc = json.loads(FIXTURE.read_text())
     doc["runs"] = [r for r in doc["runs"] if r["mode"] == "recompute"]
     doc["quality"] = []
-    doc["missing"].append({"kind": "quality", "model": doc["config"]["models"][0], "mode": "cachegen", "level": 2,
-                           "reason": "skipped in this test"})
+    doc["missing"].append(
+        {
+            "kind": "quality",
+            "model": doc["config"]["models"][0],
+            "mode": "cachegen",
+            "level": 2,
+            "reason": "skipped in this test",
+        }
+    )
     doc["medians"] = results.medians(doc["runs"])
     path = results.save(doc, tmp_path / "partial.json")
     assert main(["plot", str(path), "--out", str(tmp_path / "png")]) == 0
@@ -76,7 +83,11 @@ def test_report_says_not_measured_instead_of_inventing(tmp_path):
     path = results.save(doc, tmp_path / "no-cachegen.json")
     out = tmp_path / "r.md"
     assert main(["report", str(path), "--out", str(out)]) == 0
-    claims = [line for line in out.read_text().splitlines() if line.startswith("| KV 3.5") or line.startswith("| negligible")]
+    claims = [
+        line
+        for line in out.read_text().splitlines()
+        if line.startswith("| KV 3.5") or line.startswith("| negligible")
+    ]
     assert len(claims) == 2 and all("| not measured |" in line for line in claims)
 
 

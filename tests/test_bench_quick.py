@@ -13,20 +13,45 @@ from pathlib import Path
 
 import pytest
 
-from cachegen.bench import results
-from cachegen.bench.plots import FIGURES
+from cachegen.lab.bench import results
+from cachegen.lab.bench.plots import FIGURES
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ["recompute", "raw", "int8", "cachegen-2", "adaptive", "cachegen-99"]  # tiny-llama has no level 99
+MODES = [
+    "recompute",
+    "raw",
+    "int8",
+    "cachegen-2",
+    "adaptive",
+    "cachegen-99",
+]  # tiny-llama has no level 99
 CONTEXT = 256
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory, tiny_llama):
     out = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, "-m", "cachegen", "bench", "--quick", "--models", "tiny-llama", "--modes", *MODES,
-           "--bandwidth-mbps", "1000", "--context-tokens", str(CONTEXT), "--quality-windows", "1",
-           "--output", str(out / "results.json"), "--plots", str(out / "plots")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cachegen",
+        "bench",
+        "--quick",
+        "--models",
+        "tiny-llama",
+        "--modes",
+        *MODES,
+        "--bandwidth-mbps",
+        "1000",
+        "--context-tokens",
+        str(CONTEXT),
+        "--quality-windows",
+        "1",
+        "--output",
+        str(out / "results.json"),
+        "--plots",
+        str(out / "plots"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, proc
@@ -92,7 +117,20 @@ def test_figures_and_report_from_the_quick_results(quick, tmp_path):
     for name in FIGURES:
         assert (out / "plots" / f"{name}.png").stat().st_size > 10_000, name
     report = tmp_path / "reproduction.md"
-    proc = subprocess.run([sys.executable, "-m", "cachegen", "report", str(out / "results.json"), "--out", str(report)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cachegen",
+            "report",
+            str(out / "results.json"),
+            "--out",
+            str(report),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "| paper's claim" in report.read_text()

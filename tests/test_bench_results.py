@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from cachegen.bench import results
-from cachegen.bench.modes import Mode, expand
 from cachegen.errors import InputError
+from cachegen.lab.bench import results
+from cachegen.lab.bench.modes import expand
+from cachegen.modes import Mode
 
 FIXTURE = Path(__file__).parent / "fixtures" / "bench_results.json"
 
@@ -29,15 +30,34 @@ def test_fixture_follows_the_schema(doc):
 
 
 def test_every_run_has_the_fields_the_issue_lists(doc):
-    required = {"model", "mode", "level", "bandwidth_mbps", "context_tokens", "ttft_s", "e2e_s", "tokens_per_s",
-                "bytes", "ratio_vs_fp16", "transfer_s", "decode_s"}
+    required = {
+        "model",
+        "mode",
+        "level",
+        "bandwidth_mbps",
+        "context_tokens",
+        "ttft_s",
+        "e2e_s",
+        "tokens_per_s",
+        "bytes",
+        "ratio_vs_fp16",
+        "transfer_s",
+        "decode_s",
+    }
     assert required <= set(results.schema()["$defs"]["run"]["required"])
     for run in doc["runs"]:
         assert required <= run.keys()
 
 
 def test_medians_are_medians_of_the_runs():
-    base = {"kind": "e2e", "model": "m", "mode": "int8", "level": None, "bandwidth_mbps": 100.0, "context_tokens": 512}
+    base = {
+        "kind": "e2e",
+        "model": "m",
+        "mode": "int8",
+        "level": None,
+        "bandwidth_mbps": 100.0,
+        "context_tokens": 512,
+    }
     runs = [dict(base, repeat=i, ttft_s=t, transfer_s=None) for i, t in enumerate([0.3, 0.1, 2.0])]
     (row,) = results.medians(runs)
     assert row["n"] == 3

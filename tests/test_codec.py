@@ -20,14 +20,16 @@ from cachegen.codec import (
     inspect,
     load_profile,
     paper_levels,
+    quant,
 )
 from cachegen.codec import profile as profile_mod
-from cachegen.codec import quant
 from cachegen.codec.api import CODECS
 from cachegen.errors import CacheGenError
 from cachegen.kv import KVCache
 
-TEXT = "\n\n".join(["The quick brown fox jumps over the lazy dog. " * 12, "def f(x):\n    return x * 2\n" * 12])
+TEXT = "\n\n".join(
+    ["The quick brown fox jumps over the lazy dog. " * 12, "def f(x):\n    return x * 2\n" * 12]
+)
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +57,7 @@ def isolated_profiles(tmp_path, monkeypatch):
 
 def codec_levels():
     for name in CODECS:
-        for level in ([1, 2, 3] if name == "cachegen" else [0]):
+        for level in [1, 2, 3] if name == "cachegen" else [0]:
             yield name, level
 
 
@@ -125,9 +127,17 @@ def test_kivi2_error_is_within_half_a_step(tiny_kv):
     k, v = x[0], x[1]
     ng = -(-n // 32)
     kp = torch.cat([k, k[:, :, -1:].expand(L, H, ng * 32 - n, D)], 2).view(L, H, ng, 32, D)
-    kstep = ((kp.amax(3, keepdim=True) - kp.amin(3, keepdim=True)) / 3).expand(L, H, ng, 32, D).reshape(L, H, ng * 32, D)[:, :, :n]
+    kstep = (
+        ((kp.amax(3, keepdim=True) - kp.amin(3, keepdim=True)) / 3)
+        .expand(L, H, ng, 32, D)
+        .reshape(L, H, ng * 32, D)[:, :, :n]
+    )
     vg = v.view(L, H, n, D // 32, 32)
-    vstep = ((vg.amax(4, keepdim=True) - vg.amin(4, keepdim=True)) / 3).expand_as(vg).reshape(L, H, n, D)
+    vstep = (
+        ((vg.amax(4, keepdim=True) - vg.amin(4, keepdim=True)) / 3)
+        .expand_as(vg)
+        .reshape(L, H, n, D)
+    )
     # half a step, plus the fp16 rounding of the group's minimum and step
     assert torch.all((k - y[0]).abs() <= kstep * 0.51 + k.abs() * 2e-3 + 1e-3)
     assert torch.all((v - y[1]).abs() <= vstep * 0.51 + v.abs() * 2e-3 + 1e-3)
@@ -135,7 +145,9 @@ def test_kivi2_error_is_within_half_a_step(tiny_kv):
 
 def _step_bound(x: torch.Tensor, cfg: QuantConfig, kind: str) -> torch.Tensor:
     """Half a quantization step of each element of x [L, H, n, D] under a plain config."""
-    m = torch.tensor([quant.max_level(b) for b in cfg.bins(kind)], dtype=torch.float32).view(-1, 1, 1, 1)
+    m = torch.tensor([quant.max_level(b) for b in cfg.bins(kind)], dtype=torch.float32).view(
+        -1, 1, 1, 1
+    )
     amax = quant._amax(x, cfg.scale(kind)).to(torch.float16).float()
     return (amax / m / 2).expand_as(x)
 
@@ -145,14 +157,19 @@ def test_cachegen_error_is_within_half_a_step(level, tiny_kv, tiny_profile):
     cfg = tiny_profile.config(level)
     codec = get_codec("cachegen", model="tiny-llama", chunk_tokens=tiny_kv.num_tokens)
     out = decode(codec.encode(tiny_kv, level), out_dtype=torch.float32)
-    for kind, x, y in (("k", tiny_kv.keys.float(), out.keys), ("v", tiny_kv.values.float(), out.values)):
+    for kind, x, y in (
+        ("k", tiny_kv.keys.float(), out.keys),
+        ("v", tiny_kv.values.float(), out.values),
+    ):
         assert torch.all((x - y).abs() <= _step_bound(x, cfg, kind) * 1.001 + 1e-6)
 
 
 def test_bf16_output_is_the_float32_output_rounded(tiny_kv, tiny_llama):
     blob = get_codec("cachegen", model=tiny_llama).encode(tiny_kv)
     a, b = decode(blob, out_dtype=torch.float32), decode(blob, out_dtype=torch.bfloat16)
-    assert torch.equal(a.keys.to(torch.bfloat16), b.keys) and torch.equal(a.values.to(torch.bfloat16), b.values)
+    assert torch.equal(a.keys.to(torch.bfloat16), b.keys) and torch.equal(
+        a.values.to(torch.bfloat16), b.values
+    )
 
 
 def test_chunked_bitstreams_decode_like_one(tiny_kv, tiny_llama):
@@ -184,14 +201,24 @@ def test_paper_presets_scale_with_depth():
     levels = paper_levels(32)
     assert levels[2].key_bins == (32,) * 10 + (16,) * 22
     assert levels[2].value_bins == (32,) * 2 + (16,) * 30
-    assert levels[1].key_bins == (16,) * 22 + (12,) * 10 and levels[1].value_bins == (16,) * 2 + (12,) * 30
+    assert (
+        levels[1].key_bins == (16,) * 22 + (12,) * 10
+        and levels[1].value_bins == (16,) * 2 + (12,) * 30
+    )
     assert levels[3].key_bins == (32,) * 32
     assert paper_levels(30)[2].key_bins == (32,) * 10 + (16,) * 20
     assert paper_levels(4)[2].key_bins == (32, 32, 16, 16)
 
 
 def test_quant_config_packs_compactly_and_round_trips():
-    cfg = QuantConfig(paper_levels(30)[2].key_bins, (24,) * 30, key_scale="channel", value_scale="token-head", hadamard=True, group_size=10)
+    cfg = QuantConfig(
+        paper_levels(30)[2].key_bins,
+        (24,) * 30,
+        key_scale="channel",
+        value_scale="token-head",
+        hadamard=True,
+        group_size=10,
+    )
     packed = cfg.pack()
     assert len(packed) < 40
     assert QuantConfig.unpack(packed) == cfg
@@ -253,7 +280,9 @@ def test_unknown_codec_and_level_are_refused(tiny_kv, tiny_llama):
 # ---- profiles --------------------------------------------------------------------------------
 
 
-def test_profile_build_is_deterministic_and_content_addressed(isolated_profiles, tiny_llama, tiny_profile):
+def test_profile_build_is_deterministic_and_content_addressed(
+    isolated_profiles, tiny_llama, tiny_profile
+):
     fresh = load_profile(tiny_llama)
     assert fresh.id == tiny_profile.id
     assert fresh.tables_ids == tiny_profile.tables_ids
@@ -262,7 +291,9 @@ def test_profile_build_is_deterministic_and_content_addressed(isolated_profiles,
     assert sorted(fresh.levels) == [1, 2, 3] and fresh.default_level == 2
 
 
-def test_decoder_rebuilds_missing_tables_from_the_model(tiny_kv, tiny_llama, tiny_profile, isolated_profiles):
+def test_decoder_rebuilds_missing_tables_from_the_model(
+    tiny_kv, tiny_llama, tiny_profile, isolated_profiles
+):
     blob = get_codec("cachegen", model=tiny_llama).encode(tiny_kv, 3)
     expected = decode(blob)
     shutil.rmtree(isolated_profiles)  # a consumer machine with the model but no profile
@@ -281,7 +312,7 @@ def test_decoder_says_how_to_get_tables_it_cannot_rebuild(tiny_kv, tiny_profile,
     blob = CacheGenCodec(profile=tiny_profile).encode(kv)
     shutil.rmtree(isolated_profiles)
     profile_mod.forget_cached_tables()
-    with pytest.raises(CodecError, match="codec-profile build --model no-such-model"):
+    with pytest.raises(CodecError, match="profile build --model no-such-model"):
         decode(blob)
 
 
@@ -301,16 +332,28 @@ def test_add_level_persists_and_becomes_usable(tiny_kv, tiny_llama, isolated_pro
     profile = load_profile(tiny_llama)
     old_id = profile.id
     base = profile.config(2)
-    calibrated = dataclasses.replace(base, key_scale="channel", value_scale="token-head", description="calibrated")
+    calibrated = dataclasses.replace(
+        base, key_scale="channel", value_scale="token-head", description="calibrated"
+    )
     profile.add_level(7, calibrated, make_default=True)
     assert profile.id != old_id
     again = load_profile(tiny_llama)
-    assert again.default_level == 7 and again.config(7) == calibrated and again.config(7).description == "calibrated"
+    assert (
+        again.default_level == 7
+        and again.config(7) == calibrated
+        and again.config(7).description == "calibrated"
+    )
     codec = get_codec("cachegen", model=tiny_llama)
     assert codec.levels == [1, 2, 3, 7] and codec.default_level == 7
     out = decode(codec.encode(tiny_kv), out_dtype=torch.float32)
-    for kind, x, y in (("k", tiny_kv.keys.float(), out.keys), ("v", tiny_kv.values.float(), out.values)):
-        assert torch.all((x - y).abs() <= _step_bound_chunked(x, calibrated, kind, codec.chunk_tokens) * 1.001 + 1e-6)
+    for kind, x, y in (
+        ("k", tiny_kv.keys.float(), out.keys),
+        ("v", tiny_kv.values.float(), out.values),
+    ):
+        assert torch.all(
+            (x - y).abs()
+            <= _step_bound_chunked(x, calibrated, kind, codec.chunk_tokens) * 1.001 + 1e-6
+        )
     again.set_default_level(2)
     again.remove_level(7)
     assert sorted(load_profile(tiny_llama).levels) == [1, 2, 3]
@@ -319,7 +362,13 @@ def test_add_level_persists_and_becomes_usable(tiny_kv, tiny_llama, isolated_pro
 
 
 def _step_bound_chunked(x, cfg, kind, chunk_tokens):
-    return torch.cat([_step_bound(x[:, :, b : b + chunk_tokens], cfg, kind) for b in range(0, x.shape[2], chunk_tokens)], 2)
+    return torch.cat(
+        [
+            _step_bound(x[:, :, b : b + chunk_tokens], cfg, kind)
+            for b in range(0, x.shape[2], chunk_tokens)
+        ],
+        2,
+    )
 
 
 @pytest.mark.parametrize(
@@ -345,22 +394,39 @@ def test_variants_round_trip_within_their_step(change, tiny_kv, tiny_llama, isol
     # bfloat16 output (rotated inside the decoding threads) is the float32 output, rounded;
     # float16 output takes the torch path and agrees to its precision
     assert torch.equal(decode(blob, out_dtype=torch.bfloat16).keys, out.keys.to(torch.bfloat16))
-    torch.testing.assert_close(decode(blob, out_dtype=torch.float16).keys.float(), out.keys, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(
+        decode(blob, out_dtype=torch.float16).keys.float(), out.keys, rtol=2e-3, atol=2e-3
+    )
     exact = cfg.exact_tokens
     assert torch.equal(out.keys[:, :, :exact], tiny_kv.keys[:, :, :exact].float())
     assert torch.equal(out.values[:, :, :exact], tiny_kv.values[:, :, :exact].float())
     plain = dataclasses.replace(cfg, hadamard=False, rope_theta=0.0, exact_tokens=0)
-    for x, y, kind in ((tiny_kv.keys.float(), out.keys, "k"), (tiny_kv.values.float(), out.values, "v")):
+    for x, y, kind in (
+        (tiny_kv.keys.float(), out.keys, "k"),
+        (tiny_kv.values.float(), out.values, "v"),
+    ):
         # Closed-loop locality: each token's error is its own segment's quantization error;
         # the orthonormal rotations (Hadamard, rotary angles) keep per-token error norms.
         per_token = (x - y).pow(2).sum(-1).sqrt()
-        x_rot = quant.rotate_keys(x, 0, cfg.rope_theta, inverse=True) if kind == "k" and cfg.rope_theta else x
+        x_rot = (
+            quant.rotate_keys(x, 0, cfg.rope_theta, inverse=True)
+            if kind == "k" and cfg.rope_theta
+            else x
+        )
         x_rot = quant.hadamard(x_rot) if cfg.hadamard else x_rot
-        bound = torch.cat([_segment_bound(x_rot[:, :, b : b + 100], plain, kind) for b in range(0, x.shape[2], 100)], 2)
+        bound = torch.cat(
+            [
+                _segment_bound(x_rot[:, :, b : b + 100], plain, kind)
+                for b in range(0, x.shape[2], 100)
+            ],
+            2,
+        )
         assert torch.all(per_token <= bound * 1.01 + 1e-4)
 
 
-def test_rotary_and_exact_options_follow_positions_across_bitstreams(tiny_kv, tiny_llama, isolated_profiles):
+def test_rotary_and_exact_options_follow_positions_across_bitstreams(
+    tiny_kv, tiny_llama, isolated_profiles
+):
     """Keys are turned by the angles of their absolute positions and only the first tokens of
     the sequence are stored exactly, however the tokens are split into bitstreams."""
     profile = load_profile(tiny_llama)
@@ -372,7 +438,9 @@ def test_rotary_and_exact_options_follow_positions_across_bitstreams(tiny_kv, ti
     parts = KVCache.concat([decode(codec.encode(c, 11)) for c in tiny_kv.chunks(64)])
     assert torch.equal(whole.keys, parts.keys) and torch.equal(whole.values, parts.values)
     first, later = tiny_kv.slice(0, 64), tiny_kv.slice(64, 128)
-    exact_bytes = 2 * first.num_layers * first.num_kv_heads * 3 * first.head_dim * first.dtype.itemsize
+    exact_bytes = (
+        2 * first.num_layers * first.num_kv_heads * 3 * first.head_dim * first.dtype.itemsize
+    )
     assert len(codec.encode(first, 11)) == len(codec.encode(first, 12)) + exact_bytes
     assert len(codec.encode(later, 11)) == len(codec.encode(later, 12))
 
@@ -397,9 +465,13 @@ def test_keys_turned_back_by_rotary_angles_are_the_models_pre_rope_keys(tiny_lla
     finally:
         hook.remove()
     identity = spec.identity()
-    pre_rope = captured[-1][0].view(len(ids), identity.num_kv_heads, identity.head_dim).transpose(0, 1)
+    pre_rope = (
+        captured[-1][0].view(len(ids), identity.num_kv_heads, identity.head_dim).transpose(0, 1)
+    )
     turned_back = quant.rotate_keys(kv.keys[-1].float(), 0, theta, inverse=True)
-    torch.testing.assert_close(turned_back, pre_rope, rtol=1e-4, atol=1e-4 * float(pre_rope.abs().max()))
+    torch.testing.assert_close(
+        turned_back, pre_rope, rtol=1e-4, atol=1e-4 * float(pre_rope.abs().max())
+    )
     assert not torch.allclose(kv.keys[-1].float(), pre_rope, atol=1e-2)
 
 
@@ -413,20 +485,28 @@ def test_decoder_rotary_kernel_is_the_torch_rotation_bit_for_bit():
     cos, sin = quant.rotary_cos_sin(1000, 40, 64, 100000.0)
     expected = quant.apply_rotary(src, cos, sin)
     as_f32 = torch.empty(6, 50, 64)[:, 5:45]  # a strided view, as the decoder writes into
-    store_rotated(src.numpy(), cos.numpy(), sin.numpy(), True, as_f32.numpy(), np.empty((0, 0, 0), np.uint16))
+    store_rotated(
+        src.numpy(), cos.numpy(), sin.numpy(), True, as_f32.numpy(), np.empty((0, 0, 0), np.uint16)
+    )
     assert torch.equal(as_f32, expected)
     as_bf16 = torch.empty(6, 40, 64, dtype=torch.bfloat16)
     bits = as_bf16.view(torch.int16).numpy().view(np.uint16)
-    store_rotated(src.numpy(), cos.numpy(), sin.numpy(), True, np.empty((0, 0, 0), np.float32), bits)
+    store_rotated(
+        src.numpy(), cos.numpy(), sin.numpy(), True, np.empty((0, 0, 0), np.float32), bits
+    )
     assert torch.equal(as_bf16, expected.to(torch.bfloat16))
-    store_rotated(src.numpy(), cos.numpy(), sin.numpy(), False, np.empty((0, 0, 0), np.float32), bits)
+    store_rotated(
+        src.numpy(), cos.numpy(), sin.numpy(), False, np.empty((0, 0, 0), np.float32), bits
+    )
     assert torch.equal(as_bf16, src.to(torch.bfloat16))
 
 
 def _segment_bound(x, cfg, kind):
     """Per-token error norm bound of one chunk: half a step for every element of its segment."""
     out = torch.empty(x.shape[:3])
-    m = torch.tensor([quant.max_level(b) for b in cfg.bins(kind)], dtype=torch.float32).view(-1, 1, 1, 1)
+    m = torch.tensor([quant.max_level(b) for b in cfg.bins(kind)], dtype=torch.float32).view(
+        -1, 1, 1, 1
+    )
     for seg in quant.quantize_chunk(x, cfg, kind):
         step = (seg.scales.float() / m / 2).expand(*seg.symbols.shape)
         out[:, :, seg.tokens] = step.pow(2).sum(-1).sqrt()

@@ -1,4 +1,4 @@
-"""`cachegen encode / decode / inspect / codec-profile` from the command line."""
+"""`cachegen encode / decode / inspect / profile` from the command line."""
 
 from __future__ import annotations
 
@@ -34,29 +34,50 @@ def test_encode_inspect_decode(codec, kv_dir, tmp_path, capsys):
     assert main(["inspect", str(blob), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     original = KVCache.load(kv_dir)
-    for field in ("codec", "level", "num_tokens", "num_layers", "bits_per_element", "ratio_vs_fp16", "ratio_vs_int8", "layers"):
+    for field in (
+        "codec",
+        "level",
+        "num_tokens",
+        "num_layers",
+        "bits_per_element",
+        "ratio_vs_fp16",
+        "ratio_vs_int8",
+        "layers",
+    ):
         assert field in info
-    assert info["codec"] == codec and info["num_tokens"] == original.num_tokens and len(info["layers"]) == original.num_layers
+    assert (
+        info["codec"] == codec
+        and info["num_tokens"] == original.num_tokens
+        and len(info["layers"]) == original.num_layers
+    )
     assert main(["inspect", str(blob)]) == 0
     assert "bits/element" in capsys.readouterr().out
     out_dir = tmp_path / "decoded"
     assert main(["decode", "--dtype", "float32", str(blob), str(out_dir)]) == 0
     decoded = KVCache.load(out_dir)
     expected = decode(blob.read_bytes(), out_dtype=torch.float32)
-    assert torch.equal(decoded.keys, expected.keys) and torch.equal(decoded.token_ids, original.token_ids)
+    assert torch.equal(decoded.keys, expected.keys) and torch.equal(
+        decoded.token_ids, original.token_ids
+    )
 
 
 def test_encode_level_is_recorded(kv_dir, tmp_path, capsys):
     blob = tmp_path / "kv.cgkv"
-    assert main(["encode", "--codec", "cachegen", "--level", "3", "--json", str(kv_dir), str(blob)]) == 0
+    assert (
+        main(["encode", "--codec", "cachegen", "--level", "3", "--json", str(kv_dir), str(blob)])
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["level"] == 3
-    assert main(["encode", "--codec", "cachegen", "--level", "8", str(kv_dir), str(tmp_path / "x")]) == 1
+    assert (
+        main(["encode", "--codec", "cachegen", "--level", "8", str(kv_dir), str(tmp_path / "x")])
+        == 1
+    )
     assert "no level 8" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 
 def test_profile_show(capsys, tiny_llama):
-    assert main(["codec-profile", "show", "--model", "tiny-llama"]) == 0
+    assert main(["profile", "show", "--model", "tiny-llama"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["default_level"] == 2 and set(data["levels"]) >= {"1", "2", "3"}
 
@@ -70,7 +91,11 @@ def test_corrupt_file_fails_with_one_line(kv_dir, tmp_path):
     bad.write_bytes(bytes(data))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "cachegen", "decode", str(bad), str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "cachegen", "decode", str(bad), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

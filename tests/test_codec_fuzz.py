@@ -19,7 +19,12 @@ from cachegen.codec import CodecError, decode, get_codec, inspect
 from cachegen.codec.bitstream import _FIXED, parse_header
 from cachegen.kv import KVCache
 
-FUZZ = settings(max_examples=700, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True)
+FUZZ = settings(
+    max_examples=700,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    derandomize=True,
+)
 
 
 class Blobs(dict):
@@ -33,8 +38,18 @@ def blobs(tiny_llama) -> Blobs:
 
     kv = extract_kv(tiny_llama, text="Fuzzing a bitstream: " * 12).slice(3, 43)
     out = Blobs()
-    for name, level in [("raw", 0), ("int8", 0), ("fp8", 0), ("int8-zstd", 0), ("kivi2", 0), ("cachegen", 1), ("cachegen", 3)]:
-        out[f"{name}-{level}"] = get_codec(name, model=tiny_llama, chunk_tokens=16).encode(kv, level)
+    for name, level in [
+        ("raw", 0),
+        ("int8", 0),
+        ("fp8", 0),
+        ("int8-zstd", 0),
+        ("kivi2", 0),
+        ("cachegen", 1),
+        ("cachegen", 3),
+    ]:
+        out[f"{name}-{level}"] = get_codec(name, model=tiny_llama, chunk_tokens=16).encode(
+            kv, level
+        )
     return out
 
 
@@ -79,7 +94,11 @@ def check_decodes_or_refuses(blob: bytes) -> None:
 
 mutation = st.tuples(
     st.sampled_from(NAMES),
-    st.lists(st.tuples(st.integers(min_value=0), st.integers(min_value=1, max_value=255)), min_size=1, max_size=6),
+    st.lists(
+        st.tuples(st.integers(min_value=0), st.integers(min_value=1, max_value=255)),
+        min_size=1,
+        max_size=6,
+    ),
     st.booleans(),
 )
 
@@ -110,7 +129,12 @@ def test_truncated_bitstreams_are_refused(blobs, name, cut, resealed):
 
 
 @FUZZ
-@given(name=st.sampled_from(NAMES), pos=st.integers(min_value=0), junk=st.binary(min_size=1, max_size=64), resealed=st.booleans())
+@given(
+    name=st.sampled_from(NAMES),
+    pos=st.integers(min_value=0),
+    junk=st.binary(min_size=1, max_size=64),
+    resealed=st.booleans(),
+)
 def test_inserted_bytes_are_refused(blobs, name, pos, junk, resealed):
     blob = blobs[name]
     p = pos % (len(blob) + 1)
@@ -133,7 +157,20 @@ def test_random_bytes_are_refused(data):
 
 def _forge_header(blob: bytes, **fields) -> bytes:
     """The blob with header fields replaced and the header checksum fixed."""
-    names = ["magic", "version", "codec", "level", "dtype", "flags", "layers", "heads", "head_dim", "start", "tokens", "chunk"]
+    names = [
+        "magic",
+        "version",
+        "codec",
+        "level",
+        "dtype",
+        "flags",
+        "layers",
+        "heads",
+        "head_dim",
+        "start",
+        "tokens",
+        "chunk",
+    ]
     values = dict(zip(names, _FIXED.unpack_from(blob, 0)))
     values.update(fields)
     data = bytearray(blob)
@@ -146,7 +183,13 @@ def test_hostile_sizes_are_refused_before_allocating(blobs, name):
     blob = blobs[name]
     # A billion tokens, a frame per token, or a gigantic geometry: the input cannot back any
     # of these claims, so decoding stops at the size checks, before allocating the output.
-    for fields in ({"tokens": 1 << 30}, {"chunk": 1}, {"layers": 60000, "heads": 250}, {"head_dim": 4096}, {"tokens": 0}):
+    for fields in (
+        {"tokens": 1 << 30},
+        {"chunk": 1},
+        {"layers": 60000, "heads": 250},
+        {"head_dim": 4096},
+        {"tokens": 0},
+    ):
         with pytest.raises(CodecError):
             decode(_forge_header(blob, **fields))
 
@@ -164,7 +207,11 @@ def test_cachegen_stream_too_short_for_its_symbols_is_refused(blobs):
     for frame in frames:
         words, dir_end = decoder._directory(frame)
         scale_bytes = dir_end - 4 * len(words)
-        body = bytes(frame.body[:scale_bytes]) + struct.pack(f"<{len(words)}I", *([16] * len(words))) + bytes(32 * len(words))
+        body = (
+            bytes(frame.body[:scale_bytes])
+            + struct.pack(f"<{len(words)}I", *([16] * len(words)))
+            + bytes(32 * len(words))
+        )
         payload = frame.token_ids.astype("<u2").tobytes() + body
         out += struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
     assert kv.num_tokens == header.num_tokens

@@ -21,7 +21,12 @@ def test_kv_shapes_match_the_model(request, fixture):
     spec = request.getfixturevalue(fixture)
     kv = extract_kv(spec, text=TEXT)
     identity = spec.identity()
-    assert kv.keys.shape == (identity.num_layers, identity.num_kv_heads, kv.num_tokens, identity.head_dim)
+    assert kv.keys.shape == (
+        identity.num_layers,
+        identity.num_kv_heads,
+        kv.num_tokens,
+        identity.head_dim,
+    )
     assert kv.model == identity and kv.dtype == torch.bfloat16
     assert kv.num_tokens > 100 and kv.token_ids[0].item() >= 0
 
@@ -69,7 +74,16 @@ def run_cli(*args):
 def test_extract_cli_writes_a_loadable_kv_directory(tmp_path, tiny_llama):
     text_file = tmp_path / "ctx.txt"
     text_file.write_text(TEXT)
-    out = run_cli("extract", "--model", "tiny-llama", "--text-file", str(text_file), "--out", str(tmp_path / "kv"), "--json")
+    out = run_cli(
+        "extract",
+        "--model",
+        "tiny-llama",
+        "--text-file",
+        str(text_file),
+        "--out",
+        str(tmp_path / "kv"),
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout)
     kv = KVCache.load(tmp_path / "kv", expect_model=tiny_llama.identity())

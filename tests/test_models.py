@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from cachegen import models
+from cachegen.constants import cache_root
 from cachegen.errors import ModelError
 from cachegen.extract import load_model
+from cachegen.store import default_store_url
 
 
 def test_smollm2_converts_to_a_plain_hf_directory(smollm2):
@@ -33,12 +35,16 @@ def test_conversion_is_idempotent(smollm2):
 def test_smollm2_answers_a_fixed_question_deterministically(smollm2):
     model, tokenizer, _ = load_model("smollm2-135m")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     answers = []
     for _ in range(2):
         with torch.inference_mode():
             out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
-        answers.append(tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True))
+        answers.append(
+            tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+        )
     assert answers[0] == answers[1]
     assert "Paris" in answers[0]
 
@@ -66,10 +72,12 @@ def test_tiny_models_are_reproducible(tmp_path, monkeypatch, tiny_llama):
 
 def test_cache_dir_honours_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("CACHEGEN_CACHE_DIR", str(tmp_path / "c"))
-    assert models.cache_dir() == tmp_path / "c"
+    assert cache_root() == tmp_path / "c"
     monkeypatch.delenv("CACHEGEN_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert models.cache_dir() == tmp_path / "xdg" / "cachegen"
+    assert cache_root() == tmp_path / "xdg" / "cachegen"
+    # the default chunk store follows the same root
+    assert default_store_url() == (tmp_path / "xdg" / "cachegen" / "chunks").as_uri()
 
 
 def test_interrupted_build_leaves_nothing_that_loads(tmp_path, monkeypatch):
@@ -114,7 +122,10 @@ def test_missing_wheel_gives_install_hint(monkeypatch, tmp_path):
 
 def test_models_cli_lists_known_models_as_json(smollm2):
     out = subprocess.run(
-        [sys.executable, "-m", "cachegen", "models", "--json"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "cachegen", "models", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     rows = {r["name"]: r for r in json.loads(out.stdout)}
     assert set(models.known_names()) <= set(rows)
@@ -123,6 +134,10 @@ def test_models_cli_lists_known_models_as_json(smollm2):
 
 
 def test_models_cli_unknown_model_exits_nonzero():
-    out = subprocess.run([sys.executable, "-m", "cachegen", "models", "nope", "--prepare"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "cachegen", "models", "nope", "--prepare"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 1
     assert out.stderr.strip().count("\n") == 0 and "smollm2-135m" in out.stderr

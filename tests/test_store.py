@@ -25,8 +25,8 @@ from cachegen.store import (
     longest_prefix,
     open_store,
     parse_size,
+    record,
 )
-from cachegen.store import record
 from cachegen.store.local import LocalStore
 
 MODEL = ModelIdentity("m", "f" * 64, num_layers=2, num_kv_heads=1, head_dim=64)
@@ -251,7 +251,11 @@ def test_redis_stopped_raises_unavailable(redis_server):
     s.put("ns/a", 0, b"x")
     redis_server.stop()
     try:
-        for op in (lambda: s.get("ns/a", 0), lambda: s.put("ns/a", 0, b"y"), lambda: s.exists("ns/a", 0)):
+        for op in (
+            lambda: s.get("ns/a", 0),
+            lambda: s.put("ns/a", 0, b"y"),
+            lambda: s.exists("ns/a", 0),
+        ):
             with pytest.raises(StoreUnavailable):
                 op()
     finally:

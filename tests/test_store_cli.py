@@ -37,23 +37,71 @@ def test_put_lookup_ls_stats_evict(tmp_path, kv_dir, capsys):
     assert stats["entries"] == 3 and stats["payload_bytes"] == put["bytes"]
     key = put["keys"][1]
     got = tmp_path / "chunk.bin"
-    run(capsys, "store", "get", "--store", url, "--key", key, "--level", "0", "--out", str(got), "--json")
+    run(
+        capsys,
+        "store",
+        "get",
+        "--store",
+        url,
+        "--key",
+        key,
+        "--level",
+        "0",
+        "--out",
+        str(got),
+        "--json",
+    )
     from cachegen.codec import decode
 
     assert decode(got.read_bytes()).token_ids.tolist() == list(range(256, 512))
     run(capsys, "store", "rm", "--store", url, "--key", put["keys"][0], "--json")
     look = run(capsys, "store", "lookup", str(kv_dir), "--codec", "int8", "--store", url, "--json")
     assert look["stored_prefix_chunks"] == 0  # the prefix is broken at chunk 0
-    assert run(capsys, "store", "evict", "--store", url, "--all", "--json")["payload_bytes_left"] == 0
+    assert (
+        run(capsys, "store", "evict", "--store", url, "--all", "--json")["payload_bytes_left"] == 0
+    )
 
 
 def test_put_blob_and_errors(tmp_path, capsys):
     url = (tmp_path / "store").as_uri()
     blob = tmp_path / "b.bin"
     blob.write_bytes(b"bits")
-    assert run(capsys, "store", "put-blob", str(blob), "--store", url, "--key", "ns/k", "--level", "3", "--json")["bytes"] == 4
-    assert main(["store", "get", "--store", url, "--key", "ns/k", "--level", "2", "--out", str(tmp_path / "o")]) == 1
+    assert (
+        run(
+            capsys,
+            "store",
+            "put-blob",
+            str(blob),
+            "--store",
+            url,
+            "--key",
+            "ns/k",
+            "--level",
+            "3",
+            "--json",
+        )["bytes"]
+        == 4
+    )
+    assert (
+        main(
+            [
+                "store",
+                "get",
+                "--store",
+                url,
+                "--key",
+                "ns/k",
+                "--level",
+                "2",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 1
+    )
     assert "is not in" in capsys.readouterr().err
-    assert main(["store", "put-blob", str(blob), "--store", url, "--key", "../x", "--level", "0"]) == 1
+    assert (
+        main(["store", "put-blob", str(blob), "--store", url, "--key", "../x", "--level", "0"]) == 1
+    )
     assert "invalid chunk key" in capsys.readouterr().err
     assert main(["store", "stats", "--store", "gopher://x"]) == 1

@@ -24,10 +24,11 @@ from cachegen.stream import (
     SocketSource,
     StreamProtocolError,
     StreamTimeout,
+    netns,
     open_link,
+    protocol,
     stream_load,
 )
-from cachegen.stream import netns, protocol
 from cachegen.stream.ratelimit import TokenBucket
 
 LEVELS = (0, 1, 2)
@@ -39,7 +40,12 @@ def kv_blob(seed: int, level: int) -> bytes:
     """A real serialized KV chunk (safetensors, bf16); higher levels are bigger, as in a codec."""
     g = torch.Generator().manual_seed(seed * 10 + level)
     shape = (2, 1 + level, TOKENS, 64)
-    return st_save({"keys": torch.randn(shape, generator=g).bfloat16(), "values": torch.randn(shape, generator=g).bfloat16()})
+    return st_save(
+        {
+            "keys": torch.randn(shape, generator=g).bfloat16(),
+            "values": torch.randn(shape, generator=g).bfloat16(),
+        }
+    )
 
 
 def decode(blob: bytes) -> dict:
@@ -131,7 +137,9 @@ def _read_all(sock: socket.socket) -> bytes:
 def test_socket_load_in_order(local_store, chunks, rate):
     with ChunkServer(local_store, rate_mbps=rate) as server:
         got, consume = collect()
-        stats = stream_load(SocketSource(server.address), local_store.keys, decode, consume, level=1)
+        stats = stream_load(
+            SocketSource(server.address), local_store.keys, decode, consume, level=1
+        )
     assert [i for i, _ in got] == list(range(N_CHUNKS))
     assert all(same_kv(kv, decode(chunks[(i, 1)])) for i, kv in got)
     assert stats.n_loaded == N_CHUNKS and stats.recompute_from is None
@@ -194,7 +202,14 @@ def test_buffer_bounds_memory(local_store):
             seen.append(len(reads))
         return len(blob)
 
-    stream_load(DirectSource(local_store), local_store.keys, slow_decode, lambda i, x: None, level=0, max_buffered=2)
+    stream_load(
+        DirectSource(local_store),
+        local_store.keys,
+        slow_decode,
+        lambda i, x: None,
+        level=0,
+        max_buffered=2,
+    )
     assert seen[0] <= 1 + 2 + 1  # chunk being decoded + buffer + one waiting to be handed over
 
 
@@ -242,7 +257,9 @@ def test_redis_stopped_mid_stream(redis_server, redis_url):
         # for it (it prefetches two), so most chunks are still in redis when it stops.
         with ChunkServer(store, rate_mbps=100) as server:
             with pytest.raises(StoreUnavailable) as info:
-                stream_load(SocketSource(server.address), keys, bytes, consume, level=2, stall_timeout_s=10)
+                stream_load(
+                    SocketSource(server.address), keys, bytes, consume, level=2, stall_timeout_s=10
+                )
     finally:
         redis_server.start()
     n = info.value.stats.n_loaded
@@ -298,10 +315,14 @@ def test_stalled_socket_times_out():
 
 
 def test_connection_cut_mid_chunk():
-    server = RawServer(lambda rid, key, lv: _response(rid, key, lv, b"x" * 100_000, cut=1), close_after=True)
+    server = RawServer(
+        lambda rid, key, lv: _response(rid, key, lv, b"x" * 100_000, cut=1), close_after=True
+    )
     try:
         with pytest.raises(StreamProtocolError, match="closed after"):
-            stream_load(SocketSource(server.sock.getsockname()), ["ns/a"], len, lambda i, x: None, level=0)
+            stream_load(
+                SocketSource(server.sock.getsockname()), ["ns/a"], len, lambda i, x: None, level=0
+            )
     finally:
         server.close()
 
@@ -310,7 +331,9 @@ def test_corruption_in_transit_is_detected():
     server = RawServer(lambda rid, key, lv: _response(rid, key, lv, b"x" * 10_000, flip=True))
     try:
         with pytest.raises(ChunkCorrupt, match="checksum"):
-            stream_load(SocketSource(server.sock.getsockname()), ["ns/a"], len, lambda i, x: None, level=0)
+            stream_load(
+                SocketSource(server.sock.getsockname()), ["ns/a"], len, lambda i, x: None, level=0
+            )
     finally:
         server.close()
 
@@ -318,7 +341,14 @@ def test_corruption_in_transit_is_detected():
 def test_deadline(local_store):
     with ChunkServer(local_store, rate_mbps=1) as server:  # 12 chunks take seconds at 1 Mbit/s
         with pytest.raises(StreamTimeout, match="deadline"):
-            stream_load(SocketSource(server.address), local_store.keys, len, lambda i, x: None, level=2, timeout_s=0.3)
+            stream_load(
+                SocketSource(server.address),
+                local_store.keys,
+                len,
+                lambda i, x: None,
+                level=2,
+                timeout_s=0.3,
+            )
 
 
 def test_consumer_error_stops_the_fetcher(local_store):
@@ -340,7 +370,9 @@ SIZES = {0: [100_000] * 10, 1: [200_000] * 10, 2: [400_000] * 10}
 
 
 def make_controller(slo_s, prefill_tps=10_000.0, **kw):
-    return AdaptiveController(slo_s, SIZES, [100] * 10, prefill_tokens_per_s=prefill_tps, drop_factor=1.0, **kw)
+    return AdaptiveController(
+        slo_s, SIZES, [100] * 10, prefill_tokens_per_s=prefill_tps, drop_factor=1.0, **kw
+    )
 
 
 def test_controller_picks_best_level_that_fits():
@@ -422,7 +454,9 @@ def test_adaptive_load_over_socket(local_store, chunks):
         assert all(same_kv(kv, decode(chunks[(i, stats.levels[i])])) for i, kv in got)
         assert len(stats.decisions) == N_CHUNKS
 
-        hopeless = AdaptiveController(1e-6, sizes, tokens, prefill_tokens_per_s=1e12, initial_mbps=1.0)
+        hopeless = AdaptiveController(
+            1e-6, sizes, tokens, prefill_tokens_per_s=1e12, initial_mbps=1.0
+        )
         got, consume = collect()
         stats = stream_load(link.source, local_store.keys, decode, consume, controller=hopeless)
         assert stats.recompute_from == 0 and stats.n_loaded == 0 and got == []

@@ -17,11 +17,19 @@ def test_stream_bench_json(tmp_path, capsys, tiny_llama):
     runs = out["runs"]
     assert [r["bandwidth_mbps"] for r in runs] == [200, 1000]
     for r in runs:
-        for field in ("goodput_mbps", "bytes", "transfer_s", "decode_s", "load_s", "levels", "wait_bytes_s"):
+        for field in (
+            "goodput_mbps",
+            "bytes",
+            "transfer_s",
+            "decode_s",
+            "load_s",
+            "levels",
+            "wait_bytes_s",
+        ):
             assert field in r
         assert r["levels"] == [0] * 4 and r["n_loaded"] == 4 and r["bytes"] == runs[0]["bytes"]
+    from cachegen.lab.bench.stream_bench import prepare
     from cachegen.store import open_store
-    from cachegen.stream.bench import prepare
 
     again = prepare(open_store(url), "tiny-llama", "int8", 512, 128, [0], log=lambda msg: None)
     assert not again.encoded_now  # a second run reuses the stored chunks

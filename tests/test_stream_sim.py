@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from cachegen.lab.bench.stream_sim import ADAPTIVE, Workload, evaluate, simulate, standard_traces
 from cachegen.stream import RECOMPUTE, BandwidthTrace
-from cachegen.stream.simulate import ADAPTIVE, Workload, evaluate, simulate, standard_traces
 
 N = 8
 WORK = Workload(
@@ -36,8 +36,12 @@ def test_recompute_policy():
 def test_adaptive_uses_the_slack_and_backs_off_after_a_drop():
     greedy = simulate(BandwidthTrace.constant(80), WORK, ADAPTIVE, slo_s=0.3, drop_factor=1.0)
     assert greedy.hit and greedy.levels[0] == 0 and max(greedy.levels) == 2
-    assert simulate(BandwidthTrace.constant(80), WORK, 2, slo_s=0.3).hit is False  # 0.4 s at level 2
-    careful = simulate(BandwidthTrace.constant(80), WORK, ADAPTIVE, slo_s=0.3)  # keeps room for a drop
+    assert (
+        simulate(BandwidthTrace.constant(80), WORK, 2, slo_s=0.3).hit is False
+    )  # 0.4 s at level 2
+    careful = simulate(
+        BandwidthTrace.constant(80), WORK, ADAPTIVE, slo_s=0.3
+    )  # keeps room for a drop
     assert careful.hit and 0 < careful.mean_level <= greedy.mean_level
     # 20 MB/s, then 2 MB/s from 50 ms on: level 2 while fast, lower once the drop is seen
     drop = simulate(BandwidthTrace.step(160, 16, 0.05), WORK, ADAPTIVE, slo_s=1.0)

@@ -17,7 +17,9 @@ SCRIPT = Path(__file__).with_name("vllm_generate.py")
 def vllm_generate(model_dir: Path, prompt: str, max_tokens: int) -> dict:
     out = subprocess.run(
         [sys.executable, str(SCRIPT), str(model_dir), prompt, str(max_tokens)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -33,7 +35,9 @@ def test_tiny_model_generates_in_vllm(request, fixture):
 def test_smollm2_answers_in_vllm(smollm2):
     _, tokenizer, _ = load_model(smollm2)
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
     )
     result = vllm_generate(smollm2.path, prompt, 12)
     assert "Paris" in result["text"]

@@ -16,5 +16,7 @@ if __name__ == "__main__":
 
     model_dir, prompt, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     llm = LLM(model=model_dir, gpu_memory_utilization=0.3, max_model_len=2048, enforce_eager=True)
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False
+    )[0]
     print(json.dumps({"text": out.outputs[0].text, "token_ids": list(out.outputs[0].token_ids)}))

@@ -24,14 +24,24 @@ TOKENS, CHUNK = 4096, 256
 def packed():
     layout = CpuPackedLayout(BLOCK, HEADS, HEAD_DIM, *vec_packing_offsets(BLOCK, HEAD_DIM))
     num_blocks = TOKENS // BLOCK + 8  # vLLM hands out blocks in any order: use a shuffled set
-    caches = [torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
-    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))[: TOKENS // BLOCK]
-    chunks = [torch.randn(2, LAYERS, HEADS, CHUNK, HEAD_DIM, dtype=torch.bfloat16) for _ in range(TOKENS // CHUNK)]
+    caches = [
+        torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))[
+        : TOKENS // BLOCK
+    ]
+    chunks = [
+        torch.randn(2, LAYERS, HEADS, CHUNK, HEAD_DIM, dtype=torch.bfloat16)
+        for _ in range(TOKENS // CHUNK)
+    ]
     return layout, caches, order.view(-1, CHUNK // BLOCK), chunks
 
 
 def _record(benchmark):
-    benchmark.extra_info.update({"elements": 2 * LAYERS * HEADS * TOKENS * HEAD_DIM, "tokens": TOKENS})
+    benchmark.extra_info.update(
+        {"elements": 2 * LAYERS * HEADS * TOKENS * HEAD_DIM, "tokens": TOKENS}
+    )
 
 
 def test_inject_chunks(benchmark, packed):

@@ -1,10 +1,10 @@
 """Codec speed, side by side in one run (pytest-benchmark; skipped by `--benchmark-skip`).
 
     .venv/bin/pytest benchmarks/micro/test_codec_speed.py --benchmark-only --benchmark-json=speed.json
-    python -m cachegen.codec.report --skip-sizes --benchmark-json speed.json --write docs/codec.md
+    cachegen codec-report --skip-sizes --benchmark-json speed.json --write docs/codec.md
 
 Data: SmolLM2 KV of 1,024 tokens of Python documentation text (4 chunks of 256 tokens,
-11.8 M elements). Targets (issue 3, 2-core machine, both cores): cachegen decode (entropy
+11.8 M elements). Targets (docs/codec.md, 2-core machine, both cores): cachegen decode (entropy
 decode + dequantize to bf16) >= 300 M elements/s, encode >= 150 M elements/s, coded
 payload <= 1% above the ideal code length under the tables used. The size target is
 asserted (it is deterministic); speeds are recorded in ``extra_info`` with their target,
@@ -22,8 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import decode, get_codec, load_profile
-from cachegen.codec import rans
+from cachegen.codec import decode, get_codec, load_profile, rans
 from cachegen.codec.cachegen_codec import encode_chunk
 from cachegen.codec.quant import quantize_chunk
 
@@ -60,8 +59,12 @@ def symbols(kv, profile):
     for k, x in enumerate((kv.keys, kv.values)):
         for begin in range(0, TOKENS, CHUNK):
             (seg,) = quantize_chunk(x[:, :, begin : begin + CHUNK].float(), tables.config, "kv"[k])
-            out[:, k, :, begin : begin + CHUNK] = seg.symbols.permute(0, 1, 3, 2).reshape(L, C, -1).numpy()
-    rows = np.array([[tables.base(layer, k, 0) + np.arange(C) for k in range(2)] for layer in range(L)])
+            out[:, k, :, begin : begin + CHUNK] = (
+                seg.symbols.permute(0, 1, 3, 2).reshape(L, C, -1).numpy()
+            )
+    rows = np.array(
+        [[tables.base(layer, k, 0) + np.arange(C) for k in range(2)] for layer in range(L)]
+    )
     return out, rows, tables
 
 
@@ -82,7 +85,12 @@ def test_cachegen_decode(benchmark, kv, profile, threads, monkeypatch):
     benchmark.group = "codec decode"
     out = benchmark(decode, blob)
     assert out.keys.dtype == torch.bfloat16
-    _record(benchmark, kv.num_elements, f"cachegen level {LEVEL} -> bf16, {threads} thread(s)", DECODE_TARGET)
+    _record(
+        benchmark,
+        kv.num_elements,
+        f"cachegen level {LEVEL} -> bf16, {threads} thread(s)",
+        DECODE_TARGET,
+    )
 
 
 def test_cachegen_decode_default_level(benchmark, kv, profile):
@@ -91,7 +99,12 @@ def test_cachegen_decode_default_level(benchmark, kv, profile):
     blob = codec.encode(kv)
     benchmark.group = "codec decode"
     benchmark(decode, blob)
-    _record(benchmark, kv.num_elements, f"cachegen default level {codec.default_level} -> bf16, 2 thread(s)", DECODE_TARGET)
+    _record(
+        benchmark,
+        kv.num_elements,
+        f"cachegen default level {codec.default_level} -> bf16, 2 thread(s)",
+        DECODE_TARGET,
+    )
 
 
 @pytest.mark.parametrize("threads", ["1", "2"])
@@ -100,14 +113,24 @@ def test_cachegen_encode(benchmark, kv, profile, threads, monkeypatch):
     codec = get_codec("cachegen", model="smollm2-135m", chunk_tokens=CHUNK)
     benchmark.group = "codec encode"
     benchmark(codec.encode, kv, LEVEL)
-    _record(benchmark, kv.num_elements, f"cachegen level {LEVEL} from bf16, {threads} thread(s)", ENCODE_TARGET)
+    _record(
+        benchmark,
+        kv.num_elements,
+        f"cachegen level {LEVEL} from bf16, {threads} thread(s)",
+        ENCODE_TARGET,
+    )
 
 
 def test_cachegen_encode_default_level(benchmark, kv, profile):
     codec = get_codec("cachegen", model="smollm2-135m", chunk_tokens=CHUNK)
     benchmark.group = "codec encode"
     benchmark(codec.encode, kv)
-    _record(benchmark, kv.num_elements, f"cachegen default level {codec.default_level} from bf16, 2 thread(s)", ENCODE_TARGET)
+    _record(
+        benchmark,
+        kv.num_elements,
+        f"cachegen default level {codec.default_level} from bf16, 2 thread(s)",
+        ENCODE_TARGET,
+    )
 
 
 @pytest.mark.parametrize("name", ["raw", "int8", "fp8", "int8-zstd", "kivi2"])
@@ -140,9 +163,13 @@ def test_coded_size_is_within_one_percent_of_ideal(benchmark, kv, profile):
         scale_bytes += seg.scales.numel() * 2
         sym = seg.symbols.permute(0, 1, 3, 2).reshape(L, C, -1).numpy()
         for layer in range(L):
-            ideal += rans.code_length_bits(tables.freq, tables.base(layer, k, 0) + np.arange(C), sym[layer])
+            ideal += rans.code_length_bits(
+                tables.freq, tables.base(layer, k, 0) + np.arange(C), sym[layer]
+            )
     coded = (len(body) - scale_bytes - 4 * 2 * L) * 8
-    benchmark.extra_info.update({"coded_bits": coded, "ideal_bits": ideal, "overhead_percent": 100 * (coded / ideal - 1)})
+    benchmark.extra_info.update(
+        {"coded_bits": coded, "ideal_bits": ideal, "overhead_percent": 100 * (coded / ideal - 1)}
+    )
     assert coded <= ideal * 1.01
 
 
@@ -152,12 +179,21 @@ def test_coded_size_is_within_one_percent_of_ideal(benchmark, kv, profile):
 def _rans_inputs(sym, rows):
     """Our kernel's inputs: one stream per (layer, K/V) over all TOKENS tokens."""
     L, _, C, T = sym.shape
-    sym4 = np.ascontiguousarray(sym.reshape(L * 2, C // 64, 64, T).transpose(0, 1, 3, 2))  # [streams, H, T, D]
+    sym4 = np.ascontiguousarray(
+        sym.reshape(L * 2, C // 64, 64, T).transpose(0, 1, 3, 2)
+    )  # [streams, H, T, D]
     n = L * 2
     base = rows[:, :, 0].reshape(-1).astype(np.int64)
     cap = C * T + rans.STATE_WORDS
     off = np.arange(n + 1, dtype=np.int64) * cap
-    return sym4, base, off, np.empty(off[-1], dtype=np.uint16), np.empty(n, dtype=np.int64), np.arange(n, dtype=np.int64)
+    return (
+        sym4,
+        base,
+        off,
+        np.empty(off[-1], dtype=np.uint16),
+        np.empty(n, dtype=np.int64),
+        np.arange(n, dtype=np.int64),
+    )
 
 
 def test_coder_ours_encode(benchmark, symbols):
@@ -181,13 +217,34 @@ def test_coder_ours_decode(benchmark, symbols):
     zeros = np.zeros(n, dtype=np.int64)
     result = np.empty(sym.size, dtype=np.uint16)
     status = np.zeros(n, dtype=np.uint8)
-    args = (words, word_off, nch, ntok, base, tables.slots, tables.freq_cum, np.ones(1, dtype=np.float32), zeros,
-            np.zeros((n, 3), np.int64), np.zeros(n, np.int32), 64, np.arange(TOKENS, dtype=np.int64), zeros,
-            np.empty(0, np.float32), result, np.arange(n, dtype=np.int64) * C * TOKENS, TOKENS, todo, status)
+    args = (
+        words,
+        word_off,
+        nch,
+        ntok,
+        base,
+        tables.slots,
+        tables.freq_cum,
+        np.ones(1, dtype=np.float32),
+        zeros,
+        np.zeros((n, 3), np.int64),
+        np.zeros(n, np.int32),
+        64,
+        np.arange(TOKENS, dtype=np.int64),
+        zeros,
+        np.empty(0, np.float32),
+        result,
+        np.arange(n, dtype=np.int64) * C * TOKENS,
+        TOKENS,
+        todo,
+        status,
+    )
     benchmark.group = "entropy coder decode (1 thread)"
     benchmark(rans.decode_streams, *args)
     assert not status.any()
-    _record(benchmark, sym.size, "rANS (this repo), per-channel tables, symbols + dequantize to bf16")
+    _record(
+        benchmark, sym.size, "rANS (this repo), per-channel tables, symbols + dequantize to bf16"
+    )
 
 
 def _constriction_models(tables, rows):
@@ -204,7 +261,12 @@ def test_coder_constriction_encode(benchmark, symbols):
     AnsCoder = constriction.stream.stack.AnsCoder
     sym, rows, tables = symbols
     models = _constriction_models(tables, rows)
-    seqs = [(models[int(r)], sym[i, k, c].astype(np.int32)) for i in range(sym.shape[0]) for k in range(2) for c, r in enumerate(rows[i, k])]
+    seqs = [
+        (models[int(r)], sym[i, k, c].astype(np.int32))
+        for i in range(sym.shape[0])
+        for k in range(2)
+        for c, r in enumerate(rows[i, k])
+    ]
 
     def run():
         coder = AnsCoder()
@@ -224,7 +286,12 @@ def test_coder_constriction_decode(benchmark, symbols):
     AnsCoder = constriction.stream.stack.AnsCoder
     sym, rows, tables = symbols
     models = _constriction_models(tables, rows)
-    seqs = [(models[int(r)], sym[i, k, c].astype(np.int32)) for i in range(sym.shape[0]) for k in range(2) for c, r in enumerate(rows[i, k])]
+    seqs = [
+        (models[int(r)], sym[i, k, c].astype(np.int32))
+        for i in range(sym.shape[0])
+        for k in range(2)
+        for c, r in enumerate(rows[i, k])
+    ]
     coder = AnsCoder()
     for model, s in reversed(seqs):
         coder.encode_reverse(s, model)
@@ -247,28 +314,45 @@ def _torchac_inputs(symbols):
     sym, rows, tables = symbols
     sub = sym[:TORCHAC_LAYERS]  # [l, 2, C, T]
     r = rows[:TORCHAC_LAYERS]
-    cum = np.concatenate([np.zeros((tables.freq.shape[0], 1)), np.cumsum(tables.freq, axis=1)], axis=1) / rans.PROB_SCALE
+    cum = (
+        np.concatenate(
+            [np.zeros((tables.freq.shape[0], 1)), np.cumsum(tables.freq, axis=1)], axis=1
+        )
+        / rans.PROB_SCALE
+    )
     cdf = torch.from_numpy(cum[np.repeat(r.reshape(-1), TOKENS)].astype(np.float32))
     return cdf, torch.from_numpy(sub.reshape(-1).astype(np.int16))
 
 
 def test_coder_torchac_encode(benchmark, symbols):
-    torchac = pytest.importorskip("torchac", reason="pip install torchac (it compiles a C++ extension on first import)")
+    torchac = pytest.importorskip(
+        "torchac", reason="pip install torchac (it compiles a C++ extension on first import)"
+    )
     cdf, s = _torchac_inputs(symbols)
     benchmark.group = "entropy coder encode (1 thread)"
     data = benchmark.pedantic(torchac.encode_float_cdf, args=(cdf, s), rounds=3, iterations=1)
     benchmark.extra_info["bits_per_symbol"] = len(data) * 8 / s.numel()
-    _record(benchmark, s.numel(), f"torchac (original CacheGen's coder), CDF per symbol, {TORCHAC_LAYERS} layers")
+    _record(
+        benchmark,
+        s.numel(),
+        f"torchac (original CacheGen's coder), CDF per symbol, {TORCHAC_LAYERS} layers",
+    )
 
 
 def test_coder_torchac_decode(benchmark, symbols):
-    torchac = pytest.importorskip("torchac", reason="pip install torchac (it compiles a C++ extension on first import)")
+    torchac = pytest.importorskip(
+        "torchac", reason="pip install torchac (it compiles a C++ extension on first import)"
+    )
     cdf, s = _torchac_inputs(symbols)
     data = torchac.encode_float_cdf(cdf, s)
     benchmark.group = "entropy coder decode (1 thread)"
     out = benchmark.pedantic(torchac.decode_float_cdf, args=(cdf, data), rounds=3, iterations=1)
     assert torch.equal(out, s)
-    _record(benchmark, s.numel(), f"torchac (original CacheGen's coder), CDF per symbol, {TORCHAC_LAYERS} layers")
+    _record(
+        benchmark,
+        s.numel(),
+        f"torchac (original CacheGen's coder), CDF per symbol, {TORCHAC_LAYERS} layers",
+    )
 
 
 def test_coder_zstd_encode(benchmark, symbols):

@@ -7,14 +7,22 @@ import torch
 
 from cachegen import models
 from cachegen.codec.base import Codec
-from cachegen.codec.baselines import Fp8Codec, Int8Codec, Int8ZstdCodec, Kivi2Codec, RawCodec, _Int8Decoder
+from cachegen.codec.baselines import (
+    Fp8Codec,
+    Int8Codec,
+    Int8ZstdCodec,
+    Kivi2Codec,
+    RawCodec,
+    _Int8Decoder,
+)
 from cachegen.codec.bitstream import Header, parse_frames, parse_header
 from cachegen.codec.cachegen_codec import CacheGenCodec, CacheGenDecoder
 from cachegen.codec.errors import CodecError
 from cachegen.kv import KVCache
 
 CODECS: dict[str, type[Codec]] = {
-    cls.name: cls for cls in (RawCodec, Int8Codec, Fp8Codec, Int8ZstdCodec, Kivi2Codec, CacheGenCodec)
+    cls.name: cls
+    for cls in (RawCodec, Int8Codec, Fp8Codec, Int8ZstdCodec, Kivi2Codec, CacheGenCodec)
 }
 CODECS_BY_ID: dict[int, type[Codec]] = {cls.codec_id: cls for cls in CODECS.values()}
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -44,7 +52,9 @@ def _open(blob: bytes | bytearray | memoryview):
     header = parse_header(blob)
     cls = CODECS_BY_ID.get(header.codec_id)
     if cls is None:
-        raise CodecError(f"bitstream uses codec id {header.codec_id}, which this cachegen does not know")
+        raise CodecError(
+            f"bitstream uses codec id {header.codec_id}, which this cachegen does not know"
+        )
     frames = parse_frames(blob, header)
     decoder = cls.decoder(header)
     for frame in frames:
@@ -52,20 +62,31 @@ def _open(blob: bytes | bytearray | memoryview):
     return header, cls, frames, decoder
 
 
-def decode(blob: bytes | bytearray | memoryview, out_dtype: torch.dtype = torch.bfloat16) -> KVCache:
+def decode(
+    blob: bytes | bytearray | memoryview, out_dtype: torch.dtype = torch.bfloat16
+) -> KVCache:
     """Decode a bitstream of any codec. Raises ``CodecError`` for corrupt or unsupported input."""
     if out_dtype not in OUT_DTYPES:
         raise CodecError(f"out_dtype must be one of {', '.join(str(d) for d in OUT_DTYPES)}")
     header, _, frames, decoder = _open(blob)
     out = decoder.decode(frames, out_dtype)
     ids = np.concatenate([f.token_ids for f in frames]) if frames else np.zeros(0, dtype=np.int64)
-    return KVCache(keys=out[0], values=out[1], token_ids=torch.from_numpy(ids), model=header.model, start=header.start)
+    return KVCache(
+        keys=out[0],
+        values=out[1],
+        token_ids=torch.from_numpy(ids),
+        model=header.model,
+        start=header.start,
+    )
 
 
 def int8_size(header: Header) -> int:
     """Bytes the ``int8`` codec would produce for the same KV and chunking."""
     dec = _Int8Decoder(header)
-    frames = sum(8 + header.frame_tokens(i) * header.token_width + dec.body_size(header.frame_tokens(i)) for i in range(header.num_frames))
+    frames = sum(
+        8 + header.frame_tokens(i) * header.token_width + dec.body_size(header.frame_tokens(i))
+        for i in range(header.num_frames)
+    )
     return header.size - len(header.params) + frames
 
 
@@ -110,7 +131,9 @@ def inspect(blob: bytes | bytearray | memoryview) -> dict:
                 "layer": i,
                 "key_bytes": float(layer[i, 0]),
                 "value_bytes": float(layer[i, 1]),
-                "bits_per_element": float(layer[i].sum() * 8 / per_layer_elements) if elements else None,
+                "bits_per_element": float(layer[i].sum() * 8 / per_layer_elements)
+                if elements
+                else None,
             }
             for i in range(header.num_layers)
         ],

@@ -16,9 +16,9 @@ import torch
 
 from cachegen.codec.bitstream import Frame, Header, pack_frame, pack_header
 from cachegen.codec.errors import CodecError
+from cachegen.constants import CHUNK_TOKENS
 from cachegen.kv import KVCache
 
-DEFAULT_CHUNK_TOKENS = 256
 MAX_CHUNK_TOKENS = 1 << 20
 
 
@@ -47,7 +47,9 @@ class FrameDecoder:
         for frame in frames:
             self.check(frame)
         h = self.header
-        out = torch.empty((2, h.num_layers, h.num_kv_heads, h.num_tokens, h.head_dim), dtype=out_dtype)
+        out = torch.empty(
+            (2, h.num_layers, h.num_kv_heads, h.num_tokens, h.head_dim), dtype=out_dtype
+        )
         offset = 0
         for frame in frames:
             self.decode_frame(frame, out, offset)
@@ -62,7 +64,7 @@ class Codec:
     codec_id: ClassVar[int]
     lossless: ClassVar[bool] = False
 
-    def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+    def __init__(self, chunk_tokens: int = CHUNK_TOKENS) -> None:
         if not 1 <= int(chunk_tokens) <= MAX_CHUNK_TOKENS:
             raise CodecError(f"chunk_tokens must be in 1..{MAX_CHUNK_TOKENS}, got {chunk_tokens}")
         self.chunk_tokens = int(chunk_tokens)
@@ -97,7 +99,9 @@ class Codec:
         parts = [header]
         if kv.num_tokens:
             for chunk in kv.chunks(self.chunk_tokens):
-                parts.append(pack_frame(chunk.token_ids, token_width, self.encode_body(chunk, level)))
+                parts.append(
+                    pack_frame(chunk.token_ids, token_width, self.encode_body(chunk, level))
+                )
         return b"".join(parts)
 
     # -- subclass hooks --------------------------------------------------------------------
@@ -116,7 +120,9 @@ class Codec:
 
 def check_size(frame: Frame, expected: int, what: str) -> None:
     if len(frame.body) != expected:
-        raise CodecError(f"frame {frame.index} is corrupt: {what} body is {len(frame.body)} bytes, expected {expected}")
+        raise CodecError(
+            f"frame {frame.index} is corrupt: {what} body is {len(frame.body)} bytes, expected {expected}"
+        )
 
 
 def kv_tensor(chunk: KVCache) -> torch.Tensor:

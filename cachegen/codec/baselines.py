@@ -113,7 +113,13 @@ class _RawDecoder(_Decoder):
 
 def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [2, L, H, n, D] -> (int8 codes, fp16 per-(K/V, layer, token) absolute maxima)."""
-    amax = x.abs().amax(dim=(2, 4), keepdim=True).clamp(max=FP16_MAX).to(torch.float16).to(torch.float32)
+    amax = (
+        x.abs()
+        .amax(dim=(2, 4), keepdim=True)
+        .clamp(max=FP16_MAX)
+        .to(torch.float16)
+        .to(torch.float32)
+    )
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
     return q, amax
@@ -146,7 +152,9 @@ class _Int8Decoder(_Decoder):
         h = self.header
         ns = 2 * h.num_layers * n * 2
         amax = _fp16(body[:ns], (2, h.num_layers, 1, n, 1))
-        q = torch.from_numpy(np.frombuffer(body[ns:], dtype=np.int8).copy()).view(2, h.num_layers, h.num_kv_heads, n, h.head_dim)
+        q = torch.from_numpy(np.frombuffer(body[ns:], dtype=np.int8).copy()).view(
+            2, h.num_layers, h.num_kv_heads, n, h.head_dim
+        )
         return q.to(torch.float32) * (amax / 127.0)
 
 
@@ -162,7 +170,9 @@ class Int8ZstdCodec(Codec):
         self.zstd_level = int(zstd_level)
 
     def encode_body(self, chunk: KVCache, level: int) -> bytes:
-        return zstandard.ZstdCompressor(level=self.zstd_level, write_content_size=True).compress(_int8_body(chunk))
+        return zstandard.ZstdCompressor(level=self.zstd_level, write_content_size=True).compress(
+            _int8_body(chunk)
+        )
 
     @classmethod
     def decoder(cls, header: Header) -> FrameDecoder:
@@ -179,17 +189,23 @@ class _Int8ZstdDecoder(_Int8Decoder):
         except zstandard.ZstdError as exc:
             raise CodecError(f"frame {frame.index} is corrupt: not a zstd frame ({exc})") from exc
         if size != expected:
-            raise CodecError(f"frame {frame.index} is corrupt: zstd content is {size} bytes, expected {expected}")
+            raise CodecError(
+                f"frame {frame.index} is corrupt: zstd content is {size} bytes, expected {expected}"
+            )
 
     def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
         n = len(frame.token_ids)
         expected = self.body_size(n)
         try:
-            raw = zstandard.ZstdDecompressor().decompress(bytes(frame.body), max_output_size=expected)
+            raw = zstandard.ZstdDecompressor().decompress(
+                bytes(frame.body), max_output_size=expected
+            )
         except zstandard.ZstdError as exc:
             raise CodecError(f"frame {frame.index} is corrupt: zstd says {exc}") from exc
         if len(raw) != expected:
-            raise CodecError(f"frame {frame.index} is corrupt: zstd content is {len(raw)} bytes, expected {expected}")
+            raise CodecError(
+                f"frame {frame.index} is corrupt: zstd content is {len(raw)} bytes, expected {expected}"
+            )
         out[:, :, :, token_offset : token_offset + n] = self.decode_body(memoryview(raw), n)
 
 
@@ -207,7 +223,10 @@ class Fp8Codec(Codec):
         amax = x.abs().amax(dim=(2, 3, 4), keepdim=True)
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         q = (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return scale.reshape(-1).numpy().astype("<f4").tobytes() + q.view(torch.uint8).numpy().tobytes()
+        return (
+            scale.reshape(-1).numpy().astype("<f4").tobytes()
+            + q.view(torch.uint8).numpy().tobytes()
+        )
 
     @classmethod
     def decoder(cls, header: Header) -> FrameDecoder:
@@ -223,8 +242,12 @@ class _Fp8Decoder(_Decoder):
     def decode_body(self, body: memoryview, n: int) -> torch.Tensor:
         h = self.header
         ns = 2 * h.num_layers * 4
-        scale = torch.from_numpy(np.frombuffer(body[:ns], dtype="<f4").copy()).view(2, h.num_layers, 1, 1, 1)
-        q = torch.from_numpy(np.frombuffer(body[ns:], dtype=np.uint8).copy()).view(torch.float8_e4m3fn)
+        scale = torch.from_numpy(np.frombuffer(body[:ns], dtype="<f4").copy()).view(
+            2, h.num_layers, 1, 1, 1
+        )
+        q = torch.from_numpy(np.frombuffer(body[ns:], dtype=np.uint8).copy()).view(
+            torch.float8_e4m3fn
+        )
         return q.to(torch.float32).view(2, h.num_layers, h.num_kv_heads, n, h.head_dim) * scale
 
 
@@ -278,8 +301,19 @@ class Kivi2Codec(Codec):
             k = torch.cat([k, k[:, :, -1:].expand(L, H, ng * g - n, D)], dim=2)
         kc, kmin, kstep = _minmax_quant(k.view(L, H, ng, g, D), dim=3)
         kc = kc.view(L, H, ng * g, D)[:, :, :n]
-        vc, vmin, vstep = _minmax_quant(chunk.values.to(torch.float32).cpu().reshape(L, H, n, D // gv, gv), dim=4)
-        return b"".join([_fp16_bytes(kmin), _fp16_bytes(kstep), _fp16_bytes(vmin), _fp16_bytes(vstep), _pack2(kc), _pack2(vc)])
+        vc, vmin, vstep = _minmax_quant(
+            chunk.values.to(torch.float32).cpu().reshape(L, H, n, D // gv, gv), dim=4
+        )
+        return b"".join(
+            [
+                _fp16_bytes(kmin),
+                _fp16_bytes(kstep),
+                _fp16_bytes(vmin),
+                _fp16_bytes(vstep),
+                _pack2(kc),
+                _pack2(vc),
+            ]
+        )
 
     @classmethod
     def decoder(cls, header: Header) -> FrameDecoder:
@@ -324,7 +358,11 @@ class _Kivi2Decoder(_Decoder):
             fields.append(_fp16(body[pos : pos + 2 * count], (count,)))
             pos += 2 * count
         kc = _unpack2(body[pos : pos + nc], L * H * n * D).to(torch.float32).view(L, H, n, D)
-        vc = _unpack2(body[pos + nc : pos + 2 * nc], L * H * n * D).to(torch.float32).view(L, H, n, D // gv, gv)
+        vc = (
+            _unpack2(body[pos + nc : pos + 2 * nc], L * H * n * D)
+            .to(torch.float32)
+            .view(L, H, n, D // gv, gv)
+        )
         token_group = torch.arange(n) // g
         kmin, kstep = (f.view(L, H, ng, D)[:, :, token_group] for f in fields[:2])
         vmin, vstep = (f.view(L, H, n, D // gv, 1) for f in fields[2:])

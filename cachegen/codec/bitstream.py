@@ -95,14 +95,18 @@ def _fingerprint_bytes(fingerprint: str) -> tuple[bytes, bool]:
     return data, False
 
 
-def pack_header(codec_id: int, level: int, kv: KVCache, chunk_tokens: int, params: bytes) -> tuple[bytes, int]:
+def pack_header(
+    codec_id: int, level: int, kv: KVCache, chunk_tokens: int, params: bytes
+) -> tuple[bytes, int]:
     """Header bytes for ``kv`` and the token id width chosen."""
     if kv.dtype not in DTYPE_CODES:
         raise CodecError(f"cannot encode KV of dtype {kv.dtype}; use float16, bfloat16 or float32")
     if not 0 <= level <= 0xFFFF:
         raise CodecError(f"level must fit in 16 bits, got {level}")
     if kv.num_tokens > MAX_TOKENS or kv.start + kv.num_tokens >= 1 << 63:
-        raise CodecError(f"{kv.num_tokens} tokens from position {kv.start} are more than a bitstream holds")
+        raise CodecError(
+            f"{kv.num_tokens} tokens from position {kv.start} are more than a bitstream holds"
+        )
     ids = kv.token_ids
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= 1 << 32):
         raise CodecError("token ids must be in [0, 2**32)")
@@ -111,21 +115,37 @@ def pack_header(codec_id: int, level: int, kv: KVCache, chunk_tokens: int, param
     if len(name) > 255:
         raise CodecError(f"model name {kv.model.name[:40]!r}... is longer than 255 bytes")
     fp, digest = _fingerprint_bytes(kv.model.fingerprint)
-    flags = (FLAG_TOKENS_U32 if token_width == 4 else 0) | (FLAG_FINGERPRINT_DIGEST if digest else 0)
+    flags = (FLAG_TOKENS_U32 if token_width == 4 else 0) | (
+        FLAG_FINGERPRINT_DIGEST if digest else 0
+    )
     if len(params) > 0xFFFF:
         raise CodecError("codec parameters are too large for the header")
     out = bytearray(
         _FIXED.pack(
-            MAGIC, VERSION, codec_id, level, DTYPE_CODES[kv.dtype], flags,
-            kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.start, kv.num_tokens, chunk_tokens,
+            MAGIC,
+            VERSION,
+            codec_id,
+            level,
+            DTYPE_CODES[kv.dtype],
+            flags,
+            kv.num_layers,
+            kv.num_kv_heads,
+            kv.head_dim,
+            kv.start,
+            kv.num_tokens,
+            chunk_tokens,
         )
     )
-    out += bytes([len(name)]) + name + bytes([len(fp)]) + fp + struct.pack("<H", len(params)) + params
+    out += (
+        bytes([len(name)]) + name + bytes([len(fp)]) + fp + struct.pack("<H", len(params)) + params
+    )
     out += struct.pack("<I", zlib.crc32(out))
     return bytes(out), token_width
 
 
-def pack_frame(token_ids: torch.Tensor, token_width: int, body: bytes | bytearray | memoryview) -> bytes:
+def pack_frame(
+    token_ids: torch.Tensor, token_width: int, body: bytes | bytearray | memoryview
+) -> bytes:
     ids = token_ids.numpy().astype("<u4" if token_width == 4 else "<u2").tobytes()
     payload = ids + bytes(body)
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
@@ -136,11 +156,26 @@ def parse_header(blob: bytes | memoryview) -> Header:
     view = memoryview(blob)
     if len(view) < _FIXED.size:
         raise CodecError(f"not a cachegen bitstream: {len(view)} bytes is shorter than a header")
-    (magic, version, codec_id, level, dtype_code, flags, layers, heads, head_dim, start, tokens, chunk) = _FIXED.unpack_from(view, 0)
+    (
+        magic,
+        version,
+        codec_id,
+        level,
+        dtype_code,
+        flags,
+        layers,
+        heads,
+        head_dim,
+        start,
+        tokens,
+        chunk,
+    ) = _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
         raise CodecError("not a cachegen bitstream (bad magic bytes)")
     if version != VERSION:
-        raise CodecError(f"bitstream format version {version} is not supported (this cachegen reads version {VERSION})")
+        raise CodecError(
+            f"bitstream format version {version} is not supported (this cachegen reads version {VERSION})"
+        )
     if dtype_code not in DTYPES or flags & ~_KNOWN_FLAGS:
         raise CodecError("bitstream header is corrupt (unknown dtype or flags)")
     if not (layers and heads and head_dim) or layers * heads * head_dim > MAX_ELEMENTS_PER_TOKEN:
@@ -170,11 +205,20 @@ def parse_header(blob: bytes | memoryview) -> Header:
         fp_str = fp.hex() if flags & FLAG_FINGERPRINT_DIGEST else fp.decode()
     except UnicodeDecodeError as exc:
         raise CodecError("bitstream header is corrupt (model name is not UTF-8)") from exc
-    model = ModelIdentity(name=name_str, fingerprint=fp_str, num_layers=layers, num_kv_heads=heads, head_dim=head_dim)
+    model = ModelIdentity(
+        name=name_str, fingerprint=fp_str, num_layers=layers, num_kv_heads=heads, head_dim=head_dim
+    )
     return Header(
-        codec_id=codec_id, level=level, dtype=DTYPES[dtype_code],
-        token_width=4 if flags & FLAG_TOKENS_U32 else 2, model=model, start=start,
-        num_tokens=tokens, chunk_tokens=chunk, params=params, size=pos + 4,
+        codec_id=codec_id,
+        level=level,
+        dtype=DTYPES[dtype_code],
+        token_width=4 if flags & FLAG_TOKENS_U32 else 2,
+        model=model,
+        start=start,
+        num_tokens=tokens,
+        chunk_tokens=chunk,
+        params=params,
+        size=pos + 4,
     )
 
 
@@ -197,7 +241,9 @@ def parse_frames(blob: bytes | memoryview, header: Header) -> list[Frame]:
         length, crc = _FRAME.unpack_from(view, pos)
         begin, end = pos + _FRAME.size, pos + _FRAME.size + length
         if end > len(view):
-            raise CodecError(f"bitstream is truncated inside frame {index} ({length} bytes announced, {len(view) - begin} present)")
+            raise CodecError(
+                f"bitstream is truncated inside frame {index} ({length} bytes announced, {len(view) - begin} present)"
+            )
         payload = view[begin:end]
         if zlib.crc32(payload) != crc:
             raise CodecError(f"frame {index} is corrupt (checksum mismatch)")
@@ -205,7 +251,9 @@ def parse_frames(blob: bytes | memoryview, header: Header) -> list[Frame]:
         id_bytes = n * header.token_width
         if length < id_bytes:
             raise CodecError(f"frame {index} is too short for its {n} token ids")
-        ids = np.frombuffer(payload[:id_bytes], dtype="<u4" if header.token_width == 4 else "<u2").astype(np.int64)
+        ids = np.frombuffer(
+            payload[:id_bytes], dtype="<u4" if header.token_width == 4 else "<u2"
+        ).astype(np.int64)
         frames.append(Frame(index=index, token_ids=ids, body=payload[id_bytes:], size=end - pos))
         pos = end
     if pos != len(view):

@@ -34,12 +34,12 @@ from cachegen.codec.qkernels import store_rotated
 from cachegen.codec.quant import (
     QuantConfig,
     exact_count,
-    rotary_cos_sin,
+    hadamard_matrix,
     max_level,
     num_scales,
-    hadamard_matrix,
     quantize_chunk,
     reconstruct,
+    rotary_cos_sin,
     scale_strides,
     segment_tokens,
 )
@@ -53,7 +53,12 @@ class CacheGenCodec(Codec):
     name = "cachegen"
     codec_id = 6
 
-    def __init__(self, model: models.ModelSpec | str | None = None, chunk_tokens: int = 256, profile: Profile | None = None) -> None:
+    def __init__(
+        self,
+        model: models.ModelSpec | str | None = None,
+        chunk_tokens: int = 256,
+        profile: Profile | None = None,
+    ) -> None:
         super().__init__(chunk_tokens)
         if profile is None and model is not None:
             profile = load_profile(model)
@@ -62,7 +67,9 @@ class CacheGenCodec(Codec):
     @property
     def profile(self) -> Profile:
         if self._profile is None:
-            raise CodecError("the cachegen codec needs a model for its profile: get_codec('cachegen', model=NAME)")
+            raise CodecError(
+                "the cachegen codec needs a model for its profile: get_codec('cachegen', model=NAME)"
+            )
         return self._profile
 
     @property
@@ -85,7 +92,9 @@ class CacheGenCodec(Codec):
         if self._profile is None:
             self._profile = load_profile(kv.model.name)
         if kv.model.fingerprint != self.profile.model.fingerprint:
-            raise CodecError(f"KV of model {kv.model.name} cannot use the profile of {self.profile.model.name}")
+            raise CodecError(
+                f"KV of model {kv.model.name} cannot use the profile of {self.profile.model.name}"
+            )
         return super().encode(kv, level)
 
     def params(self, kv: KVCache, level: int) -> bytes:
@@ -105,7 +114,11 @@ class CacheGenCodec(Codec):
         config.check_geometry(header.num_layers, header.head_dim)
         tables = find_tables(params[:TABLES_ID_BYTES].hex(), config, header.model)
         m = tables.model
-        if (m.num_layers, m.num_kv_heads, m.head_dim) != (header.num_layers, header.num_kv_heads, header.head_dim):
+        if (m.num_layers, m.num_kv_heads, m.head_dim) != (
+            header.num_layers,
+            header.num_kv_heads,
+            header.head_dim,
+        ):
             raise CodecError("cachegen bitstream geometry does not match its profile tables")
         return CacheGenDecoder(header, tables)
 
@@ -120,7 +133,9 @@ def _exact_section_bytes(model: ModelIdentity, tokens: int, dtype: torch.dtype) 
 
 def exact_bytes(chunk: KVCache, config: QuantConfig) -> int:
     """Size of the frame body's exact section for ``chunk``."""
-    return _exact_section_bytes(chunk.model, exact_count(config, chunk.start, chunk.num_tokens), chunk.dtype)
+    return _exact_section_bytes(
+        chunk.model, exact_count(config, chunk.start, chunk.num_tokens), chunk.dtype
+    )
 
 
 def encode_chunk(chunk: KVCache, tables: LevelTables) -> bytes:
@@ -140,12 +155,21 @@ def encode_chunk(chunk: KVCache, tables: LevelTables) -> bytes:
             out = np.empty(int(out_off[-1]), dtype=np.uint16)
             start = np.empty(L, dtype=np.int64)
             base = np.array([tables.base(layer, k, s) for layer in range(L)], dtype=np.int64)
-            run_batches(lambda todo: rans.encode_layers(sym, base, tables.freq_cum, out, out_off, todo, start), np.ones(L))
+            run_batches(
+                lambda todo: rans.encode_layers(
+                    sym, base, tables.freq_cum, out, out_off, todo, start
+                ),
+                np.ones(L),
+            )
             outputs.append((out, start, out_off))
     # streams ordered (layer, K/V, segment)
-    streams = [out[start[layer] : off[layer + 1]] for layer in range(L) for out, start, off in outputs]
+    streams = [
+        out[start[layer] : off[layer + 1]] for layer in range(L) for out, start, off in outputs
+    ]
     lengths = np.array([len(w) for w in streams], dtype="<u4")
-    return b"".join(scale_parts) + lengths.tobytes() + np.concatenate(streams).astype("<u2").tobytes()
+    return (
+        b"".join(scale_parts) + lengths.tobytes() + np.concatenate(streams).astype("<u2").tobytes()
+    )
 
 
 # ---- decoding -------------------------------------------------------------------------------
@@ -161,7 +185,9 @@ class CacheGenDecoder(FrameDecoder):
         # Lower bound of each stream's code length per token: sum over channels of the
         # cheapest symbol's bits (see docs/bitstream.md, "size checks").
         per_row = np.maximum(tables.cheapest_symbol_bits - _SLACK_BITS, 0.0)
-        self.stream_bits_per_token = per_row.reshape(self.num_streams, tables.num_channels).sum(axis=1)
+        self.stream_bits_per_token = per_row.reshape(self.num_streams, tables.num_channels).sum(
+            axis=1
+        )
 
     def _frame_start(self, frame: Frame) -> int:
         """Position of the frame's first token in its sequence."""
@@ -180,7 +206,9 @@ class CacheGenDecoder(FrameDecoder):
         layout = []
         for kind in KINDS:
             for tokens in segs:
-                count = num_scales(self.config.scale(kind), h.num_layers, h.num_kv_heads, len(tokens), h.head_dim)
+                count = num_scales(
+                    self.config.scale(kind), h.num_layers, h.num_kv_heads, len(tokens), h.head_dim
+                )
                 layout.append((kind, tokens, count))
         return layout, 2 * sum(c for _, _, c in layout)
 
@@ -189,20 +217,34 @@ class CacheGenDecoder(FrameDecoder):
         _, scale_bytes = self._layout(n)
         dir_end = self._exact_bytes(frame) + scale_bytes + 4 * self.num_streams
         if len(frame.body) < dir_end:
-            raise CodecError(f"frame {frame.index} is corrupt: {len(frame.body)} bytes cannot hold its scales and stream directory")
-        words = np.frombuffer(frame.body[dir_end - 4 * self.num_streams : dir_end], dtype="<u4").astype(np.int64)
+            raise CodecError(
+                f"frame {frame.index} is corrupt: {len(frame.body)} bytes cannot hold its scales and stream directory"
+            )
+        words = np.frombuffer(
+            frame.body[dir_end - 4 * self.num_streams : dir_end], dtype="<u4"
+        ).astype(np.int64)
         return words, dir_end
 
     def check(self, frame: Frame) -> None:
         words, dir_end = self._directory(frame)
         if 2 * int(words.sum()) != len(frame.body) - dir_end:
-            raise CodecError(f"frame {frame.index} is corrupt: stream directory does not match the frame size")
+            raise CodecError(
+                f"frame {frame.index} is corrupt: stream directory does not match the frame size"
+            )
         n = len(frame.token_ids)
-        seg_n = np.array([len(t) for _, t, _ in self._layout(n)[0]], dtype=np.float64)  # per (K/V, segment)
-        stream_tokens = np.tile(seg_n, self.header.num_layers)  # streams ordered (layer, K/V, segment)
-        needed = rans.STATE_WORDS + np.floor(np.maximum(stream_tokens * self.stream_bits_per_token - 16 * rans.LANES, 0) / 17)
+        seg_n = np.array(
+            [len(t) for _, t, _ in self._layout(n)[0]], dtype=np.float64
+        )  # per (K/V, segment)
+        stream_tokens = np.tile(
+            seg_n, self.header.num_layers
+        )  # streams ordered (layer, K/V, segment)
+        needed = rans.STATE_WORDS + np.floor(
+            np.maximum(stream_tokens * self.stream_bits_per_token - 16 * rans.LANES, 0) / 17
+        )
         if np.any(words < needed):
-            raise CodecError(f"frame {frame.index} is corrupt: a stream is shorter than its symbols can be coded in")
+            raise CodecError(
+                f"frame {frame.index} is corrupt: a stream is shorter than its symbols can be coded in"
+            )
 
     def layer_bytes(self, frame: Frame) -> np.ndarray:
         h = self.header
@@ -211,7 +253,9 @@ class CacheGenDecoder(FrameDecoder):
         out = np.zeros((h.num_layers, 2), dtype=np.float64)
         for i, (kind, _, count) in enumerate(layout):
             out[:, i // self.S] += 2 * count / h.num_layers
-        out += 2 * words.reshape(h.num_layers, 2, self.S).sum(axis=2) + 4 * self.S  # streams + directory
+        out += (
+            2 * words.reshape(h.num_layers, 2, self.S).sum(axis=2) + 4 * self.S
+        )  # streams + directory
         out += self._exact_bytes(frame) / (2 * h.num_layers)
         return out
 
@@ -243,7 +287,11 @@ class CacheGenDecoder(FrameDecoder):
         pos = exact_end = self._exact_bytes(frame)
         total = 0
         for kind, tokens, count in layout:
-            amax = np.frombuffer(frame.body[pos : pos + 2 * count], dtype="<f2").astype(np.float32).reshape(L, -1)
+            amax = (
+                np.frombuffer(frame.body[pos : pos + 2 * count], dtype="<f2")
+                .astype(np.float32)
+                .reshape(L, -1)
+            )
             pos += 2 * count
             m = np.array([max_level(b) for b in self.config.bins(kind)], dtype=np.float32)[:, None]
             steps.append((amax / m).reshape(-1))
@@ -281,12 +329,34 @@ class CacheGenDecoder(FrameDecoder):
         dec_f32, dec_bf16 = _strided_views(target.view(-1))
         t = self.tables
         rotation = hadamard_matrix(D) if self.config.hadamard else None
-        rotary = rotary_cos_sin(self._frame_start(frame), n, D, self.config.rope_theta) if self.config.rope_theta else None
+        rotary = (
+            rotary_cos_sin(self._frame_start(frame), n, D, self.config.rope_theta)
+            if self.config.rope_theta
+            else None
+        )
 
         def kernel(todo: np.ndarray) -> None:
             rans.decode_streams(
-                words, word_off, nch, ntok, base, t.slots, t.freq_cum, scales, scale_off, stride, center, D,
-                token_map, token_off, dec_f32, dec_bf16, out_base, T, todo, status,
+                words,
+                word_off,
+                nch,
+                ntok,
+                base,
+                t.slots,
+                t.freq_cum,
+                scales,
+                scale_off,
+                stride,
+                center,
+                D,
+                token_map,
+                token_off,
+                dec_f32,
+                dec_bf16,
+                out_base,
+                T,
+                todo,
+                status,
             )
             if fused_rotation:
                 # Streams are (layer, K/V) without locality and ``todo`` is a contiguous range,
@@ -303,18 +373,30 @@ class CacheGenDecoder(FrameDecoder):
                         rows = out[k, a:b, :, token_offset : token_offset + n].view(-1, n, D)
                         rotate = k == 0 and rotary is not None
                         cos, sin = rotary if rotate else (_NO_ANGLES, _NO_ANGLES)
-                        store_rotated(block.reshape(-1, n, D).numpy(), cos.numpy(), sin.numpy(), rotate, *_strided_views(rows))
+                        store_rotated(
+                            block.reshape(-1, n, D).numpy(),
+                            cos.numpy(),
+                            sin.numpy(),
+                            rotate,
+                            *_strided_views(rows),
+                        )
 
         run_batches(kernel, ntok * C + 1)
         if status.any():
-            raise CodecError(f"frame {frame.index} is corrupt: {int(status.sum())} of {num} streams do not decode cleanly")
+            raise CodecError(
+                f"frame {frame.index} is corrupt: {int(status.sum())} of {num} streams do not decode cleanly"
+            )
         if not direct and not fused_rotation:
             start = self._frame_start(frame)
             for k, kind in enumerate(KINDS):
-                out[k, :, :, token_offset : token_offset + n] = reconstruct(target[k], self.config, kind, start)
+                out[k, :, :, token_offset : token_offset + n] = reconstruct(
+                    target[k], self.config, kind, start
+                )
         e = self._exact_tokens(frame)
         if e:
-            exact = torch.frombuffer(bytearray(frame.body[:exact_end]), dtype=h.dtype).view(2, L, H, e, D)
+            exact = torch.frombuffer(bytearray(frame.body[:exact_end]), dtype=h.dtype).view(
+                2, L, H, e, D
+            )
             out[:, :, :, token_offset : token_offset + e] = exact
 
 
@@ -323,7 +405,7 @@ _scratch_buffers = threading.local()
 
 def _scratch(shape: tuple[int, ...]) -> torch.Tensor:
     """A float32 buffer reused by every frame this thread decodes. A fresh one per frame costs
-    page faults (about 5 ms per 256-token SmolLM2 frame, a third of its decoding), and the
+    page faults, a large share of a frame's decoding (docs/codec.md, "Speed"), and the
     connector decodes each chunk as its own bitstream, with its own decoder."""
     size = int(np.prod(shape))
     buffer = getattr(_scratch_buffers, "float32", None)

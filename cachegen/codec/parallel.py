@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import numpy as np
 
@@ -48,7 +48,9 @@ def run_batches(kernel: Callable[[np.ndarray], None], work: np.ndarray) -> None:
         kernel(np.arange(count, dtype=np.int64))
         return
     batches = min(count, 4 * threads)
-    edges = np.searchsorted(np.cumsum(work, dtype=np.float64), np.linspace(0, float(np.sum(work)), batches + 1)[1:-1])
+    edges = np.searchsorted(
+        np.cumsum(work, dtype=np.float64), np.linspace(0, float(np.sum(work)), batches + 1)[1:-1]
+    )
     bounds = np.unique(np.concatenate([[0], edges, [count]]))
     todo = [np.arange(a, b, dtype=np.int64) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     for future in [_executor(threads).submit(kernel, t) for t in todo]:

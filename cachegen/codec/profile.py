@@ -33,9 +33,9 @@ import json
 import os
 import struct
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -44,13 +44,14 @@ from cachegen import models
 from cachegen.codec import rans
 from cachegen.codec.errors import CodecError
 from cachegen.codec.quant import QuantConfig, alphabet_size, paper_levels, quantize_chunk
+from cachegen.constants import CHUNK_TOKENS, cache_root
 from cachegen.errors import CacheGenError
 from cachegen.fileio import write_atomic
 from cachegen.kv import KVCache, ModelIdentity
 
 CALIBRATION_NUM_TOPICS = 6
 CALIBRATION_TOKENS = 2048
-CALIBRATION_CHUNK = 256
+CALIBRATION_CHUNK = CHUNK_TOKENS
 DEFAULT_LEVEL = 2
 KINDS = ("k", "v")
 
@@ -88,9 +89,9 @@ def calibration_spec() -> dict:
 
 
 def profiles_dir() -> Path:
-    """Where profiles live: ``$CACHEGEN_PROFILE_DIR``, else ``cachegen.models.cache_dir()/profiles``."""
+    """Where profiles live: ``$CACHEGEN_PROFILE_DIR``, else ``cachegen.constants.cache_root()/profiles``."""
     explicit = os.environ.get("CACHEGEN_PROFILE_DIR")
-    return Path(explicit).expanduser() if explicit else models.cache_dir() / "profiles"
+    return Path(explicit).expanduser() if explicit else cache_root() / "profiles"
 
 
 def _canonical(data: dict) -> bytes:
@@ -119,7 +120,9 @@ def num_segments(config: QuantConfig) -> int:
 class LevelTables:
     """Frequency tables of one quantization config: one row per (layer, K/V, segment, channel)."""
 
-    def __init__(self, tables_id: str, config: QuantConfig, model: ModelIdentity, freq: np.ndarray) -> None:
+    def __init__(
+        self, tables_id: str, config: QuantConfig, model: ModelIdentity, freq: np.ndarray
+    ) -> None:
         self.id = tables_id
         self.config = config
         self.model = model
@@ -179,7 +182,12 @@ def tables_path(tables_id: str) -> Path:
 def _alphabets(config: QuantConfig, model: ModelIdentity) -> np.ndarray:
     """Alphabet size of every table row."""
     C, S = model.num_kv_heads * model.head_dim, num_segments(config)
-    per_stream = [alphabet_size(config.bins(kind)[layer]) for layer in range(model.num_layers) for kind in KINDS for _ in range(S)]
+    per_stream = [
+        alphabet_size(config.bins(kind)[layer])
+        for layer in range(model.num_layers)
+        for kind in KINDS
+        for _ in range(S)
+    ]
     return np.repeat(np.array(per_stream, dtype=np.int64), C)
 
 
@@ -221,7 +229,9 @@ def load_tables_file(path: Path, tables_id: str) -> LevelTables:
     """Read and fully validate a tables file (its hash must be its id)."""
     data = path.read_bytes()
     if hashlib.sha256(data).hexdigest()[:32] != tables_id:
-        raise CodecError(f"profile tables {path} are corrupt (content does not match the id); delete the file to rebuild it")
+        raise CodecError(
+            f"profile tables {path} are corrupt (content does not match the id); delete the file to rebuild it"
+        )
     try:
         if data[:4] != TABLES_MAGIC:
             raise ValueError("bad magic")
@@ -229,10 +239,20 @@ def load_tables_file(path: Path, tables_id: str) -> LevelTables:
         if meta_len > _MAX_TABLES_JSON:
             raise ValueError("metadata too large")
         meta = json.loads(data[8 : 8 + meta_len])
-        if meta.get("format") != TABLES_FORMAT or meta.get("version") != FORMAT_VERSION or meta.get("prob_bits") != rans.PROB_BITS:
+        if (
+            meta.get("format") != TABLES_FORMAT
+            or meta.get("version") != FORMAT_VERSION
+            or meta.get("prob_bits") != rans.PROB_BITS
+        ):
             raise ValueError("unsupported tables format")
         m = meta["model"]
-        model = ModelIdentity("", str(m["fingerprint"]), int(m["num_layers"]), int(m["num_kv_heads"]), int(m["head_dim"]))
+        model = ModelIdentity(
+            "",
+            str(m["fingerprint"]),
+            int(m["num_layers"]),
+            int(m["num_kv_heads"]),
+            int(m["head_dim"]),
+        )
         config = QuantConfig.unpack(bytes.fromhex(meta["config"]))
         n, width = int(meta["num_tables"]), int(meta["width"])
         freq = np.frombuffer(data, dtype="<u2", offset=8 + meta_len).astype(np.uint16)
@@ -241,10 +261,16 @@ def load_tables_file(path: Path, tables_id: str) -> LevelTables:
             raise ValueError("table size does not match the config")
         freq = freq.reshape(n, width)
         inside = np.arange(width)[None, :] < alphabets[:, None]
-        if np.any(freq.sum(axis=1, dtype=np.int64) != rans.PROB_SCALE) or np.any((freq == 0) & inside) or np.any((freq != 0) & ~inside):
+        if (
+            np.any(freq.sum(axis=1, dtype=np.int64) != rans.PROB_SCALE)
+            or np.any((freq == 0) & inside)
+            or np.any((freq != 0) & ~inside)
+        ):
             raise ValueError("frequencies are not normalized")
     except (ValueError, KeyError, TypeError, struct.error, json.JSONDecodeError, CodecError) as exc:
-        raise CodecError(f"profile tables {path} are unreadable ({exc}); delete the file to rebuild it") from exc
+        raise CodecError(
+            f"profile tables {path} are unreadable ({exc}); delete the file to rebuild it"
+        ) from exc
     return LevelTables(tables_id, config, model, freq)
 
 
@@ -280,20 +306,26 @@ def find_tables(tables_id: str, config: QuantConfig, model: ModelIdentity) -> Le
         _remember(tables)
     if tables is not None:
         if tables.config != config or tables.model.fingerprint != model.fingerprint:
-            raise CodecError(f"profile tables {tables_id[:16]} do not belong to this bitstream's model and level")
+            raise CodecError(
+                f"profile tables {tables_id[:16]} do not belong to this bitstream's model and level"
+            )
         return tables
     how = (
         f"copy {path.name} from the encoding machine's {path.parent} into {path.parent}, or run "
-        f"`cachegen codec-profile build --model {model.name}` where the model is available"
+        f"`cachegen profile build --model {model.name}` where the model is available"
     )
     try:
         spec = models.resolve(model.name)
         if spec.identity().fingerprint != model.fingerprint:
-            raise CodecError(f"the local model {model.name!r} has different weights than the encoder's")
+            raise CodecError(
+                f"the local model {model.name!r} has different weights than the encoder's"
+            )
         rebuilt = build_tables(spec, config)
     except CacheGenError as exc:
-        raise CodecError(f"profile tables {tables_id[:16]} for model {model.name!r} are not in {path.parent} "
-                         f"and cannot be rebuilt here ({exc}); {how}") from exc
+        raise CodecError(
+            f"profile tables {tables_id[:16]} for model {model.name!r} are not in {path.parent} "
+            f"and cannot be rebuilt here ({exc}); {how}"
+        ) from exc
     if rebuilt.id != tables_id:
         raise CodecError(
             f"profile tables {tables_id[:16]} for model {model.name!r} were rebuilt here but came out different "
@@ -307,7 +339,9 @@ def _calibration_kv(name: str, fingerprint: str) -> KVCache:
     from cachegen.extract import extract_kv, load_model
 
     _, tokenizer, spec = load_model(name)
-    ids = torch.tensor(tokenizer(calibration_text())["input_ids"][:CALIBRATION_TOKENS], dtype=torch.int64)
+    ids = torch.tensor(
+        tokenizer(calibration_text())["input_ids"][:CALIBRATION_TOKENS], dtype=torch.int64
+    )
     ids = ids[: spec.max_positions]
     return extract_kv(spec, token_ids=ids)
 
@@ -344,17 +378,23 @@ class Profile:
         calibrate``'s choices for measured perplexity targets (docs/quality.md). Empty for a
         model without one."""
         shipped, _ = shipped_levels(self.model)
-        return sorted(level for level, config in shipped.items() if self.levels.get(level) == config)
+        return sorted(
+            level for level, config in shipped.items() if self.levels.get(level) == config
+        )
 
     def config(self, level: int) -> QuantConfig:
         if level not in self.levels:
-            raise CodecError(f"level {level} is not defined for {self.model.name}; levels are {sorted(self.levels)}")
+            raise CodecError(
+                f"level {level} is not defined for {self.model.name}; levels are {sorted(self.levels)}"
+            )
         return self.levels[level]
 
     def tables(self, level: int) -> LevelTables:
         return find_tables(self.tables_ids[level], self.config(level), self.model)
 
-    def add_level(self, level: int, config: QuantConfig, *, make_default: bool = False) -> LevelTables:
+    def add_level(
+        self, level: int, config: QuantConfig, *, make_default: bool = False
+    ) -> LevelTables:
         """Calibrate tables for ``config``, store it as ``level`` (replacing any) and persist."""
         if not 0 <= int(level) <= 0xFFFF:
             raise CodecError(f"level ids are 0..65535, got {level}")
@@ -394,17 +434,26 @@ class Profile:
             "model": self.model.to_dict(),
             "calibration": calibration_spec(),
             "default_level": self.default_level,
-            "levels": {str(k): {"config": self.levels[k].to_dict(), "tables": self.tables_ids[k]} for k in sorted(self.levels)},
+            "levels": {
+                str(k): {"config": self.levels[k].to_dict(), "tables": self.tables_ids[k]}
+                for k in sorted(self.levels)
+            },
         }
 
     def _save(self) -> None:
-        write_atomic(self.path, json.dumps(self._content(), indent=1, sort_keys=True).encode() + b"\n")
+        write_atomic(
+            self.path, json.dumps(self._content(), indent=1, sort_keys=True).encode() + b"\n"
+        )
 
     def _reload(self) -> None:
         """Pick up levels another process added since this profile was loaded."""
         fresh = _read_profile(self.path, self.spec)
         if fresh is not None:
-            self.levels, self.tables_ids, self.default_level = fresh.levels, fresh.tables_ids, fresh.default_level
+            self.levels, self.tables_ids, self.default_level = (
+                fresh.levels,
+                fresh.tables_ids,
+                fresh.default_level,
+            )
 
 
 def profile_path(model: ModelIdentity) -> Path:
@@ -426,7 +475,9 @@ def _read_profile(path: Path, spec: models.ModelSpec) -> Profile | None:
         if default not in levels:
             raise ValueError("default level is not defined")
     except (OSError, ValueError, KeyError, TypeError, AttributeError, CodecError) as exc:
-        raise CodecError(f"codec profile {path} is unreadable ({exc}); delete it to rebuild the presets") from exc
+        raise CodecError(
+            f"codec profile {path} is unreadable ({exc}); delete it to rebuild the presets"
+        ) from exc
     return Profile(spec.identity(), levels, tables_ids, default, spec)
 
 
@@ -449,15 +500,17 @@ def shipped_levels(model: ModelIdentity) -> tuple[dict[int, QuantConfig], int | 
 
 def load_profile(model: str | models.ModelSpec, *, build: bool = True) -> Profile:
     """The profile of ``model``, built on first use with the paper presets and any shipped
-    calibrated levels (building runs the model once: seconds for tiny models, about 15 s for
-    SmolLM2 on 2 cores)."""
+    calibrated levels (building runs the model once over the calibration text; docs/codec.md,
+    "Profiles and quality levels")."""
     spec = models.resolve(model) if isinstance(model, str) else model
     identity = spec.identity()
     path = profile_path(identity)
     existing = _read_profile(path, spec)
     if existing is not None or not build:
         if existing is None:
-            raise CodecError(f"no codec profile for {spec.name} in {path.parent}; run `cachegen codec-profile build --model {spec.name}`")
+            raise CodecError(
+                f"no codec profile for {spec.name} in {path.parent}; run `cachegen profile build --model {spec.name}`"
+            )
         return existing
     with _locked(path.parent):
         existing = _read_profile(path, spec)

@@ -6,8 +6,8 @@ and a dtype conversion, these kernels one pass each. Work is split by layer (``t
 runs without the GIL.
 
 Sources are C-contiguous 4-D arrays ``[L, H, n, D]`` of float bits: ``uint16`` for
-bfloat16, ``uint32`` for float32 (contiguous, so the loops vectorize: about 9x faster than
-strided views, for a copy that costs less).
+bfloat16, ``uint32`` for float32 (contiguous, so the loops vectorize: much faster than on
+strided views, for a copy that costs less; docs/codec.md, "Speed").
 
 Scale kinds: 0 = per token (over heads and dims), 1 = per token and head, 2 = per channel
 (over the tokens of the chunk). Per layer, scales are laid out ``[n]``, ``[H, n]`` or ``[H, D]``.
@@ -55,7 +55,11 @@ def f32_to_bits(typingctx, value):
 @intrinsic
 def prefetch(typingctx, array, index):
     """Hint the CPU to fetch ``array[index]`` (1-D) into cache; never faults."""
-    if not isinstance(array, types.Array) or array.ndim != 1 or not isinstance(index, types.Integer):
+    if (
+        not isinstance(array, types.Array)
+        or array.ndim != 1
+        or not isinstance(index, types.Integer)
+    ):
         return None
 
     def codegen(context, builder, signature, args):
@@ -63,8 +67,12 @@ def prefetch(typingctx, array, index):
         ary = context.make_array(aryty)(context, builder, args[0])
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])  # read, keep in all levels, data
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
+        )
+        builder.call(
+            fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)]
+        )  # read, keep in all levels, data
         return context.get_dummy_value()
 
     return types.void(array, index), codegen
@@ -78,7 +86,9 @@ def fma32(typingctx, a, b, c):
 
     def codegen(context, builder, signature, args):
         f32 = ir.FloatType()
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32")
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32"
+        )
         return builder.call(fn, list(args))
 
     return types.float32(a, b, c), codegen
@@ -88,7 +98,9 @@ def fma32(typingctx, a, b, c):
 def f32_to_bf16(value):
     """float32 -> bfloat16 bits, rounding to nearest even (what torch does)."""
     u = f32_to_bits(value)
-    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    return np.uint16(
+        (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    )
 
 
 def as_f32(x):  # only meaningful inside kernels (see the overload)
@@ -215,7 +227,7 @@ def store_rotated(src, cos, sin, rotate, out_f32, out_bf16):
     ``cos``/``sin`` are ``[n, D]`` as ``quant.rotary_cos_sin`` gives them; the arithmetic is
     ``quant.apply_rotary``'s, bit for bit (torch's CPU kernels fuse the multiply-add, so this
     does too). One pass instead of torch's four (product, two in-place updates, converting
-    copy): 0.1 s less per 4,096 SmolLM2 tokens on one core.
+    copy), which is what made decoding the pre-RoPE levels fast (docs/codec.md, "Speed").
     """
     rows, n, D = src.shape
     half = D // 2

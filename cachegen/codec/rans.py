@@ -101,7 +101,9 @@ def pack_freq_cum(freq: np.ndarray) -> np.ndarray:
 def slot_table(freq: np.ndarray) -> np.ndarray:
     """``[tables, PROB_SCALE]`` uint8: the symbol owning each slot (decoder lookup)."""
     num_tables, width = freq.shape
-    slots = np.repeat(np.tile(np.arange(width, dtype=np.uint8), num_tables), freq.reshape(-1).astype(np.int64))
+    slots = np.repeat(
+        np.tile(np.arange(width, dtype=np.uint8), num_tables), freq.reshape(-1).astype(np.int64)
+    )
     return slots.reshape(num_tables, PROB_SCALE)
 
 
@@ -164,9 +166,36 @@ def encode_layers(sym, table_base, freq_cum, out, out_off, todo, out_start):
                 lane_d[lane] = g + lane - lane_h[lane] * D
             tb = table_base[layer] + g
             if active == LANES:
-                x0, x1, x2, x3, x4, x5, x6, x7 = states[0], states[1], states[2], states[3], states[4], states[5], states[6], states[7]
-                h0, h1, h2, h3, h4, h5, h6, h7 = lane_h[0], lane_h[1], lane_h[2], lane_h[3], lane_h[4], lane_h[5], lane_h[6], lane_h[7]
-                d0, d1, d2, d3, d4, d5, d6, d7 = lane_d[0], lane_d[1], lane_d[2], lane_d[3], lane_d[4], lane_d[5], lane_d[6], lane_d[7]
+                x0, x1, x2, x3, x4, x5, x6, x7 = (
+                    states[0],
+                    states[1],
+                    states[2],
+                    states[3],
+                    states[4],
+                    states[5],
+                    states[6],
+                    states[7],
+                )
+                h0, h1, h2, h3, h4, h5, h6, h7 = (
+                    lane_h[0],
+                    lane_h[1],
+                    lane_h[2],
+                    lane_h[3],
+                    lane_h[4],
+                    lane_h[5],
+                    lane_h[6],
+                    lane_h[7],
+                )
+                d0, d1, d2, d3, d4, d5, d6, d7 = (
+                    lane_d[0],
+                    lane_d[1],
+                    lane_d[2],
+                    lane_d[3],
+                    lane_d[4],
+                    lane_d[5],
+                    lane_d[6],
+                    lane_d[7],
+                )
                 for t in range(n - 1, -1, -1):
                     x7, p = _encode_step(x7, sym[layer, h7, t, d7], tb + 7, freq_cum, out, p)
                     x6, p = _encode_step(x6, sym[layer, h6, t, d6], tb + 6, freq_cum, out, p)
@@ -176,11 +205,27 @@ def encode_layers(sym, table_base, freq_cum, out, out_off, todo, out_start):
                     x2, p = _encode_step(x2, sym[layer, h2, t, d2], tb + 2, freq_cum, out, p)
                     x1, p = _encode_step(x1, sym[layer, h1, t, d1], tb + 1, freq_cum, out, p)
                     x0, p = _encode_step(x0, sym[layer, h0, t, d0], tb + 0, freq_cum, out, p)
-                states[0], states[1], states[2], states[3], states[4], states[5], states[6], states[7] = x0, x1, x2, x3, x4, x5, x6, x7
+                (
+                    states[0],
+                    states[1],
+                    states[2],
+                    states[3],
+                    states[4],
+                    states[5],
+                    states[6],
+                    states[7],
+                ) = x0, x1, x2, x3, x4, x5, x6, x7
             else:
                 for t in range(n - 1, -1, -1):
                     for lane in range(active - 1, -1, -1):
-                        states[lane], p = _encode_step(states[lane], sym[layer, lane_h[lane], t, lane_d[lane]], tb + lane, freq_cum, out, p)
+                        states[lane], p = _encode_step(
+                            states[lane],
+                            sym[layer, lane_h[lane], t, lane_d[lane]],
+                            tb + lane,
+                            freq_cum,
+                            out,
+                            p,
+                        )
         for lane in range(LANES - 1, -1, -1):
             x = states[lane]
             p -= 1
@@ -216,9 +261,26 @@ def _emit(s, ctr, scale, pos, out_f32, out_bf16, to_bf16):
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def decode_streams(
-    words, word_off, num_channels, num_tokens, table_base, slot_sym, freq_cum,
-    scales, scale_off, scale_stride, center, head_dim, token_map, token_off,
-    out_f32, out_bf16, out_base, out_token_stride, todo, status,
+    words,
+    word_off,
+    num_channels,
+    num_tokens,
+    table_base,
+    slot_sym,
+    freq_cum,
+    scales,
+    scale_off,
+    scale_stride,
+    center,
+    head_dim,
+    token_map,
+    token_off,
+    out_f32,
+    out_bf16,
+    out_base,
+    out_token_stride,
+    todo,
+    status,
 ):
     """Decode and dequantize streams ``todo``.
 
@@ -255,7 +317,9 @@ def decode_streams(
             status[k] = 1
             continue
         for lane in range(LANES):
-            states[lane] = np.uint64(words[w0 + 2 * lane]) | (np.uint64(words[w0 + 2 * lane + 1]) << _U_16)
+            states[lane] = np.uint64(words[w0 + 2 * lane]) | (
+                np.uint64(words[w0 + 2 * lane + 1]) << _U_16
+            )
         p = w0 + STATE_WORDS
         end = w0 + nw
         last = end - 1
@@ -270,10 +334,28 @@ def decode_streams(
             if active == LANES:
                 x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
                 x4, x5, x6, x7 = states[4], states[5], states[6], states[7]
-                s0, s1, s2, s3, s4, s5, s6, s7 = lane_scale[0], lane_scale[1], lane_scale[2], lane_scale[3], lane_scale[4], lane_scale[5], lane_scale[6], lane_scale[7]
-                o0, o1, o2, o3, o4, o5, o6, o7 = lane_out[0], lane_out[1], lane_out[2], lane_out[3], lane_out[4], lane_out[5], lane_out[6], lane_out[7]
+                s0, s1, s2, s3, s4, s5, s6, s7 = (
+                    lane_scale[0],
+                    lane_scale[1],
+                    lane_scale[2],
+                    lane_scale[3],
+                    lane_scale[4],
+                    lane_scale[5],
+                    lane_scale[6],
+                    lane_scale[7],
+                )
+                o0, o1, o2, o3, o4, o5, o6, o7 = (
+                    lane_out[0],
+                    lane_out[1],
+                    lane_out[2],
+                    lane_out[3],
+                    lane_out[4],
+                    lane_out[5],
+                    lane_out[6],
+                    lane_out[7],
+                )
                 # While this group decodes, prefetch the next group's tables: with short
-                # streams (256 tokens) fetching them on demand cost about a quarter of the time.
+                # streams (256 tokens) fetching them on demand stalls the decoder.
                 nxt = (tb + LANES) * PROB_SCALE if g + 2 * LANES <= C else -1
                 nxt_fc = (tb + LANES) * fc_width
                 for t in range(T):
@@ -306,10 +388,19 @@ def decode_streams(
                 for t in range(T):
                     tok = token_map[to + t] * head_dim
                     for lane in range(active):
-                        x, p, y = _decode_step(states[lane], tb + lane, slot_sym, freq_cum, words, p, last)
+                        x, p, y = _decode_step(
+                            states[lane], tb + lane, slot_sym, freq_cum, words, p, last
+                        )
                         states[lane] = x
-                        _emit(y, ctr, scales[lane_scale[lane] + t * st], lane_out[lane] + tok,
-                              out_f32, out_bf16, to_bf16)
+                        _emit(
+                            y,
+                            ctr,
+                            scales[lane_scale[lane] + t * st],
+                            lane_out[lane] + tok,
+                            out_f32,
+                            out_bf16,
+                            to_bf16,
+                        )
         ok = p == end
         for lane in range(LANES):
             if states[lane] != _U_L:

@@ -33,16 +33,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachegen.connector.errors import ConnectorError
+from cachegen.constants import CHUNK_TOKENS, RATE_SHAPERS
+from cachegen.modes import CONNECTOR_MODES as MODES
 from cachegen.store import default_store_url
 
-MODES = ("raw", "int8", "fp8", "cachegen", "adaptive")
 REQUEST_KEYS = frozenset({"mode", "level", "slo_ms", "bandwidth_mbps", "rtt_ms", "load", "save"})
 ENGINE_KEYS = REQUEST_KEYS | {
-    "store", "chunk_tokens", "save_modes", "cachegen_levels", "shaper", "prefill_tokens_per_s", "load_async",
+    "store",
+    "chunk_tokens",
+    "save_modes",
+    "cachegen_levels",
+    "shaper",
+    "prefill_tokens_per_s",
+    "load_async",
     "save_async",
 }
-SHAPERS = ("token-bucket", "netns")
-DEFAULT_CHUNK_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -60,21 +65,31 @@ class RequestOptions:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConnectorError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.level is not None and (isinstance(self.level, bool) or not isinstance(self.level, int)):
+        if self.level is not None and (
+            isinstance(self.level, bool) or not isinstance(self.level, int)
+        ):
             raise ConnectorError(f"level must be an integer, got {self.level!r}")
         for name in ("slo_ms", "bandwidth_mbps"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+            ):
                 raise ConnectorError(f"{name} must be a positive number, got {value!r}")
-        if isinstance(self.rtt_ms, bool) or not isinstance(self.rtt_ms, (int, float)) or self.rtt_ms < 0:
+        if (
+            isinstance(self.rtt_ms, bool)
+            or not isinstance(self.rtt_ms, (int, float))
+            or self.rtt_ms < 0
+        ):
             raise ConnectorError(f"rtt_ms must be a number >= 0, got {self.rtt_ms!r}")
         if self.mode == "adaptive" and self.slo_ms is None:
-            raise ConnectorError("adaptive mode needs slo_ms (the time budget for loading the prefix)")
+            raise ConnectorError(
+                "adaptive mode needs slo_ms (the time budget for loading the prefix)"
+            )
         for name in ("load", "save"):
             if not isinstance(getattr(self, name), bool):
                 raise ConnectorError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
-    def override(self, params: dict[str, Any] | None) -> "RequestOptions":
+    def override(self, params: dict[str, Any] | None) -> RequestOptions:
         """These options with a request's ``kv_transfer_params`` applied on top."""
         if not params:
             return self
@@ -91,7 +106,7 @@ class ConnectorConfig:
     """Engine-wide connector configuration."""
 
     store: str = field(default_factory=default_store_url)  # the store package's default directory
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    chunk_tokens: int = CHUNK_TOKENS
     save_modes: tuple[str, ...] = ()
     cachegen_levels: tuple[int, ...] | None = None
     shaper: str = "token-bucket"
@@ -101,28 +116,45 @@ class ConnectorConfig:
     defaults: RequestOptions = field(default_factory=RequestOptions)
 
     def __post_init__(self) -> None:
-        if isinstance(self.chunk_tokens, bool) or not isinstance(self.chunk_tokens, int) or self.chunk_tokens <= 0:
-            raise ConnectorError(f"chunk_tokens must be a positive integer, got {self.chunk_tokens!r}")
+        if (
+            isinstance(self.chunk_tokens, bool)
+            or not isinstance(self.chunk_tokens, int)
+            or self.chunk_tokens <= 0
+        ):
+            raise ConnectorError(
+                f"chunk_tokens must be a positive integer, got {self.chunk_tokens!r}"
+            )
         for mode in self.save_modes:
             if mode not in MODES:
-                raise ConnectorError(f"unknown mode {mode!r} in save_modes; choose from {', '.join(MODES)}")
-        if self.shaper not in SHAPERS:
-            raise ConnectorError(f"unknown shaper {self.shaper!r}; choose one of {', '.join(SHAPERS)}")
+                raise ConnectorError(
+                    f"unknown mode {mode!r} in save_modes; choose from {', '.join(MODES)}"
+                )
+        if self.shaper not in RATE_SHAPERS:
+            raise ConnectorError(
+                f"unknown shaper {self.shaper!r}; choose one of {', '.join(RATE_SHAPERS)}"
+            )
         rate = self.prefill_tokens_per_s
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0):
+        if rate is not None and (
+            isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0
+        ):
             raise ConnectorError(f"prefill_tokens_per_s must be a positive number, got {rate!r}")
         if self.cachegen_levels is not None and (
-            not self.cachegen_levels or not all(isinstance(x, int) and not isinstance(x, bool) for x in self.cachegen_levels)
+            not self.cachegen_levels
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in self.cachegen_levels)
         ):
-            raise ConnectorError(f"cachegen_levels must be a non-empty list of integers, got {self.cachegen_levels!r}")
+            raise ConnectorError(
+                f"cachegen_levels must be a non-empty list of integers, got {self.cachegen_levels!r}"
+            )
         for name in ("load_async", "save_async"):
             if not isinstance(getattr(self, name), bool):
                 raise ConnectorError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.store, str) or "://" not in self.store:
-            raise ConnectorError(f"store must be a URL like file:///path or redis://host:port/0, got {self.store!r}")
+            raise ConnectorError(
+                f"store must be a URL like file:///path or redis://host:port/0, got {self.store!r}"
+            )
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
         unknown = set(extra) - ENGINE_KEYS
         if unknown:
@@ -130,7 +162,9 @@ class ConnectorConfig:
                 f"unknown kv_connector_extra_config keys {sorted(unknown)}; the cachegen connector accepts "
                 f"{sorted(ENGINE_KEYS)}"
             )
-        defaults = RequestOptions().override({k: extra.pop(k) for k in list(extra) if k in REQUEST_KEYS})
+        defaults = RequestOptions().override(
+            {k: extra.pop(k) for k in list(extra) if k in REQUEST_KEYS}
+        )
         save_modes = extra.pop("save_modes", None)
         if save_modes is None:
             save_modes = [defaults.mode]

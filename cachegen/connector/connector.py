@@ -56,12 +56,22 @@ def served_model(model_path: str) -> ModelSpec:
 class CacheGenConnector(KVConnectorBase_V1):
     """Stores prompt prefixes' KV (compressed by the cachegen codec) and loads it back."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
-        if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise ConnectorError("the cachegen connector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only")
+        if (
+            vllm_config.parallel_config.tensor_parallel_size != 1
+            or vllm_config.parallel_config.pipeline_parallel_size != 1
+        ):
+            raise ConnectorError(
+                "the cachegen connector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only"
+            )
         if transfer.kv_load_failure_policy != "recompute":
             logger.warning(
                 "cachegen connector: kv_load_failure_policy=%r makes a failed KV load fail the request; "
@@ -69,7 +79,9 @@ class CacheGenConnector(KVConnectorBase_V1):
                 transfer.kv_load_failure_policy,
             )
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ConnectorError("the cachegen connector supports models with one KV cache group (plain attention) only")
+            raise ConnectorError(
+                "the cachegen connector supports models with one KV cache group (plain attention) only"
+            )
         spec = served_model(vllm_config.model_config.model)
         identity = spec.identity()
         block_size = vllm_config.cache_config.block_size
@@ -79,8 +91,13 @@ class CacheGenConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, transport, block_size, transfer.kv_role)
         else:
-            self._worker = WorkerSide(transport, identity, block_size, self.config.chunk_tokens,
-                                      save_async=self.config.save_async)
+            self._worker = WorkerSide(
+                transport,
+                identity,
+                block_size,
+                self.config.chunk_tokens,
+                save_async=self.config.save_async,
+            )
 
     # ---- worker side ---------------------------------------------------------------------------
 
@@ -94,7 +111,7 @@ class CacheGenConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.step_started()  # called before the forward pass of every step
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, StepMetadata)
@@ -103,7 +120,13 @@ class CacheGenConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete inside start_load_kv, before the forward pass
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
         return  # the whole prompt is copied out once, in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -132,25 +155,32 @@ class CacheGenConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self._scheduler is not None
         self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         reports = connector_output.kv_connector_worker_meta
         self._scheduler.on_worker_output(
-            reports if isinstance(reports, LoadReports) else None, set(connector_output.finished_recving or ())
+            reports if isinstance(reports, LoadReports) else None,
+            set(connector_output.finished_recving or ()),
         )
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)

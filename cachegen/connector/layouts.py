@@ -30,8 +30,9 @@ All functions take and return K/V of one layer as ``[num_kv_heads, num_tokens, h
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,19 +60,27 @@ class PagedLayout:
         """K and V ``[num_kv_heads, len(slots), head_dim]`` of the tokens at ``slots``."""
         raise NotImplementedError
 
-    def scatter(self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def scatter(
+        self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         """Write K and V ``[num_kv_heads, len(slots), head_dim]`` into the tokens at ``slots``."""
         raise NotImplementedError
 
     # All layers at once: the worker moves a chunk's KV of every layer in one call, so a layout
     # can do it in one pass (the CPU vec packing: one release of the GIL per chunk).
 
-    def gather_layers(self, caches: Sequence[torch.Tensor], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_layers(
+        self, caches: Sequence[torch.Tensor], slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[len(caches), num_kv_heads, len(slots), head_dim]``, one cache per layer."""
         return _stack_layers(self.gather(cache, slots) for cache in caches)
 
     def scatter_layers(
-        self, caches: Sequence[torch.Tensor], slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self,
+        caches: Sequence[torch.Tensor],
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
     ) -> None:
         """Write K and V ``[len(caches), num_kv_heads, len(slots), head_dim]``."""
         for layer, cache in enumerate(caches):
@@ -80,21 +89,31 @@ class PagedLayout:
     # Whole blocks are the common case (chunks and vLLM's hits are block-aligned); layouts
     # move a block's run at once, several times faster than per-token indexing.
 
-    def gather_blocks(self, caches: Sequence[torch.Tensor], blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_blocks(
+        self, caches: Sequence[torch.Tensor], blocks: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[len(caches), num_kv_heads, len(blocks) * block_size, head_dim]`` of whole blocks."""
         return _stack_layers(self._gather_layer_blocks(cache, blocks) for cache in caches)
 
     def scatter_blocks(
-        self, caches: Sequence[torch.Tensor], blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self,
+        caches: Sequence[torch.Tensor],
+        blocks: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
     ) -> None:
         """Write K and V ``[len(caches), num_kv_heads, len(blocks) * block_size, head_dim]``."""
         for layer, cache in enumerate(caches):
             self._scatter_layer_blocks(cache, blocks, keys[layer], values[layer])
 
-    def _gather_layer_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather_layer_blocks(
+        self, cache: torch.Tensor, blocks: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gather(cache, self._block_slots(blocks))
 
-    def _scatter_layer_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _scatter_layer_blocks(
+        self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         self.scatter(cache, self._block_slots(blocks), keys, values)
 
     def _block_slots(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -132,21 +151,33 @@ class SplitLayout(PagedLayout):
         rows = rows.transpose(0, 1)
         return rows[..., : self.head_dim], rows[..., self.head_dim :]
 
-    def scatter(self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def scatter(
+        self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         self._check_kv(slots, keys, values)
         slots = slots.to(cache.device)
-        rows = torch.cat([keys, values], dim=-1).transpose(0, 1).to(device=cache.device, dtype=cache.dtype)
+        rows = (
+            torch.cat([keys, values], dim=-1)
+            .transpose(0, 1)
+            .to(device=cache.device, dtype=cache.dtype)
+        )
         cache[slots // self.block_size, :, slots % self.block_size] = rows
 
-    def _gather_layer_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather_layer_blocks(
+        self, cache: torch.Tensor, blocks: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         runs = cache[blocks.to(cache.device)]  # [n, H, bs, 2D]
         rows = runs.transpose(0, 1).reshape(self.num_kv_heads, -1, 2 * self.head_dim)
         return rows[..., : self.head_dim], rows[..., self.head_dim :]
 
-    def _scatter_layer_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _scatter_layer_blocks(
+        self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         self._check_kv(self._block_slots(blocks), keys, values)
         rows = torch.cat([keys, values], dim=-1).to(device=cache.device, dtype=cache.dtype)
-        cache[blocks.to(cache.device)] = rows.view(self.num_kv_heads, len(blocks), self.block_size, -1).transpose(0, 1)
+        cache[blocks.to(cache.device)] = rows.view(
+            self.num_kv_heads, len(blocks), self.block_size, -1
+        ).transpose(0, 1)
 
 
 @dataclass
@@ -170,11 +201,15 @@ class CpuPackedLayout(PagedLayout):
     def __post_init__(self) -> None:
         vec_keys, vec_values = vec_packing_offsets(self.block_size, self.head_dim)
         # The vec packing is two strided copies per block (K transposed, V as is).
-        self.is_vec = torch.equal(self.key_offsets, vec_keys) and torch.equal(self.value_offsets, vec_values)
+        self.is_vec = torch.equal(self.key_offsets, vec_keys) and torch.equal(
+            self.value_offsets, vec_values
+        )
 
     def _runs(self, cache: torch.Tensor) -> torch.Tensor:
         if not cache.is_contiguous():
-            raise ConnectorError("the CPU KV cache tensor is not contiguous; this vLLM layout is not supported")
+            raise ConnectorError(
+                "the CPU KV cache tensor is not contiguous; this vLLM layout is not supported"
+            )
         return cache.view(cache.shape[0], self.num_kv_heads, 2 * self.block_size * self.head_dim)
 
     def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +221,9 @@ class CpuPackedLayout(PagedLayout):
         values = runs[blocks, :, self.value_offsets[offsets]].permute(2, 0, 1)
         return keys, values
 
-    def scatter(self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def scatter(
+        self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         self._check_kv(slots, keys, values)
         runs = self._runs(cache)
         blocks = (slots // self.block_size)[:, None]
@@ -195,15 +232,19 @@ class CpuPackedLayout(PagedLayout):
         runs[blocks, :, self.value_offsets[offsets]] = values.permute(1, 2, 0).to(cache.dtype)
 
     # The vec packing (K transposed, V as is, per block and head) moves through numba
-    # kernels, one call for all layers: injecting 4,096 SmolLM2 tokens takes 26-28 ms
-    # (benchmarks/micro/test_cache_packing.py) where per-block torch copies took 46-56 ms
-    # and one batched permute-copy ~550 ms (torch's strided bf16 copies are slow).
+    # kernels, one call for all layers: per-block torch copies are slower, and a single
+    # batched permute-copy far slower (torch's strided bf16 copies are slow). Measurements:
+    # docs/connector.md, "Backend layouts"; benchmarks/micro/test_cache_packing.py.
 
     def _runs_bits(self, caches: Sequence[torch.Tensor]) -> tuple[np.ndarray, ...]:
         """Each layer's runs ``[blocks, H, 2, block_size * head_dim]`` as integer arrays."""
-        return tuple(_as_bits(self._runs(c).view(c.shape[0], self.num_kv_heads, 2, -1)) for c in caches)
+        return tuple(
+            _as_bits(self._runs(c).view(c.shape[0], self.num_kv_heads, 2, -1)) for c in caches
+        )
 
-    def gather_blocks(self, caches: Sequence[torch.Tensor], blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_blocks(
+        self, caches: Sequence[torch.Tensor], blocks: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_vec:
             return super().gather_blocks(caches, blocks)
         from cachegen.connector.packing_kernels import gather_vec_blocks
@@ -211,11 +252,20 @@ class CpuPackedLayout(PagedLayout):
         shape = (len(caches), self.num_kv_heads, len(blocks) * self.block_size, self.head_dim)
         keys = torch.empty(shape, dtype=caches[0].dtype)
         values = torch.empty_like(keys)
-        gather_vec_blocks(self._runs_bits(caches), blocks.numpy().astype("int64"), _as_bits(keys), _as_bits(values))
+        gather_vec_blocks(
+            self._runs_bits(caches),
+            blocks.numpy().astype("int64"),
+            _as_bits(keys),
+            _as_bits(values),
+        )
         return keys, values
 
     def scatter_blocks(
-        self, caches: Sequence[torch.Tensor], blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self,
+        caches: Sequence[torch.Tensor],
+        blocks: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
     ) -> None:
         if not self.is_vec:
             return super().scatter_blocks(caches, blocks, keys, values)
@@ -225,8 +275,12 @@ class CpuPackedLayout(PagedLayout):
         for layer in range(len(caches)):
             self._check_kv(slots, keys[layer], values[layer])
         dtype = caches[0].dtype
-        scatter_vec_blocks(self._runs_bits(caches), blocks.numpy().astype("int64"),
-                           _as_bits(keys.to(dtype)), _as_bits(values.to(dtype)))
+        scatter_vec_blocks(
+            self._runs_bits(caches),
+            blocks.numpy().astype("int64"),
+            _as_bits(keys.to(dtype)),
+            _as_bits(values.to(dtype)),
+        )
 
 
 def _stack_layers(pairs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,7 +296,9 @@ def _as_bits(x: torch.Tensor) -> np.ndarray:
     """A numpy view of ``x``'s elements as integers of the same width (any strides)."""
     width = _BITS.get(x.element_size())
     if width is None:
-        raise ConnectorError(f"KV elements of {x.dtype} are not supported by the CPU packing kernels")
+        raise ConnectorError(
+            f"KV elements of {x.dtype} are not supported by the CPU packing kernels"
+        )
     return x.view(width).numpy()
 
 
@@ -253,7 +309,9 @@ def vec_packing_offsets(block_size: int, head_dim: int) -> tuple[torch.Tensor, t
     return dims * block_size + tokens, block_size * head_dim + tokens * head_dim + dims
 
 
-def probe_cpu_packing(isa: str, block_size: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def probe_cpu_packing(
+    isa: str, block_size: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Learn the CPU kernel's packing for ``isa`` by running it on position-encoded K/V.
 
     Returns ``(key_offsets, value_offsets)``, each ``[block_size, head_dim]`` int64. Raises
@@ -276,27 +334,41 @@ def probe_cpu_packing(isa: str, block_size: int, head_dim: int, dtype: torch.dty
         key_cache, value_cache = cache.view(1, 1, 2 * block_size, head_dim).chunk(2, dim=2)
         try:
             ops.cpu_attn_reshape_and_cache(
-                code.to(dtype), (code + _DIGIT_BASE).to(dtype), key_cache, value_cache,
-                torch.arange(block_size, dtype=torch.int64), isa,
+                code.to(dtype),
+                (code + _DIGIT_BASE).to(dtype),
+                key_cache,
+                value_cache,
+                torch.arange(block_size, dtype=torch.int64),
+                isa,
             )
         except (RuntimeError, NotImplementedError, AttributeError) as exc:
-            raise ConnectorError(f"vLLM's CPU kernel rejects isa={isa!r}, head_dim={head_dim}, {dtype}: {exc}") from exc
+            raise ConnectorError(
+                f"vLLM's CPU kernel rejects isa={isa!r}, head_dim={head_dim}, {dtype}: {exc}"
+            ) from exc
         written = cache.view(run).to(torch.int64)
         if (written < 0).any():
-            raise ConnectorError(f"CPU KV packing for isa={isa!r} leaves cache positions unwritten; unsupported layout")
+            raise ConnectorError(
+                f"CPU KV packing for isa={isa!r} leaves cache positions unwritten; unsupported layout"
+            )
         digit_is_key = written < _DIGIT_BASE
         if is_key is None:
             is_key = digit_is_key
         elif not torch.equal(is_key, digit_is_key):
-            raise ConnectorError(f"CPU KV packing for isa={isa!r} is not a fixed permutation; unsupported layout")
+            raise ConnectorError(
+                f"CPU KV packing for isa={isa!r} is not a fixed permutation; unsupported layout"
+            )
         key_pos += (written % _DIGIT_BASE) * _DIGIT_BASE**digit
     assert is_key is not None
     offsets = []
     for mask in (is_key, ~is_key):
         positions = torch.nonzero(mask).flatten()
         ids = key_pos[positions]
-        if positions.numel() != block_size * head_dim or not torch.equal(torch.sort(ids).values, torch.arange(ids.numel())):
-            raise ConnectorError(f"CPU KV packing for isa={isa!r} is not a permutation of one block; unsupported layout")
+        if positions.numel() != block_size * head_dim or not torch.equal(
+            torch.sort(ids).values, torch.arange(ids.numel())
+        ):
+            raise ConnectorError(
+                f"CPU KV packing for isa={isa!r} is not a permutation of one block; unsupported layout"
+            )
         table = torch.empty(block_size * head_dim, dtype=torch.int64)
         table[ids] = positions
         offsets.append(table.view(block_size, head_dim))
@@ -318,7 +390,9 @@ def layout_for_layer(layer: Any, cache: torch.Tensor) -> PagedLayout:
             f"not translate); run vLLM with kv_cache_dtype='auto'"
         )
     if cache.dim() != 4 or cache.shape[-1] % 2:
-        raise ConnectorError(f"{backend}: unexpected KV cache shape {tuple(cache.shape)} (MLA and other packed caches are unsupported)")
+        raise ConnectorError(
+            f"{backend}: unexpected KV cache shape {tuple(cache.shape)} (MLA and other packed caches are unsupported)"
+        )
     _, num_kv_heads, block_size, content = cache.shape
     head_dim = content // 2
     if backend in SPLIT_BACKENDS:
@@ -326,11 +400,17 @@ def layout_for_layer(layer: Any, cache: torch.Tensor) -> PagedLayout:
     if backend == CPU_BACKEND:
         isa = getattr(layer, "isa", None)
         if isa is None:
-            raise ConnectorError("CPU attention layer has no kernel ISA set; cannot tell its KV packing")
+            raise ConnectorError(
+                "CPU attention layer has no kernel ISA set; cannot tell its KV packing"
+            )
         key_offsets, value_offsets = probe_cpu_packing(isa, block_size, head_dim, cache.dtype)
         return CpuPackedLayout(
-            block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            key_offsets=key_offsets, value_offsets=value_offsets, isa=isa,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            key_offsets=key_offsets,
+            value_offsets=value_offsets,
+            isa=isa,
         )
     supported = ", ".join(sorted(SPLIT_BACKENDS | {CPU_BACKEND}))
     raise ConnectorError(

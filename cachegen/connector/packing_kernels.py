@@ -23,7 +23,7 @@ import numba
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def _scatter_layer(runs, blocks, keys, values):
     heads, tokens, head_dim = keys.shape
-    # From the tokens rather than the run length: LLVM then emits a loop 1.8x faster.
+    # From the tokens rather than the run length: LLVM then emits a faster loop.
     block_size = tokens // blocks.shape[0]
     for j in range(blocks.shape[0]):
         block = blocks[j]

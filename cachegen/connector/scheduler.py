@@ -29,7 +29,7 @@ REPORT_KEY = "cachegen"  # output kv_transfer_params[REPORT_KEY] holds the conne
 
 @dataclass
 class _Tracked:
-    request: "Request"
+    request: Request
     options: RequestOptions | None  # None: the request's options were invalid
     error: str | None = None
     lookup: tuple[int, int] | None = None  # (num_computed_tokens asked with, tokens matched)
@@ -40,7 +40,9 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, transport: ChunkTransport, block_size: int, role: str) -> None:
+    def __init__(
+        self, config: ConnectorConfig, transport: ChunkTransport, block_size: int, role: str
+    ) -> None:
         config.check_block_size(block_size)
         self.config = config
         self.transport = transport
@@ -51,21 +53,30 @@ class SchedulerSide:
 
     # ---- lookup ------------------------------------------------------------------------------
 
-    def _track(self, request: "Request") -> _Tracked:
+    def _track(self, request: Request) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
             try:
                 options = self.config.defaults.override(request.kv_transfer_params)
                 tracked = _Tracked(request, options)
             except (ConnectorError, TypeError) as exc:
-                logger.warning("request %s: ignoring the cachegen connector: %s", request.request_id, exc)
+                logger.warning(
+                    "request %s: ignoring the cachegen connector: %s", request.request_id, exc
+                )
                 tracked = _Tracked(request, None, error=str(exc))
             self._tracked[request.request_id] = tracked
         return tracked
 
-    def num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         tracked = self._track(request)
-        if not self.can_load or tracked.options is None or not tracked.options.load or tracked.load_failed:
+        if (
+            not self.can_load
+            or tracked.options is None
+            or not tracked.options.load
+            or tracked.load_failed
+        ):
             return 0, False
         if tracked.lookup is None or tracked.lookup[0] != num_computed_tokens:
             tracked.lookup = (num_computed_tokens, self._lookup(tracked, num_computed_tokens))
@@ -79,12 +90,18 @@ class SchedulerSide:
         try:
             stored = self.transport.stored_chunks(prompt, tracked.options)
         except CacheGenError as exc:
-            logger.warning("request %s: store lookup failed, computing instead: %s", tracked.request.request_id, exc)
+            logger.warning(
+                "request %s: store lookup failed, computing instead: %s",
+                tracked.request.request_id,
+                exc,
+            )
             tracked.error = f"lookup failed: {exc}"
             return 0
         return max(0, min(stored * self.config.chunk_tokens, limit) - num_computed_tokens)
 
-    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         tracked = self._track(request)
         if num_external_tokens <= 0:
             return
@@ -104,7 +121,7 @@ class SchedulerSide:
 
     # ---- per-step metadata ----------------------------------------------------------------------
 
-    def build_meta(self, scheduler_output: "SchedulerOutput") -> StepMetadata:
+    def build_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
         meta = StepMetadata(step_tokens=scheduler_output.total_num_scheduled_tokens)
         for tracked in self._tracked.values():
             if tracked.load is not None:  # a load is issued once; a failure makes vLLM recompute
@@ -121,7 +138,9 @@ class SchedulerSide:
                     meta.saves.append(save)
         return meta
 
-    def _plan_save(self, tracked: _Tracked, num_scheduled: int, block_state: Any) -> SaveTask | None:
+    def _plan_save(
+        self, tracked: _Tracked, num_scheduled: int, block_state: Any
+    ) -> SaveTask | None:
         """A save when this step completes the prompt's prefill (so its KV is all in cache)."""
         request = tracked.request
         options = tracked.options
@@ -146,7 +165,13 @@ class SchedulerSide:
         if not groups:
             return None
         tracked.report["save_chunks"] = full // self.config.chunk_tokens - stored
-        return SaveTask(request.request_id, list(prompt[:full]), list(groups[0]), self.config.save_modes, first_chunk=stored)
+        return SaveTask(
+            request.request_id,
+            list(prompt[:full]),
+            list(groups[0]),
+            self.config.save_modes,
+            first_chunk=stored,
+        )
 
     # ---- worker feedback and completion ---------------------------------------------------------
 
@@ -162,7 +187,7 @@ class SchedulerSide:
             if tracked is not None:
                 tracked.loading = False
 
-    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None

@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -70,7 +71,9 @@ class ChunkTransport:
     def keys(self, mode: str, token_ids: Sequence[int]) -> list[str]:
         """Keys of the whole chunks of ``token_ids`` under ``mode``'s codec profile."""
         profile = self.codec(mode).profile_id
-        return chunk_keys(self.identity, profile, list(token_ids), self.chunk_tokens, include_partial=False)
+        return chunk_keys(
+            self.identity, profile, list(token_ids), self.chunk_tokens, include_partial=False
+        )
 
     def levels(self, mode: str) -> list[int]:
         """The levels stored for ``mode``: all of the codec's, or ``cachegen_levels``."""
@@ -80,7 +83,9 @@ class ChunkTransport:
             return list(codec.levels)
         unknown = sorted(set(chosen) - set(codec.levels))
         if unknown:
-            raise ConnectorError(f"cachegen_levels {unknown} are not levels of this model's profile {list(codec.levels)}")
+            raise ConnectorError(
+                f"cachegen_levels {unknown} are not levels of this model's profile {list(codec.levels)}"
+            )
         return list(chosen)
 
     @functools.cached_property
@@ -89,11 +94,11 @@ class ChunkTransport:
         shipped calibrated levels when it has them, else every level.
 
         The controller ranks levels by their bytes, which only orders quality along a frontier:
-        on SmolLM2 the paper's level 3 is 0.4% larger than calibrated level 4 at 2.7x its
-        perplexity change, so with both on offer it sent level 3. The calibrated levels were
-        each chosen for a measured perplexity target and together dominate the presets
-        (docs/quality.md). Found once per transport: the scheduler asks on every lookup, and the
-        shipped calibration is read from files."""
+        on SmolLM2 the paper's level 3 is slightly larger than calibrated level 4 at several
+        times its perplexity change, so with both on offer it sent level 3 (docs/connector.md).
+        The calibrated levels were each chosen for a measured perplexity target and together
+        dominate the presets (docs/quality.md). Found once per transport: the scheduler asks on
+        every lookup, and the shipped calibration is read from files."""
         if self.config.cachegen_levels is None:
             calibrated = self.codec("adaptive").profile.calibrated_levels()
             if calibrated:
@@ -107,16 +112,22 @@ class ChunkTransport:
         codec = self.codec(options.mode)
         level = codec.default_level if options.level is None else options.level
         if level not in self.levels(options.mode):
-            raise ConnectorError(f"{options.mode} stores levels {self.levels(options.mode)}, not {level}")
+            raise ConnectorError(
+                f"{options.mode} stores levels {self.levels(options.mode)}, not {level}"
+            )
         return [level]
 
     def stored_chunks(self, token_ids: Sequence[int], options: RequestOptions) -> int:
         """Leading whole chunks of ``token_ids`` loadable with ``options``."""
-        return longest_prefix(self.store, self.keys(options.mode, token_ids), self.load_levels(options))
+        return longest_prefix(
+            self.store, self.keys(options.mode, token_ids), self.load_levels(options)
+        )
 
     def saved_chunks(self, token_ids: Sequence[int], modes: Sequence[str]) -> int:
         """Leading whole chunks of ``token_ids`` already stored at every level of every mode."""
-        counts = [longest_prefix(self.store, self.keys(m, token_ids), self.levels(m)) for m in modes]
+        counts = [
+            longest_prefix(self.store, self.keys(m, token_ids), self.levels(m)) for m in modes
+        ]
         return min(counts, default=0)
 
     # ---- load ----------------------------------------------------------------------------------
@@ -124,15 +135,19 @@ class ChunkTransport:
     def _link(self, options: RequestOptions) -> Any:
         """The link for ``options``' rate and RTT, started on first use and kept for the next
         loads: its chunk server is a child process (a remote machine's stand-in) whose start-up
-        (about 0.2 s) must not be charged to every load's TTFT."""
+        must not be charged to every load's TTFT."""
         key = (options.bandwidth_mbps, float(options.rtt_ms))
         with self._lock:
             if key not in self._links:
                 if options.bandwidth_mbps is None and not options.rtt_ms:
                     link = open_link(self.store, shaper="none")
                 else:
-                    link = open_link(self.store, bandwidth_mbps=options.bandwidth_mbps, rtt_ms=options.rtt_ms,
-                                     shaper=self.config.shaper)
+                    link = open_link(
+                        self.store,
+                        bandwidth_mbps=options.bandwidth_mbps,
+                        rtt_ms=options.rtt_ms,
+                        shaper=self.config.shaper,
+                    )
                 self._links[key] = self._exits.enter_context(link)
             return self._links[key]
 
@@ -150,17 +165,26 @@ class ChunkTransport:
         C = self.chunk_tokens
         keys = self.keys(options.mode, token_ids[: (first_chunk + num_chunks) * C])[first_chunk:]
         if len(keys) != num_chunks:
-            raise ConnectorError(f"{len(token_ids)} tokens do not hold chunks {first_chunk}..{first_chunk + num_chunks - 1}")
+            raise ConnectorError(
+                f"{len(token_ids)} tokens do not hold chunks {first_chunk}..{first_chunk + num_chunks - 1}"
+            )
         link_key = (options.bandwidth_mbps, float(options.rtt_ms))
 
         def consume(index: int, kv: KVCache) -> None:
             start = (first_chunk + index) * C
             expected = torch.as_tensor(token_ids[start : start + C], dtype=torch.int64)
             if kv.start != start or not torch.equal(kv.token_ids, expected):
-                raise ConnectorError(f"chunk {first_chunk + index} decodes to tokens of another prefix")
+                raise ConnectorError(
+                    f"chunk {first_chunk + index} decodes to tokens of another prefix"
+                )
             if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (
-                self.identity.num_layers, self.identity.num_kv_heads, self.identity.head_dim):
-                raise ConnectorError(f"chunk {first_chunk + index} has the KV geometry of another model")
+                self.identity.num_layers,
+                self.identity.num_kv_heads,
+                self.identity.head_dim,
+            ):
+                raise ConnectorError(
+                    f"chunk {first_chunk + index} has the KV geometry of another model"
+                )
             on_chunk(kv)
 
         kwargs: dict[str, Any] = {}
@@ -169,8 +193,12 @@ class ChunkTransport:
             levels = self.load_levels(options)
             sizes = {lv: self.store.sizes(keys, lv) for lv in levels}
             kwargs["controller"] = AdaptiveController(
-                options.slo_ms / 1000.0, sizes, [C] * num_chunks,
-                prefill_tokens_per_s=self.config.prefill_tokens_per_s or prefill_tokens_per_s or 1000.0,
+                options.slo_ms / 1000.0,
+                sizes,
+                [C] * num_chunks,
+                prefill_tokens_per_s=self.config.prefill_tokens_per_s
+                or prefill_tokens_per_s
+                or 1000.0,
                 initial_mbps=self._goodput_mbps.get(link_key, options.bandwidth_mbps),
             )
         else:
@@ -186,7 +214,9 @@ class ChunkTransport:
         if stats.transfer_s > 0 and stats.bytes:
             previous = self._goodput_mbps.get(link_key)
             now = stats.goodput_mbps
-            self._goodput_mbps[link_key] = now if previous is None else (1 - GOODPUT_EWMA) * previous + GOODPUT_EWMA * now
+            self._goodput_mbps[link_key] = (
+                now if previous is None else (1 - GOODPUT_EWMA) * previous + GOODPUT_EWMA * now
+            )
         error = None
         if stats.recompute_from is not None:
             error = f"adaptive controller left chunks from {first_chunk + stats.recompute_from} on to recomputation"

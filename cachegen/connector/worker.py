@@ -20,7 +20,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -90,7 +91,13 @@ class _Background:
 
 class WorkerSide:
     def __init__(
-        self, transport: ChunkTransport, model: ModelIdentity, block_size: int, chunk_tokens: int, *, save_async: bool
+        self,
+        transport: ChunkTransport,
+        model: ModelIdentity,
+        block_size: int,
+        chunk_tokens: int,
+        *,
+        save_async: bool,
     ) -> None:
         self.transport = transport
         self.model = model
@@ -127,21 +134,37 @@ class WorkerSide:
             cache = kv_caches[name]
             layout = layout_for_layer(layers[name], cache)
             layout.check_cache(cache)
-            if (layout.num_kv_heads, layout.head_dim) != (self.model.num_kv_heads, self.model.head_dim):
+            if (layout.num_kv_heads, layout.head_dim) != (
+                self.model.num_kv_heads,
+                self.model.head_dim,
+            ):
                 raise ConnectorError(
                     f"layer {name}: vLLM holds {layout.num_kv_heads} KV heads x {layout.head_dim}, the model has "
                     f"{self.model.num_kv_heads} x {self.model.head_dim} (tensor parallelism is not supported)"
                 )
             if self.block_size % layout.block_size:
-                raise ConnectorError(f"kernel block size {layout.block_size} does not divide block size {self.block_size}")
+                raise ConnectorError(
+                    f"kernel block size {layout.block_size} does not divide block size {self.block_size}"
+                )
             if layouts and (layout != layouts[0] or cache.dtype != caches[0].dtype):
-                raise ConnectorError(f"layer {name} has another KV layout or dtype than layer 0; mixed layouts are not supported")
+                raise ConnectorError(
+                    f"layer {name} has another KV layout or dtype than layer 0; mixed layouts are not supported"
+                )
             caches.append(cache)
             layouts.append(layout)
         self._caches, self._layout = caches, layouts[0]
-        extra = f", isa {self._layout.isa}, vec packing {self._layout.is_vec}" if isinstance(self._layout, CpuPackedLayout) else ""
-        logger.info("cachegen connector: %d layers, %s layout (kernel block %d%s)", len(caches), self._layout.kind,
-                    self._layout.block_size, extra)
+        extra = (
+            f", isa {self._layout.isa}, vec packing {self._layout.is_vec}"
+            if isinstance(self._layout, CpuPackedLayout)
+            else ""
+        )
+        logger.info(
+            "cachegen connector: %d layers, %s layout (kernel block %d%s)",
+            len(caches),
+            self._layout.kind,
+            self._layout.block_size,
+            extra,
+        )
 
     # ---- moving KV between the paged cache and KVCache -----------------------------------------
 
@@ -208,7 +231,9 @@ class WorkerSide:
             inject_s += time.perf_counter() - t
 
         try:
-            result = self.transport.load(task.token_ids, first, count, task.options, on_chunk, self.prefill_tokens_per_s)
+            result = self.transport.load(
+                task.token_ids, first, count, task.options, on_chunk, self.prefill_tokens_per_s
+            )
             error, done_chunks, stats = result.error, result.chunks_loaded, result.stats
         except Exception as exc:  # noqa: BLE001 - any failure of a load must become a recompute
             logger.exception("request %s: KV load failed", task.req_id)
@@ -216,13 +241,20 @@ class WorkerSide:
         loaded_end = max(task.begin, min(task.end, (first + done_chunks) * self.chunk_tokens))
         if error is None and loaded_end < task.end:
             error = f"only {done_chunks} of {count} chunks arrived"
-        report = {**stats, "loaded_tokens": loaded_end - task.begin, "chunks": done_chunks,
-                  "inject_s": inject_s, "load_s": time.perf_counter() - t0}
+        report = {
+            **stats,
+            "loaded_tokens": loaded_end - task.begin,
+            "chunks": done_chunks,
+            "inject_s": inject_s,
+            "load_s": time.perf_counter() - t0,
+        }
         with self._lock:
             if error is not None:
                 report["load_error"] = error
                 # vLLM recomputes from the first block that failed (kv_load_failure_policy="recompute").
-                self._invalid_blocks.update(task.block_ids[loaded_end // self.block_size : -(-task.end // self.block_size)])
+                self._invalid_blocks.update(
+                    task.block_ids[loaded_end // self.block_size : -(-task.end // self.block_size)]
+                )
                 if not task.in_background:
                     self._failed_inline.add(task.req_id)
             self._reports[task.req_id] = report
@@ -231,8 +263,13 @@ class WorkerSide:
                 self._in_flight -= 1
                 self._load_done.notify_all()
         if error is not None:
-            logger.warning("request %s: loaded %d of %d tokens, recomputing the rest: %s",
-                           task.req_id, loaded_end - task.begin, task.end - task.begin, error)
+            logger.warning(
+                "request %s: loaded %d of %d tokens, recomputing the rest: %s",
+                task.req_id,
+                loaded_end - task.begin,
+                task.end - task.begin,
+                error,
+            )
 
     def finished_loads(self, idle: bool) -> set[str]:
         """Background loads done since the last call (their failed blocks are reported with them).
@@ -267,7 +304,9 @@ class WorkerSide:
         if seconds > 0:
             sample = meta.step_tokens / seconds
             rate = self.prefill_tokens_per_s
-            self.prefill_tokens_per_s = sample if rate is None else (1 - RATE_EWMA) * rate + RATE_EWMA * sample
+            self.prefill_tokens_per_s = (
+                sample if rate is None else (1 - RATE_EWMA) * rate + RATE_EWMA * sample
+            )
 
     def submit_saves(self, meta: StepMetadata) -> None:
         self._measure_step(meta)
@@ -276,7 +315,12 @@ class WorkerSide:
         for task in meta.saves:
             if task.req_id in failed:
                 continue  # its cache holds KV that vLLM is about to recompute
-            kv = self.gather(task.block_ids, task.token_ids, task.first_chunk * self.chunk_tokens, len(task.token_ids))
+            kv = self.gather(
+                task.block_ids,
+                task.token_ids,
+                task.first_chunk * self.chunk_tokens,
+                len(task.token_ids),
+            )
             if self._saver is None:
                 self._save(task, kv)
             elif not self._saver.submit(lambda task=task, kv=kv: self._save(task, kv)):
@@ -289,7 +333,9 @@ class WorkerSide:
         except Exception:  # noqa: BLE001 - a failed save is a future cache miss, never a crash
             logger.exception("request %s: storing its KV failed", task.req_id)
             return
-        logger.debug("request %s: stored %d bytes in %.3f s", task.req_id, nbytes, time.perf_counter() - t0)
+        logger.debug(
+            "request %s: stored %d bytes in %.3f s", task.req_id, nbytes, time.perf_counter() - t0
+        )
 
     def shutdown(self) -> None:
         self._loader.close(timeout=30)

@@ -1,13 +1,19 @@
 """Encoded-chunk stores addressed by URL (local directory, Redis / Valkey / Redis Cluster).
 
-    store = open_store("file:///var/cache/kv")          # or "redis://127.0.0.1:6379/0"
-    keys = chunk_keys(model_identity, codec_profile_id, token_ids, chunk_tokens)
-    store.put(keys[0], level, blob); store.get(keys[0], level)
-    n = longest_prefix(store, keys, levels)              # leading chunks stored at every level
+store = open_store("file:///var/cache/kv")          # or "redis://127.0.0.1:6379/0"
+keys = chunk_keys(model_identity, codec_profile_id, token_ids, chunk_tokens)
+store.put(keys[0], level, blob); store.get(keys[0], level)
+n = longest_prefix(store, keys, levels)              # leading chunks stored at every level
 """
 
 from cachegen.store.base import ChunkInfo, ChunkStore, StoreStats, longest_prefix
-from cachegen.store.errors import ChunkCorrupt, ChunkMissing, StoreConfigError, StoreError, StoreUnavailable
+from cachegen.store.errors import (
+    ChunkCorrupt,
+    ChunkMissing,
+    StoreConfigError,
+    StoreError,
+    StoreUnavailable,
+)
 from cachegen.store.keys import chunk_keys, namespace, validate_key
 from cachegen.store.url import default_store_url, open_store, parse_size
 

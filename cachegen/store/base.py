@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Iterator, Sequence
 
 from cachegen.store import record
 
@@ -127,7 +127,7 @@ class ChunkStore(ABC):
     def close(self) -> None:
         """Release connections; the store must not be used afterwards."""
 
-    def __enter__(self) -> "ChunkStore":
+    def __enter__(self) -> ChunkStore:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,7 +36,11 @@ def namespace(model: ModelIdentity, codec_profile_id: str, chunk_tokens: int) ->
     if chunk_tokens <= 0:
         raise StoreConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
     ident = json.dumps(
-        {"model": model.to_dict(), "codec_profile": str(codec_profile_id), "chunk_tokens": int(chunk_tokens)},
+        {
+            "model": model.to_dict(),
+            "codec_profile": str(codec_profile_id),
+            "chunk_tokens": int(chunk_tokens),
+        },
         sort_keys=True,
     )
     return hashlib.sha256(ident.encode()).hexdigest()[:NAMESPACE_HEX]
@@ -78,6 +83,10 @@ def validate_key(key: str) -> str:
 
 
 def validate_level(level: int) -> int:
-    if not isinstance(level, (int, np.integer)) or isinstance(level, bool) or not 0 <= int(level) <= 65535:
+    if (
+        not isinstance(level, (int, np.integer))
+        or isinstance(level, bool)
+        or not 0 <= int(level) <= 65535
+    ):
         raise StoreConfigError(f"invalid quality level {level!r}: expected an integer 0..65535")
     return int(level)

@@ -23,8 +23,8 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from cachegen.store import record
 from cachegen.store.base import ChunkInfo, ChunkStore
@@ -40,7 +40,9 @@ EVICT_TO = 0.9  # after an over-capacity put, evict down to this fraction of max
 
 
 class LocalStore(ChunkStore):
-    def __init__(self, root: str | os.PathLike, *, max_bytes: int | None = None, fsync: bool = False) -> None:
+    def __init__(
+        self, root: str | os.PathLike, *, max_bytes: int | None = None, fsync: bool = False
+    ) -> None:
         self.root = Path(root).expanduser().absolute()
         self.url = self.root.as_uri()
         if max_bytes is not None and max_bytes <= 0:
@@ -70,9 +72,13 @@ class LocalStore(ChunkStore):
         except OSError as exc:
             raise StoreConfigError(f"cannot use {self.root} as a chunk store: {exc}") from exc
         except json.JSONDecodeError as exc:
-            raise StoreConfigError(f"{marker} is damaged ({exc}); remove the directory or pick another") from exc
+            raise StoreConfigError(
+                f"{marker} is damaged ({exc}); remove the directory or pick another"
+            ) from exc
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            raise StoreConfigError(f"{self.root} holds store format {meta!r}; this cachegen reads {FORMAT} v{VERSION}")
+            raise StoreConfigError(
+                f"{self.root} holds store format {meta!r}; this cachegen reads {FORMAT} v{VERSION}"
+            )
         now = time.time()
         for leftover in self._tmp.iterdir():  # writers that died mid-write
             with contextlib.suppress(OSError):
@@ -88,7 +94,9 @@ class LocalStore(ChunkStore):
         path = self._path(key, level)
         data = record.pack(key, level, blob)
         if self.max_bytes is not None and len(blob) > self.max_bytes:
-            raise StoreError(f"chunk of {len(blob)} bytes exceeds the store capacity of {self.max_bytes} bytes")
+            raise StoreError(
+                f"chunk of {len(blob)} bytes exceeds the store capacity of {self.max_bytes} bytes"
+            )
         tmp = self._tmp / f"{uuid.uuid4().hex}{SUFFIX}"
         try:
             with open(tmp, "wb") as f:
@@ -96,7 +104,9 @@ class LocalStore(ChunkStore):
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
-            for attempt in range(3):  # an evictor may remove the empty parent between mkdir and rename
+            for attempt in range(
+                3
+            ):  # an evictor may remove the empty parent between mkdir and rename
                 path.parent.mkdir(parents=True, exist_ok=True)
                 try:
                     os.replace(tmp, path)
@@ -107,7 +117,9 @@ class LocalStore(ChunkStore):
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise StoreError(f"cannot write chunk {key} level {level} under {self.root}: {exc}") from exc
+            raise StoreError(
+                f"cannot write chunk {key} level {level} under {self.root}: {exc}"
+            ) from exc
         if self.max_bytes is not None:
             with self._lock:
                 self._approx_bytes += len(blob)
@@ -149,7 +161,9 @@ class LocalStore(ChunkStore):
             names = os.listdir(directory)
         except FileNotFoundError:
             return []
-        return sorted(int(n[1 : -len(SUFFIX)]) for n in names if n.startswith("L") and n.endswith(SUFFIX))
+        return sorted(
+            int(n[1 : -len(SUFFIX)]) for n in names if n.startswith("L") and n.endswith(SUFFIX)
+        )
 
     def sizes(self, keys: Sequence[str], level: int) -> list[int | None]:
         out: list[int | None] = []

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from cachegen.store.errors import ChunkCorrupt
 
@@ -41,19 +41,25 @@ class RecordHeader:
 
 
 def pack(key: str, level: int, payload: bytes | bytearray | memoryview) -> bytes:
-    header = HEADER.pack(MAGIC, VERSION, 0, level, len(payload), hashlib.sha256(payload).digest(), key_digest(key))
+    header = HEADER.pack(
+        MAGIC, VERSION, 0, level, len(payload), hashlib.sha256(payload).digest(), key_digest(key)
+    )
     return header + bytes(payload)
 
 
 def parse_header(data: bytes | memoryview, key: str, level: int) -> RecordHeader:
     """Check the header of a record for ``(key, level)``; the payload is not looked at."""
     if len(data) < HEADER_SIZE:
-        raise ChunkCorrupt(f"chunk {key} level {level}: record is {len(data)} bytes, shorter than its header")
+        raise ChunkCorrupt(
+            f"chunk {key} level {level}: record is {len(data)} bytes, shorter than its header"
+        )
     magic, version, _, rec_level, length, digest, kd = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise ChunkCorrupt(f"chunk {key} level {level}: not a cachegen chunk record (bad magic)")
     if version != VERSION:
-        raise ChunkCorrupt(f"chunk {key} level {level}: record format version {version}, this cachegen reads {VERSION}")
+        raise ChunkCorrupt(
+            f"chunk {key} level {level}: record format version {version}, this cachegen reads {VERSION}"
+        )
     if kd != key_digest(key) or rec_level != level:
         raise ChunkCorrupt(f"chunk {key} level {level}: record belongs to another key or level")
     return RecordHeader(rec_level, length, digest, kd)
@@ -68,11 +74,15 @@ def unpack(data: bytes | memoryview, key: str, level: int) -> bytes:
             f"chunk {key} level {level}: payload is {len(payload)} bytes, header says {header.payload_len} (truncated?)"
         )
     if hashlib.sha256(payload).digest() != header.sha256:
-        raise ChunkCorrupt(f"chunk {key} level {level}: checksum mismatch, the stored bytes are damaged")
+        raise ChunkCorrupt(
+            f"chunk {key} level {level}: checksum mismatch, the stored bytes are damaged"
+        )
     return bytes(payload)
 
 
-def iter_payload(read: Callable[[int], bytes], key: str, level: int, block_size: int) -> Iterator[bytes]:
+def iter_payload(
+    read: Callable[[int], bytes], key: str, level: int, block_size: int
+) -> Iterator[bytes]:
     """Stream a record's payload through ``read(n)`` (sequential reads) in blocks.
 
     The checksum covers the whole payload, so it is checked after the last block: blocks are
@@ -88,4 +98,6 @@ def iter_payload(read: Callable[[int], bytes], key: str, level: int, block_size:
         remaining -= len(block)
         yield block
     if remaining or read(1) or digest.digest() != header.sha256:
-        raise ChunkCorrupt(f"chunk {key} level {level}: stored payload is truncated or fails its checksum")
+        raise ChunkCorrupt(
+            f"chunk {key} level {level}: stored payload is truncated or fails its checksum"
+        )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -47,7 +47,9 @@ class RedisStore(ChunkStore):
         """``url`` is what redis-py connects to; ``public_url`` (default ``url``) is the URL
         ``open_store`` was given, which reopens this same store elsewhere (a server process)."""
         if not PREFIX_RE.match(prefix):
-            raise StoreConfigError(f"redis key prefix {prefix!r} must be 1-32 letters, digits, '_' or '-'")
+            raise StoreConfigError(
+                f"redis key prefix {prefix!r} must be 1-32 letters, digits, '_' or '-'"
+            )
         if ttl_s is not None and ttl_s <= 0:
             raise StoreConfigError(f"ttl_s must be a positive number of seconds, got {ttl_s}")
         self.url = public_url or url
@@ -68,7 +70,9 @@ class RedisStore(ChunkStore):
             else:
                 self._r = redis.Redis.from_url(url, **options)
         except (ValueError, redis.exceptions.RedisError) as exc:
-            raise StoreConfigError(f"cannot use redis store {_without_password(url)}: {exc}") from exc
+            raise StoreConfigError(
+                f"cannot use redis store {_without_password(url)}: {exc}"
+            ) from exc
         self.cluster = cluster
         if max_memory is not None:
             with self._errors("configure maxmemory"):
@@ -80,9 +84,13 @@ class RedisStore(ChunkStore):
         try:
             yield
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-            raise StoreUnavailable(f"redis at {self._label} is unreachable ({what}): {exc}") from exc
+            raise StoreUnavailable(
+                f"redis at {self._label} is unreachable ({what}): {exc}"
+            ) from exc
         except redis.exceptions.RedisClusterException as exc:
-            raise StoreUnavailable(f"redis cluster at {self._label} is unavailable ({what}): {exc}") from exc
+            raise StoreUnavailable(
+                f"redis cluster at {self._label} is unavailable ({what}): {exc}"
+            ) from exc
         except redis.exceptions.RedisError as exc:
             raise StoreError(f"redis at {self._label} refused to {what}: {exc}") from exc
 

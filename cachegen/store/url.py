@@ -15,21 +15,25 @@ import os
 import re
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
+from cachegen.constants import cache_root
 from cachegen.store.base import ChunkStore
 from cachegen.store.errors import StoreConfigError
 
-DEFAULT_STORE_DIR = "~/.cache/cachegen/chunks"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}  # fmt: skip
 LOCAL_OPTIONS = {"max_bytes": "size", "fsync": "bool"}
-REDIS_OPTIONS = {"ttl_s": "int", "max_memory": "size", "prefix": "str", "timeout_s": "float", "retries": "int"}
+REDIS_OPTIONS = {
+    "ttl_s": "int",
+    "max_memory": "size",
+    "prefix": "str",
+    "timeout_s": "float",
+    "retries": "int",
+}
 
 
 def default_store_url() -> str:
-    base = os.environ.get("CACHEGEN_CACHE_DIR")
-    path = os.path.join(base, "chunks") if base else os.path.expanduser(DEFAULT_STORE_DIR)
-    return "file://" + os.path.abspath(path)
+    return "file://" + os.path.abspath(cache_root() / "chunks")
 
 
 def parse_size(text: str | int) -> int:
@@ -39,7 +43,9 @@ def parse_size(text: str | int) -> int:
     m = _SIZE_RE.match(str(text))
     unit = (m.group(2) or "").lower() if m else None
     if not m or unit not in _UNITS:
-        raise StoreConfigError(f"cannot read size {text!r}: use bytes or a unit such as 512mb, 2gb, 1GiB")
+        raise StoreConfigError(
+            f"cannot read size {text!r}: use bytes or a unit such as 512mb, 2gb, 1GiB"
+        )
     return int(float(m.group(1)) * _UNITS[unit])
 
 
@@ -80,7 +86,9 @@ def open_store(url: str | None = None, **options) -> ChunkStore:
         from cachegen.store.local import LocalStore
 
         if scheme == "file" and parts.netloc not in ("", "localhost"):
-            raise StoreConfigError(f"file URL {url!r} names host {parts.netloc!r}; use file:///absolute/path")
+            raise StoreConfigError(
+                f"file URL {url!r} names host {parts.netloc!r}; use file:///absolute/path"
+            )
         path = unquote(parts.path) if scheme == "file" else url.split("?", 1)[0]
         if not path:
             raise StoreConfigError(f"store URL {url!r} has no path")
@@ -93,7 +101,9 @@ def open_store(url: str | None = None, **options) -> ChunkStore:
 
         opts, rest = _split_options(parts.query, REDIS_OPTIONS, options)
         cluster = scheme.endswith("+cluster")
-        wire_scheme = {"valkey": "redis", "valkeys": "rediss"}.get(scheme, scheme.removesuffix("+cluster"))
+        wire_scheme = {"valkey": "redis", "valkeys": "rediss"}.get(
+            scheme, scheme.removesuffix("+cluster")
+        )
         client_url = urlunsplit((wire_scheme, parts.netloc, parts.path, rest, ""))
         return RedisStore(client_url, cluster=cluster, public_url=url, **opts)
     raise StoreConfigError(

@@ -14,7 +14,12 @@ See docs/streaming.md.
 """
 
 from cachegen.stream.controller import RECOMPUTE, AdaptiveController, Decision
-from cachegen.stream.errors import ShaperUnavailable, StreamError, StreamProtocolError, StreamTimeout
+from cachegen.stream.errors import (
+    ShaperUnavailable,
+    StreamError,
+    StreamProtocolError,
+    StreamTimeout,
+)
 from cachegen.stream.link import SHAPERS, Link, open_link
 from cachegen.stream.loader import ChunkStat, LoadStats, stream_load
 from cachegen.stream.server import ChunkServer, ChunkServerProcess

@@ -21,8 +21,8 @@ model (``cachegen stream-bench`` measures it), so it can be set per model and ma
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Mapping, Sequence
 
 from cachegen.errors import InputError
 
@@ -43,7 +43,9 @@ class Decision:
         return asdict(self)
 
 
-def quality_order(sizes: Mapping[int, Sequence[int | None]], chunk_tokens: Sequence[int]) -> list[int]:
+def quality_order(
+    sizes: Mapping[int, Sequence[int | None]], chunk_tokens: Sequence[int]
+) -> list[int]:
     """Levels from coarsest to finest, taking a bigger encoding of the same KV as a finer one.
 
     Level numbers do not order quality once calibrated levels join the paper's presets (on
@@ -53,7 +55,9 @@ def quality_order(sizes: Mapping[int, Sequence[int | None]], chunk_tokens: Seque
     """
 
     def bytes_per_token(level: int) -> float:
-        stored = [(size, tokens) for size, tokens in zip(sizes[level], chunk_tokens) if size is not None]
+        stored = [
+            (size, tokens) for size, tokens in zip(sizes[level], chunk_tokens) if size is not None
+        ]
         total_tokens = sum(tokens for _, tokens in stored)
         return sum(size for size, _ in stored) / total_tokens if total_tokens else float("inf")
 
@@ -84,7 +88,9 @@ class AdaptiveController:
         drop_factor: float = DEFAULT_DROP_FACTOR,
     ) -> None:
         if slo_s <= 0 or prefill_tokens_per_s <= 0 or not 0 < safety <= 1 or drop_factor < 1:
-            raise InputError("slo_s and prefill_tokens_per_s must be positive, safety in (0, 1], drop_factor >= 1")
+            raise InputError(
+                "slo_s and prefill_tokens_per_s must be positive, safety in (0, 1], drop_factor >= 1"
+            )
         if not sizes:
             raise InputError("the controller needs chunk sizes for at least one level")
         self.n = len(chunk_tokens)
@@ -119,7 +125,9 @@ class AdaptiveController:
             return
         sample = seconds / self.tokens[index]
         first = level not in self._observed_decode
-        self.decode_spt[level] = sample if first else (1 - DECODE_EWMA) * self.decode_spt[level] + DECODE_EWMA * sample
+        self.decode_spt[level] = (
+            sample if first else (1 - DECODE_EWMA) * self.decode_spt[level] + DECODE_EWMA * sample
+        )
         self._observed_decode.add(level)
         for other in self.levels:  # levels with neither a prior nor a measurement: assume alike
             if other not in self._observed_decode and other not in self._prior:
@@ -131,7 +139,9 @@ class AdaptiveController:
 
     # ---- estimates and choice --------------------------------------------------------
 
-    def _finish_s(self, index: int, now: int | str, rest: int | str, bps: float, inflight_bytes: int) -> float:
+    def _finish_s(
+        self, index: int, now: int | str, rest: int | str, bps: float, inflight_bytes: int
+    ) -> float:
         """Seconds until the load is done if chunk ``index`` goes at ``now`` and the chunks
         after it at ``rest`` (a level, or RECOMPUTE: the engine computes them afterwards).
 
@@ -159,7 +169,10 @@ class AdaptiveController:
         the throughput fell by ``drop_factor`` now (the rest at the lowest level, or recomputed)."""
         slow = self._bps * self.safety / self.drop_factor
         fallbacks = (self.levels[0], RECOMPUTE)
-        return min(self._finish_s(index, level, rest, slow, inflight_bytes) for rest in fallbacks) <= budget_s
+        return (
+            min(self._finish_s(index, level, rest, slow, inflight_bytes) for rest in fallbacks)
+            <= budget_s
+        )
 
     def choose(self, index: int, elapsed_s: float, inflight_bytes: int = 0) -> int | str:
         """Level for chunk ``index`` (or RECOMPUTE), ``elapsed_s`` into the load."""
@@ -179,7 +192,11 @@ class AdaptiveController:
             choice, est = fitting[-1], estimates[fitting[-1]]
         else:
             fastest = min(self.levels, key=lambda lv: estimates[lv])
-            choice, est = (RECOMPUTE, recompute) if recompute <= estimates[fastest] else (fastest, estimates[fastest])
+            choice, est = (
+                (RECOMPUTE, recompute)
+                if recompute <= estimates[fastest]
+                else (fastest, estimates[fastest])
+            )
         return self._decide(index, choice, elapsed_s, est)
 
     def _decide(self, index: int, choice: int | str, elapsed_s: float, est: float) -> int | str:

@@ -19,9 +19,10 @@ its pacing then competes with the loader's threads for the GIL).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
+from cachegen.constants import SHAPERS
 from cachegen.errors import InputError
 from cachegen.store.base import ChunkStore
 from cachegen.stream.netns import NetnsShaper
@@ -29,7 +30,6 @@ from cachegen.stream.server import ChunkServer, ChunkServerProcess
 from cachegen.stream.source import ChunkSource, DirectSource, SocketSource
 from cachegen.stream.traces import BandwidthTrace
 
-SHAPERS = ("token-bucket", "netns", "none")
 SERVER_MODES = ("process", "thread")
 
 
@@ -78,12 +78,16 @@ def open_link(
         raise InputError(f"bandwidth must be positive, got {rate} Mbit/s")
     if shaper == "none":
         if bandwidth_mbps is not None or rtt_ms:
-            raise InputError("shaper 'none' reads the store directly; drop --bandwidth-mbps/--rtt-ms or pick a shaper")
+            raise InputError(
+                "shaper 'none' reads the store directly; drop --bandwidth-mbps/--rtt-ms or pick a shaper"
+            )
         yield Link(DirectSource(store), shaper, None, 0.0, "none")
         return
     if shaper == "netns":
         if trace is not None or rate is None:
-            raise InputError("the netns shaper needs a constant --bandwidth-mbps (traces run with token-bucket)")
+            raise InputError(
+                "the netns shaper needs a constant --bandwidth-mbps (traces run with token-bucket)"
+            )
         with NetnsShaper(rate, rtt_ms=rtt_ms, burst_bytes=burst_bytes) as ns:
             server_rtt = 0.0 if ns.kernel_rtt else rtt_ms
             with _server(store, server, rtt_ms=server_rtt, netns=ns) as srv:
@@ -91,7 +95,9 @@ def open_link(
                 source = SocketSource(srv.address, socket_factory=ns.socket)
                 yield Link(source, shaper, rate, rtt_ms, emulation, server=srv, netns=ns)
         return
-    with _server(store, server, rate_mbps=bandwidth_mbps, rtt_ms=rtt_ms, burst_bytes=burst_bytes) as srv:
+    with _server(
+        store, server, rate_mbps=bandwidth_mbps, rtt_ms=rtt_ms, burst_bytes=burst_bytes
+    ) as srv:
         emulation = "server" if rtt_ms else "none"
         yield Link(SocketSource(srv.address), shaper, rate, rtt_ms, emulation, trace, server=srv)
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Generic, Sequence, TypeVar
+from typing import Generic, TypeVar
 
 from cachegen.errors import CacheGenError, InputError
 from cachegen.stream.controller import RECOMPUTE, AdaptiveController
@@ -53,7 +54,9 @@ class LoadStats:
     n_chunks: int
     n_loaded: int = 0
     recompute_from: int | None = None  # first chunk left to recomputation (None: all loaded)
-    levels: list = field(default_factory=list)  # per chunk: level, "recompute", or None (not reached)
+    levels: list = field(
+        default_factory=list
+    )  # per chunk: level, "recompute", or None (not reached)
     bytes: int = 0
     transfer_s: float = 0.0  # first request to last byte received
     decode_s: float = 0.0  # sum of decode times
@@ -102,18 +105,27 @@ def stream_load(
     if controller is not None and controller.n != n:
         raise InputError(f"controller was built for {controller.n} chunks, got {n} keys")
     if chunk_tokens is not None and (
-        len(chunk_tokens) != n or (controller is not None and list(chunk_tokens) != controller.tokens)
+        len(chunk_tokens) != n
+        or (controller is not None and list(chunk_tokens) != controller.tokens)
     ):
         raise InputError("chunk_tokens must give one count per key, the same as the controller's")
-    fixed = None if level is None else ([int(level)] * n if isinstance(level, int) else [int(x) for x in level])
+    fixed = (
+        None
+        if level is None
+        else ([int(level)] * n if isinstance(level, int) else [int(x) for x in level])
+    )
     if fixed is not None and len(fixed) != n:
         raise InputError(f"{len(fixed)} levels for {n} chunks")
-    pipeline = _Pipeline(source, keys, fixed, controller, max_buffered, lookahead, stall_timeout_s, timeout_s)
+    pipeline = _Pipeline(
+        source, keys, fixed, controller, max_buffered, lookahead, stall_timeout_s, timeout_s
+    )
     return pipeline.run(decode, consume)
 
 
 class _Pipeline(Generic[T]):
-    def __init__(self, source, keys, fixed, controller, max_buffered, lookahead, stall_s, timeout_s):
+    def __init__(
+        self, source, keys, fixed, controller, max_buffered, lookahead, stall_s, timeout_s
+    ):
         self.source, self.keys, self.fixed, self.controller = source, list(keys), fixed, controller
         self.lookahead, self.stall_s, self.timeout_s = lookahead, stall_s, timeout_s
         self.buffer: queue.Queue = queue.Queue(maxsize=max_buffered)
@@ -208,7 +220,9 @@ class _Pipeline(Generic[T]):
                 t = time.monotonic()
                 consume(index, decoded)
                 consume_s = time.monotonic() - t
-                stats.chunks.append(ChunkStat(index, chunk.level, chunk.nbytes, transfer_s, decode_s, consume_s))
+                stats.chunks.append(
+                    ChunkStat(index, chunk.level, chunk.nbytes, transfer_s, decode_s, consume_s)
+                )
                 stats.n_loaded += 1
                 stats.bytes += chunk.nbytes
                 stats.decode_s += decode_s

@@ -19,8 +19,9 @@ import shutil
 import socket
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from cachegen.stream.errors import ShaperUnavailable
 
@@ -48,7 +49,9 @@ def unavailable_reason() -> str | None:
 def _run(*cmd: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise ShaperUnavailable(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.returncode}")
+        raise ShaperUnavailable(
+            f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.returncode}"
+        )
     return proc
 
 
@@ -60,7 +63,10 @@ def cleanup_stale() -> list[str]:
     for entry in NETNS_DIR.iterdir():
         m = NAME_RE.match(entry.name)
         if m and not Path(f"/proc/{m.group(1)}").exists():
-            if subprocess.run(["ip", "netns", "del", entry.name], capture_output=True).returncode == 0:
+            if (
+                subprocess.run(["ip", "netns", "del", entry.name], capture_output=True).returncode
+                == 0
+            ):
                 removed.append(entry.name)
     return removed
 
@@ -68,7 +74,9 @@ def cleanup_stale() -> list[str]:
 class NetnsShaper:
     """Context manager: a shaped namespace and a factory for sockets inside it."""
 
-    def __init__(self, rate_mbps: float, *, rtt_ms: float = 0.0, burst_bytes: int | None = None) -> None:
+    def __init__(
+        self, rate_mbps: float, *, rtt_ms: float = 0.0, burst_bytes: int | None = None
+    ) -> None:
         if rate_mbps <= 0:
             raise ShaperUnavailable(f"rate must be positive, got {rate_mbps} Mbit/s")
         self.rate_mbps = rate_mbps
@@ -80,7 +88,7 @@ class NetnsShaper:
         self.kernel_rtt = False  # whether netem adds the RTT (else the caller must)
         self._created = False
 
-    def __enter__(self) -> "NetnsShaper":
+    def __enter__(self) -> NetnsShaper:
         reason = unavailable_reason()
         if reason:
             raise ShaperUnavailable(reason)
@@ -91,14 +99,46 @@ class NetnsShaper:
             _run("ip", "-n", self.name, "link", "set", "lo", "up")
             # Deep send buffers in the namespace (its own sysctl; the host is untouched): the
             # kernel keeps the shaped link busy while a descheduled sender is away.
-            _run("ip", "netns", "exec", self.name, "sysctl", "-q", "-w", f"net.ipv4.tcp_wmem=4096 16384 {SEND_BUFFER_MAX}")
+            _run(
+                "ip",
+                "netns",
+                "exec",
+                self.name,
+                "sysctl",
+                "-q",
+                "-w",
+                f"net.ipv4.tcp_wmem=4096 16384 {SEND_BUFFER_MAX}",
+            )
             # A deep queue (8 MiB): TCP on loopback can have megabytes in flight, and a tail drop
             # there costs a 200 ms retransmission timeout that would distort the goodput.
-            tbf = ["tbf", "rate", f"{self.rate_mbps}mbit", "burst", str(self.burst_bytes), "limit", str(QUEUE_BYTES)]
+            tbf = [
+                "tbf",
+                "rate",
+                f"{self.rate_mbps}mbit",
+                "burst",
+                str(self.burst_bytes),
+                "limit",
+                str(QUEUE_BYTES),
+            ]
             if self.rtt_ms > 0 and self._try_netem():
-                _run("tc", "-n", self.name, "qdisc", "add", "dev", "lo", "parent", "1:1", "handle", "10:", *tbf)
+                _run(
+                    "tc",
+                    "-n",
+                    self.name,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    "lo",
+                    "parent",
+                    "1:1",
+                    "handle",
+                    "10:",
+                    *tbf,
+                )
             else:
-                _run("tc", "-n", self.name, "qdisc", "add", "dev", "lo", "root", "handle", "1:", *tbf)
+                _run(
+                    "tc", "-n", self.name, "qdisc", "add", "dev", "lo", "root", "handle", "1:", *tbf
+                )
         except BaseException:
             self.close()
             raise
@@ -107,7 +147,21 @@ class NetnsShaper:
     def _try_netem(self) -> bool:
         # Loopback packets cross the device once per direction: delay each by half the RTT.
         delay = f"{self.rtt_ms / 2}ms"
-        cmd = ["tc", "-n", self.name, "qdisc", "add", "dev", "lo", "root", "handle", "1:", "netem", "delay", delay]
+        cmd = [
+            "tc",
+            "-n",
+            self.name,
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "handle",
+            "1:",
+            "netem",
+            "delay",
+            delay,
+        ]
         self.kernel_rtt = subprocess.run(cmd, capture_output=True).returncode == 0
         return self.kernel_rtt
 
@@ -142,7 +196,9 @@ def run_inside(name: str, fn: Callable[[], T]) -> T:
             return
         try:
             if libc.setns(target_fd, CLONE_NEWNET) != 0:
-                raise ShaperUnavailable(f"setns into {name} failed: {os.strerror(ctypes.get_errno())}")
+                raise ShaperUnavailable(
+                    f"setns into {name} failed: {os.strerror(ctypes.get_errno())}"
+                )
             try:
                 result["value"] = fn()
             finally:

@@ -25,7 +25,12 @@ MAX_KEY = 1024
 MAX_MESSAGE = 64 * 1024
 
 OK, MISSING, UNAVAILABLE, CORRUPT, ERROR = range(5)
-_ERROR_TYPES = {MISSING: ChunkMissing, UNAVAILABLE: StoreUnavailable, CORRUPT: ChunkCorrupt, ERROR: StoreError}
+_ERROR_TYPES = {
+    MISSING: ChunkMissing,
+    UNAVAILABLE: StoreUnavailable,
+    CORRUPT: ChunkCorrupt,
+    ERROR: StoreError,
+}
 
 
 def status_of(exc: StoreError) -> int:
@@ -59,8 +64,10 @@ def recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
     while got < n:
         try:
             k = sock.recv_into(view[got:])
-        except socket.timeout:
-            raise StreamTimeout(f"no bytes for {sock.gettimeout():.3g} s while reading {what}") from None
+        except TimeoutError:
+            raise StreamTimeout(
+                f"no bytes for {sock.gettimeout():.3g} s while reading {what}"
+            ) from None
         if k == 0:
             raise StreamProtocolError(f"connection closed after {got} of {n} bytes of {what}")
         got += k

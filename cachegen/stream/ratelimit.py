@@ -25,10 +25,20 @@ DEFAULT_BURST_S = 0.002
 
 
 class TokenBucket:
-    def __init__(self, rate: float | BandwidthTrace, *, burst_bytes: int | None = None, min_burst: int = 64 * 1024):
-        self.trace = rate if isinstance(rate, BandwidthTrace) else BandwidthTrace.constant(float(rate))
+    def __init__(
+        self,
+        rate: float | BandwidthTrace,
+        *,
+        burst_bytes: int | None = None,
+        min_burst: int = 64 * 1024,
+    ):
+        self.trace = (
+            rate if isinstance(rate, BandwidthTrace) else BandwidthTrace.constant(float(rate))
+        )
         peak = max(mbps for _, mbps in self.trace.segments) * 1e6 / 8
-        self.burst = float(burst_bytes if burst_bytes is not None else max(min_burst, peak * DEFAULT_BURST_S))
+        self.burst = float(
+            burst_bytes if burst_bytes is not None else max(min_burst, peak * DEFAULT_BURST_S)
+        )
         self._lock = threading.Lock()
         self._origin: float | None = None
         self._credited = 0.0  # trace bytes already turned into tokens
@@ -61,7 +71,9 @@ class TokenBucket:
             self._tokens -= n
             debt = -self._tokens
             # When the debt is paid: the trace must carry `debt` more bytes after `now`.
-            wake = self._origin + self.trace.time_at_bytes(self._credited + debt) if debt > 0 else now
+            wake = (
+                self._origin + self.trace.time_at_bytes(self._credited + debt) if debt > 0 else now
+            )
         delay = wake - now
         if delay > 0:
             time.sleep(delay)

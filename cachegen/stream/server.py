@@ -24,8 +24,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from cachegen.store.base import ChunkStore
 from cachegen.store.errors import StoreError
@@ -52,10 +52,14 @@ class ChunkServer:
         host: str = "127.0.0.1",
     ) -> None:
         self.store = store
-        self.bucket = TokenBucket(rate_mbps, burst_bytes=burst_bytes) if rate_mbps is not None else None
+        self.bucket = (
+            TokenBucket(rate_mbps, burst_bytes=burst_bytes) if rate_mbps is not None else None
+        )
         self.rtt_s = rtt_ms / 1000.0
         self.prefetch = prefetch
-        self._factory = socket_factory or (lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+        self._factory = socket_factory or (
+            lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        )
         self._host = host
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
@@ -69,7 +73,7 @@ class ChunkServer:
             raise StreamError("chunk server is not started")
         return self._listener.getsockname()[:2]
 
-    def start(self) -> "ChunkServer":
+    def start(self) -> ChunkServer:
         sock = self._factory()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self._host, 0))
@@ -92,7 +96,7 @@ class ChunkServer:
         for thread in list(self._threads):
             thread.join(timeout=10)
 
-    def __enter__(self) -> "ChunkServer":
+    def __enter__(self) -> ChunkServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -119,7 +123,9 @@ class ChunkServer:
             self._spawn(self._read_requests, "cachegen-chunk-read", conn, outbox, done)
             self._spawn(self._send_responses, "cachegen-chunk-send", conn, outbox, done)
 
-    def _read_requests(self, conn: socket.socket, outbox: queue.Queue, done: threading.Event) -> None:
+    def _read_requests(
+        self, conn: socket.socket, outbox: queue.Queue, done: threading.Event
+    ) -> None:
         """Parse requests and fetch their records from the store, ``prefetch`` ahead."""
         try:
             while not self._closed.is_set():
@@ -136,7 +142,12 @@ class ChunkServer:
                 try:
                     item = (request_id, arrival, protocol.OK, self.store.get_record(key, level))
                 except StoreError as exc:
-                    item = (request_id, arrival, protocol.status_of(exc), str(exc).encode()[: protocol.MAX_MESSAGE])
+                    item = (
+                        request_id,
+                        arrival,
+                        protocol.status_of(exc),
+                        str(exc).encode()[: protocol.MAX_MESSAGE],
+                    )
                 if not _put(outbox, item, done):
                     break
         except (OSError, StreamError) as exc:
@@ -144,7 +155,9 @@ class ChunkServer:
         finally:
             _put(outbox, None, done)
 
-    def _send_responses(self, conn: socket.socket, outbox: queue.Queue, done: threading.Event) -> None:
+    def _send_responses(
+        self, conn: socket.socket, outbox: queue.Queue, done: threading.Event
+    ) -> None:
         # A connection's first response follows an idle link even when the reader queued it
         # before this thread first looked: otherwise the tokens banked since the link's last
         # use (seconds of them between loads) let a whole load out at loopback speed.
@@ -162,7 +175,9 @@ class ChunkServer:
                 if delay > 0:
                     time.sleep(delay)
                     fresh = True
-                self._send(conn, protocol.pack_response_header(request_id, status, len(body)), fresh)
+                self._send(
+                    conn, protocol.pack_response_header(request_id, status, len(body)), fresh
+                )
                 fresh = False
                 view = memoryview(body)
                 for start in range(0, len(view), SEND_BLOCK):
@@ -199,7 +214,9 @@ def _recv_frame_start(conn: socket.socket, n: int) -> bytes | None:
     first = conn.recv(n)
     if not first:
         return None
-    return first + (protocol.recv_exact(conn, n - len(first), "request header") if len(first) < n else b"")
+    return first + (
+        protocol.recv_exact(conn, n - len(first), "request header") if len(first) < n else b""
+    )
 
 
 class ChunkServerProcess:
@@ -237,19 +254,25 @@ class ChunkServerProcess:
             raise StreamError("chunk server process is not started")
         return self._address
 
-    def start(self) -> "ChunkServerProcess":
+    def start(self) -> ChunkServerProcess:
         # The child must import this very cachegen, installed or not.
         package_root = str(Path(__file__).resolve().parents[2])
         env = {
             **os.environ,
             STORE_URL_ENV: self.store_url,
-            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [package_root, os.environ.get("PYTHONPATH")])
+            ),
         }
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        self.proc = subprocess.Popen(
+            self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
         line = _readline_with_timeout(self.proc.stdout, self.start_timeout_s)
         if not line.startswith(b"LISTENING "):
             err = self._stop_and_collect()
-            raise StreamError(f"chunk server process failed to start: {err or line.decode(errors='replace')}")
+            raise StreamError(
+                f"chunk server process failed to start: {err or line.decode(errors='replace')}"
+            )
         host, port = line.split()[1].decode().rsplit(":", 1)
         self._address = (host, int(port))
         return self
@@ -273,7 +296,7 @@ class ChunkServerProcess:
     def close(self) -> None:
         self._stop_and_collect()
 
-    def __enter__(self) -> "ChunkServerProcess":
+    def __enter__(self) -> ChunkServerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -309,7 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     if not store_url:
         p.error(f"set {STORE_URL_ENV} to the URL of the store to serve")
     store = open_store(store_url)
-    with ChunkServer(store, rate_mbps=rate, rtt_ms=args.rtt_ms, burst_bytes=args.burst_bytes, socket_factory=factory) as server:
+    with ChunkServer(
+        store,
+        rate_mbps=rate,
+        rtt_ms=args.rtt_ms,
+        burst_bytes=args.burst_bytes,
+        socket_factory=factory,
+    ) as server:
         host, port = server.address
         sys.stdout.write(f"LISTENING {host}:{port}\n")
         sys.stdout.flush()

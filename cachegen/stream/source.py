@@ -11,8 +11,8 @@ import contextlib
 import socket
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from cachegen.store import record
 from cachegen.store.base import ChunkStore
@@ -53,7 +53,9 @@ class ChunkConnection(ABC):
 
 class ChunkSource(ABC):
     @abstractmethod
-    def open(self, *, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, deadline: float | None = None) -> ChunkConnection:
+    def open(
+        self, *, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, deadline: float | None = None
+    ) -> ChunkConnection:
         """A new connection; ``deadline`` (monotonic) bounds every wait on it."""
 
 
@@ -68,17 +70,23 @@ class SocketSource(ChunkSource):
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     ) -> None:
         self.address = address
-        self.socket_factory = socket_factory or (lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+        self.socket_factory = socket_factory or (
+            lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        )
         self.max_chunk_bytes = max_chunk_bytes
 
-    def open(self, *, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, deadline: float | None = None) -> ChunkConnection:
+    def open(
+        self, *, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, deadline: float | None = None
+    ) -> ChunkConnection:
         sock = self.socket_factory()
         sock.settimeout(stall_timeout_s)
         try:
             sock.connect(self.address)
-        except socket.timeout:
+        except TimeoutError:
             sock.close()
-            raise StreamTimeout(f"connecting to chunk server {self.address} took over {stall_timeout_s} s") from None
+            raise StreamTimeout(
+                f"connecting to chunk server {self.address} took over {stall_timeout_s} s"
+            ) from None
         except OSError as exc:
             sock.close()
             raise StoreUnavailable(f"cannot connect to chunk server {self.address}: {exc}") from exc
@@ -87,9 +95,13 @@ class SocketSource(ChunkSource):
 
 
 class _SocketConnection(ChunkConnection):
-    def __init__(self, sock: socket.socket, stall_s: float, deadline: float | None, max_bytes: int) -> None:
+    def __init__(
+        self, sock: socket.socket, stall_s: float, deadline: float | None, max_bytes: int
+    ) -> None:
         self.sock, self.stall_s, self.deadline, self.max_bytes = sock, stall_s, deadline, max_bytes
-        self._pending: collections.deque = collections.deque()  # (request_id, key, level, t_request)
+        self._pending: collections.deque = (
+            collections.deque()
+        )  # (request_id, key, level, t_request)
         self._next_id = 0
 
     def request(self, key: str, level: int) -> None:
@@ -99,7 +111,7 @@ class _SocketConnection(ChunkConnection):
         self._pending.append((request_id, key, level, time.monotonic()))
         try:
             self.sock.sendall(frame)
-        except socket.timeout:
+        except TimeoutError:
             raise StreamTimeout(f"sending a request stalled for {self.stall_s} s") from None
         except OSError as exc:
             raise StreamProtocolError(f"chunk server closed the connection: {exc}") from exc
@@ -135,13 +147,19 @@ class _SocketConnection(ChunkConnection):
             raise StreamProtocolError(f"connection to chunk server failed: {exc}") from exc
         magic, rid, status, length = protocol.RESPONSE.unpack(head)
         if magic != protocol.RESPONSE_MAGIC or rid != request_id:
-            raise StreamProtocolError(f"chunk server sent a malformed or out-of-order response for chunk {key}")
+            raise StreamProtocolError(
+                f"chunk server sent a malformed or out-of-order response for chunk {key}"
+            )
         if status != protocol.OK:
             if length > protocol.MAX_MESSAGE:
                 raise StreamProtocolError(f"chunk server sent a {length}-byte error message")
-            raise protocol.error_for(status, self._recv(length, "error message").decode("utf-8", "replace"))
+            raise protocol.error_for(
+                status, self._recv(length, "error message").decode("utf-8", "replace")
+            )
         if not record.HEADER_SIZE <= length <= self.max_bytes:
-            raise StreamProtocolError(f"chunk {key}: record of {length} bytes is outside 64..{self.max_bytes}")
+            raise StreamProtocolError(
+                f"chunk {key}: record of {length} bytes is outside 64..{self.max_bytes}"
+            )
         buf = bytearray(length)
         view = memoryview(buf)
         got = 0
@@ -150,19 +168,23 @@ class _SocketConnection(ChunkConnection):
                 self._arm_timeout()
                 try:
                     k = self.sock.recv_into(view[got : got + RECV_BLOCK])
-                except socket.timeout:
+                except TimeoutError:
                     self._check_deadline()
                     raise StreamTimeout(
                         f"chunk {key} level {level} stalled after {got} of {length} bytes "
                         f"(no data for {self.sock.gettimeout():.3g} s)"
                     ) from None
                 if k == 0:
-                    raise StreamProtocolError(f"chunk {key}: connection closed after {got} of {length} bytes")
+                    raise StreamProtocolError(
+                        f"chunk {key}: connection closed after {got} of {length} bytes"
+                    )
                 got += k
                 if on_progress is not None:
                     on_progress(got, length)
         except OSError as exc:
-            raise StreamProtocolError(f"chunk {key}: connection failed after {got} of {length} bytes: {exc}") from exc
+            raise StreamProtocolError(
+                f"chunk {key}: connection failed after {got} of {length} bytes: {exc}"
+            ) from exc
         t_last = time.monotonic()
         del view
         return ReceivedChunk(key, level, record.unpack(buf, key, level), t_request, t_last)
@@ -179,7 +201,9 @@ class DirectSource(ChunkSource):
     def __init__(self, store: ChunkStore) -> None:
         self.store = store
 
-    def open(self, *, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, deadline: float | None = None) -> ChunkConnection:
+    def open(
+        self, *, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, deadline: float | None = None
+    ) -> ChunkConnection:
         return _DirectConnection(self.store)
 
 

@@ -30,25 +30,30 @@ class BandwidthTrace:
             raise InputError(f"trace {self.name} has no segments")
         for duration, mbps in self.segments:
             if duration <= 0 or mbps <= 0 or not math.isfinite(mbps):
-                raise InputError(f"trace {self.name}: segment ({duration} s, {mbps} Mbit/s) must be positive")
+                raise InputError(
+                    f"trace {self.name}: segment ({duration} s, {mbps} Mbit/s) must be positive"
+                )
         starts = [0.0]
         for duration, _ in self.segments[:-1]:
             starts.append(starts[-1] + duration)
         object.__setattr__(self, "_starts", starts)
         bytes_at = [0.0]
-        for (duration, mbps) in self.segments[:-1]:
+        for duration, mbps in self.segments[:-1]:
             bytes_at.append(bytes_at[-1] + duration * mbps * 1e6 / 8)
         object.__setattr__(self, "_bytes_at", bytes_at)
 
     # ---- constructors ----------------------------------------------------------------
 
     @classmethod
-    def constant(cls, mbps: float) -> "BandwidthTrace":
+    def constant(cls, mbps: float) -> BandwidthTrace:
         return cls(f"constant-{mbps:g}", ((1.0, float(mbps)),))
 
     @classmethod
-    def step(cls, before_mbps: float, after_mbps: float, at_s: float) -> "BandwidthTrace":
-        return cls(f"step-{before_mbps:g}-{after_mbps:g}@{at_s:g}", ((at_s, float(before_mbps)), (1.0, float(after_mbps))))
+    def step(cls, before_mbps: float, after_mbps: float, at_s: float) -> BandwidthTrace:
+        return cls(
+            f"step-{before_mbps:g}-{after_mbps:g}@{at_s:g}",
+            ((at_s, float(before_mbps)), (1.0, float(after_mbps))),
+        )
 
     @classmethod
     def random_walk(
@@ -61,7 +66,7 @@ class BandwidthTrace:
         sigma: float = 0.15,
         low: float = 0.2,
         high: float = 2.0,
-    ) -> "BandwidthTrace":
+    ) -> BandwidthTrace:
         """Log-space random walk: each ``step_s`` the rate is multiplied by ``exp(N(0, sigma))``,
         kept within ``[low, high] x mean_mbps``."""
         rng = np.random.default_rng(seed)
@@ -73,7 +78,7 @@ class BandwidthTrace:
         return cls(f"walk-{mean_mbps:g}-s{seed}", tuple(segments))
 
     @classmethod
-    def parse(cls, spec: str) -> "BandwidthTrace":
+    def parse(cls, spec: str) -> BandwidthTrace:
         kind, _, rest = spec.partition(":")
         args = rest.split(":") if rest else []
         try:
@@ -93,7 +98,7 @@ class BandwidthTrace:
         return json.dumps({"name": self.name, "segments": self.segments})
 
     @classmethod
-    def from_json(cls, text: str) -> "BandwidthTrace":
+    def from_json(cls, text: str) -> BandwidthTrace:
         try:
             data = json.loads(text)
             return cls(str(data["name"]), tuple((float(d), float(r)) for d, r in data["segments"]))

@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 def doc_text() -> str:
     """Real English text that ships with CPython (the Python documentation topics), minus
     the topics the codec calibrates on and those kept for choosing levels."""
-    from cachegen.quality.datasets import pydoc_text
+    from cachegen.lab.quality.datasets import pydoc_text
 
     return pydoc_text("eval")
 

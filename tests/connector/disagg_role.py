@@ -11,16 +11,25 @@ import json
 import sys
 
 if __name__ == "__main__":
-    from cachegen.connector.engine import ConnectorEngine
+    from cachegen.lab.bench.engine import ConnectorEngine
 
     role, model_dir, store, ids_json = sys.argv[1:5]
     ids = json.loads(ids_json)
     kv_role = {"producer": "kv_producer", "consumer": "kv_consumer"}[role]
-    with ConnectorEngine(model_dir, store=store, kv_role=kv_role, chunk_tokens=256, max_model_len=2048) as engine:
+    with ConnectorEngine(
+        model_dir, store=store, kv_role=kv_role, chunk_tokens=256, max_model_len=2048
+    ) as engine:
         if role == "producer":
-            result = engine.run(ids, mode="text", save=True)
+            result = engine.run(ids, mode="recompute", save=True)
             engine.wait_stored(ids, timeout_s=120)
         else:
             result = engine.run(ids, mode="raw")
-    print(json.dumps({"token_ids": result.token_ids, "cached_tokens": result.cached_tokens,
-                      "connector": result.connector}))
+    print(
+        json.dumps(
+            {
+                "token_ids": result.token_ids,
+                "cached_tokens": result.cached_tokens,
+                "connector": result.connector,
+            }
+        )
+    )

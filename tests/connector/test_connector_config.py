@@ -10,7 +10,12 @@ from cachegen.connector.errors import ConnectorError
 
 def test_defaults_and_engine_keys():
     config = ConnectorConfig.from_extra_config(
-        {"store": "redis://127.0.0.1:1/0", "mode": "int8", "chunk_tokens": 512, "bandwidth_mbps": 100}
+        {
+            "store": "redis://127.0.0.1:1/0",
+            "mode": "int8",
+            "chunk_tokens": 512,
+            "bandwidth_mbps": 100,
+        }
     )
     assert config.store == "redis://127.0.0.1:1/0"
     assert config.chunk_tokens == 512
@@ -20,7 +25,9 @@ def test_defaults_and_engine_keys():
 
 
 def test_request_overrides_engine_defaults():
-    config = ConnectorConfig.from_extra_config({"mode": "raw", "bandwidth_mbps": 100, "save_modes": ["raw", "int8"]})
+    config = ConnectorConfig.from_extra_config(
+        {"mode": "raw", "bandwidth_mbps": 100, "save_modes": ["raw", "int8"]}
+    )
     options = config.defaults.override({"mode": "adaptive", "slo_ms": 500, "bandwidth_mbps": 1000})
     assert (options.mode, options.slo_ms, options.bandwidth_mbps) == ("adaptive", 500, 1000)
     assert config.defaults.override(None) is config.defaults
@@ -78,7 +85,9 @@ def test_adaptive_chooses_among_the_calibrated_levels(smollm2, tiny_llama, tmp_p
     from cachegen.connector.transport import ChunkTransport
 
     def levels(spec, **extra):
-        config = ConnectorConfig.from_extra_config({"store": (tmp_path / "store").as_uri(), **extra})
+        config = ConnectorConfig.from_extra_config(
+            {"store": (tmp_path / "store").as_uri(), **extra}
+        )
         transport = ChunkTransport(config, spec, spec.identity())
         try:
             return transport.adaptive_levels, transport.levels("cachegen")
@@ -87,6 +96,9 @@ def test_adaptive_chooses_among_the_calibrated_levels(smollm2, tiny_llama, tmp_p
 
     calibrated = load_profile(smollm2).calibrated_levels()
     assert calibrated and not {1, 2, 3} & set(calibrated)
-    assert levels(smollm2) == (calibrated, sorted(load_profile(smollm2).levels))  # every level is stored
+    assert levels(smollm2) == (
+        calibrated,
+        sorted(load_profile(smollm2).levels),
+    )  # every level is stored
     assert levels(smollm2, cachegen_levels=[2, 4]) == ([2, 4], [2, 4])
     assert levels(tiny_llama)[0] == sorted(load_profile(tiny_llama).levels)

@@ -19,10 +19,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _role(role: str, model_dir: Path, store: str, ids: list[int]) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
     out = subprocess.run(
         [sys.executable, str(ROLE_SCRIPT), role, str(model_dir), store, json.dumps(ids)],
-        capture_output=True, text=True, timeout=600, env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from cachegen.connector.config import RequestOptions
-from cachegen.connector.engine import ConnectorEngine
 from cachegen.errors import InputError
+from cachegen.lab.bench.engine import ConnectorEngine
 from cachegen.store import open_store
 
 CHUNK = 256  # two of vLLM's 128-token CPU blocks
@@ -25,11 +25,15 @@ def store_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama, store_dir):
-    with ConnectorEngine(tiny_llama, store=store_dir.as_uri(), chunk_tokens=CHUNK, max_model_len=2048) as eng:
+    with ConnectorEngine(
+        tiny_llama, store=store_dir.as_uri(), chunk_tokens=CHUNK, max_model_len=2048
+    ) as eng:
         yield eng
 
 
-def _stored_files(store_dir: Path, engine: ConnectorEngine, ids: list[int], chunk: int) -> list[Path]:
+def _stored_files(
+    store_dir: Path, engine: ConnectorEngine, ids: list[int], chunk: int
+) -> list[Path]:
     key = engine.transport.keys("raw", ids)[chunk]
     files = sorted(store_dir.rglob(f"*{key.split('/')[1]}*/L0*"))
     assert files, f"chunk {chunk} is not in {store_dir}"
@@ -61,7 +65,9 @@ def test_connector_kv_matches_transformers(engine, tiny_llama, text_ids):
     ids = text_ids(engine, 520, offset=10_000)
     engine.store_prefix(ids)
     transport = engine.transport
-    got = KVCache.concat([decode(transport.store.get(key, 0)) for key in transport.keys("raw", ids)])
+    got = KVCache.concat(
+        [decode(transport.store.get(key, 0)) for key in transport.keys("raw", ids)]
+    )
     ref = extract_kv(tiny_llama, token_ids=ids[:512])
     for a, b in ((got.keys, ref.keys), (got.values, ref.values)):
         error = (a.float() - b.float()).flatten(1).norm(dim=1) / b.float().flatten(1).norm(dim=1)
@@ -138,7 +144,9 @@ def test_bad_request_options_are_reported_and_the_prompt_is_computed(engine, tex
     from vllm import SamplingParams
 
     ids = text_ids(engine, 300, offset=120_000)
-    params = SamplingParams(temperature=0.0, max_tokens=4, extra_args={"kv_transfer_params": {"mode": "zip"}})
+    params = SamplingParams(
+        temperature=0.0, max_tokens=4, extra_args={"kv_transfer_params": {"mode": "zip"}}
+    )
     out = engine.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
     assert "unknown mode 'zip'" in out.kv_transfer_params["cachegen"]["error"]
     assert list(out.outputs[0].token_ids) == engine.run(ids, max_tokens=4).token_ids
@@ -146,13 +154,15 @@ def test_bad_request_options_are_reported_and_the_prompt_is_computed(engine, tex
 
 def test_ttft_bench_measures_every_mode_on_one_engine(engine):
     """The measurement entry point `cachegen bench` calls, on this module's engine."""
-    from cachegen.connector.ttft_bench import TTFTBench, markdown, ttft_table
+    from cachegen.lab.bench.ttft import TTFTBench, markdown, ttft_table
 
     bench = TTFTBench(engine=engine)
-    rows = ttft_table(bench, [512], [100], modes=("text", "raw"), repeats=1, progress=False)
-    assert [(r["mode"], r["bandwidth_mbps"]) for r in rows] == [("text", None), ("raw", 100)]
+    rows = ttft_table(bench, [512], [100], modes=("recompute", "raw"), repeats=1, progress=False)
+    assert [(r["mode"], r["bandwidth_mbps"]) for r in rows] == [("recompute", None), ("raw", 100)]
     text, raw = rows
-    assert raw["loaded_tokens"] == 512 and raw["cached_tokens"] == 512 and text["cached_tokens"] == 0
+    assert (
+        raw["loaded_tokens"] == 512 and raw["cached_tokens"] == 512 and text["cached_tokens"] == 0
+    )
     assert raw["output_token_ids"] == text["output_token_ids"]
     assert raw["ttft_s"] > 0 and raw["bytes"] > 0 and raw["levels"] == [0, 0]
     table = markdown(rows)
@@ -162,19 +172,25 @@ def test_ttft_bench_measures_every_mode_on_one_engine(engine):
 
 
 def test_ttft_timeline_splits_ttft_around_the_load(engine):
-    from cachegen.connector.ttft_bench import TTFTBench, _parse_mode, timeline, timeline_markdown
+    from cachegen.lab.bench.ttft import TTFTBench, parse_mode, timeline, timeline_markdown
 
     bench = TTFTBench(engine=engine)
-    rows = timeline(bench, 512, [("text", None), ("raw", None)], 100.0, repeats=2)
+    rows = timeline(bench, 512, [("recompute", None), ("raw", None)], 100.0, repeats=2)
     text, raw = rows
-    assert text["load_s"] == 0.0 and text["bandwidth_mbps"] is None and raw["bandwidth_mbps"] == 100.0
+    assert (
+        text["load_s"] == 0.0 and text["bandwidth_mbps"] is None and raw["bandwidth_mbps"] == 100.0
+    )
     assert all(r["loaded_tokens"] == 512 for r in raw["runs"])
     # the load is part of TTFT, and the step that produced the first token comes after it
     assert 0 < raw["load_s"] < raw["ttft_s"]
     for run in raw["runs"]:
         assert 0 < run["first_token_step_s"] <= run["after_load_s"] and run["steps"] >= 2
     assert "| raw | 100 |" in timeline_markdown(rows)
-    assert _parse_mode("cachegen:3") == ("cachegen", 3) and _parse_mode("int8") == ("int8", None)
+    assert parse_mode("cachegen-3") == ("cachegen", 3) and parse_mode("int8") == ("int8", None)
+    assert parse_mode("cachegen") == ("cachegen", None) and parse_mode("recompute") == (
+        "recompute",
+        None,
+    )
     with pytest.raises(InputError):
-        _parse_mode("zip")
+        parse_mode("zip")
     bench.close()

@@ -11,13 +11,21 @@ import threading
 
 import pytest
 
-from cachegen.connector.engine import ConnectorEngine
+from cachegen.lab.bench.engine import ConnectorEngine
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama, redis_server):
-    with ConnectorEngine(tiny_llama, store=redis_server.url, chunk_tokens=256, max_model_len=2048,
-                         save_modes=("raw", "cachegen"), cachegen_levels=(1, 3), load_async=False,
-                         save_async=False) as eng:
+    with ConnectorEngine(
+        tiny_llama,
+        store=redis_server.url,
+        chunk_tokens=256,
+        max_model_len=2048,
+        save_modes=("raw", "cachegen"),
+        cachegen_levels=(1, 3),
+        load_async=False,
+        save_async=False,
+    ) as eng:
         yield eng
 
 

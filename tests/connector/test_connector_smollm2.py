@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from cachegen.codec import decode, get_codec
-from cachegen.connector.engine import ConnectorEngine
 from cachegen.extract import extract_kv, load_model
 from cachegen.kv import KVCache
-from cachegen.quality.replay import continuation_logits
+from cachegen.lab.bench.engine import ConnectorEngine
+from cachegen.lab.quality.replay import continuation_logits
 
 CHUNK = 256
 QUESTION = " Question: what is the main point of the text above? Answer:"
@@ -26,8 +26,14 @@ QUESTION = " Question: what is the main point of the text above? Answer:"
 def engine(smollm2, tmp_path_factory):
     store = tmp_path_factory.mktemp("smollm2-store").as_uri()
     level = get_codec("cachegen", model=smollm2).default_level  # one level keeps the saves cheap
-    with ConnectorEngine(smollm2, store=store, chunk_tokens=CHUNK, save_modes=("raw", "int8", "cachegen"),
-                         cachegen_levels=[level], max_model_len=4096) as eng:
+    with ConnectorEngine(
+        smollm2,
+        store=store,
+        chunk_tokens=CHUNK,
+        save_modes=("raw", "int8", "cachegen"),
+        cachegen_levels=[level],
+        max_model_len=4096,
+    ) as eng:
         yield eng
 
 
@@ -45,7 +51,10 @@ def test_connector_kv_matches_transformers(engine, smollm2, text_ids):
     assert got.num_tokens == 512 and got.token_ids.tolist() == ids[:512]
     ref = extract_kv(smollm2, token_ids=ids[:512])
     for layer in range(ref.num_layers):
-        for name, a, b in (("K", got.keys[layer], ref.keys[layer]), ("V", got.values[layer], ref.values[layer])):
+        for name, a, b in (
+            ("K", got.keys[layer], ref.keys[layer]),
+            ("V", got.values[layer], ref.values[layer]),
+        ):
             error = (a.float() - b.float()).norm() / b.float().norm()
             # bf16 kernels of vLLM and transformers differ by ~1%; a layout error gives ~100%.
             assert error < 0.03, f"layer {layer} {name}: relative error {error:.3f}"
@@ -72,13 +81,17 @@ def test_int8_answers_like_recompute_on_nearly_every_prompt(engine, text_ids):
     same = 0
     prompts = 20
     for i in range(prompts):
-        ids = text_ids(engine, CHUNK, offset=60_000 + 9_000 * i) + engine.tokenize(QUESTION, bos=False)
+        ids = text_ids(engine, CHUNK, offset=60_000 + 9_000 * i) + engine.tokenize(
+            QUESTION, bos=False
+        )
         text = engine.run(ids, save=True, max_tokens=2)  # answers from text and stores the prefix
         engine.wait_stored(ids)
         hit = engine.run(ids, mode="int8", max_tokens=2)
         assert hit.connector["loaded_tokens"] == CHUNK
         same += hit.token_ids[0] == text.token_ids[0]
-    assert same >= 0.95 * prompts, f"int8 changed the answer on {prompts - same} of {prompts} prompts"
+    assert same >= 0.95 * prompts, (
+        f"int8 changed the answer on {prompts - same} of {prompts} prompts"
+    )
 
 
 def test_cachegen_through_vllm_agrees_with_the_offline_quality_path(engine, smollm2, text_ids):
@@ -88,7 +101,9 @@ def test_cachegen_through_vllm_agrees_with_the_offline_quality_path(engine, smol
     agree = 0
     prompts = 6
     for i in range(prompts):
-        ids = text_ids(engine, 512, offset=150_000 + 11_000 * i) + engine.tokenize(QUESTION, bos=False)
+        ids = text_ids(engine, 512, offset=150_000 + 11_000 * i) + engine.tokenize(
+            QUESTION, bos=False
+        )
         engine.store_prefix(ids)
         hit = engine.run(ids, mode="cachegen", level=level, max_tokens=2)
         assert hit.connector["loaded_tokens"] == 512 and hit.connector["levels"] == [level, level]

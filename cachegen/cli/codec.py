@@ -1,0 +1,163 @@
+"""Codec commands: ``encode``, ``decode``, ``inspect`` and ``profile build|show``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from cachegen.codec import available_codecs, decode, get_codec, inspect, load_profile
+from cachegen.errors import InputError
+from cachegen.fileio import write_atomic
+from cachegen.kv import KVCache
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "encode",
+        help="compress a saved KV cache into a bitstream",
+        description="Encode the KV cache in KV_DIR (from `cachegen extract`) with a codec and write the bitstream to OUT.",
+    )
+    p.add_argument("kv_dir", metavar="KV_DIR", type=Path)
+    p.add_argument("out", metavar="OUT", type=Path)
+    p.add_argument("--codec", required=True, choices=available_codecs())
+    p.add_argument(
+        "--level", type=int, default=None, help="quality level (default: the codec's default)"
+    )
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per frame (default 256)")
+    p.add_argument("--json", action="store_true", help="print the inspect summary as JSON")
+    p.set_defaults(func=_encode)
+
+    p = subparsers.add_parser(
+        "decode",
+        help="decode a bitstream back into a KV cache directory",
+        description="Decode the bitstream IN (any codec) and save the KV cache into OUT_DIR.",
+    )
+    p.add_argument("blob", metavar="IN", type=Path)
+    p.add_argument("out_dir", metavar="OUT_DIR", type=Path)
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="bfloat16",
+        help="dtype of the decoded KV (default bfloat16)",
+    )
+    p.set_defaults(func=_decode)
+
+    p = subparsers.add_parser(
+        "inspect",
+        help="show what a bitstream holds and what it costs",
+        description="Print codec, level, token range, bits per element, ratios vs fp16 and int8 and a per-layer breakdown.",
+    )
+    p.add_argument("blob", metavar="IN", type=Path)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_inspect)
+
+    p = subparsers.add_parser(
+        "profile",
+        help="build or show a model's codec profile (quality levels and probability tables)",
+        description="A model's cachegen codec profile: its quality levels and the probability tables "
+        "that encoder and decoder share.",
+    )
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    q = actions.add_parser(
+        "build",
+        help="build the profile now (runs the model once over the calibration text)",
+        description="Build MODEL's profile (paper presets and shipped calibrated levels) and its tables "
+        "under the profiles directory; nothing is done if it exists.",
+    )
+    q.add_argument("--model", required=True, help="model name, hub id or directory")
+    q.set_defaults(func=_profile_build)
+    q = actions.add_parser(
+        "show", help="print the profile as JSON", description="Print MODEL's profile as JSON."
+    )
+    q.add_argument("--model", required=True, help="model name, hub id or directory")
+    q.set_defaults(func=_profile_show)
+
+
+def _read(path: Path) -> bytes:
+    if not path.is_file():
+        raise InputError(f"{path} is not a file")
+    return path.read_bytes()
+
+
+def _encode(args: argparse.Namespace) -> int:
+    kv = KVCache.load(args.kv_dir)
+    codec = get_codec(
+        args.codec,
+        model=kv.model.name if args.codec == "cachegen" else None,
+        chunk_tokens=args.chunk_tokens,
+    )
+    blob = codec.encode(kv, args.level)
+    write_atomic(args.out, blob)
+    info = inspect(blob)
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print(
+            f"{args.out}: {info['codec']} level {info['level']}, {info['num_tokens']} tokens, {info['bytes']} bytes, "
+            f"{info['bits_per_element']:.3f} bits/element, {info['ratio_vs_fp16']:.2f}x vs fp16, "
+            f"{info['ratio_vs_int8']:.2f}x vs int8"
+        )
+    return 0
+
+
+def _decode(args: argparse.Namespace) -> int:
+    kv = decode(_read(args.blob), out_dtype=DTYPES[args.dtype])
+    kv.save(args.out_dir)
+    print(
+        f"{args.out_dir}: {kv.num_tokens} tokens of {kv.model.name} from position {kv.start}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    info = inspect(_read(args.blob))
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"codec            {info['codec']} (level {info['level']})")
+    print(
+        f"model            {info['model']['name']} ({info['num_layers']} layers, {info['num_kv_heads']} kv heads, head_dim {info['head_dim']})"
+    )
+    print(
+        f"tokens           {info['num_tokens']} from position {info['start']}, {info['num_frames']} frames of {info['chunk_tokens']}"
+    )
+    print(
+        f"size             {info['bytes']} bytes (header {info['header_bytes']}, frame headers {info['frame_header_bytes']}, token ids {info['token_id_bytes']})"
+    )
+    print(f"bits/element     {_fmt(info['bits_per_element'], '.3f')}")
+    print(f"ratio vs fp16    {_fmt(info['ratio_vs_fp16'], '.2f')}x")
+    print(f"ratio vs int8    {_fmt(info['ratio_vs_int8'], '.2f')}x")
+    if "profile_tables" in info:
+        print(f"profile tables   {info['profile_tables']}")
+    print("layer  key_bytes  value_bytes  bits/element")
+    for row in info["layers"]:
+        print(
+            f"{row['layer']:5d}  {row['key_bytes']:9.0f}  {row['value_bytes']:11.0f}  {_fmt(row['bits_per_element'], '12.3f')}"
+        )
+    return 0
+
+
+def _profile_build(args: argparse.Namespace) -> int:
+    profile = load_profile(args.model, build=True)
+    data = profile.to_dict()
+    print(
+        f"profile {data['id']} for {profile.model.name}: levels {sorted(profile.levels)}, "
+        f"default {profile.default_level}, at {data['path']}"
+    )
+    return 0
+
+
+def _profile_show(args: argparse.Namespace) -> int:
+    print(json.dumps(load_profile(args.model, build=False).to_dict(), indent=1))
+    return 0

@@ -1,0 +1,192 @@
+"""``cachegen store ...``: put KV or bitstreams into a chunk store, list, inspect, evict."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cachegen.errors import InputError
+from cachegen.store import chunk_keys, default_store_url, longest_prefix, open_store, parse_size
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("store", help="manage a chunk store (local directory or Redis)",
+                              description="Manage encoded KV chunks in a store addressed by URL: file:///dir, "
+                              "redis://host:port/db, valkey://..., redis+cluster://host:port.")  # fmt: skip
+    sub = p.add_subparsers(dest="store_command", metavar="ACTION", required=True)
+
+    def add(name: str, help: str, func) -> argparse.ArgumentParser:
+        q = sub.add_parser(name, help=help, description=help)
+        q.add_argument("--store", default=None, help=f"store URL (default: {default_store_url()})")
+        q.add_argument("--json", action="store_true", help="print JSON on stdout")
+        q.set_defaults(func=func)
+        return q
+
+    q = add("put", "encode a KV directory chunk by chunk at every level and store it", _put)
+    q.add_argument("kv_dir", type=Path, help="a KV directory written by `cachegen extract`")
+    q.add_argument("--codec", default="cachegen", help="codec name (default: %(default)s)")
+    q.add_argument(
+        "--levels", default=None, help="comma list of levels (default: all the codec's levels)"
+    )
+    q.add_argument(
+        "--chunk-tokens", type=int, default=256, help="tokens per chunk (default: %(default)s)"
+    )
+
+    q = add("put-blob", "store one bitstream file under a key and level", _put_blob)
+    q.add_argument("file", type=Path)
+    q.add_argument("--key", required=True)
+    q.add_argument("--level", type=int, required=True)
+
+    q = add("get", "write one stored chunk's payload to a file", _get)
+    q.add_argument("--key", required=True)
+    q.add_argument("--level", type=int, required=True)
+    q.add_argument("--out", type=Path, required=True)
+
+    q = add("lookup", "how many leading chunks of a KV directory's tokens are stored", _lookup)
+    q.add_argument("kv_dir", type=Path)
+    q.add_argument("--codec", default="cachegen")
+    q.add_argument("--levels", default=None)
+    q.add_argument("--chunk-tokens", type=int, default=256)
+
+    q = add("ls", "list stored chunks", _ls)
+    q.add_argument("--prefix", default="", help="only keys starting with this (e.g. a namespace)")
+
+    add("stats", "count chunks and bytes per namespace", _stats)
+
+    q = add("evict", "remove least recently used chunks", _evict)
+    g = q.add_mutually_exclusive_group(required=True)
+    g.add_argument("--max-bytes", help="keep at most this much payload (e.g. 2gb)")
+    g.add_argument("--all", action="store_true", help="remove every chunk")
+
+    q = add("rm", "delete one chunk (one level, or all levels)", _rm)
+    q.add_argument("--key", required=True)
+    q.add_argument("--level", type=int, default=None)
+
+
+def _out(args, data, text: str) -> int:
+    print(json.dumps(data, indent=2) if args.json else text)
+    return 0
+
+
+def _levels(codec, text: str | None) -> list[int]:
+    if text is None:
+        return list(codec.levels)
+    try:
+        levels = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise InputError(f"--levels {text!r}: expected integers separated by commas") from None
+    for lv in levels:
+        codec.resolve_level(lv)
+    return levels
+
+
+def _codec_and_kv(args):
+    from cachegen.codec import get_codec
+    from cachegen.kv import KVCache
+
+    kv = KVCache.load(args.kv_dir)
+    codec = get_codec(args.codec, model=kv.model.name, chunk_tokens=args.chunk_tokens)
+    return codec, kv
+
+
+def _put(args) -> int:
+    codec, kv = _codec_and_kv(args)
+    levels = _levels(codec, args.levels)
+    keys = chunk_keys(kv.model, codec.profile_id, kv.token_ids, args.chunk_tokens)
+    total = 0
+    with open_store(args.store) as store:
+        for key, chunk in zip(keys, kv.chunks(args.chunk_tokens)):
+            for lv in levels:
+                blob = codec.encode(chunk, level=lv)
+                store.put(key, lv, blob)
+                total += len(blob)
+        url = store.url
+    data = {"store": url, "codec": codec.name, "profile_id": codec.profile_id, "levels": levels,
+            "chunks": len(keys), "bytes": total, "keys": keys}  # fmt: skip
+    return _out(args, data, f"stored {len(keys)} chunks x levels {levels} ({total} bytes) in {url}")
+
+
+def _put_blob(args) -> int:
+    try:
+        blob = args.file.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read {args.file}: {exc}") from exc
+    with open_store(args.store) as store:
+        store.put(args.key, args.level, blob)
+    return _out(
+        args,
+        {"key": args.key, "level": args.level, "bytes": len(blob)},
+        f"stored {len(blob)} bytes",
+    )
+
+
+def _get(args) -> int:
+    with open_store(args.store) as store:
+        blob = store.get(args.key, args.level)
+    tmp = args.out.with_name(args.out.name + ".part")
+    tmp.write_bytes(blob)
+    tmp.replace(args.out)
+    return _out(
+        args,
+        {"key": args.key, "level": args.level, "bytes": len(blob)},
+        f"wrote {len(blob)} bytes to {args.out}",
+    )
+
+
+def _lookup(args) -> int:
+    codec, kv = _codec_and_kv(args)
+    levels = _levels(codec, args.levels)
+    keys = chunk_keys(kv.model, codec.profile_id, kv.token_ids, args.chunk_tokens)
+    with open_store(args.store) as store:
+        n = longest_prefix(store, keys, levels)
+    tokens = min(n * args.chunk_tokens, kv.num_tokens)
+    data = {
+        "chunks": len(keys),
+        "stored_prefix_chunks": n,
+        "stored_prefix_tokens": tokens,
+        "levels": levels,
+    }
+    return _out(
+        args,
+        data,
+        f"{n} of {len(keys)} chunks ({tokens} of {kv.num_tokens} tokens) stored at levels {levels}",
+    )
+
+
+def _ls(args) -> int:
+    with open_store(args.store) as store:
+        entries = list(store.list(args.prefix))
+    rows = [
+        {"key": e.key, "level": e.level, "bytes": e.size, "last_used": e.last_used} for e in entries
+    ]
+    text = "\n".join(f"{e.key}  L{e.level}  {e.size}" for e in entries) or "(empty)"
+    return _out(args, rows, text)
+
+
+def _stats(args) -> int:
+    with open_store(args.store) as store:
+        stats = store.stats().to_dict()
+    text = "\n".join(f"{k}: {v}" for k, v in stats.items())
+    return _out(args, stats, text)
+
+
+def _evict(args) -> int:
+    limit = 0 if args.all else parse_size(args.max_bytes)
+    with open_store(args.store) as store:
+        removed = store.evict(limit)
+        left = store.stats().payload_bytes
+    return _out(
+        args,
+        {"removed": removed, "payload_bytes_left": left},
+        f"removed {removed} entries; {left} bytes left",
+    )
+
+
+def _rm(args) -> int:
+    with open_store(args.store) as store:
+        removed = store.delete(args.key, args.level)
+    if not removed:
+        print(f"cachegen store rm: nothing stored under {args.key}", file=sys.stderr)
+    return _out(args, {"removed": removed}, f"removed {removed} entries")

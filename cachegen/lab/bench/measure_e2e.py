@@ -1,0 +1,284 @@
+"""End-to-end measurements through real vLLM: TTFT, latency and throughput per mode.
+
+One engine per model serves every mode: the connector's ``ConnectorEngine`` (vLLM with the
+CacheGenConnector), whose per-request options pick the mode, level and link bandwidth (see
+``cachegen.lab.bench.engine_process``). Per context the engine first prefills the context once with saving
+on and waits until every encoding the sweep needs is stored; then for each KV mode one
+unmeasured warm-up request checks that the mode loads and pays its one-time costs (codec
+tables, kernels), and only then are the measured requests sent. Text recompute runs on the
+same engine with loading and saving off; when the connector cannot start at all it runs on a
+plain engine instead, and every KV mode is recorded as missing with the reason.
+
+A KV-mode request that loaded nothing is not a measurement of that mode (vLLM simply
+recomputed): it is recorded under ``missing`` with the connector's error, never as a run.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from cachegen.lab.bench.engine_process import EngineError, EngineSession, RequestFailed
+from cachegen.lab.bench.prompts import Context, question
+from cachegen.modes import RECOMPUTE, Mode
+
+MARGIN_TOKENS = 64  # room for the question after the context
+WARM_UP_REPEAT = 999  # question number of unmeasured requests (never one of the measured repeats)
+
+
+def connector_options(store_url: str, chunk_tokens: int, kv_modes: list[Mode]) -> dict:
+    """Engine-wide connector options: the store, chunking, and every encoding to save."""
+    save_modes = sorted({"cachegen" if m.mode == "adaptive" else m.mode for m in kv_modes})
+    return {"store": store_url, "chunk_tokens": chunk_tokens, "save_modes": save_modes}
+
+
+class E2EMeasurer:
+    """Fills ``runs`` and ``missing`` (lists of results.json rows) for one model."""
+
+    def __init__(
+        self,
+        cfg,
+        model: str,
+        spec,
+        identity,
+        contexts: list[Context],
+        tokenizer,
+        *,
+        runs: list,
+        missing: list,
+        tick,
+        log=None,
+    ) -> None:
+        self.cfg, self.model, self.spec, self.identity = cfg, model, spec, identity
+        self.contexts, self.tokenizer = contexts, tokenizer
+        self.runs, self.missing, self.tick, self.log = runs, missing, tick, log
+        self.max_model_len = min(
+            spec.max_positions, max(c.tokens for c in contexts) + MARGIN_TOKENS + cfg.output_tokens
+        )
+        self.notes: list[str] = []
+
+    # ---- planning ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        kv_modes = [m for m in self.cfg.modes if m.moves_kv]
+        recompute = Mode("recompute") in self.cfg.modes
+        done_recompute = False
+        if kv_modes:
+            with tempfile.TemporaryDirectory(prefix="cachegen-bench-store-") as store_dir:
+                done_recompute = self._with_connector(kv_modes, recompute, Path(store_dir).as_uri())
+        if recompute and not done_recompute:
+            try:
+                with self._session(None) as engine:
+                    self._warm_up(engine)
+                    self._recompute(engine)
+                self.notes.append("recompute ran on a plain vLLM engine (no connector)")
+            except EngineError as exc:
+                for context in self.contexts:
+                    self._missing(Mode("recompute"), f"vLLM engine failed: {exc}", context)
+
+    def _session(self, connector: dict | None) -> EngineSession:
+        return EngineSession(self.model, self.max_model_len, connector=connector, log=self.log)
+
+    def _with_connector(self, kv_modes: list[Mode], recompute: bool, store_url: str) -> bool:
+        """Measure with one connector engine; True when recompute was measured on it."""
+        done_recompute = False
+        try:
+            with self._session(
+                connector_options(store_url, self.cfg.chunk_tokens, kv_modes)
+            ) as engine:
+                self._warm_up(engine)
+                if recompute:
+                    self._recompute(engine)
+                    done_recompute = True
+                    self.notes.append(
+                        "recompute ran on the connector engine with loading and saving off"
+                    )
+                for context in self.contexts:
+                    self._store(engine, context, kv_modes)
+        except EngineError as exc:
+            self._missing_unless_done(
+                kv_modes, f"vLLM engine with the CacheGenConnector failed: {exc}"
+            )
+        return done_recompute
+
+    # ---- measuring --------------------------------------------------------------------
+
+    def _warm_up(self, engine: EngineSession) -> None:
+        """One unmeasured request: the first forward pass of an engine is slower."""
+        engine.run(
+            self.contexts[0].prompt(question(self.tokenizer, WARM_UP_REPEAT)),
+            mode=RECOMPUTE,
+            max_tokens=2,
+        )
+
+    def _recompute(self, engine: EngineSession) -> None:
+        for context in self.contexts:
+            for repeat in range(self.cfg.repeats):
+                result = engine.run(
+                    context.prompt(question(self.tokenizer, repeat)),
+                    mode=RECOMPUTE,
+                    max_tokens=self.cfg.output_tokens,
+                )
+                self.runs.append(self._row(Mode("recompute"), None, context, repeat, result))
+                self.tick()
+
+    def _store(self, engine: EngineSession, context: Context, kv_modes: list[Mode]) -> None:
+        cells = len(self.cfg.bandwidth_mbps) * self.cfg.repeats
+        if context.tokens < self.cfg.chunk_tokens:
+            for mode in kv_modes:
+                self._missing(
+                    mode,
+                    f"the {context.tokens}-token context is shorter than one "
+                    f"{self.cfg.chunk_tokens}-token chunk, so nothing of it can be stored",
+                    context,
+                )
+                self.tick(cells)
+            return
+        try:
+            engine.store_prefix(context.prompt(question(self.tokenizer, WARM_UP_REPEAT)))
+        except RequestFailed as exc:
+            for mode in kv_modes:
+                self._missing(mode, f"storing the context failed: {exc}", context)
+                self.tick(cells)
+            return
+        for mode in kv_modes:
+            self._measure_mode(engine, context, mode)
+
+    def _measure_mode(self, engine: EngineSession, context: Context, mode: Mode) -> None:
+        cells = len(self.cfg.bandwidth_mbps) * self.cfg.repeats
+        error = self._check_loads(engine, context, mode)
+        if error is not None:
+            self._missing(mode, error, context)
+            self.tick(cells)
+            return
+        for bandwidth in self.cfg.bandwidth_mbps:
+            for repeat in range(self.cfg.repeats):
+                try:
+                    result = self._request(
+                        engine, context, mode, bandwidth, repeat, self.cfg.output_tokens
+                    )
+                except RequestFailed as exc:
+                    self._missing(
+                        mode, f"request at {bandwidth:g} Mbit/s failed: {exc}", context, bandwidth
+                    )
+                    self.tick()
+                    continue
+                report = result["connector"]
+                if not report.get("loaded_tokens"):
+                    why = (
+                        report.get("load_error")
+                        or report.get("error")
+                        or "the connector loaded no tokens"
+                    )
+                    self._missing(
+                        mode,
+                        f"request at {bandwidth:g} Mbit/s loaded nothing: {why}",
+                        context,
+                        bandwidth,
+                    )
+                else:
+                    self.runs.append(self._row(mode, bandwidth, context, repeat, result))
+                self.tick()
+
+    def _request(
+        self,
+        engine: EngineSession,
+        context: Context,
+        mode: Mode,
+        bandwidth: float | None,
+        repeat: int,
+        max_tokens: int,
+    ) -> dict:
+        return engine.run(
+            context.prompt(question(self.tokenizer, repeat)),
+            mode=mode.mode,
+            level=mode.level,
+            bandwidth_mbps=bandwidth,
+            slo_ms=self.cfg.slo_ms if mode.mode == "adaptive" else None,
+            max_tokens=max_tokens,
+        )
+
+    def _check_loads(self, engine: EngineSession, context: Context, mode: Mode) -> str | None:
+        """Warm ``mode`` up with one unlimited-rate request; the reason when it loads nothing."""
+        try:
+            report = self._request(engine, context, mode, None, WARM_UP_REPEAT, 2)["connector"]
+        except RequestFailed as exc:
+            return f"the warm-up request failed: {exc}"
+        if report.get("loaded_tokens"):
+            return None
+        return (
+            report.get("load_error")
+            or report.get("error")
+            or "the connector loaded no tokens of the stored context"
+        )
+
+    def _missing_unless_done(self, kv_modes: list[Mode], reason: str) -> None:
+        """After an engine failure: every (mode, context) without a run or a reason gets ``reason``."""
+        done = {
+            (r["mode"], r["level"], r["context_tokens"])
+            for r in self.runs
+            if r["model"] == self.model and r["kind"] == "e2e"
+        }
+        done |= {
+            (m["mode"], m["level"], m["context_tokens"])
+            for m in self.missing
+            if m["model"] == self.model and m["kind"] == "e2e"
+        }
+        for context in self.contexts:
+            for mode in kv_modes:
+                if (mode.mode, mode.level, context.tokens) not in done:
+                    self._missing(mode, reason, context)
+
+    # ---- rows -------------------------------------------------------------------------
+
+    def _row(
+        self, mode: Mode, bandwidth: float | None, context: Context, repeat: int, result: dict
+    ) -> dict:
+        report = result["connector"] if mode.moves_kv else {}
+        loaded = report.get("loaded_tokens") if mode.moves_kv else 0
+        nbytes = report.get("bytes")
+        g = self.identity  # 2 tensors (K, V) x 2 bytes per element in 16-bit floats
+        fp16_bytes = loaded * g.num_layers * g.num_kv_heads * g.head_dim * 4 if loaded else None
+        e2e = result["e2e_s"]
+        return {
+            "kind": "e2e",
+            "model": self.model,
+            "mode": mode.mode,
+            "level": mode.level,
+            "bandwidth_mbps": bandwidth,
+            "context_tokens": context.tokens,
+            "repeat": repeat,
+            "prompt_tokens": result["prompt_tokens"],
+            "output_tokens": result["output_tokens"],
+            "loaded_tokens": loaded,
+            "ttft_s": result["ttft_s"],
+            "ttft_wall_s": result.get("ttft_wall_s"),
+            "e2e_s": e2e,
+            "tokens_per_s": result["output_tokens"] / e2e if e2e else None,
+            "decode_tokens_per_s": result.get("decode_tokens_per_s"),
+            "bytes": nbytes,
+            "ratio_vs_fp16": fp16_bytes / nbytes if fp16_bytes and nbytes else None,
+            "transfer_s": report.get("transfer_s"),
+            "decode_s": report.get("decode_s"),
+            "load_s": report.get("load_s"),
+            "levels": report.get("levels"),
+        }
+
+    def _missing(
+        self,
+        mode: Mode,
+        reason: str,
+        context: Context | None = None,
+        bandwidth: float | None = None,
+    ) -> None:
+        self.missing.append(
+            {
+                "kind": "e2e",
+                "model": self.model,
+                "mode": mode.mode,
+                "level": mode.level,
+                "context_tokens": context.tokens if context else None,
+                "bandwidth_mbps": bandwidth,
+                "reason": reason,
+            }
+        )

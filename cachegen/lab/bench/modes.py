@@ -1,0 +1,48 @@
+"""Groups of modes (``cachegen.modes``) that the bench takes as input besides single modes.
+
+``baseline`` = recompute raw int8 fp8; ``cachegen`` = the paper's levels 1-3 plus each
+model's default level, plus adaptive (the earlier reproduction's ``--modes baseline cachegen``); ``all`` = both. Other
+levels of a profile (calibration may add several) are measured when named, e.g. ``cachegen-5``.
+"""
+
+from __future__ import annotations
+
+from cachegen.errors import InputError
+from cachegen.modes import KV_BASELINES, RECOMPUTE, Mode
+
+BASELINE = (RECOMPUTE, *KV_BASELINES)
+PAPER_LEVELS = (1, 2, 3)
+
+
+def codec_levels(models: list[str] | None) -> tuple[int, ...]:
+    """The paper's levels and each model's default level, as the models' codec profiles define them."""
+    if not models:
+        return PAPER_LEVELS
+    from cachegen.codec import get_codec
+
+    levels: set[int] = set()
+    for model in models:
+        codec = get_codec("cachegen", model=model)
+        levels |= {level for level in codec.levels if level in PAPER_LEVELS} | {codec.default_level}
+    return tuple(sorted(levels))
+
+
+def expand(labels: list[str], models: list[str] | None = None) -> list[Mode]:
+    """Modes for labels and groups, deduplicated, in a stable order. The ``cachegen`` group
+    takes its levels from the codec profiles of ``models`` (the paper's 1-3 without models)."""
+    if not labels:
+        raise InputError("no modes given; try --modes baseline cachegen")
+    out: list[Mode] = []
+    for label in labels:
+        if label == "all":
+            out += expand(["baseline", "cachegen"], models)
+        elif label == "baseline":
+            out += [Mode(m) for m in BASELINE]
+        elif label == "cachegen":
+            out += [Mode("cachegen", level) for level in codec_levels(models)] + [Mode("adaptive")]
+        else:
+            out.append(Mode.parse(label))
+    seen: dict[Mode, None] = {}
+    for mode in out:
+        seen.setdefault(mode, None)
+    return list(seen)

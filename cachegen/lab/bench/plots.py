@@ -1,0 +1,422 @@
+"""PNG figures from results.json (``cachegen plot``).
+
+Every figure is drawn from the medians (error bars span the repeats' min..max), names its
+units, and says so in the panel when a mode was asked for but not measured, instead of
+leaving it out silently.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cachegen.lab.bench.results import lookup
+from cachegen.modes import Mode
+
+FIGURES = (
+    "ttft_by_mode",
+    "ttft_vs_bandwidth",
+    "throughput",
+    "compression_ratio",
+    "transfer_vs_bandwidth",
+    "decode_time",
+    "quality_vs_size",
+)
+DPI = 110
+
+
+def plot_all(doc: dict, out_dir: str | Path) -> list[Path]:
+    """Write every figure into ``out_dir``; returns the paths in ``FIGURES`` order."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name in FIGURES:
+        fig = globals()[f"_{name}"](doc)
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=DPI, bbox_inches="tight")
+        _close(fig)
+        paths.append(path)
+    return paths
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+
+def _close(fig) -> None:
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def _label(row: dict) -> str:
+    return Mode(row["mode"], row["level"]).label
+
+
+def _order(doc: dict) -> list[str]:
+    """Mode labels in the order the sweep was configured with."""
+    return list(doc["config"]["modes"])
+
+
+def _spread(doc: dict, row: dict, metric: str) -> tuple[float, float]:
+    """(median - min, max - median) of ``metric`` over the runs of ``row``'s cell."""
+    keys = ("kind", "model", "mode", "level", "bandwidth_mbps", "context_tokens")
+    values = [
+        r[metric]
+        for r in doc["runs"]
+        if all(r.get(k) == row.get(k) for k in keys) and isinstance(r.get(metric), (int, float))
+    ]
+    if not values or row.get(metric) is None:
+        return 0.0, 0.0
+    return row[metric] - min(values), max(values) - row[metric]
+
+
+def _missing_note(doc: dict, kind: str, model: str | None = None) -> str:
+    rows = [
+        m for m in doc["missing"] if m["kind"] == kind and (model is None or m["model"] == model)
+    ]
+    if not rows:
+        return ""
+    labels = sorted({Mode(m["mode"], m["level"]).label for m in rows})
+    return "not measured: " + ", ".join(labels)
+
+
+def _panels(n: int, title: str, width: float = 6.4, height: float = 4.2):
+    import matplotlib.pyplot as plt
+
+    n = max(n, 1)
+    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False, layout="constrained")
+    fig.suptitle(title, fontsize=13)
+    return fig, list(axes[0])
+
+
+def _empty(ax, text: str) -> None:
+    ax.text(
+        0.5,
+        0.5,
+        text,
+        ha="center",
+        va="center",
+        transform=ax.transAxes,
+        wrap=True,
+        fontsize=10,
+        color="0.35",
+    )
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _footnote(fig, text: str) -> None:
+    """A note under the whole figure (constrained layout keeps it clear of the tick labels)."""
+    if text.strip():
+        fig.supxlabel(text.strip(), fontsize=8, color="0.35", wrap=True)
+
+
+def _log_axes(ax, bandwidths: list[float]) -> None:
+    """Log-log axes with plain-number ticks at the configured bandwidths."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(bandwidths)
+    ax.set_xlim(min(bandwidths) / 1.4, max(bandwidths) * 1.4)
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+    ax.yaxis.set_minor_formatter(plain)
+
+
+def _models(doc: dict) -> list[str]:
+    return list(doc["config"]["models"])
+
+
+def _largest_context(doc: dict, kind: str, model: str) -> int | None:
+    sizes = [r["context_tokens"] for r in lookup(doc, kind=kind, model=model)]
+    return max(sizes) if sizes else None
+
+
+def _bars(
+    ax,
+    groups: list[str],
+    series: dict[str, list[tuple[float | None, tuple[float, float]]]],
+    ylabel: str,
+) -> None:
+    """Grouped bars: one group per entry of ``groups``, one bar per series."""
+    import numpy as np
+
+    x = np.arange(len(groups))
+    width = 0.8 / max(len(series), 1)
+    for i, (name, points) in enumerate(series.items()):
+        heights = [p[0] if p[0] is not None else 0.0 for p in points]
+        err = np.array([p[1] for p in points]).T if points else None
+        bars = ax.bar(
+            x + (i - (len(series) - 1) / 2) * width, heights, width, label=name, yerr=err, capsize=2
+        )
+        for bar, point in zip(bars, points):
+            if point[0] is None:
+                bar.set_visible(False)
+    ax.set_xticks(x, groups, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+
+
+# ---- figures -----------------------------------------------------------------------------
+
+
+def _ttft_by_mode(doc: dict):
+    models = _models(doc)
+    fig, axes = _panels(len(models), "Time to first token by mode (vLLM, lower is better)")
+    for ax, model in zip(axes, models):
+        context = _largest_context(doc, "e2e", model)
+        if context is None:
+            _empty(ax, f"{model}: no end-to-end runs\n{_missing_note(doc, 'e2e', model)}")
+            continue
+        rows = lookup(doc, kind="e2e", model=model, context_tokens=context)
+        labels = [m for m in _order(doc) if any(_label(r) == m for r in rows)]
+        # One bar per link rate; recompute (no link) repeats its one value in each.
+        bandwidths = sorted(
+            {r["bandwidth_mbps"] for r in rows if r["bandwidth_mbps"] is not None}
+        ) or [None]
+        series: dict[str, list] = {}
+        for bw in bandwidths:
+            points = []
+            for label in labels:
+                match = [
+                    r for r in rows if _label(r) == label and r["bandwidth_mbps"] in (bw, None)
+                ]
+                points.append(
+                    (match[0]["ttft_s"], _spread(doc, match[0], "ttft_s"))
+                    if match
+                    else (None, (0, 0))
+                )
+            series[f"{bw:g} Mbit/s" if bw is not None else "no KV link"] = points
+        _bars(ax, labels, series, "TTFT (s)")
+        ax.set_title(f"{model}, {context}-token context")
+        ax.legend(title="KV link", fontsize=8)
+    _footnote(
+        fig,
+        "recompute moves no KV: its bar is the same at every bandwidth. "
+        + _missing_note(doc, "e2e"),
+    )
+    return fig
+
+
+def _lines_vs_bandwidth(
+    doc: dict, kind: str, metric: str, ylabel: str, title: str, flat_modes: tuple[str, ...]
+):
+    models = _models(doc)
+    panels = [
+        (m, c)
+        for m in models
+        for c in sorted({r["context_tokens"] for r in lookup(doc, kind=kind, model=m)})
+    ]
+    fig, axes = _panels(len(panels), title)
+    if not panels:
+        _empty(axes[0], f"no {kind} runs\n{_missing_note(doc, kind)}")
+        return fig
+    for ax, (model, context) in zip(axes, panels):
+        rows = lookup(doc, kind=kind, model=model, context_tokens=context)
+        values = [r[metric] for r in rows if r.get(metric)]
+        for label in _order(doc):
+            mine = sorted(
+                (r for r in rows if _label(r) == label and r.get(metric) is not None),
+                key=lambda r: r["bandwidth_mbps"] or 0,
+            )
+            if not mine:
+                continue
+            if mine[0]["mode"] in flat_modes or mine[0]["bandwidth_mbps"] is None:
+                ax.axhline(
+                    mine[0][metric], linestyle="--", color="0.3", label=f"{label} (no KV link)"
+                )
+                continue
+            xs = [r["bandwidth_mbps"] for r in mine]
+            ys = [r[metric] for r in mine]
+            err = list(zip(*[_spread(doc, r, metric) for r in mine]))
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=2, label=label)
+        _log_axes(ax, doc["config"]["bandwidth_mbps"])
+        if values:  # horizontal lines do not widen the autoscaled range by themselves
+            ax.set_ylim(min(values) / 1.5, max(values) * 1.5)
+        ax.set_xlabel("bandwidth of the KV link (Mbit/s)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{model}, {context}-token context")
+        ax.grid(alpha=0.3, which="both")
+    # One legend beside the panels, so it never hides a line.
+    handles = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    if handles:
+        fig.legend(
+            handles.values(), handles.keys(), loc="outside right upper", fontsize=8, title="mode"
+        )
+    _footnote(fig, _missing_note(doc, kind))
+    return fig
+
+
+def _ttft_vs_bandwidth(doc: dict):
+    return _lines_vs_bandwidth(
+        doc,
+        "e2e",
+        "ttft_s",
+        "TTFT (s, log scale)",
+        "Time to first token vs bandwidth (vLLM)",
+        ("recompute",),
+    )
+
+
+def _transfer_vs_bandwidth(doc: dict):
+    return _lines_vs_bandwidth(
+        doc,
+        "stream",
+        "transfer_s",
+        "transfer time (s, log scale)",
+        "KV transfer time vs bandwidth (real loopback socket, token-bucket shaper)",
+        (),
+    )
+
+
+def _throughput(doc: dict):
+    models = _models(doc)
+    fig, axes = _panels(len(models), "Output throughput per request (vLLM, higher is better)")
+    for ax, model in zip(axes, models):
+        rows = lookup(doc, kind="e2e", model=model)
+        if not rows:
+            _empty(ax, f"{model}: no end-to-end runs\n{_missing_note(doc, 'e2e', model)}")
+            continue
+        contexts = sorted({r["context_tokens"] for r in rows})
+        bw = max(
+            (r["bandwidth_mbps"] for r in rows if r["bandwidth_mbps"] is not None), default=None
+        )
+        labels = [m for m in _order(doc) if any(_label(r) == m for r in rows)]
+        series = {}
+        for context in contexts:
+            points = []
+            for label in labels:
+                match = [
+                    r
+                    for r in rows
+                    if _label(r) == label
+                    and r["context_tokens"] == context
+                    and r["bandwidth_mbps"] in (bw, None)
+                ]
+                points.append(
+                    (match[0]["tokens_per_s"], _spread(doc, match[0], "tokens_per_s"))
+                    if match
+                    else (None, (0, 0))
+                )
+            series[f"{context} tokens"] = points
+        _bars(ax, labels, series, "output tokens / end-to-end second")
+        ax.set_title(f"{model}" + (f", KV link {bw:g} Mbit/s" if bw else ""))
+        ax.legend(title="context", fontsize=8)
+    _footnote(fig, "output tokens / end-to-end latency of one request (load or prefill included)")
+    return fig
+
+
+def _compression_ratio(doc: dict):
+    models = _models(doc)
+    fig, axes = _panels(len(models), "KV size reduction (higher is better)")
+    for ax, model in zip(axes, models):
+        context = _largest_context(doc, "stream", model)
+        if context is None:
+            _empty(ax, f"{model}: no codec measurements\n{_missing_note(doc, 'stream', model)}")
+            continue
+        rows = lookup(doc, kind="stream", model=model, context_tokens=context)
+        labels = [m for m in _order(doc) if any(_label(r) == m for r in rows)]
+        series = {}
+        for metric, name in (("ratio_vs_fp16", "vs fp16"), ("ratio_vs_int8", "vs int8 per-token")):
+            points = []
+            for label in labels:
+                values = [
+                    r[metric] for r in rows if _label(r) == label and r.get(metric) is not None
+                ]
+                points.append((values[0] if values else None, (0.0, 0.0)))
+            series[name] = points
+        _bars(ax, labels, series, "size ratio (baseline bytes / bytes, x)")
+        ax.axhline(1.0, color="0.3", linewidth=0.8)
+        ax.set_title(f"{model}, {context}-token context (all overhead counted)")
+        ax.legend(fontsize=8)
+    _footnote(fig, _missing_note(doc, "stream"))
+    return fig
+
+
+def _decode_time(doc: dict):
+    models = _models(doc)
+    fig, axes = _panels(len(models), "Decode time of the whole context (lower is better)")
+    for ax, model in zip(axes, models):
+        rows = lookup(doc, kind="stream", model=model)
+        if not rows:
+            _empty(ax, f"{model}: no codec measurements\n{_missing_note(doc, 'stream', model)}")
+            continue
+        contexts = sorted({r["context_tokens"] for r in rows})
+        labels = [m for m in _order(doc) if any(_label(r) == m for r in rows)]
+        series = {}
+        for context in contexts:
+            points = []
+            for label in labels:
+                # Decoding does not depend on the link; the median over bandwidths is one number.
+                match = [
+                    r["decode_s"]
+                    for r in rows
+                    if _label(r) == label
+                    and r["context_tokens"] == context
+                    and r.get("decode_s") is not None
+                ]
+                points.append((sorted(match)[len(match) // 2] if match else None, (0.0, 0.0)))
+            series[f"{context} tokens"] = points
+        _bars(ax, labels, series, "decode time (s)")
+        ax.set_title(f"{model}: entropy decode + dequantize")
+        ax.legend(title="context", fontsize=8)
+    _footnote(fig, _missing_note(doc, "stream"))
+    return fig
+
+
+def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points not dominated by another with fewer (or equal) bits and lower (or equal) loss."""
+    front = []
+    for x, y in sorted(points):
+        if not front or y < front[-1][1]:
+            front.append((x, y))
+    return front
+
+
+def _quality_vs_size(doc: dict):
+    models = _models(doc)
+    fig, axes = _panels(len(models), "Quality vs size (lower-left is better)")
+    for ax, model in zip(axes, models):
+        rows = [q for q in doc["quality"] if q["model"] == model]
+        if not rows:
+            _empty(ax, f"{model}: no quality measurements\n{_missing_note(doc, 'quality', model)}")
+            continue
+        for i, row in enumerate(sorted(rows, key=lambda r: r["bits_per_element"])):
+            ax.scatter(row["bits_per_element"], row["ppl_change_pct"], s=40, zorder=3)
+            # Alternate above/below so neighbours of similar size (int8, fp8) stay legible.
+            ax.annotate(
+                _label(row),
+                (row["bits_per_element"], row["ppl_change_pct"]),
+                textcoords="offset points",
+                xytext=(5, 5 if i % 2 == 0 else -12),
+                fontsize=8,
+            )
+        front = pareto([(r["bits_per_element"], r["ppl_change_pct"]) for r in rows])
+        ax.plot(
+            [p[0] for p in front],
+            [p[1] for p in front],
+            "-",
+            color="tab:red",
+            alpha=0.6,
+            label="Pareto frontier",
+        )
+        ax.set_xlabel("bits per KV element (everything counted)")
+        ax.set_ylabel("perplexity change (%)")
+        windows = sorted({r["windows"] for r in rows})
+        contexts = sorted({r["context_tokens"] for r in rows})
+        ax.set_title(
+            f"{model}, {'/'.join(map(str, windows))} windows of {'/'.join(map(str, contexts))} tokens"
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    _footnote(fig, _missing_note(doc, "quality"))
+    return fig

@@ -1,0 +1,46 @@
+"""The prompts of the sweep: contexts cut from text that ships with CPython, plus a question.
+
+Each context length gets its own disjoint slice of the Python documentation text
+(``pydoc_data.topics``, the evaluation split that the codec's profile never saw), so a
+longer context never starts with a shorter one that is already stored. Each repeat asks a
+different question after the same context, so only the context can come from a cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cachegen.errors import InputError
+
+TEXT_SOURCE = "pydoc_data.topics (CPython documentation, evaluation split)"
+
+
+@dataclass(frozen=True)
+class Context:
+    tokens: int
+    ids: tuple[int, ...]
+
+    def prompt(self, question_ids: list[int]) -> list[int]:
+        return list(self.ids) + list(question_ids)
+
+
+def contexts(tokenizer, lengths: list[int]) -> list[Context]:
+    from cachegen.lab.quality.datasets import pydoc_text
+
+    ids = tokenizer(pydoc_text("eval"))["input_ids"]
+    needed = sum(lengths)
+    if needed > len(ids):
+        raise InputError(
+            f"the contexts need {needed} tokens of text but only {len(ids)} are available; ask for fewer"
+        )
+    out, offset = [], 0
+    for n in lengths:
+        out.append(Context(n, tuple(ids[offset : offset + n])))
+        offset += n
+    return out
+
+
+def question(tokenizer, repeat: int) -> list[int]:
+    """Token ids of the question asked after the context in repeat ``repeat`` (distinct per repeat)."""
+    text = f"\n\nQuestion {repeat + 1}: In one sentence, what does the text above explain?\nAnswer:"
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

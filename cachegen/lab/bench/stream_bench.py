@@ -1,0 +1,321 @@
+"""``cachegen stream-bench``: real KV, real codec, real sockets, measured.
+
+1. Tokenize CPython's documentation text (``pydoc_data.topics``, minus the topics the codec
+   profile was calibrated on) and take the first ``tokens`` tokens.
+2. If the store lacks any chunk at any needed level, prefill the model (transformers) to get
+   the KV, encode each chunk at each level and put it. The prefill is timed: its rate
+   (tokens/s) is what recomputation costs the controller, unless ``prefill_tps`` is given.
+3. For each shaper and bandwidth, load all chunks through the link with pipelined decoding
+   and report bytes, transfer, decode, load time, goodput, waits and levels.
+
+``controller_eval`` evaluates the adaptive controller over bandwidth traces instead.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cachegen import models
+from cachegen.errors import InputError
+from cachegen.lab.bench.stream_sim import ADAPTIVE, Workload, evaluate, standard_traces
+from cachegen.store import ChunkStore, chunk_keys, longest_prefix
+from cachegen.stream.controller import DEFAULT_DROP_FACTOR, RECOMPUTE, AdaptiveController
+from cachegen.stream.link import open_link
+from cachegen.stream.loader import LoadStats, stream_load
+from cachegen.stream.source import DirectSource
+from cachegen.stream.traces import BandwidthTrace
+
+
+@dataclass
+class Prepared:
+    """Chunks of one (model, codec, tokens) in a store, and what they cost to make."""
+
+    model: str
+    codec: str
+    levels: list[int]
+    token_ids: torch.Tensor
+    chunk_tokens: list[int]
+    keys: list[str]
+    sizes: dict[int, list[int]]
+    prefill_tps: float | None  # measured while preparing, if a prefill ran
+    encoded_now: bool
+    kv_bytes_bf16: int
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "codec": self.codec,
+            "levels": self.levels,
+            "tokens": int(self.token_ids.numel()),
+            "chunks": len(self.keys),
+            "chunk_tokens": self.chunk_tokens[0] if self.chunk_tokens else None,
+            "bytes_per_level": {str(lv): sum(s) for lv, s in self.sizes.items()},
+            "kv_bytes_bf16": self.kv_bytes_bf16,
+            "encoded_now": self.encoded_now,
+        }
+
+
+def bench_text() -> str:
+    from pydoc_data.topics import topics
+
+    from cachegen.codec import CALIBRATION_TOPICS
+
+    return "\n\n".join(
+        topics[name].strip() for name in sorted(topics) if name not in CALIBRATION_TOPICS
+    )
+
+
+def bench_tokens(spec: models.ModelSpec, tokens: int) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(spec.path)(bench_text())["input_ids"]
+    if tokens > min(len(ids), spec.max_positions):
+        raise InputError(
+            f"--tokens {tokens} exceeds the {min(len(ids), spec.max_positions)} available for {spec.name}"
+        )
+    return torch.tensor(ids[:tokens], dtype=torch.int64)
+
+
+def measure_prefill_tps(spec: models.ModelSpec, token_ids: torch.Tensor) -> tuple[float, object]:
+    """Prefill rate (tokens/s) of ``extract_kv`` over ``token_ids``, model load excluded."""
+    from cachegen.extract import extract_kv, load_model
+
+    load_model(spec)
+    extract_kv(spec, token_ids=token_ids[:32])  # first-call overheads are not prefill cost
+    start = time.perf_counter()
+    kv = extract_kv(spec, token_ids=token_ids, prefill_chunk_tokens=512)
+    return token_ids.numel() / (time.perf_counter() - start), kv
+
+
+def prepare(store: ChunkStore, model: str, codec_name: str, tokens: int, chunk_tokens: int,
+            levels: list[int] | None = None, log=None) -> Prepared:  # fmt: skip
+    from cachegen.codec import get_codec
+
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    spec = models.resolve(model)
+    codec = get_codec(codec_name, model=spec, chunk_tokens=chunk_tokens)
+    levels = list(levels or codec.levels)
+    for lv in levels:
+        codec.resolve_level(lv)
+    ids = bench_tokens(spec, tokens)
+    keys = chunk_keys(spec.identity(), codec.profile_id, ids, chunk_tokens)
+    tps = None
+    encoded = longest_prefix(store, keys, levels) < len(keys)
+    if encoded:
+        log(
+            f"prefilling {tokens} tokens of {spec.name} and encoding {len(keys)} chunks x levels {levels} ..."
+        )
+        tps, kv = measure_prefill_tps(spec, ids)
+        for key, chunk in zip(keys, kv.chunks(chunk_tokens)):
+            for lv in levels:
+                store.put(key, lv, codec.encode(chunk, level=lv))
+    sizes = {lv: store.sizes(keys, lv) for lv in levels}
+    counts = [min(chunk_tokens, tokens - i * chunk_tokens) for i in range(len(keys))]
+    ident = spec.identity()
+    kv_bytes = tokens * ident.num_layers * ident.num_kv_heads * ident.head_dim * 2 * 2
+    return Prepared(spec.name, codec_name, levels, ids, counts, keys, sizes, tps, encoded, kv_bytes)
+
+
+def make_decoder(expected: Prepared):
+    """The real codec's decode, plus a consumer that checks each chunk is the right tokens."""
+    from cachegen.codec import decode
+
+    def consume(index: int, kv) -> None:
+        begin = sum(expected.chunk_tokens[:index])
+        if not torch.equal(
+            kv.token_ids, expected.token_ids[begin : begin + expected.chunk_tokens[index]]
+        ):
+            raise InputError(
+                f"chunk {index} decoded to other tokens than stored: the store holds foreign data"
+            )
+
+    return decode, consume
+
+
+def warm_up(store: ChunkStore, prep: Prepared) -> dict[int, float]:
+    """Decode every chunk at each level twice (the first pass warms kernels and caches) and
+    return the second pass's decode seconds per token per level."""
+    decode, consume = make_decoder(prep)
+    out = {}
+    for _ in range(2):
+        for lv in prep.levels:
+            stats = stream_load(DirectSource(store), prep.keys, decode, consume, level=lv)
+            out[lv] = stats.decode_s / sum(prep.chunk_tokens)
+    return out
+
+
+def run_load(
+    store, prep, *, shaper, bandwidth, rtt_ms, level=None, controller=None, check=True
+) -> tuple[LoadStats, dict]:
+    decode, consume = make_decoder(prep)
+    with open_link(store, bandwidth_mbps=bandwidth, rtt_ms=rtt_ms, shaper=shaper) as link:
+        link_info = link.describe()
+        stats = stream_load(link.source, prep.keys, decode, consume if check else (lambda i, kv: None),
+                            level=level, controller=controller)  # fmt: skip
+    return stats, link_info
+
+
+def transfer_only(store, prep, *, shaper, bandwidth, rtt_ms, level) -> LoadStats:
+    """A load with a no-op decoder: the transfer alone."""
+    with open_link(store, bandwidth_mbps=bandwidth, rtt_ms=rtt_ms, shaper=shaper) as link:
+        return stream_load(link.source, prep.keys, len, lambda i, x: None, level=level)
+
+
+def stream_bench(store: ChunkStore, prep: Prepared, *, shapers, bandwidths, rtt_ms, level=None, slo_ms=None,
+                 prefill_tps=None, repeat=1, standalone=True, log=None) -> dict:  # fmt: skip
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    if (level is None) == (slo_ms is None):
+        raise InputError("give exactly one of --level or --slo-ms")
+    decode_spt = warm_up(store, prep)
+    decode_alone = {lv: spt * sum(prep.chunk_tokens) for lv, spt in decode_spt.items()}
+    runs = []
+    for shaper in shapers:
+        for bw in bandwidths:
+            for rep in range(repeat):
+                controller = None
+                if slo_ms is not None:
+                    if not prefill_tps:
+                        raise InputError(
+                            "--slo-ms needs a prefill rate: pass --prefill-tps or let the bench measure it"
+                        )
+                    controller = AdaptiveController(slo_ms / 1000, prep.sizes, prep.chunk_tokens,
+                                                    prefill_tokens_per_s=prefill_tps, decode_s_per_token=decode_spt)  # fmt: skip
+                load_before = os.getloadavg()[0]
+                stats, link = run_load(store, prep, shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, level=level,
+                                       controller=controller)  # fmt: skip
+                row = _row(stats, link, prep, bw, prefill_tps)
+                row["loadavg_1min"] = [load_before, os.getloadavg()[0]]
+                if standalone and level is not None:
+                    alone = transfer_only(
+                        store, prep, shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, level=level
+                    )
+                    row["transfer_alone_s"] = alone.load_s
+                    row["goodput_alone_mbps"] = alone.goodput_mbps
+                    row["decode_alone_s"] = decode_alone[level]
+                    row["pipeline_ratio_vs_alone"] = stats.load_s / max(
+                        alone.load_s, decode_alone[level]
+                    )
+                runs.append(row)
+                log(f"{shaper:>12} {bw if bw is not None else 'unlimited':>9} Mbit/s  goodput {row['goodput_mbps']:8.1f}"
+                    f"  load {row['load_s']:.3f} s  transfer {row['transfer_s']:.3f} s  decode {row['decode_s']:.3f} s"
+                    f"  ratio {row['pipeline_ratio']:.3f}")  # fmt: skip
+    return {"prepared": prep.to_dict(), "prefill_tps": prefill_tps, "decode_s_per_token": decode_spt,
+            "summary": summarize(runs), "runs": runs}  # fmt: skip
+
+
+SUMMARY_FIELDS = ("goodput_mbps", "goodput_alone_mbps", "transfer_s", "decode_s", "load_s", "pipeline_ratio",
+                  "pipeline_ratio_vs_alone", "ttft_model_s", "mean_level")  # fmt: skip
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Median of each measurement per (shaper, bandwidth): this machine is shared, so single
+    runs can be slowed by other jobs; the load average is recorded with every run."""
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault((r["shaper"], r["bandwidth_mbps"]), []).append(r)
+    out = []
+    for (shaper, bw), rows in groups.items():
+        entry = {
+            "shaper": shaper,
+            "bandwidth_mbps": bw,
+            "runs": len(rows),
+            "bytes": rows[0]["bytes"],
+        }
+        for f in SUMMARY_FIELDS:
+            values = [r[f] for r in rows if r.get(f) is not None]
+            entry[f] = statistics.median(values) if values else None
+        if bw and entry["goodput_alone_mbps"] is not None:
+            entry["goodput_alone_error"] = entry["goodput_alone_mbps"] / bw - 1
+        out.append(entry)
+    return out
+
+
+def _row(stats: LoadStats, link: dict, prep: Prepared, bw, prefill_tps) -> dict:
+    row = {k: v for k, v in stats.to_dict().items() if k not in ("chunks", "decisions")}
+    row.update(link)
+    row["bandwidth_mbps"] = bw
+    row["goodput_error"] = stats.goodput_mbps / bw - 1 if bw else None
+    row["pipeline_ratio"] = stats.load_s / max(stats.transfer_s, stats.decode_s)
+    recompute_tokens = (
+        sum(prep.chunk_tokens[stats.recompute_from :]) if stats.recompute_from is not None else 0
+    )
+    row["recompute_tokens"] = recompute_tokens
+    row["ttft_model_s"] = stats.load_s + (recompute_tokens / prefill_tps if prefill_tps else 0.0)
+    row["mean_level"] = (
+        statistics.fmean(lv for lv in stats.levels if lv != RECOMPUTE) if stats.n_loaded else None
+    )
+    row["decisions"] = stats.decisions
+    return row
+
+
+def controller_eval(store: ChunkStore, prep: Prepared, *, slos_ms, prefill_tps, rtt_ms=0.0, rates=(100, 200, 500, 1000),
+                    seeds=8, real_runs=0, drop_factors=(DEFAULT_DROP_FACTOR,), log=None) -> dict:  # fmt: skip
+    """Simulated evaluation over standard traces, plus ``real_runs`` traces replayed over a real socket."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    decode_spt = warm_up(store, prep)
+    work = Workload(prep.sizes, prep.chunk_tokens, decode_spt, prefill_tps)
+    traces = standard_traces(rates, seeds)
+    out = {
+        "prepared": prep.to_dict(),
+        "prefill_tps": prefill_tps,
+        "decode_s_per_token": decode_spt,
+        "evaluations": [],
+    }
+    for drop_factor in drop_factors:
+        for slo_ms in slos_ms:
+            result = evaluate(
+                traces, work, slo_s=slo_ms / 1000, rtt_s=rtt_ms / 1000, drop_factor=drop_factor
+            )
+            sim_runs = result.pop("runs")
+            result["real"] = _real_replays(store, prep, traces, sim_runs, slo_ms, prefill_tps, decode_spt, rtt_ms,
+                                           real_runs, drop_factor)  # fmt: skip
+            out["evaluations"].append(result)
+    return out
+
+
+def _real_replays(
+    store, prep, traces, sim_runs, slo_ms, prefill_tps, decode_spt, rtt_ms, count, drop_factor
+) -> list[dict]:
+    """Replay the first ``count`` traces of each kind over the token bucket with the adaptive controller."""
+    picked = []
+    for kind in ("constant", "step", "walk"):
+        picked += [i for i, t in enumerate(traces) if t.name.startswith(kind)][:count]
+    rows = []
+    for i in picked:
+        ctrl = AdaptiveController(slo_ms / 1000, prep.sizes, prep.chunk_tokens, prefill_tokens_per_s=prefill_tps,
+                                  decode_s_per_token=decode_spt, drop_factor=drop_factor)  # fmt: skip
+        stats, _ = run_load(store, prep, shaper="token-bucket", bandwidth=traces[i], rtt_ms=rtt_ms, controller=ctrl,
+                            check=False)  # fmt: skip
+        row = _row(stats, {}, prep, None, prefill_tps)
+        sim = sim_runs[ADAPTIVE][i]
+        rows.append({
+            "trace": traces[i].name,
+            "real_ttft_s": row["ttft_model_s"],
+            "sim_ttft_s": sim["ttft_s"],
+            "real_hit": row["ttft_model_s"] <= slo_ms / 1000,
+            "sim_hit": sim["hit"],
+            "real_mean_level": row["mean_level"],
+            "sim_mean_level": sim["mean_level"],
+            "real_levels": stats.levels,
+            "sim_levels": sim["levels"],
+        })  # fmt: skip
+    return rows
+
+
+def parse_bandwidths(text: str | None) -> list:
+    if text is None:
+        return [None]
+    if ":" in text:
+        return [BandwidthTrace.parse(text)]
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise InputError(
+            f"--bandwidth-mbps {text!r}: give numbers (100 or 100,500,1000) or a trace spec"
+        ) from None

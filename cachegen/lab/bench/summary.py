@@ -1,0 +1,95 @@
+"""The tables ``cachegen bench`` prints: medians per cell, then what was not measured."""
+
+from __future__ import annotations
+
+from cachegen.modes import Mode
+
+E2E_COLUMNS = (
+    ("context_tokens", "context", "{:d}"),
+    ("mode", "mode", "{}"),
+    ("bandwidth_mbps", "Mbit/s", "{:g}"),
+    ("ttft_s", "TTFT s", "{:.3f}"),
+    ("e2e_s", "e2e s", "{:.3f}"),
+    ("tokens_per_s", "tok/s", "{:.1f}"),
+    ("bytes", "KV MB", "{:.2f}"),
+    ("loaded_tokens", "loaded", "{:.0f}"),
+    ("n", "n", "{:d}"),
+)
+STREAM_COLUMNS = (
+    ("context_tokens", "context", "{:d}"),
+    ("mode", "mode", "{}"),
+    ("bandwidth_mbps", "Mbit/s", "{:g}"),
+    ("bytes", "KV MB", "{:.2f}"),
+    ("bits_per_element", "bits/elt", "{:.2f}"),
+    ("ratio_vs_fp16", "x fp16", "{:.2f}"),
+    ("ratio_vs_int8", "x int8", "{:.2f}"),
+    ("transfer_s", "transfer s", "{:.3f}"),
+    ("decode_s", "decode s", "{:.3f}"),
+    ("load_s", "load s", "{:.3f}"),
+)
+QUALITY_COLUMNS = (
+    ("mode", "mode", "{}"),
+    ("bits_per_element", "bits/elt", "{:.2f}"),
+    ("ppl_change_pct", "ppl change %", "{:+.2f}"),
+    ("top1_agreement", "top-1 agree", "{:.3f}"),
+    ("windows", "windows", "{:d}"),
+)
+
+
+def print_summary(doc: dict, file=None) -> None:
+    for model in doc["config"]["models"]:
+        e2e = [r for r in doc["medians"] if r["model"] == model and r["kind"] == "e2e"]
+        stream = [r for r in doc["medians"] if r["model"] == model and r["kind"] == "stream"]
+        quality = [r for r in doc["quality"] if r["model"] == model]
+        _table(f"{model}: end to end through vLLM (medians)", e2e, E2E_COLUMNS, file)
+        _table(
+            f"{model}: codec + rate-limited socket, no vLLM (medians)", stream, STREAM_COLUMNS, file
+        )
+        _table(f"{model}: quality with decoded KV", quality, QUALITY_COLUMNS, file)
+    if doc["missing"]:
+        print("\nnot measured:", file=file)
+        for m in doc["missing"]:
+            where = " ".join(
+                filter(
+                    None,
+                    [
+                        f"{m['context_tokens']} tokens" if m.get("context_tokens") else "",
+                        f"{m['bandwidth_mbps']:g} Mbit/s" if m.get("bandwidth_mbps") else "",
+                    ],
+                )
+            )
+            print(
+                f"  {m['kind']:<7} {m['model']} {Mode(m['mode'], m['level']).label} {where}: {m['reason']}",
+                file=file,
+            )
+
+
+def _table(title: str, rows: list[dict], columns, file) -> None:
+    if not rows:
+        return
+    rows = sorted(
+        rows,
+        key=lambda r: (
+            r.get("context_tokens") or 0,
+            Mode(r["mode"], r["level"]),
+            r.get("bandwidth_mbps") or 0,
+        ),
+    )
+    cells = [[h for _, h, _ in columns]]
+    for r in rows:
+        cells.append([_fmt(r, key, fmt) for key, _, fmt in columns])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    print(f"\n{title}", file=file)
+    for row in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)), file=file)
+
+
+def _fmt(row: dict, key: str, fmt: str) -> str:
+    if key == "mode":
+        return Mode(row["mode"], row["level"]).label
+    value = row.get(key)
+    if value is None:
+        return "-"
+    if key == "bytes":
+        value = value / 1e6
+    return fmt.format(value)

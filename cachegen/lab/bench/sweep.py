@@ -1,0 +1,231 @@
+"""The benchmark sweep behind ``cachegen bench`` and the asv suite: models x modes x
+bandwidths x context lengths, measured three ways, into one results document.
+
+  * ``e2e``: requests through real vLLM (TTFT, latency, throughput), see ``measure_e2e``;
+  * ``stream``: the codec and the rate-limited loader over a real socket, without vLLM
+    (bytes, ratios vs fp16 and int8, encode/transfer/decode time), see ``measure_stream``;
+  * ``quality``: perplexity change and agreement with decoded KV, see ``measure_quality``.
+
+Whatever cannot be measured (a mode the connector or codec does not offer yet, an engine
+that fails) is listed under ``missing`` with the reason; no number is ever made up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from cachegen.errors import CacheGenError, InputError
+from cachegen.lab.bench import environment, results
+from cachegen.lab.bench.modes import expand
+from cachegen.modes import Mode
+
+PARTS = ("e2e", "stream", "quality")
+DEFAULT_MODELS_ENV = "CACHEGEN_BENCH_MODELS"  # comma-separated extra models for the default profile
+
+
+@dataclass
+class SweepConfig:
+    models: list[str]
+    modes: list[Mode]
+    bandwidth_mbps: list[float]
+    context_tokens: list[int]
+    repeats: int = 3
+    output_tokens: int = 16
+    quality_windows: int = 4
+    quality_context_tokens: int = 1024
+    slo_ms: float = 1000.0  # load-time budget of the adaptive mode
+    chunk_tokens: int = 256
+    shaper: str = "token-bucket"
+    parts: tuple[str, ...] = PARTS
+    profile: str = "custom"
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise InputError("no models given")
+        if any(b <= 0 for b in self.bandwidth_mbps) or not self.bandwidth_mbps:
+            raise InputError("bandwidths must be positive numbers of Mbit/s")
+        if any(c < 1 for c in self.context_tokens) or not self.context_tokens:
+            raise InputError("context lengths must be positive numbers of tokens")
+        if self.repeats < 1 or self.output_tokens < 1 or self.quality_windows < 0:
+            raise InputError("repeats and output tokens must be >= 1, quality windows >= 0")
+        unknown = set(self.parts) - set(PARTS)
+        if unknown:
+            raise InputError(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+
+    def to_json(self) -> dict:
+        return {
+            "profile": self.profile,
+            "models": list(self.models),
+            "modes": [m.label for m in self.modes],
+            "bandwidth_mbps": list(self.bandwidth_mbps),
+            "context_tokens": list(self.context_tokens),
+            "repeats": self.repeats,
+            "output_tokens": self.output_tokens,
+            "quality_windows": self.quality_windows,
+            "quality_context_tokens": self.quality_context_tokens,
+            "slo_ms": self.slo_ms,
+            "chunk_tokens": self.chunk_tokens,
+            "shaper": self.shaper,
+            "parts": list(self.parts),
+            "text": "pydoc_data.topics (CPython documentation, evaluation split)",
+            "notes": list(self.notes),
+        }
+
+
+def profile(name: str, **overrides) -> SweepConfig:
+    """The named profile with ``overrides`` (None values are ignored; ``modes`` are labels).
+
+    ``default`` is what ``make bench`` runs (at most 20 minutes on a 2-core machine);
+    ``quick`` is its smoke version (at most 3 minutes, what CI may run).
+    """
+    extra = [m.strip() for m in os.environ.get(DEFAULT_MODELS_ENV, "").split(",") if m.strip()]
+    chosen = overrides.get("models") or ["smollm2-135m", *extra]
+    if name == "default":
+        base = dict(
+            models=chosen,
+            modes=["all"],
+            bandwidth_mbps=[100.0, 500.0, 1000.0],
+            context_tokens=[1536, 4096],
+            repeats=3,
+            output_tokens=16,
+            quality_windows=4,
+            quality_context_tokens=1024,
+        )
+    elif name == "quick":
+        base = dict(
+            models=chosen,
+            modes=["all"],
+            bandwidth_mbps=[100.0, 1000.0],
+            context_tokens=[512],
+            repeats=1,
+            output_tokens=8,
+            quality_windows=1,
+            quality_context_tokens=256,
+        )
+    else:
+        raise InputError(f"unknown profile {name!r}; use default or quick")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    merged = {**base, **given}
+    merged["modes"] = expand(merged["modes"], merged["models"])
+    cfg = SweepConfig(profile=name if not given else "custom", **merged)
+    if given:
+        cfg.notes.append(f"based on the {name} profile")
+    return cfg
+
+
+def run_sweep(cfg: SweepConfig, *, command: str, progress: bool = True, log=None) -> dict:
+    """Measure everything ``cfg`` asks for; returns a validated results document."""
+    from transformers import AutoTokenizer
+
+    from cachegen import models
+    from cachegen.lab.bench.measure_e2e import MARGIN_TOKENS, E2EMeasurer
+    from cachegen.lab.bench.measure_quality import measure_quality
+    from cachegen.lab.bench.measure_stream import measure_stream
+    from cachegen.lab.bench.prompts import contexts
+
+    doc = results.new_document(command, environment.capture(), cfg.to_json())
+    seconds = doc["config"][
+        "part_seconds"
+    ] = {}  # wall time per model and part, for sizing profiles
+    bar = tqdm(
+        total=len(cfg.models) * _cells(cfg),
+        desc="cachegen bench",
+        unit="run",
+        disable=not progress,
+        file=sys.stderr,
+    )
+
+    @contextlib.contextmanager
+    def part(name: str):
+        bar.set_postfix_str(name)
+        began = time.perf_counter()
+        yield
+        seconds[name] = round(time.perf_counter() - began, 1)
+
+    try:
+        for model in cfg.models:
+            with part(f"{model} prepare"):
+                spec = models.resolve(model)
+                identity = spec.identity()
+                tokenizer = AutoTokenizer.from_pretrained(spec.path)
+                too_long = [
+                    c
+                    for c in cfg.context_tokens
+                    if c + MARGIN_TOKENS + cfg.output_tokens > spec.max_positions
+                ]
+                if too_long:
+                    raise InputError(
+                        f"contexts {too_long} do not fit {model}'s {spec.max_positions} positions with the "
+                        f"question and {cfg.output_tokens} output tokens; choose shorter --context-tokens"
+                    )
+                ctxs = contexts(tokenizer, cfg.context_tokens)
+                doc["config"].setdefault("default_levels", {})[model] = _default_level(model)
+            if "e2e" in cfg.parts:
+                with part(f"{model} e2e"):
+                    measurer = E2EMeasurer(
+                        cfg,
+                        model,
+                        spec,
+                        identity,
+                        ctxs,
+                        tokenizer,
+                        runs=doc["runs"],
+                        missing=doc["missing"],
+                        tick=bar.update,
+                        log=log,
+                    )
+                    measurer.run()
+                    doc["config"]["notes"] += [f"{model}: {n}" for n in measurer.notes]
+            if "stream" in cfg.parts:
+                with part(f"{model} stream"):
+                    measure_stream(
+                        cfg,
+                        model,
+                        identity,
+                        ctxs,
+                        runs=doc["runs"],
+                        missing=doc["missing"],
+                        tick=bar.update,
+                    )
+            if "quality" in cfg.parts:
+                with part(f"{model} quality"):
+                    measure_quality(
+                        cfg, model, quality=doc["quality"], missing=doc["missing"], tick=bar.update
+                    )
+    finally:
+        bar.close()
+    return results.finish(doc)
+
+
+def _default_level(model: str) -> int | None:
+    """The level the cachegen codec uses for ``model`` when none is asked for."""
+    try:
+        from cachegen.codec import get_codec
+
+        return get_codec("cachegen", model=model).default_level
+    except CacheGenError:
+        return None
+
+
+def _cells(cfg: SweepConfig) -> int:
+    """Progress units per model."""
+    kv = [m for m in cfg.modes if m.moves_kv]
+    n = 0
+    if "e2e" in cfg.parts:
+        n += (
+            len(cfg.context_tokens)
+            * cfg.repeats
+            * (int(Mode("recompute") in cfg.modes) + len(kv) * len(cfg.bandwidth_mbps))
+        )
+    if "stream" in cfg.parts:
+        n += len(cfg.context_tokens) * len([m for m in kv if m.codec_name])
+    if "quality" in cfg.parts and cfg.quality_windows:
+        n += 1
+    return n

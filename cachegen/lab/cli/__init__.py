@@ -1,0 +1,1 @@
+"""The lab's ``cachegen`` subcommands."""

@@ -1,0 +1,207 @@
+"""``cachegen bench``, ``cachegen plot`` and ``cachegen report``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+DEFAULT_RESULTS = Path("benchmarks/results.json")
+DEFAULT_REPORT = Path("docs/reproduction.md")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="run the end-to-end benchmark sweep and write results.json",
+        description="Measure TTFT, latency and throughput through vLLM (text recompute and every KV mode through "
+        "the CacheGenConnector), compression, transfer and decode time through the codec and a rate-limited "
+        "socket, and quality with decoded KV; write results.json and print a summary. Flags override the profile.",
+    )
+    p.add_argument(
+        "--profile",
+        choices=("default", "quick"),
+        default="default",
+        help="default: what `make bench` runs (<= 20 min on 2 cores); quick: a smoke run (<= 3 min)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_const",
+        const="quick",
+        dest="profile",
+        help="same as --profile quick",
+    )
+    p.add_argument(
+        "--models",
+        nargs="+",
+        help="model names, hub ids or directories (default: smollm2-135m, plus "
+        "$CACHEGEN_BENCH_MODELS)",
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        help="recompute raw int8 fp8 cachegen-<level> adaptive, or the groups "
+        "baseline (recompute raw int8 fp8), cachegen (paper levels 1-3, the model's default level, "
+        "adaptive), all (default: all)",
+    )
+    p.add_argument(
+        "--bandwidth-mbps",
+        nargs="+",
+        type=float,
+        help="link rates in Mbit/s (default: 100 500 1000)",
+    )
+    p.add_argument(
+        "--context-tokens",
+        nargs="+",
+        type=int,
+        help="context lengths in tokens (default: 1536 4096)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        help="measurements per cell; results keep each and their median (default: 3)",
+    )
+    p.add_argument("--output-tokens", type=int, help="tokens generated per request (default: 16)")
+    p.add_argument(
+        "--quality-windows", type=int, help="text windows for the quality part (0 skips it)"
+    )
+    p.add_argument(
+        "--slo-ms", type=float, help="load-time budget of the adaptive mode (default: 1000)"
+    )
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=("e2e", "stream", "quality"),
+        help="what to measure (default: all three)",
+    )
+    p.add_argument(
+        "--output", type=Path, default=DEFAULT_RESULTS, help="results file (default: %(default)s)"
+    )
+    p.add_argument("--plots", type=Path, metavar="DIR", help="also draw the figures into DIR")
+    p.add_argument("--verbose", action="store_true", help="show vLLM's log on stderr")
+    p.add_argument(
+        "--json", action="store_true", help="print the median rows as JSON instead of tables"
+    )
+    p.set_defaults(func=_bench)
+
+    p = subparsers.add_parser(
+        "plot",
+        help="draw the benchmark figures (PNG) from results.json",
+        description="Draw TTFT by model and mode, TTFT vs bandwidth, throughput, compression ratio, transfer time "
+        "vs bandwidth, decode time, and quality vs size with its Pareto frontier.",
+    )
+    p.add_argument(
+        "results",
+        nargs="?",
+        type=Path,
+        default=DEFAULT_RESULTS,
+        help="results file (default: %(default)s)",
+    )
+    p.add_argument(
+        "--out", type=Path, help="directory for the PNGs (default: the results file's directory)"
+    )
+    p.set_defaults(func=_plot)
+
+    p = subparsers.add_parser(
+        "report",
+        help="write the reproduction report (paper's claims vs measurements) from results.json",
+        description="Render docs/reproduction.md: each claim of the CacheGen paper beside what results.json measured.",
+    )
+    p.add_argument(
+        "results",
+        nargs="?",
+        type=Path,
+        default=DEFAULT_RESULTS,
+        help="results file (default: %(default)s)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_REPORT,
+        help="markdown file to write (default: %(default)s)",
+    )
+    p.set_defaults(func=_report)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from cachegen.lab.bench import results
+    from cachegen.lab.bench.summary import print_summary
+    from cachegen.lab.bench.sweep import profile, run_sweep
+
+    cfg = profile(
+        args.profile,
+        models=args.models,
+        modes=args.modes,
+        bandwidth_mbps=args.bandwidth_mbps,
+        context_tokens=args.context_tokens,
+        repeats=args.repeats,
+        output_tokens=args.output_tokens,
+        quality_windows=args.quality_windows,
+        slo_ms=args.slo_ms,
+        parts=tuple(args.parts) if args.parts else None,
+    )
+    doc = run_sweep(
+        cfg,
+        command=_command_line(args),
+        progress=sys.stderr.isatty(),
+        log=sys.stderr if args.verbose else None,
+    )
+    path = results.save(doc, args.output)
+    if args.json:
+        print(json.dumps(doc["medians"], indent=1))
+    else:
+        print_summary(doc)
+    print(f"results: {path}", file=sys.stderr)
+    if args.plots:
+        from cachegen.lab.bench.plots import plot_all
+
+        for png in plot_all(doc, args.plots):
+            print(f"figure: {png}", file=sys.stderr)
+    return 0
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The bench command as given (rebuilt from the parsed flags), for results.json."""
+    words = ["cachegen", "bench", "--profile", args.profile]
+    for flag in (
+        "models",
+        "modes",
+        "bandwidth_mbps",
+        "context_tokens",
+        "repeats",
+        "output_tokens",
+        "quality_windows",
+        "slo_ms",
+        "parts",
+    ):
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        words.append("--" + flag.replace("_", "-"))
+        words += [
+            f"{v:g}" if isinstance(v, float) else str(v)
+            for v in (value if isinstance(value, list) else [value])
+        ]
+    words += ["--output", str(args.output)]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from cachegen.lab.bench import results
+    from cachegen.lab.bench.plots import plot_all
+
+    doc = results.load(args.results)
+    for png in plot_all(doc, args.out or args.results.parent):
+        print(png)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from cachegen.lab.bench import reproduction as report
+    from cachegen.lab.bench import results
+
+    doc = results.load(args.results)
+    print(report.write(doc, str(args.results), args.out))
+    return 0

@@ -1,0 +1,102 @@
+"""``cachegen ttft table|timeline|placement``: TTFT through vLLM with the connector (docs/connector.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cachegen.fileio import write_atomic
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "ttft",
+        help="time to first token through vLLM with the connector, per mode, level and bandwidth",
+        description="Measure TTFT through one in-process vLLM engine with the CacheGenConnector "
+        "(the tables and timeline in docs/connector.md).",
+    )
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    t = actions.add_parser("table", help="TTFT per mode, level and bandwidth")
+    t.add_argument("--model", default="smollm2-135m")
+    t.add_argument("--contexts", type=int, nargs="+", default=[1536, 4096])
+    t.add_argument("--bandwidths", type=float, nargs="+", default=[100, 500, 1000])
+    t.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        help="modes to measure (default: recompute raw int8 fp8 cachegen adaptive)",
+    )
+    t.add_argument(
+        "--slo-ms", type=float, default=None, help="adaptive's load budget (default: 1000)"
+    )
+    t.add_argument("--repeats", type=int, default=3)
+    t.add_argument(
+        "--shaper",
+        choices=["token-bucket", "netns"],
+        default="token-bucket",
+        help="how the link rate is enforced (netns: kernel tc in a private network namespace, root)",
+    )
+    t.set_defaults(func=_table)
+    tl = actions.add_parser(
+        "timeline", help="split TTFT into the load and what follows it, per mode"
+    )
+    tl.add_argument("--model", default="smollm2-135m")
+    tl.add_argument("--context", type=int, default=4096)
+    tl.add_argument("--bandwidth", type=float, default=1000.0)
+    tl.add_argument(
+        "--modes",
+        nargs="+",
+        default=["recompute", "int8", "cachegen-1", "cachegen-2", "cachegen"],
+        help="recompute, raw, int8, fp8, cachegen-LEVEL, cachegen (the default level), adaptive",
+    )
+    tl.add_argument("--repeats", type=int, default=3)
+    tl.set_defaults(func=_timeline)
+    pl = actions.add_parser("placement", help="inline vs background loads and saves")
+    pl.add_argument("--model", default="smollm2-135m")
+    pl.set_defaults(func=_placement)
+    for q in (t, tl, pl):
+        q.add_argument("--json", type=Path, help="also write every row to this JSON file")
+        q.add_argument(
+            "--markdown", type=Path, help="also write the tables to this file (vLLM logs to stdout)"
+        )
+
+
+def _table(args: argparse.Namespace) -> int:
+    from cachegen.lab.bench.ttft import TTFTBench, markdown, ttft_table
+
+    with TTFTBench(args.model, shaper=args.shaper) as bench:
+        rows = ttft_table(
+            bench,
+            args.contexts,
+            args.bandwidths,
+            args.modes,
+            slo_ms=args.slo_ms,
+            repeats=args.repeats,
+        )
+    return _emit(args, rows, markdown(rows))
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from cachegen.lab.bench.ttft import TTFTBench, parse_mode, timeline, timeline_markdown
+
+    modes = [parse_mode(m) for m in args.modes]
+    with TTFTBench(args.model) as bench:
+        rows = timeline(bench, args.context, modes, args.bandwidth, repeats=args.repeats)
+    return _emit(args, rows, timeline_markdown(rows))
+
+
+def _placement(args: argparse.Namespace) -> int:
+    from cachegen.lab.bench.ttft import placement, placement_markdown
+
+    rows = placement(args.model)
+    return _emit(args, rows, placement_markdown(rows))
+
+
+def _emit(args: argparse.Namespace, rows: list[dict], text: str) -> int:
+    print(text)
+    if args.markdown:
+        write_atomic(args.markdown, (text + "\n").encode())
+    if args.json:
+        write_atomic(args.json, (json.dumps(rows, indent=1) + "\n").encode())
+    return 0
