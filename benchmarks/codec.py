@@ -6,10 +6,11 @@ import time
 
 import torch
 
-from cachegen.codec import decode, get_codec
+from cachegen.codec import decode
 from cachegen.kv import KVCache
 from cachegen.lab.bench.prompts import contexts
 from cachegen.modes import Mode
+from cachegen.profiles import codec_for
 
 from .common import CODEC_MODES, MODELS, QUICK
 
@@ -45,7 +46,7 @@ class CodecSpeed:
     def setup(self, kv_dir, mode):
         parsed = Mode.parse(mode)
         self.kv = KVCache.load(kv_dir)
-        self.codec = get_codec(parsed.codec_name, model=MODELS[0])
+        self.codec = codec_for(parsed.codec_name, MODELS[0])
         self.level = self.codec.resolve_level(parsed.level)
         self.blob = self.codec.encode(self.kv, level=self.level)
         decode(self.blob)  # tables and kernels loaded before timing

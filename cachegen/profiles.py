@@ -1,1 +1,175 @@
-"""placeholder"""
+"""Building codec profiles: the one place that runs a model to make probability tables.
+
+The codec (``cachegen.codec``) only reads profiles and tables. Building them needs the
+model's KV of the calibration text, so it lives here, above both the codec and extraction:
+
+* :func:`calibration_spec` / :func:`calibration_kv`: what tables are calibrated on (the
+  workload's ``tables`` split, first ``CALIBRATION_TOKENS`` tokens, one prefill, quantized
+  in chunks of ``CHUNK_TOKENS``) and its KV.
+* :func:`build_tables`: tables for one quantization config, written to the local tables
+  directory (their id is their content hash, so building twice writes nothing new).
+* :func:`ensure_profile`: the model's profile, built on first use with the paper presets
+  and any shipped calibrated levels; rebuilt when it was calibrated on other text; missing
+  tables of an existing profile are rebuilt and must come out identical.
+* :func:`add_level`: a calibrated level into the profile (``cachegen calibrate``).
+
+Building is deterministic as long as the model's forward pass is (same weights, same torch
+CPU kernels); if a rebuilt table differs, the error says so and how to copy the file.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import numpy as np
+import torch
+
+from cachegen import models, workload
+from cachegen.codec import rans
+from cachegen.codec.errors import CodecError
+from cachegen.codec.profile import (
+    DEFAULT_LEVEL,
+    Profile,
+    locked,
+    profile_path,
+    read_profile,
+    shipped_levels,
+)
+from cachegen.codec.quant import QuantConfig, alphabet_size, paper_levels, quantize_chunk
+from cachegen.codec.tables import (
+    KINDS,
+    LOCAL,
+    LevelTables,
+    alphabets,
+    num_segments,
+    save_tables,
+    tables_file,
+)
+from cachegen.constants import CHUNK_TOKENS
+from cachegen.kv import KVCache
+
+CALIBRATION_TOKENS = 2048
+
+
+def calibration_spec() -> dict:
+    """What tables are calibrated on; part of every tables id and profile."""
+    return {
+        "source": "pydoc_data.topics",
+        "topics": workload.topics("tables"),
+        "text_sha256": hashlib.sha256(workload.text("tables").encode()).hexdigest(),
+        "max_tokens": CALIBRATION_TOKENS,
+        "chunk_tokens": CHUNK_TOKENS,
+    }
+
+
+@functools.lru_cache(maxsize=2)
+def _calibration_kv(name: str, fingerprint: str) -> KVCache:
+    from cachegen.extract import extract_kv, load_model
+
+    _, tokenizer, spec = load_model(name)
+    ids = tokenizer(workload.text("tables"))["input_ids"][:CALIBRATION_TOKENS]
+    ids = torch.tensor(ids, dtype=torch.int64)[: spec.max_positions]
+    return extract_kv(spec, token_ids=ids)
+
+
+def calibration_kv(spec: models.ModelSpec) -> KVCache:
+    """KV of the calibration text (cached per process)."""
+    return _calibration_kv(spec.name, spec.identity().fingerprint)
+
+
+def _count_symbols(kv: KVCache, config: QuantConfig) -> np.ndarray:
+    """Symbol counts ``[tables, width]`` of the calibration KV quantized with ``config``."""
+    L, H, D = kv.num_layers, kv.num_kv_heads, kv.head_dim
+    C, S = H * D, num_segments(config)
+    width = max(alphabet_size(b) for b in config.key_bins + config.value_bins)
+    counts = torch.zeros(L * 2 * S * C * width, dtype=torch.int64)
+    layer = torch.arange(L).view(L, 1, 1)
+    channel = torch.arange(C).view(1, C, 1)
+    for chunk in kv.chunks(CHUNK_TOKENS):
+        for k, kind in enumerate(KINDS):
+            x = chunk.keys if kind == "k" else chunk.values
+            for s, seg in enumerate(quantize_chunk(x, config, kind, chunk.start)):
+                sym = seg.symbols.permute(0, 1, 3, 2).reshape(L, C, -1).to(torch.int64)
+                row = ((layer * 2 + k) * S + s) * C + channel
+                counts += torch.bincount((row * width + sym).reshape(-1), minlength=counts.numel())
+    return counts.view(-1, width).numpy()
+
+
+def build_tables(spec: models.ModelSpec, config: QuantConfig) -> LevelTables:
+    """Calibrate tables for ``config`` on ``spec``'s calibration KV and store them."""
+    model = spec.identity()
+    config.check_geometry(model.num_layers, model.head_dim)
+    counts = _count_symbols(calibration_kv(spec), config)
+    freq = rans.quantize_frequencies(counts, alphabets(config, model))
+    tables_id, data = tables_file(model, config, freq, calibration_spec())
+    return save_tables(tables_id, data)
+
+
+def ensure_profile(model: str | models.ModelSpec) -> Profile:
+    """The profile of ``model``, built or repaired from the model where needed (building
+    runs the model once: seconds for tiny models, tens of seconds for SmolLM2 on 2 cores)."""
+    spec = models.resolve(model) if isinstance(model, str) else model
+    identity = spec.identity()
+    with locked(profile_path(identity).parent):
+        profile = read_profile(identity)
+        if profile is None or profile.calibration != calibration_spec():
+            levels = paper_levels(identity.num_layers)
+            calibrated, default = shipped_levels(identity)
+            levels.update(calibrated)
+            tables_ids = {level: build_tables(spec, config).id for level, config in levels.items()}
+            profile = Profile(
+                identity, levels, tables_ids, default or DEFAULT_LEVEL, calibration_spec()
+            )
+            profile.save()
+            return profile
+    for level in sorted(profile.levels):
+        _ensure_tables(spec, profile, level)
+    return profile
+
+
+def _ensure_tables(spec: models.ModelSpec, profile: Profile, level: int) -> None:
+    tables_id = profile.tables_ids[level]
+    try:
+        profile.tables(level)
+        return
+    except CodecError:
+        if LOCAL.read_tables(tables_id) is not None:
+            raise  # present but corrupt or foreign: say so rather than overwrite
+    rebuilt = build_tables(spec, profile.config(level))
+    if rebuilt.id != tables_id:
+        raise CodecError(
+            f"profile tables {tables_id[:16]} of {spec.name} level {level} were rebuilt here but "
+            f"came out different ({rebuilt.id[:16]}: the model's forward pass is not bit-identical "
+            f"on this machine); copy {tables_id}.cgtab from the machine that built the profile "
+            f"into {LOCAL.describe()}"
+        )
+
+
+def add_level(
+    model: str | models.ModelSpec, level: int, config: QuantConfig, *, make_default: bool = False
+) -> Profile:
+    """Calibrate tables for ``config`` and store it as ``level`` of the model's profile."""
+    spec = models.resolve(model) if isinstance(model, str) else model
+    profile = ensure_profile(spec)
+    tables = build_tables(spec, config)
+    profile.put_level(level, config, tables.id, make_default=make_default)
+    return profile
+
+
+def transient_profile(spec: models.ModelSpec, levels: dict[int, QuantConfig]) -> Profile:
+    """A profile with only ``levels``, kept in memory (its tables are built and stored like
+    any level's, by content id); the model's saved profile is not touched."""
+    default = min(levels)
+    ids = {level: build_tables(spec, config).id for level, config in levels.items()}
+    return Profile(spec.identity(), dict(levels), ids, default, calibration_spec())
+
+
+def codec_for(name: str, model: str | models.ModelSpec, **options):
+    """Codec ``name`` for ``model``, the model's profile built first if it needs one
+    (``cachegen.codec.get_codec`` only loads profiles)."""
+    from cachegen.codec import get_codec
+
+    if name != "cachegen":
+        return get_codec(name, **options)
+    return get_codec(name, profile=ensure_profile(model), **options)

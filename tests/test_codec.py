@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from cachegen.codec import (
-    CALIBRATION_TOPICS,
-    PROFILE_TOPICS,
     CodecError,
     QuantConfig,
     available_codecs,
@@ -22,10 +20,11 @@ from cachegen.codec import (
     paper_levels,
     quant,
 )
-from cachegen.codec import profile as profile_mod
+from cachegen.codec import tables as tables_mod
 from cachegen.codec.api import CODECS
 from cachegen.errors import CacheGenError
 from cachegen.kv import KVCache
+from cachegen.profiles import add_level, codec_for, ensure_profile
 
 TEXT = "\n\n".join(
     ["The quick brown fox jumps over the lazy dog. " * 12, "def f(x):\n    return x * 2\n" * 12]
@@ -43,16 +42,16 @@ def tiny_kv(tiny_llama) -> KVCache:
 
 @pytest.fixture(scope="session")
 def tiny_profile(tiny_llama):
-    return load_profile(tiny_llama)
+    return ensure_profile(tiny_llama)
 
 
 @pytest.fixture
 def isolated_profiles(tmp_path, monkeypatch):
     """An empty profile directory and no tables in memory."""
     monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))
-    profile_mod.forget_cached_tables()
+    tables_mod.forget_cached_tables()
     yield tmp_path / "profiles"
-    profile_mod.forget_cached_tables()
+    tables_mod.forget_cached_tables()
 
 
 def codec_levels():
@@ -69,16 +68,10 @@ def test_required_codecs_are_available():
     assert {"raw", "int8", "fp8", "int8-zstd", "kivi2", "cachegen"} <= set(available_codecs())
 
 
-def test_calibration_topics_are_exported_for_the_quality_split():
-    assert PROFILE_TOPICS == CALIBRATION_TOPICS
-    assert len(CALIBRATION_TOPICS) == profile_mod.CALIBRATION_NUM_TOPICS
-    assert list(CALIBRATION_TOPICS) == sorted(CALIBRATION_TOPICS)
-
-
 @pytest.mark.parametrize("name,level", list(codec_levels()))
 def test_round_trip_keeps_metadata_and_is_deterministic(name, level, tiny_kv, tiny_llama):
     part = tiny_kv.slice(37, 170)  # a token range that starts mid-prompt and spans 3 frames
-    codec = get_codec(name, model=tiny_llama, chunk_tokens=64)
+    codec = codec_for(name, tiny_llama, chunk_tokens=64)
     assert level in codec.levels
     blob = codec.encode(part, level)
     assert codec.encode(part, level) == blob
@@ -155,7 +148,7 @@ def _step_bound(x: torch.Tensor, cfg: QuantConfig, kind: str) -> torch.Tensor:
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_cachegen_error_is_within_half_a_step(level, tiny_kv, tiny_profile):
     cfg = tiny_profile.config(level)
-    codec = get_codec("cachegen", model="tiny-llama", chunk_tokens=tiny_kv.num_tokens)
+    codec = codec_for("cachegen", "tiny-llama", chunk_tokens=tiny_kv.num_tokens)
     out = decode(codec.encode(tiny_kv, level), out_dtype=torch.float32)
     for kind, x, y in (
         ("k", tiny_kv.keys.float(), out.keys),
@@ -165,7 +158,7 @@ def test_cachegen_error_is_within_half_a_step(level, tiny_kv, tiny_profile):
 
 
 def test_bf16_output_is_the_float32_output_rounded(tiny_kv, tiny_llama):
-    blob = get_codec("cachegen", model=tiny_llama).encode(tiny_kv)
+    blob = codec_for("cachegen", tiny_llama).encode(tiny_kv)
     a, b = decode(blob, out_dtype=torch.float32), decode(blob, out_dtype=torch.bfloat16)
     assert torch.equal(a.keys.to(torch.bfloat16), b.keys) and torch.equal(
         a.values.to(torch.bfloat16), b.values
@@ -173,7 +166,7 @@ def test_bf16_output_is_the_float32_output_rounded(tiny_kv, tiny_llama):
 
 
 def test_chunked_bitstreams_decode_like_one(tiny_kv, tiny_llama):
-    codec = get_codec("cachegen", model=tiny_llama, chunk_tokens=64)
+    codec = codec_for("cachegen", tiny_llama, chunk_tokens=64)
     whole = decode(codec.encode(tiny_kv))
     parts = KVCache.concat([decode(codec.encode(c)) for c in tiny_kv.chunks(64)])
     assert torch.equal(whole.keys, parts.keys) and torch.equal(whole.values, parts.values)
@@ -194,7 +187,7 @@ def test_non_finite_kv_is_refused(tiny_kv, tiny_llama):
     bad = tiny_kv.slice(0, 8).to(torch.float32)
     bad.keys[0, 0, 3, 5] = float("nan")
     with pytest.raises(CodecError, match="NaN"):
-        get_codec("cachegen", model=tiny_llama).encode(bad)
+        codec_for("cachegen", tiny_llama).encode(bad)
 
 
 def test_paper_presets_scale_with_depth():
@@ -242,7 +235,7 @@ def test_quant_config_packs_compactly_and_round_trips():
 
 def test_inspect_counts_every_byte(tiny_kv, tiny_llama):
     for name in ("int8", "cachegen", "kivi2"):
-        blob = get_codec(name, model=tiny_llama, chunk_tokens=64).encode(tiny_kv)
+        blob = codec_for(name, tiny_llama, chunk_tokens=64).encode(tiny_kv)
         info = inspect(blob)
         assert info["bytes"] == len(blob)
         assert info["bits_per_element"] == pytest.approx(len(blob) * 8 / tiny_kv.num_elements)
@@ -256,12 +249,12 @@ def test_inspect_counts_every_byte(tiny_kv, tiny_llama):
 
 def test_header_is_small(tiny_kv, tiny_llama):
     for name in available_codecs():
-        info = inspect(get_codec(name, model=tiny_llama).encode(tiny_kv.slice(0, 16)))
+        info = inspect(codec_for(name, tiny_llama).encode(tiny_kv.slice(0, 16)))
         assert info["header_bytes"] <= 200, name
 
 
 def test_empty_token_range_round_trips(tiny_kv, tiny_llama):
-    blob = get_codec("cachegen", model=tiny_llama).encode(tiny_kv.slice(5, 5))
+    blob = codec_for("cachegen", tiny_llama).encode(tiny_kv.slice(5, 5))
     out = decode(blob)
     assert out.num_tokens == 0 and out.start == 5
     assert inspect(blob)["bits_per_element"] is None
@@ -271,7 +264,7 @@ def test_unknown_codec_and_level_are_refused(tiny_kv, tiny_llama):
     with pytest.raises(CodecError, match="unknown codec"):
         get_codec("zip")
     with pytest.raises(CodecError, match="no level"):
-        get_codec("cachegen", model=tiny_llama).encode(tiny_kv, level=9)
+        codec_for("cachegen", tiny_llama).encode(tiny_kv, level=9)
     with pytest.raises(CodecError):
         get_codec("raw", chunk_tokens=0)
     assert issubclass(CodecError, CacheGenError)
@@ -283,7 +276,10 @@ def test_unknown_codec_and_level_are_refused(tiny_kv, tiny_llama):
 def test_profile_build_is_deterministic_and_content_addressed(
     isolated_profiles, tiny_llama, tiny_profile
 ):
-    fresh = load_profile(tiny_llama)
+    with pytest.raises(CodecError, match="cachegen profile build --model tiny-llama"):
+        load_profile(tiny_llama)  # the codec reads profiles, it never builds one
+    fresh = ensure_profile(tiny_llama)
+    assert load_profile(tiny_llama) == fresh
     assert fresh.id == tiny_profile.id
     assert fresh.tables_ids == tiny_profile.tables_ids
     for tables_id in fresh.tables_ids.values():
@@ -291,51 +287,103 @@ def test_profile_build_is_deterministic_and_content_addressed(
     assert sorted(fresh.levels) == [1, 2, 3] and fresh.default_level == 2
 
 
-def test_decoder_rebuilds_missing_tables_from_the_model(
+def test_decoder_never_builds_tables_and_ensure_profile_rebuilds_them(
     tiny_kv, tiny_llama, tiny_profile, isolated_profiles
 ):
-    blob = get_codec("cachegen", model=tiny_llama).encode(tiny_kv, 3)
+    blob = codec_for("cachegen", tiny_llama).encode(tiny_kv, 3)
     expected = decode(blob)
     shutil.rmtree(isolated_profiles)  # a consumer machine with the model but no profile
-    profile_mod.forget_cached_tables()
+    tables_mod.forget_cached_tables()
+    with pytest.raises(CodecError, match="cachegen profile build --model tiny-llama"):
+        decode(blob)
+    ensure_profile(tiny_llama)  # above the codec: rebuilds from the model, identical ids
     out = decode(blob)
     assert torch.equal(out.keys, expected.keys) and torch.equal(out.values, expected.values)
     assert (isolated_profiles / "tables" / f"{tiny_profile.tables_ids[3]}.cgtab").is_file()
+    path = isolated_profiles / "tables" / f"{tiny_profile.tables_ids[2]}.cgtab"
+    path.unlink()  # a profile whose tables went missing is repaired the same way
+    tables_mod.forget_cached_tables()
+    ensure_profile(tiny_llama)
+    assert path.is_file()
 
 
-def test_decoder_says_how_to_get_tables_it_cannot_rebuild(tiny_kv, tiny_profile, isolated_profiles):
+def test_decode_needs_only_the_tables_not_the_model(tiny_kv, tiny_llama, tmp_path):
+    """A process whose cache holds the tables and no model weights decodes; without the
+    tables it fails with a CodecError that says where to get them, and loads no model."""
+    import json
+    import subprocess
+    import sys
+
+    blob = codec_for("cachegen", tiny_llama).encode(tiny_kv, 2)
+    (tmp_path / "in.cg").write_bytes(blob)
+    tables_id = inspect(blob)["profile_tables"]
+    probe = (
+        "import json, sys\n"
+        "from cachegen.codec import decode\n"
+        "from cachegen.errors import CacheGenError\n"
+        "try:\n"
+        "    kv = decode(open(sys.argv[1], 'rb').read()); result = {'tokens': kv.num_tokens}\n"
+        "except CacheGenError as exc:\n"
+        "    result = {'error': str(exc)}\n"
+        "result['loaded'] = sorted(m for m in ('transformers', 'cachegen.extract', "
+        "'cachegen.profiles') if m in sys.modules)\n"
+        "print(json.dumps(result))\n"
+    )
+
+    def run(cache_dir):
+        env = {"PATH": "/usr/bin:/bin", "CACHEGEN_CACHE_DIR": str(cache_dir), "HOME": str(tmp_path)}
+        out = subprocess.run(
+            [sys.executable, "-c", probe, str(tmp_path / "in.cg")],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    with_tables = tmp_path / "consumer"
+    source = tables_mod.LOCAL.path(tables_id)
+    (with_tables / "profiles" / "tables").mkdir(parents=True)
+    shutil.copy(source, with_tables / "profiles" / "tables" / source.name)
+    assert run(with_tables) == {"tokens": tiny_kv.num_tokens, "loaded": []}
+    missing = run(tmp_path / "empty")
+    assert missing["loaded"] == []
+    assert "cachegen profile build --model tiny-llama" in missing["error"]
+    assert str(tmp_path / "empty" / "profiles" / "tables") in missing["error"]
+
+
+def test_decoder_says_how_to_get_tables_it_does_not_have(tiny_kv, tiny_llama, isolated_profiles):
     from cachegen.codec.cachegen_codec import CacheGenCodec
 
     # KV that claims to come from a model this machine does not have
     stranger = dataclasses.replace(tiny_kv.model, name="no-such-model")
     kv = KVCache(tiny_kv.keys, tiny_kv.values, tiny_kv.token_ids, stranger)
-    blob = CacheGenCodec(profile=tiny_profile).encode(kv)
+    blob = CacheGenCodec(profile=ensure_profile(tiny_llama)).encode(kv)
     shutil.rmtree(isolated_profiles)
-    profile_mod.forget_cached_tables()
+    tables_mod.forget_cached_tables()
     with pytest.raises(CodecError, match="profile build --model no-such-model"):
         decode(blob)
 
 
 def test_corrupt_tables_file_is_detected(tiny_kv, tiny_llama, isolated_profiles):
-    blob = get_codec("cachegen", model=tiny_llama).encode(tiny_kv)
+    blob = codec_for("cachegen", tiny_llama).encode(tiny_kv)
     tables_id = inspect(blob)["profile_tables"]
     path = isolated_profiles / "tables" / f"{tables_id}.cgtab"
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x40
     path.write_bytes(bytes(data))
-    profile_mod.forget_cached_tables()
+    tables_mod.forget_cached_tables()
     with pytest.raises(CodecError, match="corrupt"):
         decode(blob)
 
 
 def test_add_level_persists_and_becomes_usable(tiny_kv, tiny_llama, isolated_profiles):
-    profile = load_profile(tiny_llama)
-    old_id = profile.id
-    base = profile.config(2)
+    old_id = ensure_profile(tiny_llama).id
+    base = load_profile(tiny_llama).config(2)
     calibrated = dataclasses.replace(
         base, key_scale="channel", value_scale="token-head", description="calibrated"
     )
-    profile.add_level(7, calibrated, make_default=True)
+    profile = add_level(tiny_llama, 7, calibrated, make_default=True)
     assert profile.id != old_id
     again = load_profile(tiny_llama)
     assert (
@@ -343,7 +391,7 @@ def test_add_level_persists_and_becomes_usable(tiny_kv, tiny_llama, isolated_pro
         and again.config(7) == calibrated
         and again.config(7).description == "calibrated"
     )
-    codec = get_codec("cachegen", model=tiny_llama)
+    codec = codec_for("cachegen", tiny_llama)
     assert codec.levels == [1, 2, 3, 7] and codec.default_level == 7
     out = decode(codec.encode(tiny_kv), out_dtype=torch.float32)
     for kind, x, y in (
@@ -384,10 +432,9 @@ def _step_bound_chunked(x, cfg, kind, chunk_tokens):
     ids=["locality", "hadamard", "all-old", "rotary", "rotary-hadamard-exact", "everything"],
 )
 def test_variants_round_trip_within_their_step(change, tiny_kv, tiny_llama, isolated_profiles):
-    profile = load_profile(tiny_llama)
-    cfg = dataclasses.replace(profile.config(3), **change)
-    profile.add_level(11, cfg)
-    codec = get_codec("cachegen", model=tiny_llama, chunk_tokens=100)
+    cfg = dataclasses.replace(ensure_profile(tiny_llama).config(3), **change)
+    add_level(tiny_llama, 11, cfg)
+    codec = codec_for("cachegen", tiny_llama, chunk_tokens=100)
     blob = codec.encode(tiny_kv, 11)
     assert codec.encode(tiny_kv, 11) == blob
     out = decode(blob, out_dtype=torch.float32)
@@ -429,11 +476,12 @@ def test_rotary_and_exact_options_follow_positions_across_bitstreams(
 ):
     """Keys are turned by the angles of their absolute positions and only the first tokens of
     the sequence are stored exactly, however the tokens are split into bitstreams."""
-    profile = load_profile(tiny_llama)
-    cfg = dataclasses.replace(profile.config(2), hadamard=True, rope_theta=10000.0, exact_tokens=3)
-    profile.add_level(11, cfg)
-    profile.add_level(12, dataclasses.replace(cfg, exact_tokens=0))
-    codec = get_codec("cachegen", model=tiny_llama, chunk_tokens=64)
+    cfg = dataclasses.replace(
+        ensure_profile(tiny_llama).config(2), hadamard=True, rope_theta=10000.0, exact_tokens=3
+    )
+    add_level(tiny_llama, 11, cfg)
+    add_level(tiny_llama, 12, dataclasses.replace(cfg, exact_tokens=0))
+    codec = codec_for("cachegen", tiny_llama, chunk_tokens=64)
     whole = decode(codec.encode(tiny_kv, 11))
     parts = KVCache.concat([decode(codec.encode(c, 11)) for c in tiny_kv.chunks(64)])
     assert torch.equal(whole.keys, parts.keys) and torch.equal(whole.values, parts.values)
@@ -518,26 +566,24 @@ def _segment_bound(x, cfg, kind):
 
 def test_fresh_profile_of_the_embedded_model_has_its_calibrated_levels(smollm2, isolated_profiles):
     """A new install gets the levels `cachegen calibrate` chose (docs/quality.md), default included."""
-    profile = load_profile(smollm2)
+    profile = ensure_profile(smollm2)
     assert sorted(profile.levels) == [1, 2, 3, 4, 6, 7, 8, 9, 10] and profile.default_level == 4
     default = profile.config(4)
     assert default.hadamard and default.rope_theta == 100000.0 and default.exact_tokens == 1
     assert default.key_bins[:3] == (24, 32, 32) and len(default.value_bins) == 30
-    assert get_codec("cachegen", model=smollm2).default_level == 4
+    assert codec_for("cachegen", smollm2).default_level == 4
 
 
 @pytest.fixture(scope="session")
 def smollm2_kv(smollm2) -> KVCache:
-    from pydoc_data.topics import topics
-
+    from cachegen import workload
     from cachegen.extract import extract_kv
 
-    text = topics["for"] + "\n\n" + topics["while"]  # not calibration topics
-    return extract_kv(smollm2, text=text).slice(0, 256)
+    return extract_kv(smollm2, text=workload.text("eval")[:4000]).slice(0, 256)
 
 
 def test_cachegen_compresses_real_kv_like_the_paper(smollm2, smollm2_kv):
-    codec = get_codec("cachegen", model=smollm2)
+    codec = codec_for("cachegen", smollm2)
     sizes = {}
     for level in (1, 2, 3):
         info = inspect(codec.encode(smollm2_kv, level))
@@ -552,18 +598,19 @@ def test_odd_geometry_uses_the_partial_lane_paths():
     """12 channels per layer: one full group of 8 lanes and a partial one, in both coders."""
     from cachegen.codec import rans
     from cachegen.codec.cachegen_codec import CacheGenCodec
-    from cachegen.codec.profile import LevelTables, Profile, _alphabets, _remember
+    from cachegen.codec.profile import Profile
+    from cachegen.codec.tables import LevelTables, alphabets, remember
     from cachegen.kv import ModelIdentity
 
     model = ModelIdentity("odd-test-model", "ab" * 32, num_layers=3, num_kv_heads=1, head_dim=12)
     cfg = QuantConfig((32, 16, 8), (16, 16, 4), key_scale="channel", value_scale="token-head")
-    alphabets = _alphabets(cfg, model)
+    sizes = alphabets(cfg, model)
     gen = np.random.default_rng(0)
-    counts = gen.integers(0, 1000, size=(alphabets.size, 31))
-    freq = rans.quantize_frequencies(counts, alphabets)
+    counts = gen.integers(0, 1000, size=(sizes.size, 31))
+    freq = rans.quantize_frequencies(counts, sizes)
     tables = LevelTables("0123456789abcdef" * 2, cfg, model, freq)
-    _remember(tables)
-    profile = Profile(model, {1: cfg}, {1: tables.id}, 1, spec=None)
+    remember(tables)
+    profile = Profile(model, {1: cfg}, {1: tables.id}, 1, calibration={})
     x = torch.randn(2, 3, 1, 37, 12, generator=torch.Generator().manual_seed(1)) * 3
     kv = KVCache(x[0], x[1], torch.arange(37), model, start=5)
     blob = CacheGenCodec(profile=profile, chunk_tokens=16).encode(kv)

@@ -76,9 +76,15 @@ def test_encode_level_is_recorded(kv_dir, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-def test_profile_show(capsys, tiny_llama):
+def test_profile_build_then_show(capsys, tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))
+    assert main(["profile", "show", "--model", "tiny-llama"]) == 1
+    assert "cachegen profile build --model tiny-llama" in capsys.readouterr().err
+    assert main(["profile", "build", "--model", "tiny-llama"]) == 0
+    capsys.readouterr()
     assert main(["profile", "show", "--model", "tiny-llama"]) == 0
     data = json.loads(capsys.readouterr().out)
+    assert data["schema"] == "cachegen-codec-profile" and data["version"] == 2
     assert data["default_level"] == 2 and set(data["levels"]) >= {"1", "2", "3"}
 
 

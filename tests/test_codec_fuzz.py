@@ -15,9 +15,10 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from cachegen.codec import CodecError, decode, get_codec, inspect
+from cachegen.codec import CodecError, decode, inspect
 from cachegen.codec.bitstream import _FIXED, parse_header
 from cachegen.kv import KVCache
+from cachegen.profiles import codec_for
 
 FUZZ = settings(
     max_examples=700,
@@ -47,9 +48,7 @@ def blobs(tiny_llama) -> Blobs:
         ("cachegen", 1),
         ("cachegen", 3),
     ]:
-        out[f"{name}-{level}"] = get_codec(name, model=tiny_llama, chunk_tokens=16).encode(
-            kv, level
-        )
+        out[f"{name}-{level}"] = codec_for(name, tiny_llama, chunk_tokens=16).encode(kv, level)
     return out
 
 

@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import decode, get_codec, load_profile, rans
+from cachegen.codec import decode, get_codec, rans
 from cachegen.codec.cachegen_codec import encode_chunk
 from cachegen.codec.quant import quantize_chunk
+from cachegen.profiles import codec_for, ensure_profile
 
 TOKENS = 1024
 CHUNK = 256
@@ -35,19 +36,18 @@ ENCODE_TARGET = 150e6
 
 @pytest.fixture(scope="module")
 def kv():
-    from pydoc_data.topics import topics
-
-    from cachegen.codec import CALIBRATION_TOPICS
+    from cachegen import workload
     from cachegen.extract import extract_kv, load_model
 
-    text = "\n\n".join(topics[k] for k in sorted(topics)[40:60] if k not in CALIBRATION_TOPICS)
     _, tokenizer, _ = load_model("smollm2-135m")
-    return extract_kv("smollm2-135m", token_ids=tokenizer(text)["input_ids"][:TOKENS])
+    return extract_kv(
+        "smollm2-135m", token_ids=tokenizer(workload.text("eval"))["input_ids"][:TOKENS]
+    )
 
 
 @pytest.fixture(scope="module")
 def profile():
-    return load_profile("smollm2-135m")
+    return ensure_profile("smollm2-135m")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def _record(benchmark, elements, what, target=None):
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_cachegen_decode(benchmark, kv, profile, threads, monkeypatch):
     monkeypatch.setenv("CACHEGEN_CODEC_THREADS", threads)
-    codec = get_codec("cachegen", model="smollm2-135m", chunk_tokens=CHUNK)
+    codec = codec_for("cachegen", "smollm2-135m", chunk_tokens=CHUNK)
     blob = codec.encode(kv, LEVEL)
     benchmark.group = "codec decode"
     out = benchmark(decode, blob)
@@ -95,7 +95,7 @@ def test_cachegen_decode(benchmark, kv, profile, threads, monkeypatch):
 
 def test_cachegen_decode_default_level(benchmark, kv, profile):
     """The level the connector uses unless told otherwise (calibrated: Hadamard, 32/12 bins)."""
-    codec = get_codec("cachegen", model="smollm2-135m", chunk_tokens=CHUNK)
+    codec = codec_for("cachegen", "smollm2-135m", chunk_tokens=CHUNK)
     blob = codec.encode(kv)
     benchmark.group = "codec decode"
     benchmark(decode, blob)
@@ -110,7 +110,7 @@ def test_cachegen_decode_default_level(benchmark, kv, profile):
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_cachegen_encode(benchmark, kv, profile, threads, monkeypatch):
     monkeypatch.setenv("CACHEGEN_CODEC_THREADS", threads)
-    codec = get_codec("cachegen", model="smollm2-135m", chunk_tokens=CHUNK)
+    codec = codec_for("cachegen", "smollm2-135m", chunk_tokens=CHUNK)
     benchmark.group = "codec encode"
     benchmark(codec.encode, kv, LEVEL)
     _record(
@@ -122,7 +122,7 @@ def test_cachegen_encode(benchmark, kv, profile, threads, monkeypatch):
 
 
 def test_cachegen_encode_default_level(benchmark, kv, profile):
-    codec = get_codec("cachegen", model="smollm2-135m", chunk_tokens=CHUNK)
+    codec = codec_for("cachegen", "smollm2-135m", chunk_tokens=CHUNK)
     benchmark.group = "codec encode"
     benchmark(codec.encode, kv)
     _record(

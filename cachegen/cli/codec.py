@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
-from cachegen.codec import available_codecs, decode, get_codec, inspect, load_profile
+from cachegen.codec import available_codecs, decode, inspect, load_profile
 from cachegen.errors import InputError
 from cachegen.fileio import write_atomic
 from cachegen.kv import KVCache
+from cachegen.profiles import codec_for, ensure_profile
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -87,9 +88,9 @@ def _read(path: Path) -> bytes:
 
 def _encode(args: argparse.Namespace) -> int:
     kv = KVCache.load(args.kv_dir)
-    codec = get_codec(
+    codec = codec_for(
         args.codec,
-        model=kv.model.name if args.codec == "cachegen" else None,
+        kv.model.name if args.codec == "cachegen" else None,
         chunk_tokens=args.chunk_tokens,
     )
     blob = codec.encode(kv, args.level)
@@ -149,7 +150,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _profile_build(args: argparse.Namespace) -> int:
-    profile = load_profile(args.model, build=True)
+    profile = ensure_profile(args.model)
     data = profile.to_dict()
     print(
         f"profile {data['id']} for {profile.model.name}: levels {sorted(profile.levels)}, "
@@ -159,5 +160,5 @@ def _profile_build(args: argparse.Namespace) -> int:
 
 
 def _profile_show(args: argparse.Namespace) -> int:
-    print(json.dumps(load_profile(args.model, build=False).to_dict(), indent=1))
+    print(json.dumps(load_profile(args.model).to_dict(), indent=1))
     return 0

@@ -83,11 +83,11 @@ def _levels(codec, text: str | None) -> list[int]:
 
 
 def _codec_and_kv(args):
-    from cachegen.codec import get_codec
     from cachegen.kv import KVCache
+    from cachegen.profiles import codec_for
 
     kv = KVCache.load(args.kv_dir)
-    codec = get_codec(args.codec, model=kv.model.name, chunk_tokens=args.chunk_tokens)
+    codec = codec_for(args.codec, kv.model.name, chunk_tokens=args.chunk_tokens)
     return codec, kv
 
 

@@ -7,36 +7,29 @@
     info = inspect(blob)                    # sizes, bits/element, ratios, per-layer breakdown
 
 Quality levels of the cachegen codec live in the model's :class:`Profile`
-(``load_profile(model)``); ``Profile.add_level(level, QuantConfig(...))`` adds calibrated
-ones. See docs/codec.md and docs/bitstream.md.
+(``load_profile(model)``), built once from the model by ``cachegen.profiles.ensure_profile``
+(or ``cachegen profile build``); decoding needs only the probability tables a bitstream
+names, from a :class:`TableProvider` (the local tables directory by default), and never runs
+a model. See docs/codec.md and docs/bitstream.md.
 """
 
 from cachegen.codec.api import available_codecs, decode, get_codec, inspect
 from cachegen.codec.base import Codec
 from cachegen.codec.errors import CodecError
-from cachegen.codec.profile import (
-    CALIBRATION_TOPICS,
-    LevelTables,
-    Profile,
-    calibration_text,
-    load_profile,
-    profiles_dir,
-)
+from cachegen.codec.profile import Profile, load_profile
 from cachegen.codec.quant import SCALE_KINDS, QuantConfig, paper_levels
-
-PROFILE_TOPICS = CALIBRATION_TOPICS
+from cachegen.codec.tables import LevelTables, TableProvider, add_provider, profiles_dir
 
 __all__ = [
-    "CALIBRATION_TOPICS",
-    "PROFILE_TOPICS",
     "SCALE_KINDS",
     "Codec",
     "CodecError",
     "LevelTables",
     "Profile",
     "QuantConfig",
+    "TableProvider",
+    "add_provider",
     "available_codecs",
-    "calibration_text",
     "decode",
     "get_codec",
     "inspect",

@@ -29,7 +29,7 @@ from cachegen.codec.base import Codec, FrameDecoder
 from cachegen.codec.bitstream import Frame, Header
 from cachegen.codec.errors import CodecError
 from cachegen.codec.parallel import run_batches
-from cachegen.codec.profile import KINDS, LevelTables, Profile, find_tables, load_profile
+from cachegen.codec.profile import Profile, load_profile
 from cachegen.codec.qkernels import store_rotated
 from cachegen.codec.quant import (
     QuantConfig,
@@ -43,6 +43,7 @@ from cachegen.codec.quant import (
     scale_strides,
     segment_tokens,
 )
+from cachegen.codec.tables import KINDS, LevelTables, find_tables
 from cachegen.kv import KVCache, ModelIdentity
 
 TABLES_ID_BYTES = 16

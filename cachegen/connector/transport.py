@@ -278,9 +278,9 @@ def _report(stats: Any) -> dict[str, Any]:
 
 
 def _get_codec(name: str, spec: ModelSpec, chunk_tokens: int) -> Any:
-    from cachegen.codec import get_codec
+    from cachegen.profiles import codec_for
 
-    return get_codec(name, model=spec, chunk_tokens=chunk_tokens)
+    return codec_for(name, spec, chunk_tokens=chunk_tokens)
 
 
 def _decode(blob: bytes) -> KVCache:

@@ -16,9 +16,9 @@ pytest.importorskip("vllm")
 def doc_text() -> str:
     """Real English text that ships with CPython (the Python documentation topics), minus
     the topics the codec calibrates on and those kept for choosing levels."""
-    from cachegen.lab.quality.datasets import pydoc_text
+    from cachegen import workload
 
-    return pydoc_text("eval")
+    return workload.text("eval")
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import pytest
 
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
+from cachegen.profiles import ensure_profile
 
 
 def test_defaults_and_engine_keys():
@@ -81,7 +82,6 @@ def test_adaptive_chooses_among_the_calibrated_levels(smollm2, tiny_llama, tmp_p
     """With calibrated levels shipped for the model, adaptive leaves out the paper presets they
     dominate (bytes alone would rank the presets in between); an explicit list is taken as is;
     a model without a calibration offers every level."""
-    from cachegen.codec import load_profile
     from cachegen.connector.transport import ChunkTransport
 
     def levels(spec, **extra):
@@ -94,11 +94,11 @@ def test_adaptive_chooses_among_the_calibrated_levels(smollm2, tiny_llama, tmp_p
         finally:
             transport.close()
 
-    calibrated = load_profile(smollm2).calibrated_levels()
+    calibrated = ensure_profile(smollm2).calibrated_levels()
     assert calibrated and not {1, 2, 3} & set(calibrated)
     assert levels(smollm2) == (
         calibrated,
-        sorted(load_profile(smollm2).levels),
+        sorted(ensure_profile(smollm2).levels),
     )  # every level is stored
     assert levels(smollm2, cachegen_levels=[2, 4]) == ([2, 4], [2, 4])
-    assert levels(tiny_llama)[0] == sorted(load_profile(tiny_llama).levels)
+    assert levels(tiny_llama)[0] == sorted(ensure_profile(tiny_llama).levels)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachegen.codec import decode, get_codec
+from cachegen.codec import decode
 from cachegen.extract import extract_kv, load_model
 from cachegen.kv import KVCache
 from cachegen.lab.bench.engine import ConnectorEngine
 from cachegen.lab.quality.replay import continuation_logits
+from cachegen.profiles import codec_for
 
 CHUNK = 256
 QUESTION = " Question: what is the main point of the text above? Answer:"
@@ -25,7 +26,7 @@ QUESTION = " Question: what is the main point of the text above? Answer:"
 @pytest.fixture(scope="module")
 def engine(smollm2, tmp_path_factory):
     store = tmp_path_factory.mktemp("smollm2-store").as_uri()
-    level = get_codec("cachegen", model=smollm2).default_level  # one level keeps the saves cheap
+    level = codec_for("cachegen", smollm2).default_level  # one level keeps the saves cheap
     with ConnectorEngine(
         smollm2,
         store=store,
@@ -81,7 +82,7 @@ def test_int8_answers_like_recompute_on_nearly_every_prompt(engine, text_ids):
     same = 0
     prompts = 20
     for i in range(prompts):
-        ids = text_ids(engine, CHUNK, offset=60_000 + 9_000 * i) + engine.tokenize(
+        ids = text_ids(engine, CHUNK, offset=45_000 + 6_000 * i) + engine.tokenize(
             QUESTION, bos=False
         )
         text = engine.run(ids, save=True, max_tokens=2)  # answers from text and stores the prefix
@@ -101,9 +102,7 @@ def test_cachegen_through_vllm_agrees_with_the_offline_quality_path(engine, smol
     agree = 0
     prompts = 6
     for i in range(prompts):
-        ids = text_ids(engine, 512, offset=150_000 + 11_000 * i) + engine.tokenize(
-            QUESTION, bos=False
-        )
+        ids = text_ids(engine, 512, offset=9_000 + 3_400 * i) + engine.tokenize(QUESTION, bos=False)
         engine.store_prefix(ids)
         hit = engine.run(ids, mode="cachegen", level=level, max_tokens=2)
         assert hit.connector["loaded_tokens"] == 512 and hit.connector["levels"] == [level, level]

@@ -26,14 +26,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cachegen import models
+from cachegen import models, workload
 from cachegen.codec import rans
 from cachegen.codec.api import decode, get_codec, inspect
 from cachegen.codec.cachegen_codec import CacheGenCodec
-from cachegen.codec.profile import CALIBRATION_TOPICS, Profile, build_tables, load_profile
+from cachegen.codec.profile import Profile
 from cachegen.codec.quant import QuantConfig, alphabet_size, paper_levels
 from cachegen.errors import InputError
 from cachegen.kv import KVCache
+from cachegen.profiles import ensure_profile, transient_profile
 
 BASELINES = ["raw", "int8", "fp8", "int8-zstd", "kivi2"]
 
@@ -55,20 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write", type=Path, help="update the marked blocks of this markdown file")
 
 
-def report_text() -> str:
-    """Python documentation text that the codec was not calibrated on."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(
-        topics[name].strip() for name in sorted(topics) if name not in CALIBRATION_TOPICS
-    )
-
-
 def text_windows(model: str, tokens: int, windows: int) -> list[KVCache]:
     from cachegen.extract import extract_kv, load_model
 
     _, tokenizer, _ = load_model(model)
-    ids = torch.tensor(tokenizer(report_text())["input_ids"], dtype=torch.int64)
+    ids = torch.tensor(tokenizer(workload.text("eval"))["input_ids"], dtype=torch.int64)
     if ids.numel() < tokens * windows:
         raise InputError(
             f"the report text has {ids.numel()} tokens, fewer than {windows} windows of {tokens}"
@@ -163,7 +155,7 @@ def coder_overhead(profile: Profile, level: int, windows: list[KVCache], chunk_t
 
 def sizes_table(model: str, tokens: int, windows: int, chunk_tokens: int) -> str:
     spec = models.resolve(model)
-    profile = load_profile(spec)
+    profile = ensure_profile(spec)
     kvs = text_windows(model, tokens, windows)
     rows = []
     for name in BASELINES:
@@ -182,12 +174,7 @@ def sizes_table(model: str, tokens: int, windows: int, chunk_tokens: int) -> str
         )
     # Variants are measured through a transient profile: nothing is added to the stored one.
     extra = variants(paper_levels(profile.model.num_layers))
-    levels = dict(profile.levels)
-    ids = dict(profile.tables_ids)
-    for i, cfg in enumerate(extra.values()):
-        levels[1000 + i] = cfg
-        ids[1000 + i] = build_tables(spec, cfg).id
-    trial = Profile(profile.model, levels, ids, profile.default_level, spec)
+    trial = transient_profile(spec, {1000 + i: cfg for i, cfg in enumerate(extra.values())})
     trial_codec = CacheGenCodec(profile=trial, chunk_tokens=chunk_tokens)
     for i, label in enumerate(extra):
         rows.append(
@@ -196,7 +183,7 @@ def sizes_table(model: str, tokens: int, windows: int, chunk_tokens: int) -> str
 
     n_tokens = sum(kv.num_tokens for kv in kvs)
     lines = [
-        f"Model `{model}`, {windows} windows of {tokens} tokens of `pydoc_data.topics` text (calibration topics excluded), "
+        f"Model `{model}`, {windows} windows of {tokens} tokens of the workload's eval split (no text shared with calibration), "
         f"one bitstream per {chunk_tokens}-token chunk ({n_tokens} tokens in all); every byte counted (headers, token ids, "
         "scales, payload). SNR = 10 log10(signal energy / error energy) of the decoded keys and values.",
         "",

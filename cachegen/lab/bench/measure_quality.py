@@ -85,9 +85,9 @@ def measure_quality(cfg, model: str, *, quality: list, missing: list, tick) -> N
 
 
 def _candidate(spec, mode: Mode):
-    from cachegen.codec import get_codec
     from cachegen.lab.quality.candidates import codec_candidates
+    from cachegen.profiles import codec_for
 
-    level = get_codec(mode.codec_name, model=spec).resolve_level(mode.level)
+    level = codec_for(mode.codec_name, spec).resolve_level(mode.level)
     (candidate,) = codec_candidates(spec, mode.codec_name, [str(level)])
     return candidate

@@ -21,6 +21,7 @@ import torch
 from cachegen.errors import CacheGenError
 from cachegen.lab.bench.prompts import Context
 from cachegen.modes import Mode
+from cachegen.profiles import codec_for
 
 PREFILL_CHUNK_TOKENS = 512  # bounds the memory of the KV extraction
 
@@ -62,12 +63,12 @@ def measure_stream(
 
 
 def _measure_mode(cfg, model: str, spec, kv, context: Context, mode: Mode) -> list[dict]:
-    from cachegen.codec import decode, get_codec, inspect
+    from cachegen.codec import decode, inspect
     from cachegen.store import chunk_keys, open_store
     from cachegen.stream.link import open_link
     from cachegen.stream.loader import stream_load
 
-    codec = get_codec(mode.codec_name, model=spec, chunk_tokens=cfg.chunk_tokens)
+    codec = codec_for(mode.codec_name, spec, chunk_tokens=cfg.chunk_tokens)
     level = codec.resolve_level(mode.level)
     chunks = kv.chunks(cfg.chunk_tokens)
     begin = time.perf_counter()

@@ -18,11 +18,11 @@ def codec_levels(models: list[str] | None) -> tuple[int, ...]:
     """The paper's levels and each model's default level, as the models' codec profiles define them."""
     if not models:
         return PAPER_LEVELS
-    from cachegen.codec import get_codec
+    from cachegen.profiles import codec_for
 
     levels: set[int] = set()
     for model in models:
-        codec = get_codec("cachegen", model=model)
+        codec = codec_for("cachegen", model)
         levels |= {level for level in codec.levels if level in PAPER_LEVELS} | {codec.default_level}
     return tuple(sorted(levels))
 

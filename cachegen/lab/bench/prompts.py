@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cachegen import workload
 from cachegen.errors import InputError
 
-TEXT_SOURCE = "pydoc_data.topics (CPython documentation, evaluation split)"
+TEXT_SOURCE = f"{workload.SOURCE}, evaluation split"
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,7 @@ class Context:
 
 
 def contexts(tokenizer, lengths: list[int]) -> list[Context]:
-    from cachegen.lab.quality.datasets import pydoc_text
-
-    ids = tokenizer(pydoc_text("eval"))["input_ids"]
+    ids = tokenizer(workload.text("eval"))["input_ids"]
     needed = sum(lengths)
     if needed > len(ids):
         raise InputError(
@@ -42,5 +41,4 @@ def contexts(tokenizer, lengths: list[int]) -> list[Context]:
 
 def question(tokenizer, repeat: int) -> list[int]:
     """Token ids of the question asked after the context in repeat ``repeat`` (distinct per repeat)."""
-    text = f"\n\nQuestion {repeat + 1}: In one sentence, what does the text above explain?\nAnswer:"
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(workload.bench_question(repeat), add_special_tokens=False)["input_ids"]

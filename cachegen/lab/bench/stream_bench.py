@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cachegen import models
+from cachegen import models, workload
 from cachegen.errors import InputError
 from cachegen.lab.bench.stream_sim import ADAPTIVE, Workload, evaluate, standard_traces
 from cachegen.store import ChunkStore, chunk_keys, longest_prefix
@@ -61,20 +61,10 @@ class Prepared:
         }
 
 
-def bench_text() -> str:
-    from pydoc_data.topics import topics
-
-    from cachegen.codec import CALIBRATION_TOPICS
-
-    return "\n\n".join(
-        topics[name].strip() for name in sorted(topics) if name not in CALIBRATION_TOPICS
-    )
-
-
 def bench_tokens(spec: models.ModelSpec, tokens: int) -> torch.Tensor:
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(spec.path)(bench_text())["input_ids"]
+    ids = AutoTokenizer.from_pretrained(spec.path)(workload.text("eval"))["input_ids"]
     if tokens > min(len(ids), spec.max_positions):
         raise InputError(
             f"--tokens {tokens} exceeds the {min(len(ids), spec.max_positions)} available for {spec.name}"
@@ -95,11 +85,11 @@ def measure_prefill_tps(spec: models.ModelSpec, token_ids: torch.Tensor) -> tupl
 
 def prepare(store: ChunkStore, model: str, codec_name: str, tokens: int, chunk_tokens: int,
             levels: list[int] | None = None, log=None) -> Prepared:  # fmt: skip
-    from cachegen.codec import get_codec
+    from cachegen.profiles import codec_for
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     spec = models.resolve(model)
-    codec = get_codec(codec_name, model=spec, chunk_tokens=chunk_tokens)
+    codec = codec_for(codec_name, spec, chunk_tokens=chunk_tokens)
     levels = list(levels or codec.levels)
     for lv in levels:
         codec.resolve_level(lv)

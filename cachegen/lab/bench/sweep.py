@@ -23,6 +23,7 @@ from tqdm import tqdm
 from cachegen.errors import CacheGenError, InputError
 from cachegen.lab.bench import environment, results
 from cachegen.lab.bench.modes import expand
+from cachegen.lab.bench.prompts import TEXT_SOURCE
 from cachegen.modes import Mode
 
 PARTS = ("e2e", "stream", "quality")
@@ -74,7 +75,7 @@ class SweepConfig:
             "chunk_tokens": self.chunk_tokens,
             "shaper": self.shaper,
             "parts": list(self.parts),
-            "text": "pydoc_data.topics (CPython documentation, evaluation split)",
+            "text": TEXT_SOURCE,
             "notes": list(self.notes),
         }
 
@@ -207,9 +208,9 @@ def run_sweep(cfg: SweepConfig, *, command: str, progress: bool = True, log=None
 def _default_level(model: str) -> int | None:
     """The level the cachegen codec uses for ``model`` when none is asked for."""
     try:
-        from cachegen.codec import get_codec
+        from cachegen.profiles import codec_for
 
-        return get_codec("cachegen", model=model).default_level
+        return codec_for("cachegen", model).default_level
     except CacheGenError:
         return None
 

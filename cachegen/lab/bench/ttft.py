@@ -32,11 +32,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cachegen import workload
 from cachegen.errors import InputError
 from cachegen.lab.bench.engine import ConnectorEngine
 from cachegen.modes import CACHEGEN, RECOMPUTE, Mode
 
-QUESTION = "\n\nQuestion: Summarize the text above in one sentence.\nAnswer:"
 SAVE_MODES = ("raw", "int8", "fp8", "cachegen")
 DEFAULT_MODES = (RECOMPUTE, "raw", "int8", "fp8", "cachegen", "adaptive")
 DEFAULT_SLO_MS = 1000.0
@@ -90,12 +90,12 @@ class TTFTBench:
 
     # ---- prompts -------------------------------------------------------------------------------
 
-    def prompt(self, context_tokens: int, question: str = QUESTION, offset: int = 0) -> list[int]:
-        """``context_tokens`` tokens of real text (the Python documentation's evaluation topics)
+    def prompt(
+        self, context_tokens: int, question: str = workload.SUMMARY_QUESTION, offset: int = 0
+    ) -> list[int]:
+        """``context_tokens`` tokens of real text (the workload's eval split)
         followed by ``question``. Use a multiple of ``chunk_tokens`` so the whole context loads."""
-        from cachegen.lab.quality.datasets import pydoc_text
-
-        text = pydoc_text("eval")[offset:]
+        text = workload.text("eval")[offset:]
         ids = self.engine.tokenize(text[: 8 * context_tokens])
         if len(ids) < context_tokens:
             raise InputError(

@@ -64,7 +64,7 @@ def register(subparsers) -> None:
 
 
 def _stream_bench(args: argparse.Namespace) -> int:
-    from cachegen.codec import get_codec
+    from cachegen.profiles import codec_for
 
     if args.tokens <= 0 or args.chunk_tokens <= 0 or args.repeat <= 0:
         raise InputError("--tokens, --chunk-tokens and --repeat must be positive")
@@ -75,7 +75,7 @@ def _stream_bench(args: argparse.Namespace) -> int:
     bandwidths = bench.parse_bandwidths(args.bandwidth_mbps)
     store = open_store(args.store)
     try:
-        codec = get_codec(args.codec, model=args.model)
+        codec = codec_for(args.codec, args.model)
         need_all_levels = args.controller_eval or args.slo_ms is not None
         level = (
             args.level

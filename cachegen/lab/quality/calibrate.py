@@ -25,7 +25,7 @@ profile's text):
    wins.
 
 The result is a :class:`~cachegen.codec.QuantConfig` saved as a level of the model's codec
-profile (:meth:`cachegen.codec.Profile.add_level`).
+profile (:func:`cachegen.profiles.add_level`).
 """
 
 from __future__ import annotations
@@ -508,10 +508,9 @@ def _codec_bits(data: _Windows, config: QuantConfig, settings: CalibrationSettin
 
 def save_level(model: str, config: QuantConfig, level: int, *, make_default: bool) -> dict:
     """Store a calibrated config as ``level`` of the model's codec profile."""
-    from cachegen.codec import load_profile
+    from cachegen.profiles import add_level
 
-    profile = load_profile(model)
-    profile.add_level(level, config, make_default=make_default)
+    profile = add_level(model, level, config, make_default=make_default)
     return {"level": level, "profile": str(profile.path), "default": profile.default_level == level}
 
 

@@ -31,20 +31,18 @@ def config_codec(spec: ModelSpec, config, level: int):
     """A cachegen codec whose only level ``level`` is ``config``, through a profile that lives
     in memory: its probability tables are calibrated like any level's (and cached by content
     id), but the model's saved profile is not touched."""
-    from cachegen.codec import Profile, get_codec
-    from cachegen.codec.profile import build_tables
+    from cachegen.codec import get_codec
+    from cachegen.profiles import transient_profile
 
-    tables = build_tables(spec, config)
-    profile = Profile(spec.identity(), {level: config}, {level: tables.id}, level, spec)
-    return get_codec("cachegen", profile=profile)
+    return get_codec("cachegen", profile=transient_profile(spec, {level: config}))
 
 
 def codec_candidates(spec: ModelSpec, name: str, levels: list[str] | None) -> list[Candidate]:
     """One candidate per requested level of codec ``name`` (``None``: all its levels); for
     cachegen a level may also name one of the sweep's variants."""
-    from cachegen.codec import get_codec
+    from cachegen.profiles import codec_for
 
-    codec = get_codec(name, model=spec)
+    codec = codec_for(name, spec)
     available = {str(level): level for level in codec.levels}
     named = variants(spec) if name == "cachegen" else {}
     wanted = list(available) if levels is None else levels

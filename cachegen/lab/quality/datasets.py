@@ -1,13 +1,12 @@
 """Evaluation data that works offline on a fresh machine, as :class:`Window` lists.
 
 :func:`load_windows` maps a dataset name to windows. Sources:
-  * ``pydoc``: the Python documentation text that ships with CPython (``pydoc_data.topics``).
-    Topics the codec calibrates its probability profile on are never used. The remaining
-    topics are split by a stable hash of their name into an ``eval`` part and a
-    ``calibrate`` part (for choosing codec levels), so evaluation never sees text that
-    tuned the thing being evaluated.
+  * ``pydoc``: the workload's Python documentation text (:mod:`cachegen.workload`), its
+    ``eval`` split by default or its ``calibrate`` split (for choosing codec levels); the
+    split the codec's tables were calibrated on is never used, and ``eval`` shares no text
+    with the other two.
   * ``retrieval``: a LongChat-style "lines" task generated with a fixed seed (see
-    :mod:`cachegen.lab.quality.retrieval`).
+    :mod:`cachegen.workload.retrieval`).
   * a user file: plain UTF-8 text, or JSONL whose records hold ``"text"`` (a document to cut
     windows from) or ``"context"`` and ``"continuation"`` (one window each).
 
@@ -17,7 +16,6 @@ overlap each other (contexts may share text).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -25,37 +23,12 @@ from pathlib import Path
 
 import torch
 
-from cachegen.codec import PROFILE_TOPICS
+from cachegen import workload
 from cachegen.errors import InputError
-from cachegen.lab.quality.retrieval import default_lengths, retrieval_windows
-from cachegen.lab.quality.window import Window
+from cachegen.workload.retrieval import default_lengths, retrieval_windows
+from cachegen.workload.window import Window
 
-CALIBRATION_SHARE = 5  # one topic in five goes to the level-calibration split
-SPLITS = ("eval", "calibrate")
-
-
-def pydoc_topics(split: str = "eval", exclude: frozenset[str] = frozenset()) -> list[str]:
-    """Names of the ``pydoc_data.topics`` in ``split``, minus ``exclude``, sorted."""
-    from pydoc_data.topics import topics
-
-    if split not in SPLITS:
-        raise InputError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    names = []
-    for name in sorted(topics):
-        if name in exclude:
-            continue
-        # A stable hash (not Python's salted hash()) so the split is the same on every machine.
-        bucket = int(hashlib.sha256(name.encode()).hexdigest(), 16) % CALIBRATION_SHARE
-        if (bucket == 0) == (split == "calibrate"):
-            names.append(name)
-    return names
-
-
-def pydoc_text(split: str = "eval") -> str:
-    from pydoc_data.topics import topics
-
-    names = pydoc_topics(split, exclude=frozenset(PROFILE_TOPICS))
-    return "\n\n".join(topics[name].strip() for name in names)
+SPLITS = ("eval", "calibrate")  # the workload splits that windows are cut from
 
 
 def windows_from_stream(
@@ -110,7 +83,9 @@ def pydoc_windows(
     seed: int = 0,
     split: str = "eval",
 ) -> list[Window]:
-    ids = torch.tensor(tokenizer(pydoc_text(split))["input_ids"], dtype=torch.int64)
+    if split not in SPLITS:
+        raise InputError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    ids = torch.tensor(tokenizer(workload.text(split))["input_ids"], dtype=torch.int64)
     return windows_from_stream(
         ids,
         context_tokens=context_tokens,

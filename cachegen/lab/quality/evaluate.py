@@ -20,8 +20,8 @@ from cachegen.errors import InputError
 from cachegen.kv import KVCache
 from cachegen.lab.quality.metrics import Reference, Tally, compare_logits
 from cachegen.lab.quality.replay import continuation_logits, greedy_generate
-from cachegen.lab.quality.retrieval import ANSWER_TOKENS, answer_is_correct
-from cachegen.lab.quality.window import Window
+from cachegen.workload.retrieval import ANSWER_TOKENS, answer_is_correct
+from cachegen.workload.window import Window
 
 PREFILL_CHUNK = 2048  # bounds attention memory when extracting long contexts
 RoundTrip = Callable[[KVCache], tuple[KVCache, float]]  # KV -> (decoded KV, total bits)

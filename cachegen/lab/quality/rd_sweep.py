@@ -10,10 +10,11 @@ with the quality targets (docs/quality.md, "Against the targets").
 
 from __future__ import annotations
 
-from cachegen.codec import available_codecs, get_codec
+from cachegen.codec import available_codecs
 from cachegen.lab.quality.candidates import codec_candidates, variant_candidate, variants
 from cachegen.lab.quality.evaluate import Candidate
 from cachegen.models import ModelSpec
+from cachegen.profiles import codec_for
 
 BASELINES = (
     "raw",
@@ -30,7 +31,7 @@ def grid(spec: ModelSpec, *, include_variants: bool = True) -> list[Candidate]:
         if name in available_codecs():
             candidates += codec_candidates(spec, name, None)
     profile_levels = codec_candidates(spec, "cachegen", None)
-    codec = get_codec("cachegen", model=spec)
+    codec = codec_for("cachegen", spec)
     for candidate in profile_levels:
         config = codec.profile.config(int(candidate.level))
         candidate.options = config.to_dict()

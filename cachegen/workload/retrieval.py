@@ -16,7 +16,7 @@ import re
 import torch
 
 from cachegen.errors import InputError
-from cachegen.lab.quality.window import Window
+from cachegen.workload.window import Window
 
 ADJECTIVES = (
     "ancient amber bold brave bright calm clever cold cosmic crimson curious dark eager early "

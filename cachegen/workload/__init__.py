@@ -1,0 +1,111 @@
+"""Every text and task the project measures on, with named splits that are disjoint by
+construction.
+
+The text is the Python documentation that ships with CPython (``pydoc_data.topics``), so it
+is there on every machine, offline. Its topics are split three ways:
+
+``tables``
+    the first six topic names in sorted order: the codec profile's probability tables are
+    calibrated on them (``cachegen.profiles``).
+``calibrate``
+    one topic in five of the others, by a stable hash of its name: ``cachegen calibrate``
+    chooses codec levels on it.
+``eval``
+    the remaining topics, less every paragraph that shares a run of ``OVERLAP_UNITS`` words
+    or symbols with the two splits above (the documentation repeats whole passages across
+    topics): every measurement (quality, sizes, speed, bench prompts) uses this split.
+
+Tasks: :mod:`cachegen.workload.retrieval` (a LongChat-style line-retrieval task generated
+with a fixed seed). Evaluation cases are :class:`cachegen.workload.window.Window`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+
+from cachegen.errors import InputError
+
+SPLITS = ("tables", "calibrate", "eval")
+TABLES_TOPICS = 6
+CALIBRATION_SHARE = 5  # one topic in five (outside the tables split) goes to `calibrate`
+OVERLAP_UNITS = (
+    6  # an eval paragraph shares no run of this many words or symbols with calibration text
+)
+SOURCE = "pydoc_data.topics (CPython documentation)"
+
+_UNIT = re.compile(r"\w+|[^\w\s]")
+
+
+def _topics() -> dict[str, str]:
+    from pydoc_data.topics import topics
+
+    return topics
+
+
+def topics(split: str) -> list[str]:
+    """Names of the ``pydoc_data.topics`` in ``split``, sorted."""
+    if split not in SPLITS:
+        raise InputError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    names = sorted(_topics())
+    if split == "tables":
+        return names[:TABLES_TOPICS]
+    out = []
+    for name in names[TABLES_TOPICS:]:
+        # A stable hash (not Python's salted hash()) so the split is the same on every machine.
+        bucket = int(hashlib.sha256(name.encode()).hexdigest(), 16) % CALIBRATION_SHARE
+        if (bucket == 0) == (split == "calibrate"):
+            out.append(name)
+    return out
+
+
+@functools.lru_cache(maxsize=len(SPLITS))
+def text(split: str) -> str:
+    """The text of ``split``: its topics (for ``eval``, their surviving paragraphs) joined by
+    blank lines."""
+    documents = _topics()
+    joined = "\n\n".join(documents[name].strip() for name in topics(split))
+    if split != "eval":
+        return joined
+    paragraphs = [p for p in re.split(r"\n\s*\n", joined) if p.strip()]
+    return "\n\n".join(_without_overlap(paragraphs, text("tables") + "\n\n" + text("calibrate")))
+
+
+def _without_overlap(paragraphs: list[str], reference: str) -> list[str]:
+    """``paragraphs`` less every one that a run shared with ``reference`` touches. Runs may
+    span paragraphs (the documentation has many one-line paragraphs), so the check runs over
+    the joined text and repeats until dropping paragraphs creates no new shared run."""
+    n = OVERLAP_UNITS
+    seen = _runs(reference)
+    while True:
+        units, owner = [], []
+        for index, paragraph in enumerate(paragraphs):
+            found = _UNIT.findall(paragraph)
+            units += found
+            owner += [index] * len(found)
+        touched = set()
+        for i, run in enumerate(_windows(units, n)):
+            if tuple(run) in seen:
+                touched.update(owner[i : i + n])
+        if not touched:
+            return paragraphs
+        paragraphs = [p for i, p in enumerate(paragraphs) if i not in touched]
+
+
+def _windows(units: list[str], n: int):
+    return (units[i : i + n] for i in range(len(units) - n + 1))
+
+
+def _runs(passage: str) -> set[tuple[str, ...]]:
+    """Every run of ``OVERLAP_UNITS`` words or symbols in ``passage``."""
+    return {tuple(run) for run in _windows(_UNIT.findall(passage), OVERLAP_UNITS)}
+
+
+def bench_question(repeat: int) -> str:
+    """The question asked after a bench context in repeat ``repeat`` (distinct per repeat, so
+    only the context can come from a cache)."""
+    return f"\n\nQuestion {repeat + 1}: In one sentence, what does the text above explain?\nAnswer:"
+
+
+SUMMARY_QUESTION = "\n\nQuestion: Summarize the text above in one sentence.\nAnswer:"

@@ -1,0 +1,58 @@
+"""The workload: named splits of the text that calibration and evaluation never share."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachegen import workload
+from cachegen.errors import InputError
+
+# What a contamination check counts as shared text: any run of this many tokens.
+SHARED_TOKENS = 13
+
+
+def _ngrams(ids: list[int], n: int) -> set[tuple[int, ...]]:
+    return {tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)}
+
+
+def test_splits_partition_the_topics():
+    names = {split: set(workload.topics(split)) for split in workload.SPLITS}
+    assert all(names.values())
+    assert not names["tables"] & names["calibrate"]
+    assert not names["eval"] & (names["tables"] | names["calibrate"])
+    from pydoc_data.topics import topics
+
+    assert set().union(*names.values()) == set(topics)
+    with pytest.raises(InputError, match="unknown split"):
+        workload.topics("train")
+
+
+def test_calibration_and_evaluation_share_no_token_ngram(smollm2):
+    """Zero token n-gram overlap between each calibration split and the evaluation split,
+    with the embedded model's tokenizer (the documentation repeats passages across topics,
+    so a split by topic alone would share thousands)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.path)
+    ids = {split: tokenizer(workload.text(split))["input_ids"] for split in workload.SPLITS}
+    assert len(ids["eval"]) > 30_000  # room for the bench's contexts (5,632 tokens by default)
+    grams = {split: _ngrams(ids[split], SHARED_TOKENS) for split in workload.SPLITS}
+    assert not grams["tables"] & grams["eval"]
+    assert not grams["calibrate"] & grams["eval"]
+    assert not grams["tables"] & grams["calibrate"]
+
+
+def test_eval_drops_paragraphs_that_repeat_calibration_text():
+    """The filter is what makes the splits disjoint: topics alone share whole passages."""
+    from pydoc_data.topics import topics
+
+    raw = "\n\n".join(topics[name].strip() for name in workload.topics("eval"))
+    calibration = workload.text("tables") + "\n\n" + workload.text("calibrate")
+    assert workload._runs(raw) & workload._runs(calibration)
+    assert not workload._runs(workload.text("eval")) & workload._runs(calibration)
+    assert len(workload.text("eval")) > 0.4 * len(raw)  # most of it survives
+
+
+def test_texts_are_the_same_on_every_call():
+    assert workload.text("eval") == workload.text("eval")
+    assert workload.bench_question(0) != workload.bench_question(1)
