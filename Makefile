@@ -9,10 +9,11 @@ export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install models services test bench clean help
+.PHONY: install models services lint test bench clean help
 
 help:
-	@echo "make test    install, prepare the models, start nothing permanent, run the test suite"
+	@echo "make test    install, prepare the models, run the lint, the layer contract and the tests"
+	@echo "make lint    ruff (lint and format check) and the layer contract only"
 	@echo "make bench   install, prepare the embedded model, run the main benchmark job"
 	@echo "make clean   remove the virtual environment"
 
@@ -38,7 +39,14 @@ services:
 	    apt-get update -qq && apt-get install -y -qq redis-server iproute2 >/dev/null; \
 	  else echo "redis-server is missing: install it (Debian/Ubuntu: sudo apt-get install redis-server)"; exit 1; fi; }
 
-test: models services
+# The lint (ruff) and the layer contract (import-linter, [tool.importlinter] in pyproject.toml)
+# run before the tests; either failing fails `make test`.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+
+test: models services lint
 	$(PY) -m pytest --benchmark-skip -q
 
 # The main job: the asv suite on the embedded model (one sweep, shared by every suite through

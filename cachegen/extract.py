@@ -71,7 +71,8 @@ def extract_kv(
         raise InputError("no tokens to prefill")
     if ids.numel() > spec.max_positions:
         raise InputError(
-            f"{ids.numel()} tokens exceed {spec.name}'s context of {spec.max_positions} tokens; shorten the text"
+            f"{ids.numel()} tokens exceed {spec.name}'s context of {spec.max_positions} tokens; "
+            "shorten the text"
         )
     if prefill_chunk_tokens is not None and prefill_chunk_tokens <= 0:
         raise InputError(f"prefill chunk must be positive, got {prefill_chunk_tokens}")

@@ -29,10 +29,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from cachegen.errors import KVError
+from cachegen.errors import InputError, KVError
+from cachegen.fileio import check_version, versioned
 
-FORMAT_NAME = "cachegen-kv"
-FORMAT_VERSION = 1
+SCHEMA = "cachegen-kv"
+VERSION = 2  # version 1 named its schema in a "format" field; still read
 TENSOR_FILE = "kv.safetensors"
 META_FILE = "kv.json"
 
@@ -83,7 +84,8 @@ class KVCache:
     def __post_init__(self) -> None:
         if self.keys.shape != self.values.shape:
             raise KVError(
-                f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} differ in shape"
+                f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} "
+                "differ in shape"
             )
         if self.keys.dim() != 4:
             raise KVError(
@@ -93,8 +95,9 @@ class KVCache:
         expected = (self.model.num_layers, self.model.num_kv_heads, self.model.head_dim)
         if (layers, heads, head_dim) != expected:
             raise KVError(
-                f"KV geometry (layers={layers}, kv_heads={heads}, head_dim={head_dim}) does not match "
-                f"model {self.model.name} (layers={expected[0]}, kv_heads={expected[1]}, head_dim={expected[2]})"
+                f"KV geometry (layers={layers}, kv_heads={heads}, head_dim={head_dim}) "
+                f"does not match model {self.model.name} (layers={expected[0]}, "
+                f"kv_heads={expected[1]}, head_dim={expected[2]})"
             )
         if self.token_ids.dim() != 1 or self.token_ids.numel() != tokens:
             raise KVError(f"{self.token_ids.numel()} token ids for {tokens} tokens of KV")
@@ -203,16 +206,18 @@ class KVCache:
                 "token_ids": self.token_ids.to(torch.int64).contiguous(),
             }
         )
-        meta = {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "model": self.model.to_dict(),
-            "start": self.start,
-            "num_tokens": self.num_tokens,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "sha256": hashlib.sha256(blob).hexdigest(),
-            "size": len(blob),
-        }
+        meta = versioned(
+            SCHEMA,
+            VERSION,
+            {
+                "model": self.model.to_dict(),
+                "start": self.start,
+                "num_tokens": self.num_tokens,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "sha256": hashlib.sha256(blob).hexdigest(),
+                "size": len(blob),
+            },
+        )
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             (tmp / TENSOR_FILE).write_bytes(blob)
@@ -240,16 +245,20 @@ class KVCache:
             meta = json.loads(meta_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise KVError(f"{meta_path} is not valid JSON: {exc}") from exc
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        allowed = (VERSION,)
+        if isinstance(meta, dict) and meta.get("format") == SCHEMA and "schema" not in meta:
+            meta, allowed = {**meta, "schema": SCHEMA}, (1,)  # version 1 said "format"
+        if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
             raise KVError(f"{meta_path} is not a cachegen KV description")
-        if meta.get("version") != FORMAT_VERSION:
-            raise KVError(
-                f"{meta_path} has format version {meta.get('version')}; this cachegen reads {FORMAT_VERSION}"
-            )
+        try:
+            check_version(meta, SCHEMA, allowed, str(meta_path))
+        except InputError as exc:
+            raise KVError(str(exc)) from exc
         blob = tensor_path.read_bytes()
         if len(blob) != meta.get("size") or hashlib.sha256(blob).hexdigest() != meta.get("sha256"):
             raise KVError(
-                f"{tensor_path} is corrupt or truncated (size or checksum mismatch); extract the KV again"
+                f"{tensor_path} is corrupt or truncated (size or checksum mismatch); "
+                "extract the KV again"
             )
         model = ModelIdentity.from_dict(meta.get("model", {}))
         if expect_model is not None and model != expect_model:

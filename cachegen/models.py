@@ -132,8 +132,9 @@ def resolve(name: str, *, prepare: bool = True) -> ModelSpec:
         return ModelSpec(str(local.resolve()), local.resolve(), "local")
     if name.startswith(("/", "./", "../", "~")) or name.count("/") != 1:
         raise ModelError(
-            f"unknown model {name!r}: not one of {', '.join(known_names())}, not an existing directory "
-            f"and not a hub id (owner/name). The embedded default is {EMBEDDED_DEFAULT!r}."
+            f"unknown model {name!r}: not one of {', '.join(known_names())}, "
+            "not an existing directory and not a hub id (owner/name). "
+            f"The embedded default is {EMBEDDED_DEFAULT!r}."
         )
     return ModelSpec(name, _hub_snapshot(name) if prepare else Path(), "hub")
 
@@ -321,7 +322,8 @@ def _hub_snapshot(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except RepositoryNotFoundError as exc:
         raise ModelError(
-            f"no model {repo_id!r} on the Hugging Face hub; the embedded default is {EMBEDDED_DEFAULT!r}"
+            f"no model {repo_id!r} on the Hugging Face hub; "
+            f"the embedded default is {EMBEDDED_DEFAULT!r}"
         ) from exc
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
         raise ModelError(

@@ -54,5 +54,6 @@ class Mode:
         if prefix == CACHEGEN and level.isdigit():
             return cls(CACHEGEN, int(level))
         raise InputError(
-            f"unknown mode {label!r}; use {', '.join(m for m in MODES if m != CACHEGEN)} or cachegen-<level>"
+            f"unknown mode {label!r}; use {', '.join(m for m in MODES if m != CACHEGEN)} "
+            "or cachegen-<level>"
         )

@@ -45,7 +45,8 @@ class RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail(
-                "redis-server is not installed: run `apt-get install -y redis-server` (.ci/run does)"
+                "redis-server is not installed: run `apt-get install -y redis-server` "
+                "(.ci/run does)"
             )
         self.binary = binary
         self.port = free_port()

@@ -565,7 +565,8 @@ def _segment_bound(x, cfg, kind):
 
 
 def test_fresh_profile_of_the_embedded_model_has_its_calibrated_levels(smollm2, isolated_profiles):
-    """A new install gets the levels `cachegen calibrate` chose (docs/quality.md), default included."""
+    """A new install gets the levels `cachegen calibrate` chose (docs/quality.md), default
+    included."""
     profile = ensure_profile(smollm2)
     assert sorted(profile.levels) == [1, 2, 3, 4, 6, 7, 8, 9, 10] and profile.default_level == 4
     default = profile.config(4)

@@ -87,6 +87,20 @@ def test_garbage_metadata_is_rejected(tmp_path):
     (directory / META_FILE).write_text(json.dumps({"format": "cachegen-kv", "version": 99}))
     with pytest.raises(KVError, match="version"):
         KVCache.load(directory)
+    (directory / META_FILE).write_text(json.dumps({"schema": "cachegen-kv", "version": 3}))
+    with pytest.raises(KVError, match="reads version 2"):
+        KVCache.load(directory)
+
+
+def test_metadata_is_versioned_and_version_1_still_loads(tmp_path):
+    kv = make_kv()
+    directory = kv.save(tmp_path / "kv")
+    meta = json.loads((directory / META_FILE).read_text())
+    assert list(meta)[:2] == ["schema", "version"] and meta["version"] == 2
+    old = {"format": meta.pop("schema"), **meta, "version": 1}  # what version 1 wrote
+    (directory / META_FILE).write_text(json.dumps(old))
+    again = KVCache.load(directory)
+    assert torch.equal(again.keys, kv.keys) and again.model == kv.model
 
 
 def test_kv_of_another_model_is_rejected(tmp_path):

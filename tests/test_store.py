@@ -267,8 +267,8 @@ def test_redis_cluster_single_node(tmp_path):
     port = _free_cluster_port()
     proc = subprocess.Popen(
         [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"),
-         "--dir", str(tmp_path)],
+         "--appendonly", "no", "--cluster-enabled", "yes",
+         "--cluster-config-file", str(tmp_path / "nodes.conf"), "--dir", str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -344,3 +344,19 @@ def test_open_store_urls(tmp_path, redis_url):
     assert parse_size("2gb") == 2_000_000_000 and parse_size("1GiB") == 2**30
     with pytest.raises(StoreConfigError):
         parse_size("lots")
+
+
+def test_directory_store_marker_is_versioned(tmp_path):
+    import json
+
+    from cachegen.store.local import MARKER
+
+    root = tmp_path / "s"
+    open_store(root.as_uri()).close()
+    marker = root / MARKER
+    assert json.loads(marker.read_text()) == {"schema": "cachegen-chunk-store", "version": 1}
+    marker.write_text(json.dumps({"format": "cachegen-chunk-store", "version": 1}))
+    open_store(root.as_uri()).close()  # stores made before the marker said "schema"
+    marker.write_text(json.dumps({"schema": "cachegen-chunk-store", "version": 7}))
+    with pytest.raises(StoreConfigError, match="version 7"):
+        open_store(root.as_uri())

@@ -16,8 +16,8 @@ def kv_dir(tmp_path, tiny_llama):
     ident = tiny_llama.identity()
     g = torch.Generator().manual_seed(0)
     shape = (ident.num_layers, ident.num_kv_heads, 600, ident.head_dim)
-    kv = KVCache(torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16(),
-                 torch.arange(600), ident)  # fmt: skip
+    kv = KVCache(torch.randn(shape, generator=g).bfloat16(),
+                 torch.randn(shape, generator=g).bfloat16(), torch.arange(600), ident)  # fmt: skip
     return kv.save(tmp_path / "kv")
 
 

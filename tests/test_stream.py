@@ -91,6 +91,9 @@ def test_trace_integration():
     assert BandwidthTrace.parse("step:500:100:0.5") == BandwidthTrace.step(500, 100, 0.5)
     with pytest.raises(Exception, match="cannot read bandwidth trace"):
         BandwidthTrace.parse("sine:5")
+    assert BandwidthTrace.from_json(walk.to_json()) == walk
+    with pytest.raises(Exception, match="has no \"schema\" field"):
+        BandwidthTrace.from_json('{"name": "x", "segments": [[1.0, 100.0]]}')
 
 
 def test_token_bucket_never_exceeds_its_rate():
@@ -163,7 +166,8 @@ def test_shared_link_serves_concurrent_loads(local_store):
     with open_link(local_store, bandwidth_mbps=500) as link:
         results = []
         threads = [
-            threading.Thread(target=lambda: results.append(stream_load(link.source, local_store.keys, len, lambda i, x: None, level=2)))
+            threading.Thread(target=lambda: results.append(stream_load(link.source,
+                local_store.keys, len, lambda i, x: None, level=2)))
             for _ in range(3)
         ]  # fmt: skip
         for t in threads:
@@ -306,8 +310,8 @@ def test_stalled_socket_times_out():
     start = time.monotonic()
     try:
         with pytest.raises(StreamTimeout, match="stalled"):
-            stream_load(SocketSource(server.sock.getsockname()), ["ns/a", "ns/b"], len, consume, level=0,
-                        stall_timeout_s=0.5)  # fmt: skip
+            stream_load(SocketSource(server.sock.getsockname()), ["ns/a", "ns/b"], len, consume,
+                        level=0, stall_timeout_s=0.5)  # fmt: skip
     finally:
         server.close()
     assert got == []

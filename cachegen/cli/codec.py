@@ -22,7 +22,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "encode",
         help="compress a saved KV cache into a bitstream",
-        description="Encode the KV cache in KV_DIR (from `cachegen extract`) with a codec and write the bitstream to OUT.",
+        description="Encode the KV cache in KV_DIR (from `cachegen extract`) with a codec and "
+        "write the bitstream to OUT.",
     )
     p.add_argument("kv_dir", metavar="KV_DIR", type=Path)
     p.add_argument("out", metavar="OUT", type=Path)
@@ -52,7 +53,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "inspect",
         help="show what a bitstream holds and what it costs",
-        description="Print codec, level, token range, bits per element, ratios vs fp16 and int8 and a per-layer breakdown.",
+        description="Print codec, level, token range, bits per element, ratios vs fp16 and int8 "
+        "and a per-layer breakdown.",
     )
     p.add_argument("blob", metavar="IN", type=Path)
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -61,15 +63,15 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "profile",
         help="build or show a model's codec profile (quality levels and probability tables)",
-        description="A model's cachegen codec profile: its quality levels and the probability tables "
-        "that encoder and decoder share.",
+        description="A model's cachegen codec profile: its quality levels and the probability "
+        "tables that encoder and decoder share.",
     )
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     q = actions.add_parser(
         "build",
         help="build the profile now (runs the model once over the calibration text)",
-        description="Build MODEL's profile (paper presets and shipped calibrated levels) and its tables "
-        "under the profiles directory; nothing is done if it exists.",
+        description="Build MODEL's profile (paper presets and shipped calibrated levels) and its "
+        "tables under the profiles directory; nothing is done if it exists.",
     )
     q.add_argument("--model", required=True, help="model name, hub id or directory")
     q.set_defaults(func=_profile_build)
@@ -100,7 +102,8 @@ def _encode(args: argparse.Namespace) -> int:
         print(json.dumps(info))
     else:
         print(
-            f"{args.out}: {info['codec']} level {info['level']}, {info['num_tokens']} tokens, {info['bytes']} bytes, "
+            f"{args.out}: {info['codec']} level {info['level']}, {info['num_tokens']} tokens, "
+            f"{info['bytes']} bytes, "
             f"{info['bits_per_element']:.3f} bits/element, {info['ratio_vs_fp16']:.2f}x vs fp16, "
             f"{info['ratio_vs_int8']:.2f}x vs int8"
         )
@@ -128,13 +131,16 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"codec            {info['codec']} (level {info['level']})")
     print(
-        f"model            {info['model']['name']} ({info['num_layers']} layers, {info['num_kv_heads']} kv heads, head_dim {info['head_dim']})"
+        f"model            {info['model']['name']} ({info['num_layers']} layers, "
+        f"{info['num_kv_heads']} kv heads, head_dim {info['head_dim']})"
     )
     print(
-        f"tokens           {info['num_tokens']} from position {info['start']}, {info['num_frames']} frames of {info['chunk_tokens']}"
+        f"tokens           {info['num_tokens']} from position {info['start']}, "
+        f"{info['num_frames']} frames of {info['chunk_tokens']}"
     )
     print(
-        f"size             {info['bytes']} bytes (header {info['header_bytes']}, frame headers {info['frame_header_bytes']}, token ids {info['token_id_bytes']})"
+        f"size             {info['bytes']} bytes (header {info['header_bytes']}, "
+        f"frame headers {info['frame_header_bytes']}, token ids {info['token_id_bytes']})"
     )
     print(f"bits/element     {_fmt(info['bits_per_element'], '.3f')}")
     print(f"ratio vs fp16    {_fmt(info['ratio_vs_fp16'], '.2f')}x")
@@ -144,7 +150,8 @@ def _inspect(args: argparse.Namespace) -> int:
     print("layer  key_bytes  value_bytes  bits/element")
     for row in info["layers"]:
         print(
-            f"{row['layer']:5d}  {row['key_bytes']:9.0f}  {row['value_bytes']:11.0f}  {_fmt(row['bits_per_element'], '12.3f')}"
+            f"{row['layer']:5d}  {row['key_bytes']:9.0f}  {row['value_bytes']:11.0f}  "
+            f"{_fmt(row['bits_per_element'], '12.3f')}"
         )
     return 0
 

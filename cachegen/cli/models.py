@@ -15,7 +15,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "models",
         help="list known models and where they live; optionally prepare them",
-        description="List the embedded and tiny models (or resolve the given names) and show where each lives.",
+        description="List the embedded and tiny models (or resolve the given names) and show "
+        "where each lives.",
     )
     p.add_argument(
         "names", nargs="*", help="model names, hub ids or directories (default: the known models)"
@@ -27,8 +28,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "extract",
         help="run a model over text and save its KV cache",
-        description="Prefill TEXT with MODEL (transformers) and write the KV cache of every layer to DIR "
-        "(kv.safetensors + kv.json).",
+        description="Prefill TEXT with MODEL (transformers) and write the KV cache of every layer "
+        "to DIR (kv.safetensors + kv.json).",
     )
     p.add_argument(
         "--model",
@@ -89,8 +90,9 @@ def _extract(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print(
-            f"{summary['model']}: {summary['num_tokens']} tokens x {summary['num_layers']} layers x "
-            f"{summary['num_kv_heads']} kv heads x head_dim {summary['head_dim']} ({summary['dtype']}), "
+            f"{summary['model']}: {summary['num_tokens']} tokens x "
+            f"{summary['num_layers']} layers x {summary['num_kv_heads']} kv heads x "
+            f"head_dim {summary['head_dim']} ({summary['dtype']}), "
             f"{summary['bytes'] / 1e6:.2f} MB -> {summary['out']}"
         )
     return 0

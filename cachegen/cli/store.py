@@ -13,8 +13,9 @@ from cachegen.store import chunk_keys, default_store_url, longest_prefix, open_s
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("store", help="manage a chunk store (local directory or Redis)",
-                              description="Manage encoded KV chunks in a store addressed by URL: file:///dir, "
-                              "redis://host:port/db, valkey://..., redis+cluster://host:port.")  # fmt: skip
+                              description="Manage encoded KV chunks in a store addressed by URL: "
+                              "file:///dir, redis://host:port/db, valkey://..., "
+                              "redis+cluster://host:port.")  # fmt: skip
     sub = p.add_subparsers(dest="store_command", metavar="ACTION", required=True)
 
     def add(name: str, help: str, func) -> argparse.ArgumentParser:

@@ -121,7 +121,8 @@ class Codec:
 def check_size(frame: Frame, expected: int, what: str) -> None:
     if len(frame.body) != expected:
         raise CodecError(
-            f"frame {frame.index} is corrupt: {what} body is {len(frame.body)} bytes, expected {expected}"
+            f"frame {frame.index} is corrupt: {what} body is {len(frame.body)} bytes, "
+            f"expected {expected}"
         )
 
 

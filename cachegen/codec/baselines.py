@@ -204,7 +204,8 @@ class _Int8ZstdDecoder(_Int8Decoder):
             raise CodecError(f"frame {frame.index} is corrupt: zstd says {exc}") from exc
         if len(raw) != expected:
             raise CodecError(
-                f"frame {frame.index} is corrupt: zstd content is {len(raw)} bytes, expected {expected}"
+                f"frame {frame.index} is corrupt: zstd content is {len(raw)} bytes, "
+                f"expected {expected}"
             )
         out[:, :, :, token_offset : token_offset + n] = self.decode_body(memoryview(raw), n)
 
@@ -269,7 +270,8 @@ def _unpack2(data: memoryview, count: int) -> torch.Tensor:
 
 
 def _minmax_quant(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """2-bit asymmetric quantization of ``x`` with groups along ``dim``: codes, fp16 min, fp16 step."""
+    """2-bit asymmetric quantization of ``x`` with groups along ``dim``: codes, fp16 min,
+    fp16 step."""
     mn = x.amin(dim=dim, keepdim=True).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
     mx = x.amax(dim=dim, keepdim=True)
     step = ((mx - mn.float()) / 3).clamp(max=FP16_MAX).to(torch.float16)

@@ -174,7 +174,8 @@ def parse_header(blob: bytes | memoryview) -> Header:
         raise CodecError("not a cachegen bitstream (bad magic bytes)")
     if version != VERSION:
         raise CodecError(
-            f"bitstream format version {version} is not supported (this cachegen reads version {VERSION})"
+            f"bitstream format version {version} is not supported "
+            f"(this cachegen reads version {VERSION})"
         )
     if dtype_code not in DTYPES or flags & ~_KNOWN_FLAGS:
         raise CodecError("bitstream header is corrupt (unknown dtype or flags)")
@@ -242,7 +243,8 @@ def parse_frames(blob: bytes | memoryview, header: Header) -> list[Frame]:
         begin, end = pos + _FRAME.size, pos + _FRAME.size + length
         if end > len(view):
             raise CodecError(
-                f"bitstream is truncated inside frame {index} ({length} bytes announced, {len(view) - begin} present)"
+                f"bitstream is truncated inside frame {index} ({length} bytes announced, "
+                f"{len(view) - begin} present)"
             )
         payload = view[begin:end]
         if zlib.crc32(payload) != crc:

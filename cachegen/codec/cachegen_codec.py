@@ -69,7 +69,8 @@ class CacheGenCodec(Codec):
     def profile(self) -> Profile:
         if self._profile is None:
             raise CodecError(
-                "the cachegen codec needs a model for its profile: get_codec('cachegen', model=NAME)"
+                "the cachegen codec needs a model for its profile: "
+                "get_codec('cachegen', model=NAME)"
             )
         return self._profile
 
@@ -219,7 +220,8 @@ class CacheGenDecoder(FrameDecoder):
         dir_end = self._exact_bytes(frame) + scale_bytes + 4 * self.num_streams
         if len(frame.body) < dir_end:
             raise CodecError(
-                f"frame {frame.index} is corrupt: {len(frame.body)} bytes cannot hold its scales and stream directory"
+                f"frame {frame.index} is corrupt: {len(frame.body)} bytes cannot hold its scales "
+                "and stream directory"
             )
         words = np.frombuffer(
             frame.body[dir_end - 4 * self.num_streams : dir_end], dtype="<u4"
@@ -244,7 +246,8 @@ class CacheGenDecoder(FrameDecoder):
         )
         if np.any(words < needed):
             raise CodecError(
-                f"frame {frame.index} is corrupt: a stream is shorter than its symbols can be coded in"
+                f"frame {frame.index} is corrupt: a stream is shorter than its symbols "
+                "can be coded in"
             )
 
     def layer_bytes(self, frame: Frame) -> np.ndarray:
@@ -385,7 +388,8 @@ class CacheGenDecoder(FrameDecoder):
         run_batches(kernel, ntok * C + 1)
         if status.any():
             raise CodecError(
-                f"frame {frame.index} is corrupt: {int(status.sum())} of {num} streams do not decode cleanly"
+                f"frame {frame.index} is corrupt: {int(status.sum())} of {num} streams "
+                "do not decode cleanly"
             )
         if not direct and not fused_rotation:
             start = self._frame_start(frame)

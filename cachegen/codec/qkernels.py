@@ -196,7 +196,8 @@ def amax_layers(x, kind, amax, todo):
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def quantize_layers(x, kind, inv, max_level, out, todo):
-    """``out[l, h, t, d] = symbol_of(x[l, h, t, d], inv[...], max_level[l])`` (uint8 [L, H, n, D])."""
+    """``out[l, h, t, d] = symbol_of(x[l, h, t, d], inv[...], max_level[l])``
+    (uint8 [L, H, n, D])."""
     _, H, n, D = x.shape
     per_layer = n if kind == 0 else (H * n if kind == 1 else H * D)
     for i in range(todo.shape[0]):

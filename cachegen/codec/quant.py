@@ -121,7 +121,8 @@ class QuantConfig:
             )
         if self.rope_theta and head_dim % 2:
             raise CodecError(
-                f"turning keys back by their rotary angles needs an even head_dim, the model has {head_dim}"
+                "turning keys back by their rotary angles needs an even head_dim, "
+                f"the model has {head_dim}"
             )
 
     # -- serialization: JSON for profiles, compact bytes for bitstream headers --------------
@@ -290,7 +291,8 @@ def num_scales(kind: str, layers: int, heads: int, tokens: int, head_dim: int) -
 
 
 def scale_strides(kind: str, tokens: int, head_dim: int) -> tuple[int, int, int]:
-    """(per head, per token, per channel) strides into one layer's scales (see rans.decode_streams)."""
+    """(per head, per token, per channel) strides into one layer's scales
+    (see rans.decode_streams)."""
     if kind == "token":
         return 0, 1, 0
     if kind == "token-head":
@@ -362,7 +364,8 @@ def quantize_reference(
 
 
 def kernel_source(x: torch.Tensor) -> np.ndarray:
-    """What the CPU kernels read: a C-contiguous array of bfloat16 (uint16) or float32 (uint32) bits."""
+    """What the CPU kernels read: a C-contiguous array of bfloat16 (uint16) or float32
+    (uint32) bits."""
     if x.dtype == torch.bfloat16:
         return np.ascontiguousarray(x.view(torch.int16).numpy()).view(np.uint16)
     return np.ascontiguousarray(x.to(torch.float32).numpy()).view(np.uint32)

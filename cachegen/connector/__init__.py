@@ -1,8 +1,9 @@
 """The cachegen KV connector for stock vLLM (``KVConnectorBase_V1``).
 
-Use it with ``kv_connector="CacheGenConnector"`` and ``kv_connector_module_path="cachegen.connector"``
-(see docs/connector.md). vLLM is imported only when the connector class is first touched, so
-the layout and configuration helpers stay importable without it.
+Use it with ``kv_connector="CacheGenConnector"`` and
+``kv_connector_module_path="cachegen.connector"`` (see docs/connector.md). vLLM is imported
+only when the connector class is first touched, so the layout and configuration helpers stay
+importable without it.
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ class RequestOptions:
         unknown = set(params) - REQUEST_KEYS
         if unknown:
             raise ConnectorError(
-                f"unknown kv_transfer_params {sorted(unknown)}; the cachegen connector accepts {sorted(REQUEST_KEYS)}"
+                f"unknown kv_transfer_params {sorted(unknown)}; the cachegen connector accepts "
+                f"{sorted(REQUEST_KEYS)}"
             )
         return dataclasses.replace(self, **params)
 
@@ -143,7 +144,8 @@ class ConnectorConfig:
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in self.cachegen_levels)
         ):
             raise ConnectorError(
-                f"cachegen_levels must be a non-empty list of integers, got {self.cachegen_levels!r}"
+                "cachegen_levels must be a non-empty list of integers, "
+                f"got {self.cachegen_levels!r}"
             )
         for name in ("load_async", "save_async"):
             if not isinstance(getattr(self, name), bool):
@@ -159,8 +161,8 @@ class ConnectorConfig:
         unknown = set(extra) - ENGINE_KEYS
         if unknown:
             raise ConnectorError(
-                f"unknown kv_connector_extra_config keys {sorted(unknown)}; the cachegen connector accepts "
-                f"{sorted(ENGINE_KEYS)}"
+                f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                f"the cachegen connector accepts {sorted(ENGINE_KEYS)}"
             )
         defaults = RequestOptions().override(
             {k: extra.pop(k) for k in list(extra) if k in REQUEST_KEYS}
@@ -182,6 +184,7 @@ class ConnectorConfig:
     def check_block_size(self, block_size: int) -> None:
         if self.chunk_tokens % block_size:
             raise ConnectorError(
-                f"chunk_tokens={self.chunk_tokens} is not a multiple of vLLM's block size {block_size}; "
-                f"set kv_connector_extra_config chunk_tokens to a multiple of {block_size}"
+                f"chunk_tokens={self.chunk_tokens} is not a multiple of vLLM's block size "
+                f"{block_size}; set kv_connector_extra_config chunk_tokens to a multiple of "
+                f"{block_size}"
             )

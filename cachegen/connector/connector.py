@@ -70,17 +70,20 @@ class CacheGenConnector(KVConnectorBase_V1):
             or vllm_config.parallel_config.pipeline_parallel_size != 1
         ):
             raise ConnectorError(
-                "the cachegen connector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only"
+                "the cachegen connector supports tensor_parallel_size=1 and "
+                "pipeline_parallel_size=1 only"
             )
         if transfer.kv_load_failure_policy != "recompute":
             logger.warning(
-                "cachegen connector: kv_load_failure_policy=%r makes a failed KV load fail the request; "
-                "set kv_load_failure_policy='recompute' to have vLLM recompute those tokens instead",
+                "cachegen connector: kv_load_failure_policy=%r makes a failed KV load fail the "
+                "request; set kv_load_failure_policy='recompute' to have vLLM recompute those "
+                "tokens instead",
                 transfer.kv_load_failure_policy,
             )
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ConnectorError(
-                "the cachegen connector supports models with one KV cache group (plain attention) only"
+                "the cachegen connector supports models with one KV cache group "
+                "(plain attention) only"
             )
         spec = served_model(vllm_config.model_config.model)
         identity = spec.identity()

@@ -92,7 +92,8 @@ class PagedLayout:
     def gather_blocks(
         self, caches: Sequence[torch.Tensor], blocks: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[len(caches), num_kv_heads, len(blocks) * block_size, head_dim]`` of whole blocks."""
+        """K and V ``[len(caches), num_kv_heads, len(blocks) * block_size, head_dim]`` of whole
+        blocks."""
         return _stack_layers(self._gather_layer_blocks(cache, blocks) for cache in caches)
 
     def scatter_blocks(
@@ -123,16 +124,16 @@ class PagedLayout:
         expected = (self.num_kv_heads, self.block_size, 2 * self.head_dim)
         if cache.dim() != 4 or tuple(cache.shape[1:]) != expected:
             raise ConnectorError(
-                f"{self.kind} layout expects a cache of shape [blocks, {expected[0]}, {expected[1]}, {expected[2]}], "
-                f"got {tuple(cache.shape)}"
+                f"{self.kind} layout expects a cache of shape "
+                f"[blocks, {expected[0]}, {expected[1]}, {expected[2]}], got {tuple(cache.shape)}"
             )
 
     def _check_kv(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         shape = (self.num_kv_heads, slots.numel(), self.head_dim)
         if tuple(keys.shape) != shape or tuple(values.shape) != shape:
             raise ConnectorError(
-                f"K/V of shapes {tuple(keys.shape)}/{tuple(values.shape)} do not fit {slots.numel()} slots "
-                f"of {self.num_kv_heads} heads x {self.head_dim} channels"
+                f"K/V of shapes {tuple(keys.shape)}/{tuple(values.shape)} do not fit "
+                f"{slots.numel()} slots of {self.num_kv_heads} heads x {self.head_dim} channels"
             )
 
 
@@ -348,7 +349,8 @@ def probe_cpu_packing(
         written = cache.view(run).to(torch.int64)
         if (written < 0).any():
             raise ConnectorError(
-                f"CPU KV packing for isa={isa!r} leaves cache positions unwritten; unsupported layout"
+                f"CPU KV packing for isa={isa!r} leaves cache positions unwritten; "
+                "unsupported layout"
             )
         digit_is_key = written < _DIGIT_BASE
         if is_key is None:
@@ -367,7 +369,8 @@ def probe_cpu_packing(
             torch.sort(ids).values, torch.arange(ids.numel())
         ):
             raise ConnectorError(
-                f"CPU KV packing for isa={isa!r} is not a permutation of one block; unsupported layout"
+                f"CPU KV packing for isa={isa!r} is not a permutation of one block; "
+                "unsupported layout"
             )
         table = torch.empty(block_size * head_dim, dtype=torch.int64)
         table[ids] = positions
@@ -386,12 +389,13 @@ def layout_for_layer(layer: Any, cache: torch.Tensor) -> PagedLayout:
     kv_dtype = getattr(layer, "kv_cache_dtype", "auto")
     if kv_dtype not in ("auto", "bfloat16", "float16", "float32", "half", "float"):
         raise ConnectorError(
-            f"KV cache dtype {kv_dtype!r} is not supported by the cachegen connector (it carries scales it does "
-            f"not translate); run vLLM with kv_cache_dtype='auto'"
+            f"KV cache dtype {kv_dtype!r} is not supported by the cachegen connector "
+            "(it carries scales it does not translate); run vLLM with kv_cache_dtype='auto'"
         )
     if cache.dim() != 4 or cache.shape[-1] % 2:
         raise ConnectorError(
-            f"{backend}: unexpected KV cache shape {tuple(cache.shape)} (MLA and other packed caches are unsupported)"
+            f"{backend}: unexpected KV cache shape {tuple(cache.shape)} "
+            "(MLA and other packed caches are unsupported)"
         )
     _, num_kv_heads, block_size, content = cache.shape
     head_dim = content // 2
@@ -414,6 +418,7 @@ def layout_for_layer(layer: Any, cache: torch.Tensor) -> PagedLayout:
         )
     supported = ", ".join(sorted(SPLIT_BACKENDS | {CPU_BACKEND}))
     raise ConnectorError(
-        f"attention backend {backend} is not supported by the cachegen connector (supported: {supported}); "
-        f"choose one of those with VLLM_ATTENTION_BACKEND or attention_backend=..."
+        f"attention backend {backend} is not supported by the cachegen connector "
+        f"(supported: {supported}); "
+        "choose one of those with VLLM_ATTENTION_BACKEND or attention_backend=..."
     )

@@ -16,6 +16,7 @@ from cachegen.connector.errors import ConnectorError
 from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
 from cachegen.connector.transport import ChunkTransport
 from cachegen.errors import CacheGenError
+from cachegen.fileio import versioned
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 REPORT_KEY = "cachegen"  # output kv_transfer_params[REPORT_KEY] holds the connector's report
+REPORT_SCHEMA = "cachegen-connector-report"
+REPORT_VERSION = 1
 
 
 @dataclass
@@ -191,7 +194,7 @@ class SchedulerSide:
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
-        report = dict(tracked.report)
+        report = versioned(REPORT_SCHEMA, REPORT_VERSION, tracked.report)
         if tracked.options is not None:
             report.setdefault("mode", tracked.options.mode)
         if tracked.error:

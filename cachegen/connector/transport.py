@@ -84,7 +84,8 @@ class ChunkTransport:
         unknown = sorted(set(chosen) - set(codec.levels))
         if unknown:
             raise ConnectorError(
-                f"cachegen_levels {unknown} are not levels of this model's profile {list(codec.levels)}"
+                f"cachegen_levels {unknown} are not levels of this model's profile "
+                f"{list(codec.levels)}"
             )
         return list(chosen)
 
@@ -166,7 +167,8 @@ class ChunkTransport:
         keys = self.keys(options.mode, token_ids[: (first_chunk + num_chunks) * C])[first_chunk:]
         if len(keys) != num_chunks:
             raise ConnectorError(
-                f"{len(token_ids)} tokens do not hold chunks {first_chunk}..{first_chunk + num_chunks - 1}"
+                f"{len(token_ids)} tokens do not hold chunks "
+                f"{first_chunk}..{first_chunk + num_chunks - 1}"
             )
         link_key = (options.bandwidth_mbps, float(options.rtt_ms))
 
@@ -219,7 +221,10 @@ class ChunkTransport:
             )
         error = None
         if stats.recompute_from is not None:
-            error = f"adaptive controller left chunks from {first_chunk + stats.recompute_from} on to recomputation"
+            error = (
+                f"adaptive controller left chunks from {first_chunk + stats.recompute_from} "
+                "on to recomputation"
+            )
         return LoadResult(stats.n_loaded, error, _report(stats))
 
     def _drop(self, key: str, level: Any) -> None:
@@ -267,7 +272,6 @@ def _report(stats: Any) -> dict[str, Any]:
         "decode_s": stats.decode_s,
         "inject_s": stats.consume_s,
         "wait_bytes_s": stats.wait_bytes_s,
-        "stream_s": stats.load_s,
         "goodput_mbps": stats.goodput_mbps,
     }
 

@@ -126,8 +126,9 @@ class WorkerSide:
         indexed = sorted((extract_layer_index(name), name) for name in kv_caches)
         if [i for i, _ in indexed] != list(range(self.model.num_layers)):
             raise ConnectorError(
-                f"vLLM has attention caches for layers {[i for i, _ in indexed]}, but {self.model.name} has "
-                f"{self.model.num_layers} layers; cross-layer or shared KV caches are not supported"
+                f"vLLM has attention caches for layers {[i for i, _ in indexed]}, "
+                f"but {self.model.name} has {self.model.num_layers} layers; "
+                "cross-layer or shared KV caches are not supported"
             )
         caches, layouts = [], []
         for _, name in indexed:
@@ -139,16 +140,20 @@ class WorkerSide:
                 self.model.head_dim,
             ):
                 raise ConnectorError(
-                    f"layer {name}: vLLM holds {layout.num_kv_heads} KV heads x {layout.head_dim}, the model has "
-                    f"{self.model.num_kv_heads} x {self.model.head_dim} (tensor parallelism is not supported)"
+                    f"layer {name}: vLLM holds {layout.num_kv_heads} KV heads x "
+                    f"{layout.head_dim}, the model has "
+                    f"{self.model.num_kv_heads} x {self.model.head_dim} "
+                    "(tensor parallelism is not supported)"
                 )
             if self.block_size % layout.block_size:
                 raise ConnectorError(
-                    f"kernel block size {layout.block_size} does not divide block size {self.block_size}"
+                    f"kernel block size {layout.block_size} does not divide block size "
+                    f"{self.block_size}"
                 )
             if layouts and (layout != layouts[0] or cache.dtype != caches[0].dtype):
                 raise ConnectorError(
-                    f"layer {name} has another KV layout or dtype than layer 0; mixed layouts are not supported"
+                    f"layer {name} has another KV layout or dtype than layer 0; "
+                    "mixed layouts are not supported"
                 )
             caches.append(cache)
             layouts.append(layout)
@@ -251,7 +256,8 @@ class WorkerSide:
         with self._lock:
             if error is not None:
                 report["load_error"] = error
-                # vLLM recomputes from the first block that failed (kv_load_failure_policy="recompute").
+                # vLLM recomputes from the first block that failed
+                # (kv_load_failure_policy="recompute").
                 self._invalid_blocks.update(
                     task.block_ids[loaded_end // self.block_size : -(-task.end // self.block_size)]
                 )

@@ -76,8 +76,8 @@ def validate_key(key: str) -> str:
     """Return ``key`` if it is a safe store key (``NAME/NAME``, letters, digits, ``_``, ``-``)."""
     if not isinstance(key, str) or not KEY_RE.match(key):
         raise StoreConfigError(
-            f"invalid chunk key {key!r}: expected 'namespace/digest' made of letters, digits, '_' and '-' "
-            "(use cachegen.store.chunk_keys to derive keys)"
+            f"invalid chunk key {key!r}: expected 'namespace/digest' made of letters, digits, "
+            "'_' and '-' (use cachegen.store.chunk_keys to derive keys)"
         )
     return key
 

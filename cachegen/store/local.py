@@ -26,13 +26,15 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from cachegen.errors import InputError
+from cachegen.fileio import check_version, versioned
 from cachegen.store import record
 from cachegen.store.base import ChunkInfo, ChunkStore
 from cachegen.store.errors import ChunkMissing, StoreConfigError, StoreError
 from cachegen.store.keys import validate_key, validate_level
 
 MARKER = "cachegen-store.json"
-FORMAT = "cachegen-chunk-store"
+SCHEMA = "cachegen-chunk-store"
 VERSION = 1
 SUFFIX = ".cgc"
 STALE_TMP_S = 3600
@@ -60,13 +62,14 @@ class LocalStore(ChunkStore):
         try:
             if self.root.exists() and not marker.exists() and any(self.root.iterdir()):
                 raise StoreConfigError(
-                    f"{self.root} is a non-empty directory that is not a cachegen chunk store; choose another path"
+                    f"{self.root} is a non-empty directory that is not a cachegen chunk store; "
+                    "choose another path"
                 )
             self._chunks.mkdir(parents=True, exist_ok=True)
             self._tmp.mkdir(exist_ok=True)
             if not marker.exists():
                 tmp = self._tmp / f"{uuid.uuid4().hex}.json"
-                tmp.write_text(json.dumps({"format": FORMAT, "version": VERSION}) + "\n")
+                tmp.write_text(json.dumps(versioned(SCHEMA, VERSION, {})) + "\n")
                 os.replace(tmp, marker)
             meta = json.loads(marker.read_text())
         except OSError as exc:
@@ -75,10 +78,14 @@ class LocalStore(ChunkStore):
             raise StoreConfigError(
                 f"{marker} is damaged ({exc}); remove the directory or pick another"
             ) from exc
-        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        if meta.get("format") == SCHEMA:  # stores made before markers said "schema"
+            meta = {"schema": SCHEMA, "version": meta.get("version")}
+        try:
+            check_version(meta, SCHEMA, (VERSION,), str(marker))
+        except InputError as exc:
             raise StoreConfigError(
-                f"{self.root} holds store format {meta!r}; this cachegen reads {FORMAT} v{VERSION}"
-            )
+                f"{self.root} is not a store this cachegen reads: {exc}"
+            ) from exc
         now = time.time()
         for leftover in self._tmp.iterdir():  # writers that died mid-write
             with contextlib.suppress(OSError):

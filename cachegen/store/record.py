@@ -58,7 +58,8 @@ def parse_header(data: bytes | memoryview, key: str, level: int) -> RecordHeader
         raise ChunkCorrupt(f"chunk {key} level {level}: not a cachegen chunk record (bad magic)")
     if version != VERSION:
         raise ChunkCorrupt(
-            f"chunk {key} level {level}: record format version {version}, this cachegen reads {VERSION}"
+            f"chunk {key} level {level}: record format version {version}, "
+            f"this cachegen reads {VERSION}"
         )
     if kd != key_digest(key) or rec_level != level:
         raise ChunkCorrupt(f"chunk {key} level {level}: record belongs to another key or level")
@@ -71,7 +72,8 @@ def unpack(data: bytes | memoryview, key: str, level: int) -> bytes:
     payload = memoryview(data)[HEADER_SIZE:]
     if len(payload) != header.payload_len:
         raise ChunkCorrupt(
-            f"chunk {key} level {level}: payload is {len(payload)} bytes, header says {header.payload_len} (truncated?)"
+            f"chunk {key} level {level}: payload is {len(payload)} bytes, "
+            f"header says {header.payload_len} (truncated?)"
         )
     if hashlib.sha256(payload).digest() != header.sha256:
         raise ChunkCorrupt(

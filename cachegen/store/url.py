@@ -107,6 +107,6 @@ def open_store(url: str | None = None, **options) -> ChunkStore:
         client_url = urlunsplit((wire_scheme, parts.netloc, parts.path, rest, ""))
         return RedisStore(client_url, cluster=cluster, public_url=url, **opts)
     raise StoreConfigError(
-        f"unknown store URL scheme {parts.scheme!r} in {url!r}; use file:///dir, redis://host:port/db, "
-        "valkey://host:port/db or redis+cluster://host:port"
+        f"unknown store URL scheme {parts.scheme!r} in {url!r}; use file:///dir, "
+        "redis://host:port/db, valkey://host:port/db or redis+cluster://host:port"
     )

@@ -3,9 +3,10 @@
 Before each chunk is requested, the controller estimates how long the rest of the load
 would take at each quality level (bytes still to come over the throughput measured on the
 chunks so far, decoding pipelined with the transfer) and picks the finest level (the one
-with the most bytes, see :func:`quality_order`) that still fits the time budget (the TTFT SLO minus the time already spent). When even the
-smallest level cannot fit, the chunk is marked ``RECOMPUTE`` if recomputing the remaining
-tokens from text fits; when nothing fits, it takes whichever is estimated faster.
+with the most bytes, see :func:`quality_order`) that still fits the time budget (the TTFT
+SLO minus the time already spent). When even the smallest level cannot fit, the chunk is
+marked ``RECOMPUTE`` if recomputing the remaining tokens from text fits; when nothing fits,
+it takes whichever is estimated faster.
 
 Beyond the paper, a level must also be *recoverable*: if the throughput fell by
 ``drop_factor`` right now, this chunk at that level followed by the rest at the lowest level
@@ -89,7 +90,8 @@ class AdaptiveController:
     ) -> None:
         if slo_s <= 0 or prefill_tokens_per_s <= 0 or not 0 < safety <= 1 or drop_factor < 1:
             raise InputError(
-                "slo_s and prefill_tokens_per_s must be positive, safety in (0, 1], drop_factor >= 1"
+                "slo_s and prefill_tokens_per_s must be positive, safety in (0, 1], "
+                "drop_factor >= 1"
             )
         if not sizes:
             raise InputError("the controller needs chunk sizes for at least one level")

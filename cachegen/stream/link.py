@@ -79,7 +79,8 @@ def open_link(
     if shaper == "none":
         if bandwidth_mbps is not None or rtt_ms:
             raise InputError(
-                "shaper 'none' reads the store directly; drop --bandwidth-mbps/--rtt-ms or pick a shaper"
+                "shaper 'none' reads the store directly; "
+                "drop --bandwidth-mbps/--rtt-ms or pick a shaper"
             )
         yield Link(DirectSource(store), shaper, None, 0.0, "none")
         return

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from cachegen.errors import InputError
+from cachegen.fileio import check_version, versioned
+
+SCHEMA = "cachegen-bandwidth-trace"
+VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -91,16 +95,19 @@ class BandwidthTrace:
         except ValueError:
             pass
         raise InputError(
-            f"cannot read bandwidth trace {spec!r}: use constant:MBPS, step:MBPS:MBPS:AT_S or walk:MEAN_MBPS:SEED"
+            f"cannot read bandwidth trace {spec!r}: use constant:MBPS, step:MBPS:MBPS:AT_S "
+            "or walk:MEAN_MBPS:SEED"
         )
 
     def to_json(self) -> str:
-        return json.dumps({"name": self.name, "segments": self.segments})
+        return json.dumps(
+            versioned(SCHEMA, VERSION, {"name": self.name, "segments": self.segments})
+        )
 
     @classmethod
     def from_json(cls, text: str) -> BandwidthTrace:
         try:
-            data = json.loads(text)
+            data = check_version(json.loads(text), SCHEMA, (VERSION,), "bandwidth trace JSON")
             return cls(str(data["name"]), tuple((float(d), float(r)) for d, r in data["segments"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise InputError(f"bad bandwidth trace JSON: {exc}") from exc

@@ -35,11 +35,15 @@ NOUNS = (
 
 PREAMBLE = (
     "Below is a record of lines I want you to remember. Each line begins with 'line <line index>' "
-    "and contains a '<REGISTER_CONTENT>' at the end of the line as a numerical value. For each line "
-    "index, memorize its corresponding <REGISTER_CONTENT>. At the end of the record, I will ask you "
-    "to retrieve the corresponding <REGISTER_CONTENT> of a certain line index. Now the record start:\n\n"
+    "and contains a '<REGISTER_CONTENT>' at the end of the line as a numerical value. "
+    "For each line index, memorize its corresponding <REGISTER_CONTENT>. "
+    "At the end of the record, I will ask you to retrieve the corresponding <REGISTER_CONTENT> "
+    "of a certain line index. Now the record start:\n\n"
 )
-QUESTION = "\nNow the record is over. Tell me what is the <REGISTER_CONTENT> in line {name}? I need the number."
+QUESTION = (
+    "\nNow the record is over. Tell me what is the <REGISTER_CONTENT> in line {name}? "
+    "I need the number."
+)
 ANSWER_PRIME = "The <REGISTER_CONTENT> in line {name} is <"
 ANSWER_TOKENS = 12  # generous for a number of up to 5 digits plus '>'
 
@@ -88,7 +92,8 @@ def make_sample(tokenizer, context_tokens: int, rng: random.Random, index: int) 
         lines.append((name, number))
     if len(lines) < 2:
         raise InputError(
-            f"a retrieval context of {context_tokens} tokens holds fewer than two lines; make it longer"
+            f"a retrieval context of {context_tokens} tokens holds fewer than two lines; "
+            "make it longer"
         )
     record = "".join(f"line {name}: REGISTER_CONTENT is <{number}>\n" for name, number in lines)
     target = rng.randrange(len(lines))
@@ -112,7 +117,8 @@ def make_sample(tokenizer, context_tokens: int, rng: random.Random, index: int) 
 def retrieval_windows(
     tokenizer, *, lengths: list[tuple[int, int]], seed: int = 0, max_positions: int | None = None
 ) -> list[Window]:
-    """``samples`` samples for each ``(context tokens, samples)`` of ``lengths``, seeded per length."""
+    """``samples`` samples for each ``(context tokens, samples)`` of ``lengths``, seeded per
+    length."""
     windows = []
     for length, samples in lengths:
         if length < 128:
@@ -123,15 +129,16 @@ def retrieval_windows(
             total = window.context_ids.numel() + window.continuation_ids.numel() + ANSWER_TOKENS
             if max_positions is not None and total > max_positions:
                 raise InputError(
-                    f"a retrieval sample of {length} context tokens needs {total} positions, more than the "
-                    f"model's {max_positions}; use shorter --retrieval-lengths"
+                    f"a retrieval sample of {length} context tokens needs {total} positions, "
+                    f"more than the model's {max_positions}; use shorter --retrieval-lengths"
                 )
             windows.append(window)
     return windows
 
 
 def default_lengths(max_positions: int) -> list[int]:
-    """Context lengths from 1K tokens doubling up to the model's limit (minus room for the query)."""
+    """Context lengths from 1K tokens doubling up to the model's limit (minus room for the
+    query)."""
     top = max_positions - 128
     lengths = []
     length = 1024

@@ -86,7 +86,8 @@ def test_naive_slot_indexing_of_the_cpu_cache_is_wrong():
 
 
 def _split_cache(num_blocks, heads, block_size, head_dim, physical_order):
-    """A [B, H, N, 2D] logical view over memory laid out in ``physical_order`` (vLLM's KVCacheLayout)."""
+    """A [B, H, N, 2D] logical view over memory laid out in ``physical_order``
+    (vLLM's KVCacheLayout)."""
     logical_shape = (num_blocks, heads, block_size, 2 * head_dim)
     physical = torch.zeros(tuple(logical_shape[i] for i in physical_order))
     inverse = [physical_order.index(i) for i in range(4)]

@@ -70,6 +70,10 @@ def test_raw_hit_equals_recompute_on_full_and_partial_prefix(engine, text_ids):
         text = engine.run(ids, max_tokens=24)
         hit = engine.run(ids, mode="raw", max_tokens=24)
         assert hit.connector["loaded_tokens"] == 1024 and hit.cached_tokens == 1024
+        assert (hit.connector["schema"], hit.connector["version"]) == (
+            "cachegen-connector-report",
+            1,
+        )
         assert hit.token_ids == text.token_ids
 
 
