@@ -1,1 +1,2 @@
-"""asv suites for cachegen (see docs/benchmarks.md). pytest-benchmark micro-benchmarks live in micro/."""
+"""asv suites for cachegen (see docs/benchmarks.md); pytest-benchmark micro-benchmarks live in
+micro/."""

@@ -1,14 +1,16 @@
-"""Codec speed and memory on real KV: encode, decode (entropy decode + dequantize) per codec."""
+"""Codec speed, size and memory on real KV: encode, decode (entropy decode + dequantize) per codec.
+
+The KV and the sizes come from the lab's codec measurements (``cachegen codec-report``).
+"""
 
 import os
 import statistics
 import time
 
-import torch
-
 from cachegen.codec import decode
+from cachegen.constants import CHUNK_TOKENS
 from cachegen.kv import KVCache
-from cachegen.lab.bench.prompts import contexts
+from cachegen.lab.bench.codec_report import measure, text_windows
 from cachegen.modes import Mode
 from cachegen.profiles import codec_for
 
@@ -19,13 +21,10 @@ KV_DIR = "codec-kv"
 
 
 def extract_kv() -> str:
-    """KV of ``CONTEXT_TOKENS`` tokens of held-out CPython documentation for the first model, saved once."""
-    from cachegen.extract import extract_kv as extract
-    from cachegen.extract import load_model
-
-    _, tokenizer, spec = load_model(MODELS[0])
-    (context,) = contexts(tokenizer, [CONTEXT_TOKENS])
-    extract(spec, token_ids=torch.tensor(context.ids), prefill_chunk_tokens=512).save(KV_DIR)
+    """KV of ``CONTEXT_TOKENS`` tokens of held-out CPython documentation for the first model,
+    saved once."""
+    (kv,) = text_windows(MODELS[0], CONTEXT_TOKENS, 1)
+    kv.save(KV_DIR)
     return os.path.abspath(KV_DIR)
 
 
@@ -70,3 +69,9 @@ class CodecSpeed:
         return self.kv.num_elements / statistics.median(times) / 1e6
 
     track_decode_rate.unit = "M elements/s"
+
+    def track_bits_per_element(self, kv_dir, mode):
+        """Bits per KV element, one bitstream per chunk as the store holds them."""
+        return measure(self.codec, self.level, [self.kv], CHUNK_TOKENS)["bits_per_element"]
+
+    track_bits_per_element.unit = "bits/element"

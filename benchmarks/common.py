@@ -47,7 +47,8 @@ sweep.timeout = 3600  # seconds; the default profile takes well under 20 minutes
 
 
 def median_row(path: str, kind: str, model: str, mode: str, bandwidth_mbps, context_tokens) -> dict:
-    """The median row of one cell, or NotImplementedError (asv: skipped) when it was not measured."""
+    """The median row of one cell, or NotImplementedError (asv: skipped) when it was not
+    measured."""
     from cachegen.modes import Mode
 
     parsed = Mode.parse(mode)

@@ -1,4 +1,5 @@
-"""Compression and streaming without vLLM: sizes, ratios, transfer and decode time (from the sweep)."""
+"""Compression and streaming without vLLM: sizes, ratios, transfer and decode time (from the
+sweep)."""
 
 from .common import BANDWIDTHS, CODEC_MODES, CONTEXTS, MODELS, median_row, sweep, value
 

@@ -26,7 +26,7 @@ class EndToEnd:
     track_e2e_latency.unit = "seconds"
 
     def track_output_tokens_per_s(self, path, model, mode, bandwidth, context):
-        return value(self.row, "tokens_per_s")
+        return value(self.row, "output_tokens_per_s")
 
     track_output_tokens_per_s.unit = "tokens/s"
 
@@ -51,3 +51,8 @@ class ConnectorLoad:
         return value(self.row, "load_s")
 
     track_load_time.unit = "seconds"
+
+    def track_inject_time(self, path, model, mode, bandwidth, context):
+        return value(self.row, "inject_s")
+
+    track_inject_time.unit = "seconds"

@@ -66,7 +66,8 @@ def test_report_sets_each_claim_beside_the_measurement(tmp_path):
     doc = json.loads(FIXTURE.read_text())
     assert "3.5-4.3x" in text and "3.2-3.7x" in text and "negligible" in text
     assert f"cachegen report {FIXTURE}" in text  # names the command that regenerates it
-    # The size claim quotes the fixture's own ratios vs int8 (largest context), not a made-up number.
+    # The size claim quotes the fixture's own ratios vs int8 (largest context), not a made-up
+    # number.
     stream = [r for r in doc["medians"] if r["kind"] == "stream" and r["mode"] == "cachegen"]
     largest = max(r["context_tokens"] for r in stream)
     ratios = {f"{r['ratio_vs_int8']:.2f}x" for r in stream if r["context_tokens"] == largest}

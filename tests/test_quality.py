@@ -274,7 +274,7 @@ def test_retrieval_rows_report_accuracy(llama):
     assert all(v["samples"] == 1 for v in row["retrieval_by_length"].values())
 
 
-# ---- frontier, sweep, calibration --------------------------------------------------------------------
+# ---- frontier, sweep, calibration ----------------------------------------------------------------
 
 
 def row(codec, level, bits, ppl, agree=0.9, kl=0.01):
@@ -400,7 +400,7 @@ def test_eval_takes_sweep_variants_by_name(tiny_llama, isolated_profiles):
         codec_candidates(models.resolve("tiny-opt"), "cachegen", ["k32-vth6+rope"])
 
 
-# ---- CLI -------------------------------------------------------------------------------------------
+# ---- CLI -----------------------------------------------------------------------------------------
 
 
 def run_cli(capsys, *argv):
@@ -453,6 +453,7 @@ def test_cli_eval_json_rows(capsys, tmp_path):
         and rows[0]["rougeL"] == 1.0
     )
     document = json.loads((tmp_path / "eval.json").read_text())
+    assert (document["schema"], document["version"]) == ("cachegen-quality-results", 1)
     assert document["command"].startswith(
         "cachegen eval --model tiny-llama --dataset pydoc --windows 2"
     )
@@ -473,7 +474,8 @@ def test_cli_sweep_replot_redraws_from_json(capsys, tmp_path):
         "int8/0" in (tmp_path / "sweep.md").read_text()
         and (tmp_path / "sweep.png").stat().st_size > 0
     )
-    # re-evaluated rows replace theirs, new ones are added, dropped ones go; other windows are refused
+    # re-evaluated rows replace theirs, new ones are added, dropped ones go; other windows are
+    # refused
     update = tmp_path / "update"
     code, _, err = run_cli(capsys, *EVAL, "--codec", "int8", "--codec", "fp8", "--out", str(update))
     assert code == 0, err
@@ -505,9 +507,11 @@ def test_cli_sweep_replot_redraws_from_json(capsys, tmp_path):
     assert code == 1 and "other data" in err
     code, out, err = run_cli(capsys, "sweep", "--out", str(tmp_path), "--drop", "fp8/0")
     assert code == 1 and "--replot" in err
-    (tmp_path / "sweep.json").write_text('{"rows": "not a list"}')
+    (tmp_path / "sweep.json").write_text(
+        '{"schema": "cachegen-quality-results", "version": 1, "rows": "not a list"}'
+    )
     code, out, err = run_cli(capsys, "sweep", "--out", str(tmp_path), "--replot")
-    assert code == 1 and "not a results file" in err and len(err.strip().splitlines()) == 1
+    assert code == 1 and "not a whole results file" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_eval_table_and_retrieval(capsys):
@@ -602,6 +606,7 @@ def test_cli_calibrate_then_apply(capsys, tmp_path, tiny_llama, isolated_profile
     )
     assert code == 0, err
     summary = json.loads(out)
+    assert (summary["schema"], summary["version"]) == ("cachegen-calibration", 1)
     assert [c["target_ppl_pct"] for c in summary["choices"]] == [5.0, 10.0]
     assert all("saved" not in c for c in summary["choices"])
     assert 9 not in codec_for("cachegen", tiny_llama).levels

@@ -92,7 +92,7 @@ def test_trace_integration():
     with pytest.raises(Exception, match="cannot read bandwidth trace"):
         BandwidthTrace.parse("sine:5")
     assert BandwidthTrace.from_json(walk.to_json()) == walk
-    with pytest.raises(Exception, match="has no \"schema\" field"):
+    with pytest.raises(Exception, match='has no "schema" field'):
         BandwidthTrace.from_json('{"name": "x", "segments": [[1.0, 100.0]]}')
 
 

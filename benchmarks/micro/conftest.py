@@ -1,4 +1,5 @@
-"""Conventions for the pytest-benchmark micro-benchmarks (``pytest benchmarks/micro --benchmark-only``).
+"""Conventions for the pytest-benchmark micro-benchmarks
+(``pytest benchmarks/micro --benchmark-only``).
 
 * Grouping: a benchmark without an explicit ``@pytest.mark.benchmark(group=...)`` is grouped
   by its file (``test_codec_speed.py`` -> ``codec_speed``), so a run prints one comparison

@@ -75,8 +75,11 @@ def redis_url():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(200):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
@@ -103,10 +106,12 @@ def test_store_put_get_1mb(benchmark, backend, tmp_path, request):
 
 @pytest.fixture(scope="module")
 def smollm2_4k(tmp_path_factory):
+    from cachegen import models
     from cachegen.lab.bench import stream_bench as bench
 
     store = open_store(tmp_path_factory.mktemp("smollm2-4k").as_uri())
-    return store, bench.prepare(store, "smollm2-135m", "cachegen", 4096, 256, [2])
+    ids = bench.bench_tokens(models.resolve("smollm2-135m"), 4096)
+    return store, bench.prepare(store, "smollm2-135m", "cachegen", ids, 256, [2])
 
 
 @pytest.mark.parametrize("rate", RATES)
@@ -124,8 +129,13 @@ def test_pipelined_load_smollm2_4k(benchmark, smollm2_4k, rate):
 
     benchmark.pedantic(load, rounds=3, iterations=1)
     ratios = sorted(r.load_s / max(r.transfer_s, r.decode_s) for r in runs)
-    benchmark.extra_info.update({
-        "pipeline_ratio": ratios, "transfer_s": [r.transfer_s for r in runs], "decode_s": [r.decode_s for r in runs],
-        "load_s": [r.load_s for r in runs], "bytes": runs[0].bytes,
-    })  # fmt: skip
+    benchmark.extra_info.update(
+        {
+            "pipeline_ratio": ratios,
+            "transfer_s": [r.transfer_s for r in runs],
+            "decode_s": [r.decode_s for r in runs],
+            "load_s": [r.load_s for r in runs],
+            "bytes": runs[0].bytes,
+        }
+    )
     assert ratios[len(ratios) // 2] <= 1.15

@@ -12,6 +12,7 @@ import pytest
 
 from cachegen.connector.config import RequestOptions
 from cachegen.errors import InputError
+from cachegen.lab import rows as row_schema
 from cachegen.lab.bench.engine import ConnectorEngine
 from cachegen.store import open_store
 
@@ -158,6 +159,7 @@ def test_ttft_bench_measures_every_mode_on_one_engine(engine):
 
     bench = TTFTBench(engine=engine)
     rows = ttft_table(bench, [512], [100], modes=("recompute", "raw"), repeats=1, progress=False)
+    row_schema.validate(rows, "ttft", "the TTFT table")
     assert [(r["mode"], r["bandwidth_mbps"]) for r in rows] == [("recompute", None), ("raw", 100)]
     text, raw = rows
     assert (
@@ -176,6 +178,7 @@ def test_ttft_timeline_splits_ttft_around_the_load(engine):
 
     bench = TTFTBench(engine=engine)
     rows = timeline(bench, 512, [("recompute", None), ("raw", None)], 100.0, repeats=2)
+    row_schema.validate(rows, "timeline", "the TTFT timeline")
     text, raw = rows
     assert (
         text["load_s"] == 0.0 and text["bandwidth_mbps"] is None and raw["bandwidth_mbps"] == 100.0

@@ -33,7 +33,8 @@ def main() -> int:
     python = base / "bin" / "python"
     if not python.is_file():
         print(
-            f"asv_env: no virtualenv at {base}; run `make install` first or set CACHEGEN_ASV_BASE_VENV",
+            f"asv_env: no virtualenv at {base}; run `make install` first or set "
+            "CACHEGEN_ASV_BASE_VENV",
             file=sys.stderr,
         )
         return 1

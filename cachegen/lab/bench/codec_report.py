@@ -10,6 +10,10 @@ bitstream per chunk, as the streaming path stores it; every byte counted. Recons
 error is reported as SNR (signal-to-noise ratio of the decoded K and V, in dB). Speed:
 the pytest-benchmark JSON of ``benchmarks/micro/test_codec_speed.py``.
 
+The asv suite (``benchmarks/codec.py``) and the micro-benchmarks measure on the same KV
+(``text_windows``) and take sizes from the same functions (``measure``, ``size_stats``,
+``coder_overhead``); so does the sweep's ``stream`` part (``size_stats``).
+
 ``--write FILE`` replaces the text between ``<!-- codec-report:NAME:begin -->`` and
 ``<!-- codec-report:NAME:end -->`` markers in FILE; without it the tables go to stdout.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -57,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def text_windows(model: str, tokens: int, windows: int) -> list[KVCache]:
+    """KV of ``windows`` windows of ``tokens`` tokens of the workload's eval split, spread
+    over the text (the first one starts at its beginning)."""
     from cachegen.extract import extract_kv, load_model
 
     _, tokenizer, _ = load_model(model)
@@ -90,28 +97,41 @@ def _snr(x: torch.Tensor, y: torch.Tensor) -> float:
     return float("inf") if noise == 0 else 10 * np.log10((x**2).sum().item() / noise)
 
 
+def size_stats(blobs: list[bytes]) -> dict:
+    """Size of one KV's bitstreams (one per chunk), every byte counted: ``bytes``,
+    ``bits_per_element`` and the ratios against 16-bit floats and the ``int8`` codec."""
+    total = elements = int8_bytes = 0
+    for blob in blobs:
+        info = inspect(blob)
+        total += info["bytes"]
+        shape = [info[k] for k in ("num_layers", "num_kv_heads", "head_dim", "num_tokens")]
+        elements += 2 * math.prod(shape)  # K and V
+        int8_bytes += info["bytes"] * info["ratio_vs_int8"]
+    return {
+        "bytes": total,
+        "bits_per_element": total * 8 / elements,
+        "ratio_vs_fp16": elements * 2 / total,
+        "ratio_vs_int8": int8_bytes / total,
+    }
+
+
 def measure(codec, level: int, windows: list[KVCache], chunk_tokens: int) -> dict:
-    total_bytes = int8_bytes = elements = 0
+    """Size (:func:`size_stats`) and reconstruction SNR of ``codec`` at ``level`` on
+    ``windows``, each encoded chunk by chunk and decoded back."""
+    blobs = []
     ks, vs, kd, vd = [], [], [], []
     for kv in windows:
         for chunk in kv.chunks(chunk_tokens):
             blob = codec.encode(chunk, level)
-            info = inspect(blob)
-            total_bytes += info["bytes"]
-            int8_bytes += info["bytes"] * info["ratio_vs_int8"]
-            elements += chunk.num_elements
+            blobs.append(blob)
             out = decode(blob, out_dtype=torch.float32)
-            (
-                ks.append(chunk.keys.float()),
-                vs.append(chunk.values.float()),
-                kd.append(out.keys),
-                vd.append(out.values),
-            )
+            ks.append(chunk.keys.float())
+            vs.append(chunk.values.float())
+            kd.append(out.keys)
+            vd.append(out.values)
     k, v = torch.cat(ks, 2), torch.cat(vs, 2)
     return {
-        "bits_per_element": total_bytes * 8 / elements,
-        "ratio_vs_fp16": elements * 2 / total_bytes,
-        "ratio_vs_int8": int8_bytes / total_bytes,
+        **size_stats(blobs),
         "key_snr_db": _snr(k, torch.cat(kd, 2)),
         "value_snr_db": _snr(v, torch.cat(vd, 2)),
     }
@@ -183,28 +203,33 @@ def sizes_table(model: str, tokens: int, windows: int, chunk_tokens: int) -> str
 
     n_tokens = sum(kv.num_tokens for kv in kvs)
     lines = [
-        f"Model `{model}`, {windows} windows of {tokens} tokens of the workload's eval split (no text shared with calibration), "
-        f"one bitstream per {chunk_tokens}-token chunk ({n_tokens} tokens in all); every byte counted (headers, token ids, "
-        "scales, payload). SNR = 10 log10(signal energy / error energy) of the decoded keys and values.",
+        f"Model `{model}`, {windows} windows of {tokens} tokens of the workload's eval split "
+        f"(no text shared with calibration), one bitstream per {chunk_tokens}-token chunk "
+        f"({n_tokens} tokens in all); every byte counted (headers, token ids, scales, payload). "
+        "SNR = 10 log10(signal energy / error energy) of the decoded keys and values.",
         "",
-        "| codec | level | scheme | bits/element | ratio vs fp16 | ratio vs int8 | key SNR (dB) | value SNR (dB) |",
+        "| codec | level | scheme | bits/element | ratio vs fp16 | ratio vs int8 | key SNR (dB) "
+        "| value SNR (dB) |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, level, label, m in rows:
         lines.append(
-            f"| {name} | {level} | {label} | {m['bits_per_element']:.3f} | {m['ratio_vs_fp16']:.2f}x | "
+            f"| {name} | {level} | {label} | {m['bits_per_element']:.3f} "
+            f"| {m['ratio_vs_fp16']:.2f}x | "
             f"{m['ratio_vs_int8']:.2f}x | {_db(m['key_snr_db'])} | {_db(m['value_snr_db'])} |"
         )
     lines += ["", "Entropy coder efficiency and the cost of tables (cachegen levels):", ""]
     lines += [
-        "| level | coded payload vs ideal code length | profile tables (once per model) | tables if sent with every chunk |",
+        "| level | coded payload vs ideal code length | profile tables (once per model) "
+        "| tables if sent with every chunk |",
         "| --- | ---: | ---: | ---: |",
     ]
     for level in codec.levels:
         o = coder_overhead(profile, level, kvs, chunk_tokens)
         tables = profile.tables(level)
         cfg = tables.config
-        # The public implementation ships an int16 CDF (alphabet + 1 entries) per channel with every chunk.
+        # The public implementation ships an int16 CDF (alphabet + 1 entries) per channel with
+        # every chunk.
         per_chunk = sum(
             2 * (alphabet_size(b) + 1) * tables.num_channels for b in cfg.key_bins + cfg.value_bins
         )
@@ -241,7 +266,8 @@ def _db(value: float) -> str:
 
 TIMERS = {
     "perf_counter": "wall clock (`time.perf_counter`)",
-    "process_time": "CPU time of all threads (`time.process_time`): elements per CPU-second, i.e. per busy core",
+    "process_time": "CPU time of all threads (`time.process_time`): elements per CPU-second, "
+    "i.e. per busy core",
 }
 
 
@@ -257,11 +283,13 @@ def speed_table(paths: list[Path]) -> str:
         machine = data.get("machine_info", {})
         timer = (benches[0].get("options", {}).get("timer", "") if benches else "").split(".")[-1]
         out += [
-            f"Timer: {TIMERS.get(timer, timer)}. Machine: {machine.get('cpu', {}).get('brand_raw', '?')}, "
+            f"Timer: {TIMERS.get(timer, timer)}. "
+            f"Machine: {machine.get('cpu', {}).get('brand_raw', '?')}, "
             f"{machine.get('cpu', {}).get('count', '?')} CPUs, {data.get('datetime', '')[:16]}. "
             "Elements are KV elements (symbols for the bare coders); M = 10^6 per second.",
             "",
-            "| benchmark | what | elements | min time (ms) | M elements/s (best) | M elements/s (median) | bits/symbol |",
+            "| benchmark | what | elements | min time (ms) | M elements/s (best) "
+            "| M elements/s (median) | bits/symbol |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
         for b in sorted(benches, key=lambda b: (b.get("group") or "", b["name"])):
@@ -271,7 +299,8 @@ def speed_table(paths: list[Path]) -> str:
                 continue
             st = b["stats"]
             out.append(
-                f"| {b['name'].removeprefix('test_')} | {info.get('what', '')} | {n:,} | {st['min'] * 1e3:.1f} | "
+                f"| {b['name'].removeprefix('test_')} | {info.get('what', '')} | {n:,} "
+                f"| {st['min'] * 1e3:.1f} | "
                 f"{n / st['min'] / 1e6:.0f} | {n / st['median'] / 1e6:.0f} | "
                 + (f"{info['bits_per_symbol']:.3f} |" if "bits_per_symbol" in info else "|")
             )

@@ -5,8 +5,8 @@ level and bandwidth through per-request ``kv_transfer_params``:
 
     with ConnectorEngine("smollm2-135m", save_modes=("raw", "int8", "fp8", "cachegen")) as engine:
         ids = engine.tokenize(context) + engine.tokenize(question, bos=False)
-        engine.store_prefix(ids)                              # prefill once, write every encoding
-        again = engine.run(ids, mode="recompute")            # prefill the whole prompt (no connector)
+        engine.store_prefix(ids)                    # prefill once, write every encoding
+        again = engine.run(ids, mode="recompute")   # prefill the whole prompt (no connector)
         hit = engine.run(ids, mode="cachegen", level=1, bandwidth_mbps=100)
         hit.ttft_s, hit.connector["bytes"], hit.token_ids
 
@@ -37,8 +37,9 @@ from cachegen.modes import MODES, RECOMPUTE
 
 @dataclass
 class Measurement:
-    """One request. Times in seconds; ``connector`` is the connector's report (bytes, levels,
-    transfer_s, decode_s, inject_s, loaded_tokens, load_error, ...)."""
+    """One request. Times in seconds (docs/benchmarks.md, "Vocabulary"); ``connector`` is the
+    connector's report (bytes, levels, transfer_s, decode_s, inject_s, loaded_tokens,
+    load_error, ...). ``cachegen.lab.rows.RequestRow.from_measurement`` makes it a row."""
 
     mode: str
     level: int | None
@@ -46,10 +47,10 @@ class Measurement:
     slo_ms: float | None
     prompt_tokens: int
     ttft_s: float  # vLLM's RequestOutput.metrics.first_token_latency (arrival -> first token)
-    ttft_wall_s: float  # wall clock from submitting to the first token
+    ttft_wall_s: float | None  # wall clock from submitting to the first token
     e2e_s: float  # wall clock from submitting to the last token
     output_tokens: int
-    output_tokens_per_s: float  # decoding rate after the first token
+    output_tokens_per_s: float | None  # output rate after the first token
     cached_tokens: int  # prompt tokens vLLM did not compute (RequestOutput.num_cached_tokens)
     token_ids: list[int]
     connector: dict[str, Any] = field(default_factory=dict)

@@ -1,21 +1,22 @@
 """One vLLM engine in its own process, measuring one request at a time.
 
-The sweep runs every engine in a fresh child process (``python -m cachegen.lab.bench.engine_process``) so
-engines never overlap, a crash costs one engine's measurements only, and vLLM's memory goes
-back to the system when it is done. Inside, the engine is the connector's measurement entry
-point, ``cachegen.lab.bench.engine.ConnectorEngine`` (vLLM with the CacheGenConnector, every
-mode chosen per request), or, when no KV mode is wanted or the connector cannot start, a
-plain vLLM ``LLM`` that can only recompute from text. ``EngineSession`` is the parent's side:
+The sweep runs every engine in a fresh child process (``python -m
+cachegen.lab.bench.engine_process``) so engines never overlap, a crash costs one engine's
+measurements only, and vLLM's memory goes back to the system when it is done. Inside, the
+engine is the connector's measurement entry point, ``cachegen.lab.bench.engine.ConnectorEngine``
+(vLLM with the CacheGenConnector, every mode chosen per request), or, when no KV mode is
+wanted or the connector cannot start, a plain vLLM ``LLM`` that can only recompute from text.
+``EngineSession`` is the parent's side:
 
     with EngineSession("smollm2-135m", max_model_len=4200, connector={...}) as engine:
         engine.store_prefix(prompt)                        # prefill once, wait until stored
-        row = engine.run(prompt, mode="int8", bandwidth_mbps=100, max_tokens=16)
+        row = engine.run(prompt, mode="int8", bandwidth_mbps=100, max_tokens=16)  # a RequestRow
 
 The child reads one JSON request per line on stdin and answers one JSON object per line on
 file descriptor ``--report-fd`` (vLLM's own logging stays on stdout/stderr): first
-``{"event": "ready", "startup_s", "engine"}``, then per request ``{"event": "result", ...}``
-(``ttft_s``, ``ttft_wall_s``, ``e2e_s``, ``prompt_tokens``, ``output_tokens``,
-``decode_tokens_per_s``, ``cached_tokens``, ``connector``: the connector's report),
+``{"schema": "cachegen-engine-protocol", "version", "event": "ready", "startup_s"}`` (the
+parent refuses another protocol), then per request ``{"event": "result", ...}`` with the
+fields of the request's ``cachegen.lab.rows.RequestRow``,
 ``{"event": "request-error", "message"}`` when one request failed (the engine goes on), or
 ``{"event": "error", "message"}`` when the engine itself failed.
 """
@@ -30,10 +31,15 @@ import subprocess
 import sys
 import time
 
+from cachegen.errors import InputError
+from cachegen.fileio import check_version, versioned
+from cachegen.lab.rows import RequestRow
 from cachegen.modes import RECOMPUTE
 
 GPU_MEMORY_UTILIZATION = 0.3  # on CPU: the share of RAM vLLM may plan with (docs/connector.md)
 STARTUP_TIMEOUT_S = 600.0
+PROTOCOL_SCHEMA = "cachegen-engine-protocol"
+PROTOCOL_VERSION = 1
 
 
 class EngineError(RuntimeError):
@@ -91,7 +97,7 @@ class EngineSession:
         self._events = read_fd
         try:
             self._send(self.job)
-            ready = self._receive(STARTUP_TIMEOUT_S)
+            ready = check_ready(self._receive(STARTUP_TIMEOUT_S))
         except BaseException:
             self.close()
             raise
@@ -110,9 +116,9 @@ class EngineSession:
         bandwidth_mbps: float | None = None,
         slo_ms: float | None = None,
         max_tokens: int = 16,
-    ) -> dict:
+    ) -> RequestRow:
         """One request; ``mode`` is ``recompute`` or a connector mode."""
-        return self._call(
+        event = self._call(
             {
                 "op": "run",
                 "prompt_token_ids": list(prompt_token_ids),
@@ -123,6 +129,8 @@ class EngineSession:
                 "max_tokens": int(max_tokens),
             }
         )
+        event.pop("event")
+        return RequestRow(**event)
 
     def store_prefix(self, prompt_token_ids: list[int]) -> dict:
         """Prefill from text with saving on, returning once every save mode is stored."""
@@ -184,6 +192,16 @@ class EngineSession:
         )
 
 
+def check_ready(event: dict) -> dict:
+    """The child's ready event, if it speaks this module's protocol (else ``EngineError``)."""
+    try:
+        return check_version(
+            event, PROTOCOL_SCHEMA, (PROTOCOL_VERSION,), "the engine process's ready event"
+        )
+    except InputError as exc:  # another cachegen answered: its rows cannot be trusted here
+        raise EngineError(str(exc)) from None
+
+
 # ---- the child process ---------------------------------------------------------------------
 
 
@@ -195,6 +213,7 @@ class _PlainEngine:
 
         from cachegen.models import resolve
 
+        self.model = model
         self.llm = LLM(
             model=str(resolve(model).path),
             max_model_len=max_model_len,
@@ -209,6 +228,8 @@ class _PlainEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from cachegen.lab.bench.engine import Measurement
+
         if mode != RECOMPUTE:
             raise ValueError(f"mode {mode} needs the CacheGenConnector, which did not start")
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -218,39 +239,37 @@ class _PlainEngine:
         )[0]
         e2e = time.perf_counter() - begin
         ttft = float(out.metrics.first_token_latency) if out.metrics is not None else None
-        tokens = len(out.outputs[0].token_ids)
-        return {
-            "ttft_s": ttft,
-            "ttft_wall_s": None,
-            "e2e_s": e2e,
-            "prompt_tokens": len(prompt_token_ids),
-            "output_tokens": tokens,
-            "decode_tokens_per_s": None,
-            "cached_tokens": out.num_cached_tokens,
-            "connector": {},
-        }
+        tokens = list(out.outputs[0].token_ids)
+        # generate() shows neither the first token's wall time nor the output rate after it
+        m = Measurement(
+            mode=mode,
+            level=None,
+            bandwidth_mbps=None,
+            slo_ms=None,
+            prompt_tokens=len(prompt_token_ids),
+            ttft_s=ttft,
+            ttft_wall_s=None,
+            e2e_s=e2e,
+            output_tokens=len(tokens),
+            output_tokens_per_s=None,
+            cached_tokens=int(out.num_cached_tokens or 0),
+            token_ids=tokens,
+        )
+        return RequestRow.from_measurement(m, self.model).to_dict()
 
 
 class _Connected:
-    """The connector's measurement entry point, answering in this module's format."""
+    """The connector's measurement entry point, answering with rows."""
 
     def __init__(self, model: str, max_model_len: int, connector: dict) -> None:
         from cachegen.lab.bench.engine import ConnectorEngine
 
+        self.model = model
         self.engine = ConnectorEngine(model, max_model_len=max_model_len, **connector)
 
     def run(self, prompt_token_ids, **request) -> dict:
         m = self.engine.run(prompt_token_ids, **request)
-        return {
-            "ttft_s": m.ttft_s,
-            "ttft_wall_s": m.ttft_wall_s,
-            "e2e_s": m.e2e_s,
-            "prompt_tokens": m.prompt_tokens,
-            "output_tokens": m.output_tokens,
-            "decode_tokens_per_s": m.output_tokens_per_s,
-            "cached_tokens": m.cached_tokens,
-            "connector": m.connector,
-        }
+        return RequestRow.from_measurement(m, self.model).to_dict()
 
     def store_prefix(self, prompt_token_ids) -> dict:
         self.engine.store_prefix(prompt_token_ids)
@@ -288,7 +307,8 @@ def main() -> int:
             engine = _Connected(job["model"], job["max_model_len"], job["connector"])
         else:
             engine = _PlainEngine(job["model"], job["max_model_len"])
-        emit({"event": "ready", "startup_s": time.perf_counter() - begin})
+        ready = {"event": "ready", "startup_s": time.perf_counter() - begin}
+        emit(versioned(PROTOCOL_SCHEMA, PROTOCOL_VERSION, ready))
         for line in sys.stdin:
             try:
                 emit({"event": "result", **_serve(engine, json.loads(line))})

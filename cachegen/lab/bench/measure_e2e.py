@@ -1,16 +1,19 @@
-"""End-to-end measurements through real vLLM: TTFT, latency and throughput per mode.
+"""End-to-end measurements through real vLLM: TTFT, latency and output rate per mode.
 
 One engine per model serves every mode: the connector's ``ConnectorEngine`` (vLLM with the
 CacheGenConnector), whose per-request options pick the mode, level and link bandwidth (see
-``cachegen.lab.bench.engine_process``). Per context the engine first prefills the context once with saving
-on and waits until every encoding the sweep needs is stored; then for each KV mode one
-unmeasured warm-up request checks that the mode loads and pays its one-time costs (codec
-tables, kernels), and only then are the measured requests sent. Text recompute runs on the
-same engine with loading and saving off; when the connector cannot start at all it runs on a
-plain engine instead, and every KV mode is recorded as missing with the reason.
+``cachegen.lab.bench.engine_process``). Per context the engine first prefills the context
+once with saving on and waits until every encoding the sweep needs is stored; then for each
+KV mode one unmeasured warm-up request checks that the mode loads and pays its one-time
+costs (codec tables, kernels), and only then are the measured requests sent. Text recompute
+runs on the same engine with loading and saving off; when the connector cannot start at all
+it runs on a plain engine instead, and every KV mode is recorded as missing with the reason.
 
 A KV-mode request that loaded nothing is not a measurement of that mode (vLLM simply
 recomputed): it is recorded under ``missing`` with the connector's error, never as a run.
+
+Each run is the request's ``RequestRow`` (the row the TTFT tables are made of, built in the
+engine's process) as a results ``Run``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from cachegen.lab.bench.engine_process import EngineError, EngineSession, RequestFailed
 from cachegen.lab.bench.prompts import Context, question
+from cachegen.lab.rows import RequestRow, Run
 from cachegen.modes import RECOMPUTE, Mode
 
 MARGIN_TOKENS = 64  # room for the question after the context
@@ -114,12 +118,12 @@ class E2EMeasurer:
     def _recompute(self, engine: EngineSession) -> None:
         for context in self.contexts:
             for repeat in range(self.cfg.repeats):
-                result = engine.run(
+                request = engine.run(
                     context.prompt(question(self.tokenizer, repeat)),
                     mode=RECOMPUTE,
                     max_tokens=self.cfg.output_tokens,
                 )
-                self.runs.append(self._row(Mode("recompute"), None, context, repeat, result))
+                self.runs.append(self._run(request, context, repeat))
                 self.tick()
 
     def _store(self, engine: EngineSession, context: Context, kv_modes: list[Mode]) -> None:
@@ -154,7 +158,7 @@ class E2EMeasurer:
         for bandwidth in self.cfg.bandwidth_mbps:
             for repeat in range(self.cfg.repeats):
                 try:
-                    result = self._request(
+                    request = self._request(
                         engine, context, mode, bandwidth, repeat, self.cfg.output_tokens
                     )
                 except RequestFailed as exc:
@@ -163,13 +167,8 @@ class E2EMeasurer:
                     )
                     self.tick()
                     continue
-                report = result["connector"]
-                if not report.get("loaded_tokens"):
-                    why = (
-                        report.get("load_error")
-                        or report.get("error")
-                        or "the connector loaded no tokens"
-                    )
+                if not request.loaded_tokens:
+                    why = request.load_error or "the connector loaded no tokens"
                     self._missing(
                         mode,
                         f"request at {bandwidth:g} Mbit/s loaded nothing: {why}",
@@ -177,7 +176,7 @@ class E2EMeasurer:
                         bandwidth,
                     )
                 else:
-                    self.runs.append(self._row(mode, bandwidth, context, repeat, result))
+                    self.runs.append(self._run(request, context, repeat))
                 self.tick()
 
     def _request(
@@ -188,7 +187,7 @@ class E2EMeasurer:
         bandwidth: float | None,
         repeat: int,
         max_tokens: int,
-    ) -> dict:
+    ) -> RequestRow:
         return engine.run(
             context.prompt(question(self.tokenizer, repeat)),
             mode=mode.mode,
@@ -201,19 +200,16 @@ class E2EMeasurer:
     def _check_loads(self, engine: EngineSession, context: Context, mode: Mode) -> str | None:
         """Warm ``mode`` up with one unlimited-rate request; the reason when it loads nothing."""
         try:
-            report = self._request(engine, context, mode, None, WARM_UP_REPEAT, 2)["connector"]
+            request = self._request(engine, context, mode, None, WARM_UP_REPEAT, 2)
         except RequestFailed as exc:
             return f"the warm-up request failed: {exc}"
-        if report.get("loaded_tokens"):
+        if request.loaded_tokens:
             return None
-        return (
-            report.get("load_error")
-            or report.get("error")
-            or "the connector loaded no tokens of the stored context"
-        )
+        return request.load_error or "the connector loaded no tokens of the stored context"
 
     def _missing_unless_done(self, kv_modes: list[Mode], reason: str) -> None:
-        """After an engine failure: every (mode, context) without a run or a reason gets ``reason``."""
+        """After an engine failure: every (mode, context) without a run or a reason gets
+        ``reason``."""
         done = {
             (r["mode"], r["level"], r["context_tokens"])
             for r in self.runs
@@ -231,38 +227,17 @@ class E2EMeasurer:
 
     # ---- rows -------------------------------------------------------------------------
 
-    def _row(
-        self, mode: Mode, bandwidth: float | None, context: Context, repeat: int, result: dict
-    ) -> dict:
-        report = result["connector"] if mode.moves_kv else {}
-        loaded = report.get("loaded_tokens") if mode.moves_kv else 0
-        nbytes = report.get("bytes")
+    def _run(self, request: RequestRow, context: Context, repeat: int) -> dict:
+        loaded, nbytes = request.loaded_tokens, request.bytes
         g = self.identity  # 2 tensors (K, V) x 2 bytes per element in 16-bit floats
         fp16_bytes = loaded * g.num_layers * g.num_kv_heads * g.head_dim * 4 if loaded else None
-        e2e = result["e2e_s"]
-        return {
-            "kind": "e2e",
-            "model": self.model,
-            "mode": mode.mode,
-            "level": mode.level,
-            "bandwidth_mbps": bandwidth,
-            "context_tokens": context.tokens,
-            "repeat": repeat,
-            "prompt_tokens": result["prompt_tokens"],
-            "output_tokens": result["output_tokens"],
-            "loaded_tokens": loaded,
-            "ttft_s": result["ttft_s"],
-            "ttft_wall_s": result.get("ttft_wall_s"),
-            "e2e_s": e2e,
-            "tokens_per_s": result["output_tokens"] / e2e if e2e else None,
-            "decode_tokens_per_s": result.get("decode_tokens_per_s"),
-            "bytes": nbytes,
-            "ratio_vs_fp16": fp16_bytes / nbytes if fp16_bytes and nbytes else None,
-            "transfer_s": report.get("transfer_s"),
-            "decode_s": report.get("decode_s"),
-            "load_s": report.get("load_s"),
-            "levels": report.get("levels"),
-        }
+        return Run.of(
+            request,
+            kind="e2e",
+            context_tokens=context.tokens,
+            repeat=repeat,
+            ratio_vs_fp16=fp16_bytes / nbytes if fp16_bytes and nbytes else None,
+        ).to_dict()
 
     def _missing(
         self,

@@ -1,10 +1,12 @@
 """Codec and link measurements without vLLM: bytes, ratios, encode, transfer and decode time.
 
-For each context the model's KV is extracted once (transformers), cut into the connector's
-chunks and encoded by each mode's codec, one bitstream per chunk as the connector stores
-them. The chunks go into a local store and are loaded back through ``cachegen.stream``: a
-real TCP socket on loopback paced by the configured shaper at each bandwidth, with fetching
-and decoding pipelined, and every decoded chunk checked against the tokens it must hold.
+The stream bench's steps (``cachegen.lab.bench.stream_bench``) on the sweep's contexts: per
+context the model's KV is extracted once (transformers); per mode its chunks are encoded
+into a local store (``prepare``), decoded twice to warm up (``warm_up``), and loaded back
+at each bandwidth through a real TCP socket on loopback paced by the configured shaper,
+fetching and decoding pipelined, every chunk checked against its tokens (``run_load``).
+Each load's ``StreamRow`` becomes a results ``Run`` with the encoding's sizes
+(``codec_report.size_stats``).
 
 Adaptive mode has no fixed size and is measured end to end only (``measure_e2e``); text
 recompute moves no KV.
@@ -13,15 +15,16 @@ recompute moves no KV.
 from __future__ import annotations
 
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from cachegen.errors import CacheGenError
+from cachegen.lab.bench import stream_bench
+from cachegen.lab.bench.codec_report import size_stats
 from cachegen.lab.bench.prompts import Context
+from cachegen.lab.rows import Run
 from cachegen.modes import Mode
-from cachegen.profiles import codec_for
 
 PREFILL_CHUNK_TOKENS = 512  # bounds the memory of the KV extraction
 
@@ -31,102 +34,69 @@ def stream_modes(modes: list[Mode]) -> list[Mode]:
 
 
 def measure_stream(
-    cfg, model: str, identity, contexts: list[Context], *, runs: list, missing: list, tick
+    cfg, model: str, contexts: list[Context], *, runs: list, missing: list, tick
 ) -> None:
     from cachegen import models
     from cachegen.extract import extract_kv
+    from cachegen.store import open_store
 
     modes = stream_modes(cfg.modes)
     if not modes:
         return
     spec = models.resolve(model)
-    for context in contexts:
-        kv = extract_kv(
-            spec, token_ids=torch.tensor(context.ids), prefill_chunk_tokens=PREFILL_CHUNK_TOKENS
-        )
-        for mode in modes:
-            try:
-                runs.extend(_measure_mode(cfg, model, spec, kv, context, mode))
-            except CacheGenError as exc:
-                missing.append(
-                    {
-                        "kind": "stream",
-                        "model": model,
-                        "mode": mode.mode,
-                        "level": mode.level,
-                        "context_tokens": context.tokens,
-                        "bandwidth_mbps": None,
-                        "reason": f"{type(exc).__name__}: {exc}",
-                    }
-                )
-            tick()
-
-
-def _measure_mode(cfg, model: str, spec, kv, context: Context, mode: Mode) -> list[dict]:
-    from cachegen.codec import decode, inspect
-    from cachegen.store import chunk_keys, open_store
-    from cachegen.stream.link import open_link
-    from cachegen.stream.loader import stream_load
-
-    codec = codec_for(mode.codec_name, spec, chunk_tokens=cfg.chunk_tokens)
-    level = codec.resolve_level(mode.level)
-    chunks = kv.chunks(cfg.chunk_tokens)
-    begin = time.perf_counter()
-    blobs = [codec.encode(chunk, level=level) for chunk in chunks]
-    encode_s = time.perf_counter() - begin
-    infos = [inspect(blob) for blob in blobs]
-    nbytes = sum(len(b) for b in blobs)
-    int8_bytes = sum(info["ratio_vs_int8"] * info["bytes"] for info in infos)
-    expected = [chunk.token_ids for chunk in chunks]
-
-    def consume(index: int, decoded) -> None:
-        if not torch.equal(decoded.token_ids, expected[index]):
-            raise CacheGenError(f"chunk {index} came back holding other tokens than were stored")
-
-    rows = []
     with tempfile.TemporaryDirectory(prefix="cachegen-bench-stream-") as root:
         store = open_store(Path(root).as_uri())
         try:
-            keys = chunk_keys(kv.model, codec.profile_id, kv.token_ids, cfg.chunk_tokens)
-            for key, blob in zip(keys, blobs):
-                store.put(key, level, blob)
-            for blob in blobs[:1]:
-                decode(blob)  # warm: first use loads tables and kernels
-            for bandwidth in cfg.bandwidth_mbps:
-                for repeat in range(cfg.repeats):
-                    with open_link(store, bandwidth_mbps=bandwidth, shaper=cfg.shaper) as link:
-                        stats = stream_load(
-                            link.source,
-                            keys,
-                            decode,
-                            consume,
-                            level=level,
-                            chunk_tokens=[c.num_tokens for c in chunks],
+            for context in contexts:
+                ids = torch.tensor(context.ids)
+                kv = extract_kv(spec, token_ids=ids, prefill_chunk_tokens=PREFILL_CHUNK_TOKENS)
+                for mode in modes:
+                    try:
+                        runs.extend(_measure_mode(cfg, store, model, ids, kv, context, mode))
+                    except CacheGenError as exc:
+                        missing.append(
+                            {
+                                "kind": "stream",
+                                "model": model,
+                                "mode": mode.mode,
+                                "level": mode.level,
+                                "context_tokens": context.tokens,
+                                "bandwidth_mbps": None,
+                                "reason": f"{type(exc).__name__}: {exc}",
+                            }
                         )
-                    rows.append(
-                        {
-                            "kind": "stream",
-                            "model": model,
-                            "mode": mode.mode,
-                            "level": mode.level,
-                            "bandwidth_mbps": bandwidth,
-                            "context_tokens": context.tokens,
-                            "repeat": repeat,
-                            "loaded_tokens": kv.num_tokens,
-                            "ttft_s": None,
-                            "e2e_s": None,
-                            "tokens_per_s": None,
-                            "bytes": nbytes,
-                            "bits_per_element": nbytes * 8 / kv.num_elements,
-                            "ratio_vs_fp16": kv.num_elements * 2 / nbytes,
-                            "ratio_vs_int8": int8_bytes / nbytes,
-                            "encode_s": encode_s,
-                            "transfer_s": stats.transfer_s,
-                            "decode_s": stats.decode_s,
-                            "load_s": stats.load_s,
-                            "goodput_mbps": stats.goodput_mbps,
-                        }
-                    )
+                    tick()
         finally:
             store.close()
+
+
+def _measure_mode(cfg, store, model: str, ids, kv, context: Context, mode: Mode) -> list[dict]:
+    from cachegen.profiles import codec_for
+
+    level = codec_for(mode.codec_name, model).resolve_level(mode.level)
+    prep = stream_bench.prepare(
+        store, model, mode.codec_name, ids, cfg.chunk_tokens, [level], kv=kv, log=lambda msg: None
+    )
+    sizes = size_stats([store.get(key, level) for key in prep.keys])
+    stream_bench.warm_up(store, prep)
+    rows = []
+    for bandwidth in cfg.bandwidth_mbps:
+        for repeat in range(cfg.repeats):
+            stats, link = stream_bench.run_load(
+                store, prep, shaper=cfg.shaper, bandwidth=bandwidth, rtt_ms=0.0, level=level
+            )
+            row = stream_bench.load_row(stats, link, prep, level, prep.prefill_tps)
+            run = Run.of(
+                row,
+                kind="stream",
+                mode=mode.mode,
+                level=mode.level,
+                context_tokens=context.tokens,
+                repeat=repeat,
+                bits_per_element=sizes["bits_per_element"],
+                ratio_vs_fp16=sizes["ratio_vs_fp16"],
+                ratio_vs_int8=sizes["ratio_vs_int8"],
+                encode_s=prep.encode_s.get(level),  # None: the store had them
+            )
+            rows.append(run.to_dict())
     return rows

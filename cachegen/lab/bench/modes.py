@@ -1,8 +1,9 @@
 """Groups of modes (``cachegen.modes``) that the bench takes as input besides single modes.
 
 ``baseline`` = recompute raw int8 fp8; ``cachegen`` = the paper's levels 1-3 plus each
-model's default level, plus adaptive (the earlier reproduction's ``--modes baseline cachegen``); ``all`` = both. Other
-levels of a profile (calibration may add several) are measured when named, e.g. ``cachegen-5``.
+model's default level, plus adaptive (the earlier reproduction's ``--modes baseline
+cachegen``); ``all`` = both. Other levels of a profile (calibration may add several) are
+measured when named, e.g. ``cachegen-5``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ PAPER_LEVELS = (1, 2, 3)
 
 
 def codec_levels(models: list[str] | None) -> tuple[int, ...]:
-    """The paper's levels and each model's default level, as the models' codec profiles define them."""
+    """The paper's levels and each model's default level, as the models' codec profiles define
+    them."""
     if not models:
         return PAPER_LEVELS
     from cachegen.profiles import codec_for

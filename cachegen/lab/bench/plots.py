@@ -280,7 +280,7 @@ def _transfer_vs_bandwidth(doc: dict):
 
 def _throughput(doc: dict):
     models = _models(doc)
-    fig, axes = _panels(len(models), "Output throughput per request (vLLM, higher is better)")
+    fig, axes = _panels(len(models), "Output rate per request (vLLM, higher is better)")
     for ax, model in zip(axes, models):
         rows = lookup(doc, kind="e2e", model=model)
         if not rows:
@@ -303,15 +303,19 @@ def _throughput(doc: dict):
                     and r["bandwidth_mbps"] in (bw, None)
                 ]
                 points.append(
-                    (match[0]["tokens_per_s"], _spread(doc, match[0], "tokens_per_s"))
+                    (match[0]["output_tokens_per_s"], _spread(doc, match[0], "output_tokens_per_s"))
                     if match
                     else (None, (0, 0))
                 )
             series[f"{context} tokens"] = points
-        _bars(ax, labels, series, "output tokens / end-to-end second")
+        _bars(ax, labels, series, "output tokens/s after the first token")
         ax.set_title(f"{model}" + (f", KV link {bw:g} Mbit/s" if bw else ""))
         ax.legend(title="context", fontsize=8)
-    _footnote(fig, "output tokens / end-to-end latency of one request (load or prefill included)")
+    _footnote(
+        fig,
+        "output_tokens_per_s: output tokens after the first / time from the first token to the "
+        "last (docs/benchmarks.md, Vocabulary)",
+    )
     return fig
 
 
@@ -413,9 +417,8 @@ def _quality_vs_size(doc: dict):
         ax.set_ylabel("perplexity change (%)")
         windows = sorted({r["windows"] for r in rows})
         contexts = sorted({r["context_tokens"] for r in rows})
-        ax.set_title(
-            f"{model}, {'/'.join(map(str, windows))} windows of {'/'.join(map(str, contexts))} tokens"
-        )
+        windows_text, contexts_text = "/".join(map(str, windows)), "/".join(map(str, contexts))
+        ax.set_title(f"{model}, {windows_text} windows of {contexts_text} tokens")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     _footnote(fig, _missing_note(doc, "quality"))

@@ -30,7 +30,8 @@ def contexts(tokenizer, lengths: list[int]) -> list[Context]:
     needed = sum(lengths)
     if needed > len(ids):
         raise InputError(
-            f"the contexts need {needed} tokens of text but only {len(ids)} are available; ask for fewer"
+            f"the contexts need {needed} tokens of text but only {len(ids)} are available; "
+            "ask for fewer"
         )
     out, offset = [], 0
     for n in lengths:
@@ -40,5 +41,6 @@ def contexts(tokenizer, lengths: list[int]) -> list[Context]:
 
 
 def question(tokenizer, repeat: int) -> list[int]:
-    """Token ids of the question asked after the context in repeat ``repeat`` (distinct per repeat)."""
+    """Token ids of the question asked after the context in repeat ``repeat`` (distinct per
+    repeat)."""
     return tokenizer(workload.bench_question(repeat), add_special_tokens=False)["input_ids"]

@@ -24,6 +24,9 @@ NEGLIGIBLE_PPL_PCT = 2.0
 
 def render(doc: dict, results_path: str) -> str:
     env, cfg = doc["environment"], doc["config"]
+    versions = env["versions"]
+    repeats = f"{cfg['repeats']} repeat{'s' if cfg['repeats'] != 1 else ''}"
+    links = ", ".join(f"{b:g}" for b in cfg["bandwidth_mbps"])
     lines = [
         "# Reproducing CacheGen's claims",
         "",
@@ -31,13 +34,14 @@ def render(doc: dict, results_path: str) -> str:
         f"({doc['created']}, commit {_commit(env)}). Do not edit by hand: rerun `make bench` "
         "(or `cachegen bench`) and then the command above.",
         "",
-        f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, {env.get('memory_gib')} GiB, {env['device']}; "
-        f"torch {env['versions'].get('torch', '?')}, vLLM {env['versions'].get('vllm', 'not installed')}, "
-        f"transformers {env['versions'].get('transformers', '?')}.{_load_note(env)}",
-        f"Sweep: models {', '.join(cfg['models'])}; contexts {', '.join(map(str, cfg['context_tokens']))} tokens; "
-        f"links {', '.join(f'{b:g}' for b in cfg['bandwidth_mbps'])} Mbit/s ({cfg.get('shaper', 'token-bucket')} shaper "
-        f"on loopback TCP); {cfg['repeats']} repeat{'s' if cfg['repeats'] != 1 else ''} per cell (medians shown); "
-        f"prompts from {cfg['text']}.",
+        f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, {env.get('memory_gib')} GiB, "
+        f"{env['device']}; torch {versions.get('torch', '?')}, "
+        f"vLLM {versions.get('vllm', 'not installed')}, "
+        f"transformers {versions.get('transformers', '?')}.{_load_note(env)}",
+        f"Sweep: models {', '.join(cfg['models'])}; "
+        f"contexts {', '.join(map(str, cfg['context_tokens']))} tokens; links {links} Mbit/s "
+        f"({cfg.get('shaper', 'token-bucket')} shaper on loopback TCP); {repeats} per cell "
+        f"(medians shown); prompts from {cfg['text']}.",
         "",
         "| paper's claim (SIGCOMM 2024) | paper | measured here | verdict |",
         "| --- | --- | --- | --- |",
@@ -86,8 +90,9 @@ def _size_claim(doc: dict) -> dict:
         if r["kind"] == "stream" and r["mode"] == "cachegen" and r.get("ratio_vs_int8")
     ]
     details = [
-        "Bytes of the whole context's KV as stored (payload, probability tables, scales and headers all "
-        "counted) relative to the same KV in int8 with a per-token scale, the paper's 8-bit baseline. "
+        "Bytes of the whole context's KV as stored (payload, probability tables, scales and "
+        "headers all counted) relative to the same KV in int8 with a per-token scale, the paper's "
+        "8-bit baseline. "
         "From the `stream` runs (`ratio_vs_int8`), largest context per model.",
         "",
     ]
@@ -120,9 +125,11 @@ def _size_claim(doc: dict) -> dict:
             ratios.append(r["ratio_vs_int8"])
             if r["level"] in negligible:
                 good.append(r["ratio_vs_int8"])
+            note = " (negligible loss)" if r["level"] in negligible else ""
             details.append(
-                f"| {model} | {context} | {r['level']}{' (negligible loss)' if r['level'] in negligible else ''} | "
-                f"{_num(r.get('bits_per_element'))} | {_x(r.get('ratio_vs_fp16'))} | {_x(r['ratio_vs_int8'])} |"
+                f"| {model} | {context} | {r['level']}{note} | "
+                f"{_num(r.get('bits_per_element'))} | {_x(r.get('ratio_vs_fp16'))} | "
+                f"{_x(r['ratio_vs_int8'])} |"
             )
     measured = f"{_x(min(ratios))}-{_x(max(ratios))} over levels {_levels(rows)}"
     # The paper's claim is "smaller *with* negligible quality loss": judge the levels that keep it.
@@ -158,9 +165,10 @@ def _negligible_levels(doc: dict, model: str) -> set[int]:
 
 def _delay_claim(doc: dict) -> dict:
     details = [
-        "Time to first token through vLLM (fetching the context's KV over the rate-limited link, decoding "
-        "it, injecting it, and computing the question), CacheGen at each level against int8 and against "
-        "text recompute at the same link speed. From the `e2e` runs (`ttft_s`, medians), largest context.",
+        "Time to first token through vLLM (fetching the context's KV over the rate-limited link, "
+        "decoding it, injecting it, and computing the question), CacheGen at each level against "
+        "int8 and against text recompute at the same link speed. From the `e2e` runs (`ttft_s`, "
+        "medians), largest context.",
         "",
     ]
     e2e = [r for r in doc["medians"] if r["kind"] == "e2e" and r.get("ttft_s")]
@@ -217,10 +225,10 @@ def _delay_claim(doc: dict) -> dict:
                     good_int8.append(vs_int8)
             if vs_text:
                 speedups_text.append(vs_text)
+            note = " (negligible loss)" if r["level"] in negligible else ""
             details.append(
-                f"| {model} | {context} | {r['bandwidth_mbps']:g} | {r['level']}"
-                f"{' (negligible loss)' if r['level'] in negligible else ''} | {_num(r['ttft_s'], 3)} | "
-                f"{_x(vs_int8)} | {_x(vs_text)} |"
+                f"| {model} | {context} | {r['bandwidth_mbps']:g} | {r['level']}{note} | "
+                f"{_num(r['ttft_s'], 3)} | {_x(vs_int8)} | {_x(vs_text)} |"
             )
     details += ["", *_stream_delay(doc)[0]]
     measured, verdict = [], "not measured"
@@ -255,8 +263,8 @@ def _stream_delay(doc: dict) -> tuple[list[str], list[float]]:
         return [], []
     ratios = []
     out = [
-        "Load time without vLLM (the `stream` runs: first byte requested to last chunk decoded, fetch and "
-        "decode pipelined), which isolates the link and the codec:",
+        "Load time without vLLM (the `stream` runs: first byte requested to last chunk decoded, "
+        "fetch and decode pipelined), which isolates the link and the codec:",
         "",
         "| model | context | link (Mbit/s) | level | load (s) | int8 load / CacheGen load |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -279,7 +287,8 @@ def _stream_delay(doc: dict) -> tuple[list[str], list[float]]:
             if ratio:
                 ratios.append(ratio)
             out.append(
-                f"| {model} | {context} | {r['bandwidth_mbps']:g} | {r['level']} | {_num(r['load_s'], 3)} | {_x(ratio)} |"
+                f"| {model} | {context} | {r['bandwidth_mbps']:g} | {r['level']} | "
+                f"{_num(r['load_s'], 3)} | {_x(ratio)} |"
             )
     return out, ratios
 
@@ -287,8 +296,9 @@ def _stream_delay(doc: dict) -> tuple[list[str], list[float]]:
 def _quality_claim(doc: dict) -> dict:
     rows = [q for q in doc["quality"] if q["mode"] == "cachegen"]
     details = [
-        "Perplexity of a continuation and top-1 next-token agreement when the model continues from the "
-        "decoded KV instead of the original (cachegen.lab.quality, teacher-forced through transformers). "
+        "Perplexity of a continuation and top-1 next-token agreement when the model continues "
+        "from the decoded KV instead of the original (cachegen.lab.quality, teacher-forced "
+        "through transformers). "
         f"This report calls a perplexity change of at most {NEGLIGIBLE_PPL_PCT:g}% negligible.",
         "",
     ]
@@ -302,8 +312,9 @@ def _quality_claim(doc: dict) -> dict:
     ]
     for q in sorted(doc["quality"], key=lambda q: (q["model"], q["bits_per_element"])):
         details.append(
-            f"| {q['model']} | {Mode(q['mode'], q['level']).label} | {_num(q['bits_per_element'])} | "
-            f"{q['ppl_change_pct']:+.2f}% | {100 * q['top1_agreement']:.1f}% | {q['windows']} x {q['context_tokens']} |"
+            f"| {q['model']} | {Mode(q['mode'], q['level']).label} | "
+            f"{_num(q['bits_per_element'])} | {q['ppl_change_pct']:+.2f}% | "
+            f"{100 * q['top1_agreement']:.1f}% | {q['windows']} x {q['context_tokens']} |"
         )
     defaults = doc["config"].get("default_levels") or {}
     if defaults:
@@ -352,23 +363,26 @@ def _differences(doc: dict) -> list[str]:
     models = ", ".join(cfg["models"])
     contexts = ", ".join(map(str, cfg["context_tokens"]))
     return [
-        f"- **Hardware.** The paper ran on NVIDIA A40 GPUs; this run used {env['cpu_cores']} CPU cores "
-        f"({env['cpu_model']}) with vLLM's CPU build. Prefill is far slower on a CPU, which "
-        "makes text recompute relatively more expensive, while decoding the bitstream runs on the same few "
-        "cores that serve the model.",
-        f"- **Models.** The paper used 7B-70B models (Mistral-7B, Llama-34B/70B); this run used {models}. A small "
-        "model has few KV heads and layers, so the KV per token is small, and its KV reacts differently to "
-        "coarse quantization (see docs/quality.md).",
-        f"- **Contexts.** The paper's contexts run to several thousand tokens (LongChat, TriviaQA, NarrativeQA, "
-        f"Wikitext); these used {contexts} tokens of CPython's documentation text, and quality windows of "
-        f"{cfg.get('quality_context_tokens', '?')} tokens.",
-        "- **Network.** The paper streamed over real links with measured bandwidth traces; here the bytes cross a "
-        f"real TCP socket on loopback paced by a {cfg.get('shaper', 'token-bucket')} shaper at fixed rates. The "
-        "shaper's accuracy is measured in docs/streaming.md.",
-        "- **Quality metric.** The paper reports task accuracy, F1 and perplexity on its datasets; this report "
-        "uses perplexity change and top-1 agreement on held-out text (more metrics in docs/quality.md).",
-        "- **Baseline.** The paper's 8-bit baseline quantizes per token (its 'default quantization'); ours is "
-        "the same idea (`int8`, per-token scale, scales counted in the size).",
+        f"- **Hardware.** The paper ran on NVIDIA A40 GPUs; this run used {env['cpu_cores']} CPU "
+        f"cores ({env['cpu_model']}) with vLLM's CPU build. Prefill is far slower on a CPU, which "
+        "makes text recompute relatively more expensive, while decoding the bitstream runs on the "
+        "same few cores that serve the model.",
+        f"- **Models.** The paper used 7B-70B models (Mistral-7B, Llama-34B/70B); this run used "
+        f"{models}. A small model has few KV heads and layers, so the KV per token is small, and "
+        "its KV reacts differently to coarse quantization (see docs/quality.md).",
+        "- **Contexts.** The paper's contexts run to several thousand tokens (LongChat, TriviaQA, "
+        f"NarrativeQA, Wikitext); these used {contexts} tokens of CPython's documentation text, "
+        f"and quality windows of {cfg.get('quality_context_tokens', '?')} tokens.",
+        "- **Network.** The paper streamed over real links with measured bandwidth traces; here "
+        "the bytes cross a real TCP socket on loopback paced by a "
+        f"{cfg.get('shaper', 'token-bucket')} shaper at fixed rates. The shaper's accuracy is "
+        "measured in docs/streaming.md.",
+        "- **Quality metric.** The paper reports task accuracy, F1 and perplexity on its datasets; "
+        "this report uses perplexity change and top-1 agreement on held-out text (more metrics in "
+        "docs/quality.md).",
+        "- **Baseline.** The paper's 8-bit baseline quantizes per token (its 'default "
+        "quantization'); ours is the same idea (`int8`, per-token scale, scales counted in the "
+        "size).",
     ]
 
 
@@ -379,13 +393,14 @@ def _load_note(env: dict) -> str:
     load = env.get("load_average") or {}
     if load.get("start") is None:
         return ""
-    return (
-        f" Load average (1 min) {load['start']:g} at the start and {load.get('end') or 0:g} at the end of the "
-        f"run on {env['cpu_cores']} cores: above the core count, other jobs were competing for the CPU and every "
-        "time below is inflated by them."
-        if max(load["start"], load.get("end") or 0) > env["cpu_cores"]
-        else f" Load average (1 min) {load['start']:g} at the start, {load.get('end') or 0:g} at the end."
-    )
+    start, end = load["start"], load.get("end") or 0
+    if max(start, end) > env["cpu_cores"]:
+        return (
+            f" Load average (1 min) {start:g} at the start and {end:g} at the end of the run on "
+            f"{env['cpu_cores']} cores: above the core count, other jobs were competing for the "
+            "CPU and every time below is inflated by them."
+        )
+    return f" Load average (1 min) {start:g} at the start, {end:g} at the end."
 
 
 def _compare(measured: tuple[float, float], paper: tuple[float, float]) -> str:

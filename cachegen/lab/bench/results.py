@@ -1,7 +1,8 @@
 """results.json: build, validate against ``results.schema.json``, summarize, save and load.
 
-The schema file is the documentation of the format; ``validate`` checks a document against
-it with ``jsonschema`` and then checks what a schema cannot say (medians match the runs).
+The schema files are the documentation of the format (runs and quality rows are rows of
+``rows.schema.json``); ``validate`` checks a document against them with ``jsonschema`` and
+then checks what a schema cannot say (medians match the runs).
 """
 
 from __future__ import annotations
@@ -15,19 +16,19 @@ from functools import lru_cache
 from pathlib import Path
 
 from cachegen.errors import InputError
-from cachegen.fileio import write_atomic
+from cachegen.fileio import check_version, versioned, write_atomic
+from cachegen.lab import rows
 
 SCHEMA_PATH = Path(__file__).with_name("results.schema.json")
 SCHEMA_NAME = "cachegen-bench-results"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: rows of rows.schema.json, output_tokens_per_s
 CELL = ("kind", "model", "mode", "level", "bandwidth_mbps", "context_tokens")
 # Run fields that get a median per cell (everything numeric that varies between repeats).
 METRICS = (
     "ttft_s",
     "ttft_wall_s",
     "e2e_s",
-    "tokens_per_s",
-    "decode_tokens_per_s",
+    "output_tokens_per_s",
     "bytes",
     "bits_per_element",
     "ratio_vs_fp16",
@@ -35,6 +36,7 @@ METRICS = (
     "encode_s",
     "transfer_s",
     "decode_s",
+    "inject_s",
     "load_s",
     "goodput_mbps",
     "loaded_tokens",
@@ -52,18 +54,20 @@ def schema() -> dict:
 
 
 def new_document(command: str, environment: dict, config: dict) -> dict:
-    return {
-        "schema": SCHEMA_NAME,
-        "version": SCHEMA_VERSION,
-        "created": "",
-        "command": command,
-        "environment": environment,
-        "config": config,
-        "runs": [],
-        "medians": [],
-        "quality": [],
-        "missing": [],
-    }
+    return versioned(
+        SCHEMA_NAME,
+        SCHEMA_VERSION,
+        {
+            "created": "",
+            "command": command,
+            "environment": environment,
+            "config": config,
+            "runs": [],
+            "medians": [],
+            "quality": [],
+            "missing": [],
+        },
+    )
 
 
 def finish(doc: dict) -> dict:
@@ -101,13 +105,11 @@ def validate(doc: object) -> None:
     """Raise :class:`ResultsError` naming the first problem, if ``doc`` is not valid results."""
     import jsonschema
 
-    try:
-        jsonschema.validate(doc, schema(), cls=jsonschema.Draft202012Validator)
-    except jsonschema.ValidationError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
-        raise ResultsError(
-            f"results do not follow {SCHEMA_PATH.name} at {where}: {exc.message}"
-        ) from None
+    validator = jsonschema.Draft202012Validator(schema(), registry=rows.registry())
+    error = jsonschema.exceptions.best_match(validator.iter_errors(doc))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+        raise ResultsError(f"results do not follow {SCHEMA_PATH.name} at {where}: {error.message}")
     for run in doc["runs"]:
         for metric in METRICS:
             value = run.get(metric)
@@ -142,6 +144,7 @@ def load(path: str | os.PathLike) -> dict:
         ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ResultsError(f"{path} is not readable JSON: {exc}") from None
+    check_version(doc, SCHEMA_NAME, (SCHEMA_VERSION,), str(path))
     validate(doc)
     return doc
 

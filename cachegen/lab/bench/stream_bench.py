@@ -1,13 +1,16 @@
 """``cachegen stream-bench``: real KV, real codec, real sockets, measured.
 
 1. Tokenize CPython's documentation text (``pydoc_data.topics``, minus the topics the codec
-   profile was calibrated on) and take the first ``tokens`` tokens.
-2. If the store lacks any chunk at any needed level, prefill the model (transformers) to get
-   the KV, encode each chunk at each level and put it. The prefill is timed: its rate
-   (tokens/s) is what recomputation costs the controller, unless ``prefill_tps`` is given.
+   profile was calibrated on) and take the first ``tokens`` tokens (``bench_tokens``).
+2. ``prepare``: if the store lacks any chunk at any needed level, prefill the model
+   (transformers) to get the KV, encode each chunk at each level and put it. The prefill is
+   timed: its rate (tokens/s) is what recomputation costs the controller, unless
+   ``prefill_tps`` is given.
 3. For each shaper and bandwidth, load all chunks through the link with pipelined decoding
-   and report bytes, transfer, decode, load time, goodput, waits and levels.
+   (``run_load``) and report bytes, transfer, decode, load time, goodput, waits and levels
+   (``load_row``, a :class:`~cachegen.lab.rows.StreamRow`).
 
+The sweep's ``stream`` part (``measure_stream``) is made of the same three steps.
 ``controller_eval`` evaluates the adaptive controller over bandwidth traces instead.
 """
 
@@ -23,13 +26,19 @@ import torch
 
 from cachegen import models, workload
 from cachegen.errors import InputError
+from cachegen.fileio import versioned
 from cachegen.lab.bench.stream_sim import ADAPTIVE, Workload, evaluate, standard_traces
+from cachegen.lab.rows import StreamRow
 from cachegen.store import ChunkStore, chunk_keys, longest_prefix
 from cachegen.stream.controller import DEFAULT_DROP_FACTOR, RECOMPUTE, AdaptiveController
 from cachegen.stream.link import open_link
 from cachegen.stream.loader import LoadStats, stream_load
 from cachegen.stream.source import DirectSource
 from cachegen.stream.traces import BandwidthTrace
+
+SCHEMA = "cachegen-stream-bench"
+EVAL_SCHEMA = "cachegen-stream-controller-eval"
+VERSION = 1
 
 
 @dataclass
@@ -45,6 +54,7 @@ class Prepared:
     sizes: dict[int, list[int]]
     prefill_tps: float | None  # measured while preparing, if a prefill ran
     encoded_now: bool
+    encode_s: dict[int, float]  # seconds to encode every chunk, per level (when encoded now)
     kv_bytes_bf16: int
 
     def to_dict(self) -> dict:
@@ -58,6 +68,7 @@ class Prepared:
             "bytes_per_level": {str(lv): sum(s) for lv, s in self.sizes.items()},
             "kv_bytes_bf16": self.kv_bytes_bf16,
             "encoded_now": self.encoded_now,
+            "encode_s": {str(lv): s for lv, s in self.encode_s.items()},
         }
 
 
@@ -67,7 +78,8 @@ def bench_tokens(spec: models.ModelSpec, tokens: int) -> torch.Tensor:
     ids = AutoTokenizer.from_pretrained(spec.path)(workload.text("eval"))["input_ids"]
     if tokens > min(len(ids), spec.max_positions):
         raise InputError(
-            f"--tokens {tokens} exceeds the {min(len(ids), spec.max_positions)} available for {spec.name}"
+            f"--tokens {tokens} exceeds the {min(len(ids), spec.max_positions)} available "
+            f"for {spec.name}"
         )
     return torch.tensor(ids[:tokens], dtype=torch.int64)
 
@@ -83,8 +95,19 @@ def measure_prefill_tps(spec: models.ModelSpec, token_ids: torch.Tensor) -> tupl
     return token_ids.numel() / (time.perf_counter() - start), kv
 
 
-def prepare(store: ChunkStore, model: str, codec_name: str, tokens: int, chunk_tokens: int,
-            levels: list[int] | None = None, log=None) -> Prepared:  # fmt: skip
+def prepare(
+    store: ChunkStore,
+    model: str,
+    codec_name: str,
+    ids: torch.Tensor,
+    chunk_tokens: int,
+    levels: list[int] | None = None,
+    *,
+    kv=None,
+    log=None,
+) -> Prepared:
+    """Chunks of the tokens ``ids`` in ``store`` at ``levels``, encoded if any is missing
+    (from ``kv``, their KV, when given; else from a timed prefill)."""
     from cachegen.profiles import codec_for
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -93,23 +116,29 @@ def prepare(store: ChunkStore, model: str, codec_name: str, tokens: int, chunk_t
     levels = list(levels or codec.levels)
     for lv in levels:
         codec.resolve_level(lv)
-    ids = bench_tokens(spec, tokens)
+    tokens = ids.numel()
     keys = chunk_keys(spec.identity(), codec.profile_id, ids, chunk_tokens)
     tps = None
+    encode_s = {}
     encoded = longest_prefix(store, keys, levels) < len(keys)
     if encoded:
-        log(
-            f"prefilling {tokens} tokens of {spec.name} and encoding {len(keys)} chunks x levels {levels} ..."
-        )
-        tps, kv = measure_prefill_tps(spec, ids)
+        log(f"encoding {len(keys)} chunks x levels {levels} of {tokens} tokens of {spec.name} ...")
+        if kv is None:
+            tps, kv = measure_prefill_tps(spec, ids)
+        encode_s = dict.fromkeys(levels, 0.0)
         for key, chunk in zip(keys, kv.chunks(chunk_tokens)):
             for lv in levels:
-                store.put(key, lv, codec.encode(chunk, level=lv))
+                begin = time.perf_counter()
+                blob = codec.encode(chunk, level=lv)
+                encode_s[lv] += time.perf_counter() - begin
+                store.put(key, lv, blob)
     sizes = {lv: store.sizes(keys, lv) for lv in levels}
     counts = [min(chunk_tokens, tokens - i * chunk_tokens) for i in range(len(keys))]
     ident = spec.identity()
     kv_bytes = tokens * ident.num_layers * ident.num_kv_heads * ident.head_dim * 2 * 2
-    return Prepared(spec.name, codec_name, levels, ids, counts, keys, sizes, tps, encoded, kv_bytes)
+    return Prepared(
+        spec.name, codec_name, levels, ids, counts, keys, sizes, tps, encoded, encode_s, kv_bytes
+    )
 
 
 def make_decoder(expected: Prepared):
@@ -143,11 +172,18 @@ def warm_up(store: ChunkStore, prep: Prepared) -> dict[int, float]:
 def run_load(
     store, prep, *, shaper, bandwidth, rtt_ms, level=None, controller=None, check=True
 ) -> tuple[LoadStats, dict]:
+    """One load of ``prep``'s chunks through a new link; its stats and the link's description."""
     decode, consume = make_decoder(prep)
     with open_link(store, bandwidth_mbps=bandwidth, rtt_ms=rtt_ms, shaper=shaper) as link:
         link_info = link.describe()
-        stats = stream_load(link.source, prep.keys, decode, consume if check else (lambda i, kv: None),
-                            level=level, controller=controller)  # fmt: skip
+        stats = stream_load(
+            link.source,
+            prep.keys,
+            decode,
+            consume if check else (lambda i, kv: None),
+            level=level,
+            controller=controller,
+        )
     return stats, link_info
 
 
@@ -157,8 +193,20 @@ def transfer_only(store, prep, *, shaper, bandwidth, rtt_ms, level) -> LoadStats
         return stream_load(link.source, prep.keys, len, lambda i, x: None, level=level)
 
 
-def stream_bench(store: ChunkStore, prep: Prepared, *, shapers, bandwidths, rtt_ms, level=None, slo_ms=None,
-                 prefill_tps=None, repeat=1, standalone=True, log=None) -> dict:  # fmt: skip
+def stream_bench(
+    store: ChunkStore,
+    prep: Prepared,
+    *,
+    shapers,
+    bandwidths,
+    rtt_ms,
+    level=None,
+    slo_ms=None,
+    prefill_tps=None,
+    repeat=1,
+    standalone=True,
+    log=None,
+) -> dict:
     log = log or (lambda msg: print(msg, file=sys.stderr))
     if (level is None) == (slo_ms is None):
         raise InputError("give exactly one of --level or --slo-ms")
@@ -172,35 +220,69 @@ def stream_bench(store: ChunkStore, prep: Prepared, *, shapers, bandwidths, rtt_
                 if slo_ms is not None:
                     if not prefill_tps:
                         raise InputError(
-                            "--slo-ms needs a prefill rate: pass --prefill-tps or let the bench measure it"
+                            "--slo-ms needs a prefill rate: pass --prefill-tps or let the bench "
+                            "measure it"
                         )
-                    controller = AdaptiveController(slo_ms / 1000, prep.sizes, prep.chunk_tokens,
-                                                    prefill_tokens_per_s=prefill_tps, decode_s_per_token=decode_spt)  # fmt: skip
+                    controller = AdaptiveController(
+                        slo_ms / 1000,
+                        prep.sizes,
+                        prep.chunk_tokens,
+                        prefill_tokens_per_s=prefill_tps,
+                        decode_s_per_token=decode_spt,
+                    )
                 load_before = os.getloadavg()[0]
-                stats, link = run_load(store, prep, shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, level=level,
-                                       controller=controller)  # fmt: skip
-                row = _row(stats, link, prep, bw, prefill_tps)
-                row["loadavg_1min"] = [load_before, os.getloadavg()[0]]
+                stats, link = run_load(
+                    store,
+                    prep,
+                    shaper=shaper,
+                    bandwidth=bw,
+                    rtt_ms=rtt_ms,
+                    level=level,
+                    controller=controller,
+                )
+                row = load_row(stats, link, prep, level, prefill_tps)
+                row.loadavg_1min = [load_before, os.getloadavg()[0]]
                 if standalone and level is not None:
                     alone = transfer_only(
                         store, prep, shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, level=level
                     )
-                    row["transfer_alone_s"] = alone.load_s
-                    row["goodput_alone_mbps"] = alone.goodput_mbps
-                    row["decode_alone_s"] = decode_alone[level]
-                    row["pipeline_ratio_vs_alone"] = stats.load_s / max(
+                    row.transfer_alone_s = alone.load_s
+                    row.goodput_alone_mbps = alone.goodput_mbps
+                    row.decode_alone_s = decode_alone[level]
+                    row.pipeline_ratio_vs_alone = stats.load_s / max(
                         alone.load_s, decode_alone[level]
                     )
-                runs.append(row)
-                log(f"{shaper:>12} {bw if bw is not None else 'unlimited':>9} Mbit/s  goodput {row['goodput_mbps']:8.1f}"
-                    f"  load {row['load_s']:.3f} s  transfer {row['transfer_s']:.3f} s  decode {row['decode_s']:.3f} s"
-                    f"  ratio {row['pipeline_ratio']:.3f}")  # fmt: skip
-    return {"prepared": prep.to_dict(), "prefill_tps": prefill_tps, "decode_s_per_token": decode_spt,
-            "summary": summarize(runs), "runs": runs}  # fmt: skip
+                runs.append(row.to_dict())
+                rate = bw if bw is not None else "unlimited"
+                log(
+                    f"{shaper:>12} {rate:>9} Mbit/s  goodput {row.goodput_mbps:8.1f}"
+                    f"  load {row.load_s:.3f} s  transfer {row.transfer_s:.3f} s"
+                    f"  decode {row.decode_s:.3f} s  ratio {row.pipeline_ratio:.3f}"
+                )
+    return versioned(
+        SCHEMA,
+        VERSION,
+        {
+            "prepared": prep.to_dict(),
+            "prefill_tps": prefill_tps,
+            "decode_s_per_token": decode_spt,
+            "summary": summarize(runs),
+            "runs": runs,
+        },
+    )
 
 
-SUMMARY_FIELDS = ("goodput_mbps", "goodput_alone_mbps", "transfer_s", "decode_s", "load_s", "pipeline_ratio",
-                  "pipeline_ratio_vs_alone", "ttft_model_s", "mean_level")  # fmt: skip
+SUMMARY_FIELDS = (
+    "goodput_mbps",
+    "goodput_alone_mbps",
+    "transfer_s",
+    "decode_s",
+    "load_s",
+    "pipeline_ratio",
+    "pipeline_ratio_vs_alone",
+    "ttft_model_s",
+    "mean_level",
+)
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -208,12 +290,13 @@ def summarize(runs: list[dict]) -> list[dict]:
     runs can be slowed by other jobs; the load average is recorded with every run."""
     groups: dict = {}
     for r in runs:
-        groups.setdefault((r["shaper"], r["bandwidth_mbps"]), []).append(r)
+        groups.setdefault((r["shaper"], r["bandwidth_mbps"], r["trace"]), []).append(r)
     out = []
-    for (shaper, bw), rows in groups.items():
+    for (shaper, bw, trace), rows in groups.items():
         entry = {
             "shaper": shaper,
             "bandwidth_mbps": bw,
+            "trace": trace,
             "runs": len(rows),
             "bytes": rows[0]["bytes"],
         }
@@ -226,45 +309,98 @@ def summarize(runs: list[dict]) -> list[dict]:
     return out
 
 
-def _row(stats: LoadStats, link: dict, prep: Prepared, bw, prefill_tps) -> dict:
-    row = {k: v for k, v in stats.to_dict().items() if k not in ("chunks", "decisions")}
-    row.update(link)
-    row["bandwidth_mbps"] = bw
-    row["goodput_error"] = stats.goodput_mbps / bw - 1 if bw else None
-    row["pipeline_ratio"] = stats.load_s / max(stats.transfer_s, stats.decode_s)
+def load_row(
+    stats: LoadStats, link: dict, prep: Prepared, level: int | None, prefill_tps: float | None
+) -> StreamRow:
+    """The row of one load through ``link`` (its ``describe()``; empty: no link) at ``level``
+    (None: the controller chose)."""
     recompute_tokens = (
         sum(prep.chunk_tokens[stats.recompute_from :]) if stats.recompute_from is not None else 0
     )
-    row["recompute_tokens"] = recompute_tokens
-    row["ttft_model_s"] = stats.load_s + (recompute_tokens / prefill_tps if prefill_tps else 0.0)
-    row["mean_level"] = (
-        statistics.fmean(lv for lv in stats.levels if lv != RECOMPUTE) if stats.n_loaded else None
+    bandwidth = link.get("bandwidth_mbps")  # None: unlimited or a trace
+    return StreamRow(
+        model=prep.model,
+        codec=prep.codec,
+        level=level,
+        shaper=link.get("shaper"),
+        trace=link.get("trace"),
+        bandwidth_mbps=bandwidth,
+        rtt_ms=link.get("rtt_ms"),
+        rtt_emulation=link.get("rtt_emulation"),
+        netns=link.get("netns"),
+        qdisc=link.get("qdisc"),
+        context_tokens=sum(prep.chunk_tokens),
+        loaded_tokens=sum(prep.chunk_tokens[: stats.n_loaded]),
+        n_chunks=stats.n_chunks,
+        n_loaded=stats.n_loaded,
+        recompute_from=stats.recompute_from,
+        recompute_tokens=recompute_tokens,
+        bytes=stats.bytes,
+        levels=stats.levels,
+        transfer_s=stats.transfer_s,
+        decode_s=stats.decode_s,
+        consume_s=stats.consume_s,
+        wait_bytes_s=stats.wait_bytes_s,
+        wait_decoder_s=stats.wait_decoder_s,
+        load_s=stats.load_s,
+        goodput_mbps=stats.goodput_mbps,
+        goodput_error=stats.goodput_mbps / bandwidth - 1 if bandwidth else None,
+        pipeline_ratio=stats.load_s / max(stats.transfer_s, stats.decode_s),
+        ttft_model_s=stats.load_s + (recompute_tokens / prefill_tps if prefill_tps else 0.0),
+        mean_level=statistics.fmean(lv for lv in stats.levels if lv != RECOMPUTE)
+        if stats.n_loaded
+        else None,
+        decisions=list(stats.decisions),
     )
-    row["decisions"] = stats.decisions
-    return row
 
 
-def controller_eval(store: ChunkStore, prep: Prepared, *, slos_ms, prefill_tps, rtt_ms=0.0, rates=(100, 200, 500, 1000),
-                    seeds=8, real_runs=0, drop_factors=(DEFAULT_DROP_FACTOR,), log=None) -> dict:  # fmt: skip
-    """Simulated evaluation over standard traces, plus ``real_runs`` traces replayed over a real socket."""
+def controller_eval(
+    store: ChunkStore,
+    prep: Prepared,
+    *,
+    slos_ms,
+    prefill_tps,
+    rtt_ms=0.0,
+    rates=(100, 200, 500, 1000),
+    seeds=8,
+    real_runs=0,
+    drop_factors=(DEFAULT_DROP_FACTOR,),
+    log=None,
+) -> dict:
+    """Simulated evaluation over standard traces, plus ``real_runs`` traces replayed over a real
+    socket."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     decode_spt = warm_up(store, prep)
     work = Workload(prep.sizes, prep.chunk_tokens, decode_spt, prefill_tps)
     traces = standard_traces(rates, seeds)
-    out = {
-        "prepared": prep.to_dict(),
-        "prefill_tps": prefill_tps,
-        "decode_s_per_token": decode_spt,
-        "evaluations": [],
-    }
+    out = versioned(
+        EVAL_SCHEMA,
+        VERSION,
+        {
+            "prepared": prep.to_dict(),
+            "prefill_tps": prefill_tps,
+            "decode_s_per_token": decode_spt,
+            "evaluations": [],
+        },
+    )
     for drop_factor in drop_factors:
         for slo_ms in slos_ms:
             result = evaluate(
                 traces, work, slo_s=slo_ms / 1000, rtt_s=rtt_ms / 1000, drop_factor=drop_factor
             )
             sim_runs = result.pop("runs")
-            result["real"] = _real_replays(store, prep, traces, sim_runs, slo_ms, prefill_tps, decode_spt, rtt_ms,
-                                           real_runs, drop_factor)  # fmt: skip
+            result["real"] = _real_replays(
+                store,
+                prep,
+                traces,
+                sim_runs,
+                slo_ms,
+                prefill_tps,
+                decode_spt,
+                rtt_ms,
+                real_runs,
+                drop_factor,
+            )
             out["evaluations"].append(result)
     return out
 
@@ -272,29 +408,45 @@ def controller_eval(store: ChunkStore, prep: Prepared, *, slos_ms, prefill_tps, 
 def _real_replays(
     store, prep, traces, sim_runs, slo_ms, prefill_tps, decode_spt, rtt_ms, count, drop_factor
 ) -> list[dict]:
-    """Replay the first ``count`` traces of each kind over the token bucket with the adaptive controller."""
+    """Replay the first ``count`` traces of each kind over the token bucket with the adaptive
+    controller."""
     picked = []
     for kind in ("constant", "step", "walk"):
         picked += [i for i, t in enumerate(traces) if t.name.startswith(kind)][:count]
     rows = []
     for i in picked:
-        ctrl = AdaptiveController(slo_ms / 1000, prep.sizes, prep.chunk_tokens, prefill_tokens_per_s=prefill_tps,
-                                  decode_s_per_token=decode_spt, drop_factor=drop_factor)  # fmt: skip
-        stats, _ = run_load(store, prep, shaper="token-bucket", bandwidth=traces[i], rtt_ms=rtt_ms, controller=ctrl,
-                            check=False)  # fmt: skip
-        row = _row(stats, {}, prep, None, prefill_tps)
+        ctrl = AdaptiveController(
+            slo_ms / 1000,
+            prep.sizes,
+            prep.chunk_tokens,
+            prefill_tokens_per_s=prefill_tps,
+            decode_s_per_token=decode_spt,
+            drop_factor=drop_factor,
+        )
+        stats, _ = run_load(
+            store,
+            prep,
+            shaper="token-bucket",
+            bandwidth=traces[i],
+            rtt_ms=rtt_ms,
+            controller=ctrl,
+            check=False,
+        )
+        row = load_row(stats, {}, prep, None, prefill_tps)
         sim = sim_runs[ADAPTIVE][i]
-        rows.append({
-            "trace": traces[i].name,
-            "real_ttft_s": row["ttft_model_s"],
-            "sim_ttft_s": sim["ttft_s"],
-            "real_hit": row["ttft_model_s"] <= slo_ms / 1000,
-            "sim_hit": sim["hit"],
-            "real_mean_level": row["mean_level"],
-            "sim_mean_level": sim["mean_level"],
-            "real_levels": stats.levels,
-            "sim_levels": sim["levels"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "trace": traces[i].name,
+                "real_ttft_s": row.ttft_model_s,
+                "sim_ttft_s": sim["ttft_s"],
+                "real_hit": row.ttft_model_s <= slo_ms / 1000,
+                "sim_hit": sim["hit"],
+                "real_mean_level": row.mean_level,
+                "sim_mean_level": sim["mean_level"],
+                "real_levels": stats.levels,
+                "sim_levels": sim["levels"],
+            }
+        )
     return rows
 
 

@@ -94,10 +94,15 @@ def simulate(
     ctrl = None
     if policy == ADAPTIVE:
         ctrl = AdaptiveController(
-            slo_s, work.sizes, work.chunk_tokens, prefill_tokens_per_s=work.prefill_tokens_per_s,
-            initial_mbps=initial_mbps, safety=safety, drop_factor=drop_factor,
+            slo_s,
+            work.sizes,
+            work.chunk_tokens,
+            prefill_tokens_per_s=work.prefill_tokens_per_s,
+            initial_mbps=initial_mbps,
+            safety=safety,
+            drop_factor=drop_factor,
             decode_s_per_token=work.decode_s_per_token,
-        )  # fmt: skip
+        )
     levels: list = [None] * n
     decodes: list[
         tuple[float, int, float]

@@ -10,7 +10,7 @@ E2E_COLUMNS = (
     ("bandwidth_mbps", "Mbit/s", "{:g}"),
     ("ttft_s", "TTFT s", "{:.3f}"),
     ("e2e_s", "e2e s", "{:.3f}"),
-    ("tokens_per_s", "tok/s", "{:.1f}"),
+    ("output_tokens_per_s", "out tok/s", "{:.1f}"),
     ("bytes", "KV MB", "{:.2f}"),
     ("loaded_tokens", "loaded", "{:.0f}"),
     ("n", "n", "{:d}"),
@@ -58,8 +58,9 @@ def print_summary(doc: dict, file=None) -> None:
                     ],
                 )
             )
+            label = Mode(m["mode"], m["level"]).label
             print(
-                f"  {m['kind']:<7} {m['model']} {Mode(m['mode'], m['level']).label} {where}: {m['reason']}",
+                f"  {m['kind']:<7} {m['model']} {label} {where}: {m['reason']}",
                 file=file,
             )
 

@@ -163,8 +163,9 @@ def run_sweep(cfg: SweepConfig, *, command: str, progress: bool = True, log=None
                 ]
                 if too_long:
                     raise InputError(
-                        f"contexts {too_long} do not fit {model}'s {spec.max_positions} positions with the "
-                        f"question and {cfg.output_tokens} output tokens; choose shorter --context-tokens"
+                        f"contexts {too_long} do not fit {model}'s {spec.max_positions} "
+                        f"positions with the question and {cfg.output_tokens} output tokens; "
+                        "choose shorter --context-tokens"
                     )
                 ctxs = contexts(tokenizer, cfg.context_tokens)
                 doc["config"].setdefault("default_levels", {})[model] = _default_level(model)
@@ -189,7 +190,6 @@ def run_sweep(cfg: SweepConfig, *, command: str, progress: bool = True, log=None
                     measure_stream(
                         cfg,
                         model,
-                        identity,
                         ctxs,
                         runs=doc["runs"],
                         missing=doc["missing"],

@@ -35,6 +35,7 @@ from typing import Any
 from cachegen import workload
 from cachegen.errors import InputError
 from cachegen.lab.bench.engine import ConnectorEngine
+from cachegen.lab.rows import RequestRow, TTFTRow
 from cachegen.modes import CACHEGEN, RECOMPUTE, Mode
 
 SAVE_MODES = ("raw", "int8", "fp8", "cachegen")
@@ -141,11 +142,12 @@ class TTFTBench:
     ) -> dict[str, Any]:
         """Median TTFT over ``repeats`` runs of ``prompt`` (already :meth:`prepare`-d).
 
-        Returns a flat dict: ``ttft_s`` (vLLM's RequestOutput.metrics.first_token_latency),
-        ``ttft_wall_s``, ``e2e_s``, ``output_tokens_per_s`` (medians, seconds), every run's
-        ``ttft_runs_s``, the tokens vLLM did not compute (``cached_tokens``) and the connector's
-        report of the last run (``loaded_tokens``, ``bytes``, ``levels``, ``transfer_s``,
-        ``decode_s``, ``inject_s``, ``load_s``, ``load_error``).
+        Returns a :class:`~cachegen.lab.rows.TTFTRow` as a dict: ``ttft_s`` (vLLM's
+        RequestOutput.metrics.first_token_latency), ``ttft_wall_s``, ``e2e_s``,
+        ``output_tokens_per_s`` (medians), every run's ``ttft_runs_s``, and the last run's
+        tokens vLLM did not compute (``cached_tokens``), output and connector report
+        (``loaded_tokens``, ``bytes``, ``levels``, ``transfer_s``, ``decode_s``, ``inject_s``,
+        ``load_s``, ``goodput_mbps``, ``load_error``).
         """
         if repeats < 1:
             raise InputError("repeats must be >= 1")
@@ -156,7 +158,7 @@ class TTFTBench:
             # The first load at a new rate starts that link's chunk server: not part of a TTFT.
             self.engine.run(prompt, mode="raw", bandwidth_mbps=bandwidth_mbps, max_tokens=2)
             self._links_started.add(bandwidth_mbps)
-        runs = [
+        measurements = [
             self.engine.run(
                 prompt,
                 mode=mode,
@@ -167,38 +169,17 @@ class TTFTBench:
             )
             for _ in range(repeats)
         ]
-        last = runs[-1]
-        row: dict[str, Any] = {
-            "model": self.model,
-            "mode": mode,
-            "level": level,
-            "bandwidth_mbps": bandwidth_mbps,
-            "slo_ms": slo_ms,
-            "shaper": self.engine.config.shaper,
-            "prompt_tokens": last.prompt_tokens,
-            "repeats": repeats,
-            "ttft_s": _median([r.ttft_s for r in runs]),
-            "ttft_wall_s": _median([r.ttft_wall_s for r in runs]),
-            "e2e_s": _median([r.e2e_s for r in runs]),
-            "output_tokens_per_s": _median([r.output_tokens_per_s for r in runs]),
-            "ttft_runs_s": [r.ttft_s for r in runs],
-            "cached_tokens": last.cached_tokens,
-            "output_token_ids": last.token_ids,
-        }
-        for key in (
-            "loaded_tokens",
-            "bytes",
-            "levels",
-            "transfer_s",
-            "decode_s",
-            "inject_s",
-            "load_s",
-            "goodput_mbps",
-            "load_error",
-        ):
-            if key in last.connector:
-                row[key] = last.connector[key]
-        return row
+        runs = [RequestRow.from_measurement(m, self.model) for m in measurements]
+        row = TTFTRow(
+            **runs[-1].to_dict(),
+            shaper=self.engine.config.shaper,
+            repeats=repeats,
+            ttft_runs_s=[r.ttft_s for r in runs],
+            output_token_ids=measurements[-1].token_ids,
+        )
+        for name in ("ttft_s", "ttft_wall_s", "e2e_s", "output_tokens_per_s"):
+            setattr(row, name, _median([getattr(r, name) for r in runs]))
+        return row.to_dict()
 
     def close(self) -> None:
         if self._owns_engine:
@@ -232,7 +213,7 @@ def measure_ttft(
         return bench.measure(prompt, mode, level, bandwidth_mbps, slo_ms=slo_ms, repeats=repeats)
 
 
-# ---- the TTFT table ---------------------------------------------------------------------------------
+# ---- the TTFT table ------------------------------------------------------------------------------
 
 
 def ttft_table(
@@ -245,7 +226,8 @@ def ttft_table(
     repeats: int = 3,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """Rows for every context x mode (x cachegen level) x bandwidth; ``recompute`` once per context."""
+    """Rows for every context x mode (x cachegen level) x bandwidth; ``recompute`` once per
+    context."""
     rows = []
     levels = bench.engine.transport.levels("cachegen")
     for context in contexts:
@@ -284,7 +266,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         int8 = {r["bandwidth_mbps"]: r for r in mine if r["mode"] == "int8"}
         out.append(
             f"**{context}-token context** (+ {mine[0]['prompt_tokens'] - context}-token question), "
-            f"TTFT in seconds (median of {mine[0]['repeats']}), link shaped by {mine[0]['shaper']}; "
+            f"TTFT in seconds (median of {mine[0]['repeats']}), "
+            f"link shaped by {mine[0]['shaper']}; "
             f"x = TTFT of recompute / int8 over this row's"
         )
         out.append("")
@@ -314,7 +297,7 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
                 if r is None:
                     cells.append("-")
                     continue
-                size = r.get("bytes", size)
+                size = r["bytes"] or size
                 cell = f"{r['ttft_s']:.3f}"
                 ratios = []
                 if recompute is not None:
@@ -337,7 +320,7 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-# ---- where a load's TTFT goes ------------------------------------------------------------------------
+# ---- where a load's TTFT goes --------------------------------------------------------------------
 
 
 def timeline(
@@ -386,6 +369,7 @@ def timeline(
                 }
             )
         row = {
+            "model": bench.model,
             "mode": mode,
             "level": level,
             "bandwidth_mbps": bandwidth,
@@ -407,14 +391,16 @@ def timeline(
 
 def timeline_markdown(rows: Sequence[dict[str, Any]]) -> str:
     out = [
-        "| mode | link (Mbit/s) | TTFT (s) | load (s) | TTFT - load (s) | first-token step (s) | steps to first token |",
+        "| mode | link (Mbit/s) | TTFT (s) | load (s) | TTFT - load (s) | first-token step (s) "
+        "| steps to first token |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         name = r["mode"] if r["level"] is None else f"{r['mode']} level {r['level']}"
         link = "-" if r["bandwidth_mbps"] is None else f"{r['bandwidth_mbps']:g}"
         out.append(
-            f"| {name} | {link} | {r['ttft_s']:.3f} | {r['load_s']:.3f} | {r['after_load_s']:.3f} | "
+            f"| {name} | {link} | {r['ttft_s']:.3f} | {r['load_s']:.3f} "
+            f"| {r['after_load_s']:.3f} | "
             f"{r['first_token_step_s']:.3f} | {r['steps']:g} |"
         )
     return "\n".join(out)
@@ -428,7 +414,7 @@ def parse_mode(label: str) -> tuple[str, int | None]:
     return mode.mode, mode.level
 
 
-# ---- where the connector's work runs ---------------------------------------------------------------
+# ---- where the connector's work runs -------------------------------------------------------------
 
 
 def placement(

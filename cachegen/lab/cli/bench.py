@@ -16,15 +16,17 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "bench",
         help="run the end-to-end benchmark sweep and write results.json",
-        description="Measure TTFT, latency and throughput through vLLM (text recompute and every KV mode through "
-        "the CacheGenConnector), compression, transfer and decode time through the codec and a rate-limited "
-        "socket, and quality with decoded KV; write results.json and print a summary. Flags override the profile.",
+        description="Measure TTFT, latency and output rate through vLLM (text recompute and every "
+        "KV mode through the CacheGenConnector), compression, transfer and decode time through "
+        "the codec and a rate-limited socket, and quality with decoded KV; write results.json and "
+        "print a summary. Flags override the profile.",
     )
     p.add_argument(
         "--profile",
         choices=("default", "quick"),
         default="default",
-        help="default: what `make bench` runs (<= 20 min on 2 cores); quick: a smoke run (<= 3 min)",
+        help="default: what `make bench` runs (<= 20 min on 2 cores); quick: a smoke run "
+        "(<= 3 min)",
     )
     p.add_argument(
         "--quick",
@@ -89,8 +91,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "plot",
         help="draw the benchmark figures (PNG) from results.json",
-        description="Draw TTFT by model and mode, TTFT vs bandwidth, throughput, compression ratio, transfer time "
-        "vs bandwidth, decode time, and quality vs size with its Pareto frontier.",
+        description="Draw TTFT by model and mode, TTFT vs bandwidth, output rate, compression "
+        "ratio, transfer time vs bandwidth, decode time, and quality vs size with its Pareto "
+        "frontier.",
     )
     p.add_argument(
         "results",
@@ -107,7 +110,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "report",
         help="write the reproduction report (paper's claims vs measurements) from results.json",
-        description="Render docs/reproduction.md: each claim of the CacheGen paper beside what results.json measured.",
+        description="Render docs/reproduction.md: each claim of the CacheGen paper beside what "
+        "results.json measured.",
     )
     p.add_argument(
         "results",

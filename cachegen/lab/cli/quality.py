@@ -55,7 +55,8 @@ def _data_args(p: argparse.ArgumentParser, windows: int) -> None:
         "--windows",
         type=int,
         default=windows,
-        help="evaluation windows; for 'retrieval' samples per context length (default: %(default)s)",
+        help="evaluation windows; for 'retrieval' samples per context length "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--context-tokens",
@@ -73,8 +74,9 @@ def _data_args(p: argparse.ArgumentParser, windows: int) -> None:
         "--retrieval-lengths",
         type=_length_list,
         default=None,
-        help="retrieval context lengths in tokens, each optionally with its own sample count, e.g. "
-        "1024:40,2048:20,8064 (default: 1K doubling up to the model's limit, --windows samples each)",
+        help="retrieval context lengths in tokens, each optionally with its own sample count, "
+        "e.g. 1024:40,2048:20,8064 (default: 1K doubling up to the model's limit, --windows "
+        "samples each)",
     )
     p.add_argument(
         "--gen-tokens",
@@ -101,9 +103,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "eval",
         help="measure what a codec's levels cost in answer quality",
-        description="Run MODEL on evaluation windows with the original KV of each context and with the KV "
-        "after encode+decode by each codec level; report bits/element, perplexity change, top-1 agreement, "
-        "KL, exact match/ROUGE-L/BLEU of greedy generations and (dataset 'retrieval') retrieval accuracy.",
+        description="Run MODEL on evaluation windows with the original KV of each context and "
+        "with the KV after encode+decode by each codec level; report bits/element, perplexity "
+        "change, top-1 agreement, KL, exact match/ROUGE-L/BLEU of greedy generations and (dataset "
+        "'retrieval') retrieval accuracy.",
     )
     _data_args(p, windows=16)
     p.add_argument(
@@ -129,9 +132,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "sweep",
         help="rate-distortion sweep over codecs, levels and codec options (JSON + PNG + Markdown)",
-        description="Evaluate every baseline codec, every level of the model's cachegen profile and a grid of "
-        "cachegen options on the same windows; write sweep.json, sweep.md and sweep.png (with the Pareto "
-        "frontier of bits/element against each metric) into --out.",
+        description="Evaluate every baseline codec, every level of the model's cachegen profile "
+        "and a grid of cachegen options on the same windows; write sweep.json, sweep.md and "
+        "sweep.png (with the Pareto frontier of bits/element against each metric) into --out.",
     )
     _data_args(p, windows=256)
     p.set_defaults(gen_windows=32)
@@ -154,8 +157,8 @@ def register(subparsers) -> None:
         action="append",
         default=[],
         metavar="EVAL_JSON",
-        help="with --replot: rows of this `cachegen eval --out` result (same data and windows) replace the "
-        "sweep's rows of the same codec and level, or are added (repeatable)",
+        help="with --replot: rows of this `cachegen eval --out` result (same data and windows) "
+        "replace the sweep's rows of the same codec and level, or are added (repeatable)",
     )
     p.add_argument(
         "--drop",
@@ -170,9 +173,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "calibrate",
         help="choose per-layer bins and codec options for a quality target; save them as a level",
-        description="Measure each layer's sensitivity on the 'calibrate' split of the pydoc text, allocate bins "
-        "and options for the fewest bits that keep the perplexity change within --target-ppl, verify on real runs "
-        "and save the result as level --level of the model's cachegen profile.",
+        description="Measure each layer's sensitivity on the 'calibrate' split of the pydoc text, "
+        "allocate bins and options for the fewest bits that keep the perplexity change within "
+        "--target-ppl, verify on real runs and save the result as level --level of the model's "
+        "cachegen profile.",
     )
     p.add_argument(
         "--model",
@@ -219,18 +223,21 @@ def register(subparsers) -> None:
         "--exact-tokens",
         type=int,
         default=1,
-        help="store the first N tokens of a sequence exactly, the attention sink (default: %(default)s)",
+        help="store the first N tokens of a sequence exactly, the attention sink "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--no-derotate",
         action="store_true",
-        help="quantize keys as the model stores them (after RoPE) instead of turned back by their rotary angles",
+        help="quantize keys as the model stores them (after RoPE) instead of turned back by "
+        "their rotary angles",
     )
     p.add_argument(
         "--level",
         type=int,
         default=4,
-        help="level number for the first target; further targets take the next numbers (default: %(default)s)",
+        help="level number for the first target; further targets take the next numbers "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--set-default",
@@ -244,8 +251,9 @@ def register(subparsers) -> None:
         "--select",
         choices=("kl", "ppl"),
         default="kl",
-        help="how a target picks among verified allocations: kl = KL within the budget the target maps to "
-        "(robust on few windows), ppl = measured perplexity change within margin x target (default: %(default)s)",
+        help="how a target picks among verified allocations: kl = KL within the budget the "
+        "target maps to (robust on few windows), ppl = measured perplexity change within margin "
+        "x target (default: %(default)s)",
     )
     p.add_argument(
         "--apply",
@@ -257,8 +265,8 @@ def register(subparsers) -> None:
         "--trials",
         type=Path,
         metavar="CALIBRATION_JSON",
-        help="do not measure allocations: choose again (--target-ppl, --select, --margin) among those an "
-        "earlier run verified, on its windows",
+        help="do not measure allocations: choose again (--target-ppl, --select, --margin) among "
+        "those an earlier run verified, on its windows",
     )
     p.add_argument(
         "--out", type=Path, help="also write calibration.json (all verified allocations) here"
@@ -342,15 +350,17 @@ def _eval(args: argparse.Namespace) -> int:
     )
     frontier.annotate(rows)
     if args.out:
-        document = {
-            "command": _command_line("eval", args),
-            "model": spec.name,
-            "data": data.describe(),
-            "windows": len(windows),
-            "gen_tokens": settings.gen_tokens,
-            "gen_windows": settings.gen_windows,
-            "rows": rows,
-        }
+        document = report.new_document(
+            {
+                "command": _command_line("eval", args),
+                "model": spec.name,
+                "data": data.describe(),
+                "windows": len(windows),
+                "gen_tokens": settings.gen_tokens,
+                "gen_windows": settings.gen_windows,
+                "rows": rows,
+            }
+        )
         written = report.write_outputs(args.out, "eval", document, f"{spec.name} on {data.dataset}")
         print("wrote " + ", ".join(map(str, written)), file=sys.stderr)
     if args.json:
@@ -396,16 +406,18 @@ def _sweep(args: argparse.Namespace) -> int:
         args.model, windows, candidates, settings, progress=not args.no_progress, labels=labels
     )
     frontier.annotate(rows)
-    document = {
-        "command": _command_line("sweep", args),
-        "model": spec.name,
-        "data": data.describe(),
-        "windows": len(windows),
-        "gen_tokens": settings.gen_tokens,
-        "gen_windows": settings.gen_windows,
-        "targets": check_targets(rows),
-        "rows": rows,
-    }
+    document = report.new_document(
+        {
+            "command": _command_line("sweep", args),
+            "model": spec.name,
+            "data": data.describe(),
+            "windows": len(windows),
+            "gen_tokens": settings.gen_tokens,
+            "gen_windows": settings.gen_windows,
+            "targets": check_targets(rows),
+            "rows": rows,
+        }
+    )
     written = report.write_outputs(
         args.out, "sweep", document, f"{spec.name}: rate-distortion on {data.dataset}"
     )
@@ -470,19 +482,21 @@ def _calibrate(args: argparse.Namespace) -> int:
         print(json.dumps({k: v for k, v in summary.items() if k != "trials"}, indent=2))
         return 0
     print(
-        f"{len(result.trials)} allocations verified on {result.settings.windows} calibration windows "
-        f"(aiming at {result.settings.margin:.0%} of each target)"
+        f"{len(result.trials)} allocations verified on {result.settings.windows} calibration "
+        f"windows (aiming at {result.settings.margin:.0%} of each target)"
     )
     for entry in summary["choices"]:
         config = entry["config"]
         print(
-            f"target |perplexity change| <= {entry['target_ppl_pct']:g}%: hadamard={config['hadamard']} "
-            f"key_scale={config['key_scale']} value_scale={config['value_scale']}"
+            f"target |perplexity change| <= {entry['target_ppl_pct']:g}%: "
+            f"hadamard={config['hadamard']} key_scale={config['key_scale']} "
+            f"value_scale={config['value_scale']}"
         )
         print(f"  key bins   {config['key_bins']}")
         print(f"  value bins {config['value_bins']}")
         print(
-            f"  {entry['codec_bits_per_element']:.3f} bits/element through the codec; on the calibration windows "
+            f"  {entry['codec_bits_per_element']:.3f} bits/element through the codec; "
+            "on the calibration windows "
             f"perplexity {entry['ppl_change_pct']:+.2f}%, KL {entry['kl']:.4f}, "
             f"top-1 agreement {100 * entry['top1_agreement']:.1f}%"
         )

@@ -7,6 +7,7 @@ import json
 
 from cachegen import models
 from cachegen.errors import InputError
+from cachegen.lab import rows
 from cachegen.lab.bench import stream_bench as bench
 from cachegen.store import default_store_url, open_store
 from cachegen.stream.controller import DEFAULT_DROP_FACTOR
@@ -16,11 +17,13 @@ from cachegen.stream.link import SHAPERS
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "stream-bench",
-        help="stream encoded KV chunks through a bandwidth-limited link and measure goodput and load time",
-        description="Encode TOKENS tokens of real text (model KV via transformers, codec NAME) into the store "
-        "once, then load them through a rate-limited TCP link on 127.0.0.1 with pipelined decoding and print "
-        "goodput_mbps, bytes, transfer_s, decode_s, load_s and levels. With --controller-eval, evaluate the "
-        "adaptive controller over bandwidth traces instead.",
+        help="stream encoded KV chunks through a bandwidth-limited link and measure goodput "
+        "and load time",
+        description="Encode TOKENS tokens of real text (model KV via transformers, codec NAME) "
+        "into the store once, then load them through a rate-limited TCP link on 127.0.0.1 with "
+        "pipelined decoding and print goodput_mbps, bytes, transfer_s, decode_s, load_s and "
+        "levels (docs/benchmarks.md, Vocabulary). With --controller-eval, evaluate the adaptive "
+        "controller over bandwidth traces instead.",
     )
     p.add_argument(
         "--store", default=None, help=f"chunk store URL (default: {default_store_url()})"
@@ -35,30 +38,55 @@ def register(subparsers) -> None:
     p.add_argument(
         "--chunk-tokens", type=int, default=256, help="tokens per chunk (default: %(default)s)"
     )
-    p.add_argument("--bandwidth-mbps", default=None,
-                   help="link rate in Mbit/s, a comma list (100,500,1000), or a trace: constant:R, step:R1:R2:AT_S, "
-                   "walk:MEAN:SEED (token-bucket only); omit for an unlimited link")  # fmt: skip
+    p.add_argument(
+        "--bandwidth-mbps",
+        default=None,
+        help="link rate in Mbit/s, a comma list (100,500,1000), or a trace: constant:R, "
+        "step:R1:R2:AT_S, walk:MEAN:SEED (token-bucket only); omit for an unlimited link",
+    )
     p.add_argument("--rtt-ms", type=float, default=0.0, help="added round-trip time (default: 0)")
-    p.add_argument("--shaper", default="token-bucket",
-                   help=f"one or a comma list of {', '.join(SHAPERS)} (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--shaper",
+        default="token-bucket",
+        help=f"one or a comma list of {', '.join(SHAPERS)} (default: %(default)s)",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--level", type=int, help="load every chunk at this level (default: the codec's default)"
     )
-    mode.add_argument("--slo-ms", default=None,
-                      help="TTFT budget for the adaptive controller (a comma list with --controller-eval)")  # fmt: skip
-    p.add_argument("--prefill-tps", type=float, default=None,
-                   help="recompute cost in prefill tokens/s (default: measured with transformers)")  # fmt: skip
+    mode.add_argument(
+        "--slo-ms",
+        default=None,
+        help="TTFT budget for the adaptive controller (a comma list with --controller-eval)",
+    )
+    p.add_argument(
+        "--prefill-tps",
+        type=float,
+        default=None,
+        help="recompute cost in prefill tokens/s (default: measured with transformers)",
+    )
     p.add_argument(
         "--repeat", type=int, default=1, help="runs per shaper and bandwidth (default: 1)"
     )
-    p.add_argument("--controller-eval", action="store_true",
-                   help="evaluate adaptive vs every fixed level vs recompute over constant/step/random-walk traces")  # fmt: skip
-    p.add_argument("--real-runs", type=int, default=1,
-                   help="with --controller-eval: traces of each kind also replayed over a real socket (default: 1)")  # fmt: skip
-    p.add_argument("--drop-factor", default=None,
-                   help="with --controller-eval: the controller's drop factor(s), a comma list "
-                   f"(default: {DEFAULT_DROP_FACTOR})")  # fmt: skip
+    p.add_argument(
+        "--controller-eval",
+        action="store_true",
+        help="evaluate adaptive vs every fixed level vs recompute over constant/step/random-walk "
+        "traces",
+    )
+    p.add_argument(
+        "--real-runs",
+        type=int,
+        default=1,
+        help="with --controller-eval: traces of each kind also replayed over a real socket "
+        "(default: 1)",
+    )
+    p.add_argument(
+        "--drop-factor",
+        default=None,
+        help="with --controller-eval: the controller's drop factor(s), a comma list "
+        f"(default: {DEFAULT_DROP_FACTOR})",
+    )
     p.add_argument("--json", action="store_true", help="print the full results as JSON on stdout")
     p.set_defaults(func=_stream_bench)
 
@@ -83,27 +111,43 @@ def _stream_bench(args: argparse.Namespace) -> int:
             else (None if need_all_levels else codec.default_level)
         )
         levels = codec.levels if need_all_levels else [level]
-        prep = bench.prepare(store, args.model, args.codec, args.tokens, args.chunk_tokens, levels)
+        ids = bench.bench_tokens(models.resolve(args.model), args.tokens)
+        prep = bench.prepare(store, args.model, args.codec, ids, args.chunk_tokens, levels)
         prefill_tps = args.prefill_tps or prep.prefill_tps
         if need_all_levels and not prefill_tps:
             prefill_tps, _ = bench.measure_prefill_tps(models.resolve(args.model), prep.token_ids)
         if args.controller_eval:
             if args.slo_ms is None:
                 raise InputError("--controller-eval needs --slo-ms (one or a comma list)")
-            result = bench.controller_eval(store, prep, slos_ms=_floats(args.slo_ms), prefill_tps=prefill_tps,
-                                           rtt_ms=args.rtt_ms, real_runs=args.real_runs,
-                                           drop_factors=_floats(args.drop_factor or DEFAULT_DROP_FACTOR))  # fmt: skip
+            result = bench.controller_eval(
+                store,
+                prep,
+                slos_ms=_floats(args.slo_ms),
+                prefill_tps=prefill_tps,
+                rtt_ms=args.rtt_ms,
+                real_runs=args.real_runs,
+                drop_factors=_floats(args.drop_factor or DEFAULT_DROP_FACTOR),
+            )
             _print_eval(result)
         else:
-            result = bench.stream_bench(store, prep, shapers=shapers, bandwidths=bandwidths,
-                                        rtt_ms=args.rtt_ms, level=level,
-                                        slo_ms=_floats(args.slo_ms)[0] if args.slo_ms else None,
-                                        prefill_tps=prefill_tps, repeat=args.repeat)  # fmt: skip
+            result = bench.stream_bench(
+                store,
+                prep,
+                shapers=shapers,
+                bandwidths=bandwidths,
+                rtt_ms=args.rtt_ms,
+                level=level,
+                slo_ms=_floats(args.slo_ms)[0] if args.slo_ms else None,
+                prefill_tps=prefill_tps,
+                repeat=args.repeat,
+            )
     finally:
         store.close()
     result["command"] = "cachegen stream-bench " + " ".join(_argv(args))
     if args.json:
-        print(json.dumps(result, indent=2, default=str))
+        if not args.controller_eval:
+            rows.validate(result["runs"], "stream", "stream-bench runs")
+        print(json.dumps(result, indent=2))
     return 0
 
 
@@ -130,18 +174,28 @@ def _print_eval(result: dict) -> None:
 
     for ev in result["evaluations"]:
         feasible = ev["adaptive_hit_rate_where_feasible"]
-        print(f"\nSLO {ev['slo_s'] * 1000:.0f} ms, drop factor {ev['drop_factor']:g}, {len(ev['traces'])} traces; "
-              f"adaptive hit rate where some "
-              f"fixed level meets it: {'n/a (no such trace)' if feasible is None else f'{feasible:.3f}'}",
-              file=sys.stderr)  # fmt: skip
+        hit_rate = "n/a (no such trace)" if feasible is None else f"{feasible:.3f}"
         print(
-            f"{'policy':>10} {'SLO hit':>8} {'mean lvl':>9} {'recomp':>7} {'mean TTFT':>10} {'p95 TTFT':>9}",
+            f"\nSLO {ev['slo_s'] * 1000:.0f} ms, drop factor {ev['drop_factor']:g}, "
+            f"{len(ev['traces'])} traces; adaptive hit rate where some fixed level meets it: "
+            f"{hit_rate}",
             file=sys.stderr,
         )
+        head = ("policy", "SLO hit", "mean lvl", "recomp", "mean TTFT", "p95 TTFT")
+        widths = (10, 8, 9, 7, 10, 9)
+        print(" ".join(f"{h:>{w}}" for h, w in zip(head, widths)), file=sys.stderr)
         for row in ev["summary"]:
             lvl = "-" if row["mean_level"] is None else f"{row['mean_level']:.2f}"
-            print(f"{row['policy']:>10} {row['slo_hit_rate']:8.3f} {lvl:>9} {row['recompute_share']:7.3f} "
-                  f"{row['mean_ttft_s']:10.3f} {row['p95_ttft_s']:9.3f}", file=sys.stderr)  # fmt: skip
+            print(
+                f"{row['policy']:>10} {row['slo_hit_rate']:8.3f} {lvl:>9} "
+                f"{row['recompute_share']:7.3f} {row['mean_ttft_s']:10.3f} "
+                f"{row['p95_ttft_s']:9.3f}",
+                file=sys.stderr,
+            )
         for r in ev["real"]:
-            print(f"  real socket, {r['trace']}: TTFT {r['real_ttft_s']:.3f} s (simulated {r['sim_ttft_s']:.3f} s), "
-                  f"mean level {r['real_mean_level'] or 0:.2f} (simulated {r['sim_mean_level'] or 0:.2f})", file=sys.stderr)  # fmt: skip
+            print(
+                f"  real socket, {r['trace']}: TTFT {r['real_ttft_s']:.3f} s "
+                f"(simulated {r['sim_ttft_s']:.3f} s), mean level {r['real_mean_level'] or 0:.2f} "
+                f"(simulated {r['sim_mean_level'] or 0:.2f})",
+                file=sys.stderr,
+            )

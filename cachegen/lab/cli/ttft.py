@@ -1,4 +1,5 @@
-"""``cachegen ttft table|timeline|placement``: TTFT through vLLM with the connector (docs/connector.md)."""
+"""``cachegen ttft table|timeline|placement``: TTFT through vLLM with the connector
+(docs/connector.md)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,16 @@ import argparse
 import json
 from pathlib import Path
 
-from cachegen.fileio import write_atomic
+from cachegen.fileio import versioned, write_atomic
+
+# --json documents: schema name and the row kind of rows.schema.json (placement rows are not
+# measurement rows of one request)
+DOCUMENTS = {
+    "table": ("cachegen-ttft-table", "ttft"),
+    "timeline": ("cachegen-ttft-timeline", "timeline"),
+    "placement": ("cachegen-ttft-placement", None),
+}
+VERSION = 1
 
 
 def register(subparsers) -> None:
@@ -35,7 +45,8 @@ def register(subparsers) -> None:
         "--shaper",
         choices=["token-bucket", "netns"],
         default="token-bucket",
-        help="how the link rate is enforced (netns: kernel tc in a private network namespace, root)",
+        help="how the link rate is enforced (netns: kernel tc in a private network namespace, "
+        "root)",
     )
     t.set_defaults(func=_table)
     tl = actions.add_parser(
@@ -56,7 +67,9 @@ def register(subparsers) -> None:
     pl.add_argument("--model", default="smollm2-135m")
     pl.set_defaults(func=_placement)
     for q in (t, tl, pl):
-        q.add_argument("--json", type=Path, help="also write every row to this JSON file")
+        q.add_argument(
+            "--json", type=Path, help="also write every row to this JSON file (schema and version)"
+        )
         q.add_argument(
             "--markdown", type=Path, help="also write the tables to this file (vLLM logs to stdout)"
         )
@@ -98,5 +111,11 @@ def _emit(args: argparse.Namespace, rows: list[dict], text: str) -> int:
     if args.markdown:
         write_atomic(args.markdown, (text + "\n").encode())
     if args.json:
-        write_atomic(args.json, (json.dumps(rows, indent=1) + "\n").encode())
+        from cachegen.lab import rows as row_schema
+
+        name, kind = DOCUMENTS[args.action]
+        if kind is not None:
+            row_schema.validate(rows, kind, str(args.json))
+        document = versioned(name, VERSION, {"rows": rows})
+        write_atomic(args.json, (json.dumps(document, indent=1) + "\n").encode())
     return 0

@@ -9,8 +9,9 @@ profile's text):
    distributions per unit of squared error is that group's sensitivity.
 2. **Statistics.** For every option (Hadamard rotation, scale granularity for keys and for
    values; keys turned back by their rotary angles and the first token stored exactly in all
-   of them unless the settings say otherwise) and every bin count of a ladder, the codec's own quantizer gives each group's
-   squared error and estimated bits (symbol entropy + scales), without any model run.
+   of them unless the settings say otherwise) and every bin count of a ladder, the codec's own
+   quantizer gives each group's squared error and estimated bits (symbol entropy + scales),
+   without any model run.
 3. **Allocation.** With KL modelled as sensitivity x squared error and additive over groups,
    a Lagrangian trade-off ``bits + lambda * KL`` picks per-layer bins for each option
    family. The probes measured one kind of noise, and other families' noise hurts more or
@@ -39,6 +40,7 @@ from tqdm import tqdm
 from cachegen import models
 from cachegen.codec import SCALE_KINDS, QuantConfig
 from cachegen.errors import InputError
+from cachegen.fileio import check_version, versioned
 from cachegen.kv import KVCache
 from cachegen.lab.quality.candidates import config_codec
 from cachegen.lab.quality.datasets import pydoc_windows
@@ -53,7 +55,8 @@ PROBE_BINS = (
 KL_PER_PPL_PCT = (
     0.01  # rough exchange rate (nats/token per % perplexity) for aiming the option probes
 )
-RESULT_FORMAT = "cachegen-calibration-1"
+SCHEMA = "cachegen-calibration"  # calibration.json
+VERSION = 1
 CALIBRATION_LEVEL = 0xFFFE  # level number of the in-memory codec that measures the chosen config
 LAMBDAS = tuple(10 ** (e / 4) for e in range(-4, 25))  # 0.1 .. 1e6, four per decade
 
@@ -145,24 +148,27 @@ class CalibrationResult:
 
     def to_dict(self) -> dict:
         s = self.settings
-        return {
-            "format": RESULT_FORMAT,
-            "model": self.model,
-            "margin": s.margin,
-            "windows": s.windows,
-            "context_tokens": s.context_tokens,
-            "continuation_tokens": s.continuation_tokens,
-            "probe_groups": s.probe_groups,
-            "seed": s.seed,
-            "select": s.select,
-            "derotate_keys": s.derotate_keys,
-            "exact_tokens": s.exact_tokens,
-            "dtype": str(s.dtype).removeprefix("torch."),
-            "split": "calibrate",
-            "choices": [c.to_dict() for c in self.choices],
-            "sensitivity_kl_per_mse": self.sensitivity,
-            "trials": [t.to_dict() for t in self.trials],
-        }
+        return versioned(
+            SCHEMA,
+            VERSION,
+            {
+                "model": self.model,
+                "margin": s.margin,
+                "windows": s.windows,
+                "context_tokens": s.context_tokens,
+                "continuation_tokens": s.continuation_tokens,
+                "probe_groups": s.probe_groups,
+                "seed": s.seed,
+                "select": s.select,
+                "derotate_keys": s.derotate_keys,
+                "exact_tokens": s.exact_tokens,
+                "dtype": str(s.dtype).removeprefix("torch."),
+                "split": "calibrate",
+                "choices": [c.to_dict() for c in self.choices],
+                "sensitivity_kl_per_mse": self.sensitivity,
+                "trials": [t.to_dict() for t in self.trials],
+            },
+        )
 
 
 class _Windows:
@@ -447,7 +453,8 @@ def _choose(
     config = replace(
         trial.config,
         description=(
-            f"calibrated: perplexity change <= {target:g}% target, est. {trial.est_bits_per_element:.2f} bits/element"
+            f"calibrated: perplexity change <= {target:g}% target, "
+            f"est. {trial.est_bits_per_element:.2f} bits/element"
         ),
     )
     return Choice(target, trial, config, budget, ppl_per_kl, _codec_bits(data, config, settings))
@@ -524,12 +531,12 @@ def _read_calibration(path, model: str) -> dict:
         document = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"cannot read calibration {path}: {exc}") from exc
-    if not isinstance(document, dict) or document.get("format") != RESULT_FORMAT:
-        raise InputError(f"{path} is not a calibration written by `cachegen calibrate --out`")
+    check_version(document, SCHEMA, (VERSION,), str(path))
     fingerprint = resolve(model).identity().fingerprint
     if document.get("model", {}).get("fingerprint") != fingerprint:
         raise InputError(
-            f"{path} was calibrated for {document.get('model', {}).get('name')!r}, not for {model!r} "
+            f"{path} was calibrated for {document.get('model', {}).get('name')!r}, "
+            f"not for {model!r} "
             f"(weights differ); calibrate this model instead"
         )
     return document

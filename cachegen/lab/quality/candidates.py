@@ -50,7 +50,8 @@ def codec_candidates(spec: ModelSpec, name: str, levels: list[str] | None) -> li
     if unknown:
         extra = f"; or one of the variants {', '.join(named)}" if named else ""
         raise InputError(
-            f"codec {name} has no level {', '.join(unknown)}; its levels are {', '.join(available) or '(none)'}{extra}"
+            f"codec {name} has no level {', '.join(unknown)}; its levels are "
+            f"{', '.join(available) or '(none)'}{extra}"
         )
     return [
         Candidate(name, level, codec_roundtrip(codec, available[level]))

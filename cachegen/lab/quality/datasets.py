@@ -52,8 +52,8 @@ def windows_from_stream(
     slots = (ids.numel() - context_tokens) // span
     if slots < 1:
         raise InputError(
-            f"{source} has {ids.numel()} tokens, fewer than one window of {context_tokens} context + "
-            f"{span} continuation tokens; lower --context-tokens or give more text"
+            f"{source} has {ids.numel()} tokens, fewer than one window of {context_tokens} "
+            f"context + {span} continuation tokens; lower --context-tokens or give more text"
         )
     if count > slots:
         raise InputError(
@@ -144,11 +144,13 @@ def file_windows(
             explicit.append(_explicit_window(tokenizer, record, f"{path.name}:{lineno}"))
         else:
             raise InputError(
-                f'{path}:{lineno}: each JSONL record needs a "text" string, or "context" and "continuation" strings'
+                f'{path}:{lineno}: each JSONL record needs a "text" string, or "context" and '
+                '"continuation" strings'
             )
     if documents and explicit:
         raise InputError(
-            f'{path} mixes "text" records and "context"/"continuation" records; use one kind per file'
+            f'{path} mixes "text" records and "context"/"continuation" records; use one kind '
+            "per file"
         )
     if explicit:
         return explicit[:count]
@@ -211,8 +213,8 @@ def load_windows(settings: DataSettings, tokenizer, max_positions: int) -> list[
         )
     if settings.context_tokens + settings.continuation_tokens + 1 > max_positions:
         raise InputError(
-            f"{settings.context_tokens} context + {settings.continuation_tokens + 1} continuation tokens exceed the "
-            f"model's {max_positions} positions; lower --context-tokens"
+            f"{settings.context_tokens} context + {settings.continuation_tokens + 1} continuation "
+            f"tokens exceed the model's {max_positions} positions; lower --context-tokens"
         )
     common = dict(
         count=settings.windows,

@@ -96,9 +96,8 @@ def markdown_table(rows: list[dict]) -> str:
         ]
         if has_retrieval:
             if "retrieval_accuracy" in row:
-                cells.append(
-                    f"{100 * row['retrieval_accuracy_original']:.1f}% → {100 * row['retrieval_accuracy']:.1f}%"
-                )
+                original, decoded = row["retrieval_accuracy_original"], row["retrieval_accuracy"]
+                cells.append(f"{100 * original:.1f}% → {100 * decoded:.1f}%")
             else:
                 cells.append("-")
         lines.append("| " + " | ".join(cells) + " |")

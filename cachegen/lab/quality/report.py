@@ -1,12 +1,22 @@
-"""Writing evaluation results: terminal table, JSON document, Markdown table and plot."""
+"""Writing evaluation results: terminal table, JSON document, Markdown table and plot.
+
+``cachegen eval --out`` and ``cachegen sweep`` write one kind of document (eval.json,
+sweep.json): ``cachegen-quality-results``, whose rows are ``quality`` rows of the lab's row
+schema (``cachegen.lab.rows``).
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from cachegen.fileio import write_atomic
+from cachegen.errors import InputError
+from cachegen.fileio import check_version, versioned, write_atomic
+from cachegen.lab import rows as row_schema
 from cachegen.lab.quality import frontier
+
+SCHEMA = "cachegen-quality-results"
+VERSION = 1
 
 
 def terminal_table(rows: list[dict]) -> str:
@@ -46,30 +56,28 @@ def write_json(path: Path, document) -> None:
     write_atomic(path, (json.dumps(document, indent=2) + "\n").encode())
 
 
+def new_document(body: dict) -> dict:
+    """An eval.json or sweep.json document holding ``body`` (command, model, data, rows...)."""
+    return versioned(SCHEMA, VERSION, body)
+
+
 def read_document(path: Path) -> dict:
     """A results document written by :func:`write_outputs`."""
-    from cachegen.errors import InputError
-
     try:
-        document = json.loads(path.read_text())
+        doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"cannot read results {path}: {exc}") from exc
-    if (
-        not isinstance(document, dict)
-        or not isinstance(document.get("rows"), list)
-        or "model" not in document
-    ):
-        raise InputError(
-            f"{path} is not a results file written by `cachegen sweep` or `cachegen eval --out`"
-        )
-    return document
+    check_version(doc, SCHEMA, (VERSION,), str(path))
+    if not isinstance(doc.get("rows"), list) or "model" not in doc:
+        raise InputError(f"{path} has no rows or no model: it is not a whole results file")
+    row_schema.validate(doc["rows"], "quality", str(path))
+    return doc
 
 
 def update_rows(document: dict, updates: list[dict], drop: list[str]) -> None:
     """Replace (or add) ``document``'s rows with those of ``updates``, results measured on the
     same data and windows, and remove the rows labelled in ``drop``. The commands behind the
     rows are kept in ``document["updates"]``."""
-    from cachegen.errors import InputError
 
     def key(row: dict) -> str:
         return f"{row['codec']}/{row['level']}"
@@ -82,8 +90,8 @@ def update_rows(document: dict, updates: list[dict], drop: list[str]) -> None:
         )
         if not same:
             raise InputError(
-                f"cannot merge `{update.get('command')}`: it was measured on other data, windows or "
-                f"generation settings than the sweep ({document.get('command')})"
+                f"cannot merge `{update.get('command')}`: it was measured on other data, "
+                f"windows or generation settings than the sweep ({document.get('command')})"
             )
         index = {key(row): i for i, row in enumerate(rows)}
         for row in update["rows"]:
@@ -103,10 +111,12 @@ def update_rows(document: dict, updates: list[dict], drop: list[str]) -> None:
 
 
 def write_outputs(out: Path, stem: str, document: dict, title: str) -> list[Path]:
-    """``<stem>.json``, ``<stem>.md`` (table) and ``<stem>.png`` (rate-distortion plot) in ``out``."""
+    """``<stem>.json``, ``<stem>.md`` (table) and ``<stem>.png`` (rate-distortion plot) in
+    ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     rows = document["rows"]
     json_path, md_path, png_path = out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"
+    row_schema.validate(rows, "quality", str(json_path))
     write_json(json_path, document)
     md_path.write_text(frontier.markdown_table(rows))
     frontier.plot(rows, png_path, title)
