@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from cachegen.errors import InputError, ModelError
 from cachegen.kv import KVCache
-from cachegen.models import ModelSpec, resolve
+from cachegen.models import ModelSpec, attention_windows, resolve
 
 
 @functools.lru_cache(maxsize=4)
@@ -80,7 +80,9 @@ def extract_kv(
 
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=hf_model.config)
+    # No config: a cache built from the model's config would keep only the last `window`
+    # tokens of sliding-window layers; the KV container holds every token of every layer.
+    cache = DynamicCache()
     bounds = range(0, ids.numel(), step)
     with torch.inference_mode():
         for begin in tqdm(
@@ -92,5 +94,9 @@ def extract_kv(
     keys = torch.stack([layer.keys[0] for layer in cache.layers])
     values = torch.stack([layer.values[0] for layer in cache.layers])
     return KVCache(
-        keys=keys.to(dtype), values=values.to(dtype), token_ids=ids, model=spec.identity()
+        keys=keys.to(dtype),
+        values=values.to(dtype),
+        token_ids=ids,
+        model=spec.identity(),
+        windows=attention_windows(spec.config),
     )

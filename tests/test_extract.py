@@ -16,7 +16,7 @@ from cachegen.kv import KVCache
 TEXT = "CacheGen compresses the KV cache of long contexts so it can be streamed quickly. " * 12
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_opt", "tiny_qwen2", "smollm2"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_opt", "tiny_qwen2", "smollm2", "gemma3"])
 def test_kv_shapes_match_the_model(request, fixture):
     spec = request.getfixturevalue(fixture)
     kv = extract_kv(spec, text=TEXT)
@@ -34,6 +34,22 @@ def test_kv_shapes_match_the_model(request, fixture):
 def test_smollm2_geometry(smollm2):
     kv = extract_kv(smollm2, text=TEXT)
     assert (kv.num_layers, kv.num_kv_heads, kv.head_dim) == (30, 3, 64)
+    assert kv.windows == (None,) * 30
+
+
+def test_gemma3_keeps_every_token_of_its_sliding_window_layers(gemma3, tmp_path):
+    """A sliding-window layer reads only its last 512 keys, but the container holds them all
+    (a model-configured cache would drop the older ones), and records the windows."""
+    from cachegen import workload
+
+    ids = load_model(gemma3)[1](workload.text("eval"))["input_ids"][:700]
+    kv = extract_kv(gemma3, token_ids=ids, prefill_chunk_tokens=256)
+    assert (kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.num_tokens) == (18, 1, 256, 700)
+    assert kv.windows == ((512,) * 5 + (None,)) * 3
+    assert kv.keys[0, :, :100].abs().sum() > 0  # the oldest tokens of a sliding layer
+    again = KVCache.load(kv.save(tmp_path / "kv"))
+    assert again.windows == kv.windows and again.summary()["windows"][5] is None
+    assert kv.slice(600, 700).windows == kv.windows
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_opt", "smollm2"])
@@ -91,6 +107,7 @@ def test_extract_cli_writes_a_loadable_kv_directory(tmp_path, tiny_llama):
     assert summary["bytes"] == kv.nbytes
     assert (summary["num_layers"], summary["num_kv_heads"], summary["head_dim"]) == (4, 2, 64)
     assert summary["dtype"] == "bfloat16"
+    assert summary["windows"] == [None] * 4
 
 
 @pytest.mark.parametrize(

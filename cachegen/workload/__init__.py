@@ -16,7 +16,8 @@ is there on every machine, offline. Its topics are split three ways:
     topics): every measurement (quality, sizes, speed, bench prompts) uses this split.
 
 Tasks: :mod:`cachegen.workload.retrieval` (a LongChat-style line-retrieval task generated
-with a fixed seed). Evaluation cases are :class:`cachegen.workload.window.Window`.
+with a fixed seed) and :mod:`cachegen.workload.passkey` (a 5-digit key hidden at a chosen
+depth of a filler context). Evaluation cases are :class:`cachegen.workload.window.Window`.
 """
 
 from __future__ import annotations

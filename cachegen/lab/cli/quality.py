@@ -48,14 +48,15 @@ def _data_args(p: argparse.ArgumentParser, windows: int) -> None:
     p.add_argument(
         "--dataset",
         default="pydoc",
-        help="'pydoc' (CPython's documentation text), 'retrieval' (LongChat-style lines) "
-        "or a path to a UTF-8 text or JSONL file (default: %(default)s)",
+        help="'pydoc' (CPython's documentation text), 'retrieval' (LongChat-style lines), "
+        "'passkey' (a 5-digit key hidden in filler text) or a path to a UTF-8 text or JSONL "
+        "file (default: %(default)s)",
     )
     p.add_argument(
         "--windows",
         type=int,
         default=windows,
-        help="evaluation windows; for 'retrieval' samples per context length "
+        help="evaluation windows; for 'retrieval' and 'passkey' samples per context length "
         "(default: %(default)s)",
     )
     p.add_argument(
@@ -74,7 +75,8 @@ def _data_args(p: argparse.ArgumentParser, windows: int) -> None:
         "--retrieval-lengths",
         type=_length_list,
         default=None,
-        help="retrieval context lengths in tokens, each optionally with its own sample count, "
+        help="context lengths in tokens of the 'retrieval' and 'passkey' tasks, each optionally "
+        "with its own sample count, "
         "e.g. 1024:40,2048:20,8064 (default: 1K doubling up to the model's limit, --windows "
         "samples each)",
     )
@@ -304,7 +306,9 @@ def _command_line(name: str, args: argparse.Namespace) -> str:
         f"--dataset {args.dataset}",
         f"--windows {args.windows}",
     ]
-    if args.dataset == "retrieval":
+    from cachegen.lab.quality.datasets import TASKS
+
+    if args.dataset in TASKS:
         if args.retrieval_lengths:
             parts.append(
                 "--retrieval-lengths "

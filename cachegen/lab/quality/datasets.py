@@ -25,10 +25,12 @@ import torch
 
 from cachegen import workload
 from cachegen.errors import InputError
+from cachegen.workload.passkey import passkey_windows
 from cachegen.workload.retrieval import default_lengths, retrieval_windows
 from cachegen.workload.window import Window
 
 SPLITS = ("eval", "calibrate")  # the workload splits that windows are cut from
+TASKS = ("retrieval", "passkey")  # answer-scored tasks; their lengths: --retrieval-lengths
 
 
 def windows_from_stream(
@@ -188,7 +190,7 @@ class DataSettings:
 
     def describe(self) -> dict:
         out = {"dataset": self.dataset, "seed": self.seed}
-        if self.dataset == "retrieval":
+        if self.dataset in TASKS:
             out["retrieval_lengths"] = [list(pair) for pair in self.retrieval_lengths or []]
         else:
             out.update(
@@ -202,15 +204,27 @@ class DataSettings:
 def load_windows(settings: DataSettings, tokenizer, max_positions: int) -> list[Window]:
     if settings.windows < 1:
         raise InputError(f"--windows must be at least 1, got {settings.windows}")
-    if settings.dataset == "retrieval":
+    if settings.dataset in TASKS:
         pairs = settings.retrieval_lengths or [(n, None) for n in default_lengths(max_positions)]
         settings.retrieval_lengths = [(n, settings.windows if k is None else k) for n, k in pairs]
-        return retrieval_windows(
-            tokenizer,
-            lengths=settings.retrieval_lengths,
-            seed=settings.seed,
-            max_positions=max_positions,
-        )
+        if settings.dataset == "retrieval":
+            return retrieval_windows(
+                tokenizer,
+                lengths=settings.retrieval_lengths,
+                seed=settings.seed,
+                max_positions=max_positions,
+            )
+        return [
+            window
+            for length, samples in settings.retrieval_lengths
+            for window in passkey_windows(
+                tokenizer,
+                lengths=[length],
+                samples=samples,
+                seed=settings.seed,
+                max_positions=max_positions,
+            )
+        ]
     if settings.context_tokens + settings.continuation_tokens + 1 > max_positions:
         raise InputError(
             f"{settings.context_tokens} context + {settings.continuation_tokens + 1} continuation "
