@@ -134,7 +134,7 @@ def _ensure_tables(spec: models.ModelSpec, profile: Profile, level: int) -> None
         profile.tables(level)
         return
     except CodecError:
-        if LOCAL.read_tables(tables_id) is not None:
+        if LOCAL.path(tables_id).is_file():
             raise  # present but corrupt or foreign: say so rather than overwrite
     rebuilt = build_tables(spec, profile.config(level))
     if rebuilt.id != tables_id:
