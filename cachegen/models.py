@@ -204,13 +204,19 @@ def attention_windows(config: dict) -> tuple[int | None, ...]:
     return tuple(out)
 
 
-def rope_theta(config: dict) -> float:
-    """The rotary base of a model that rotates its keys (RoPE), from its Hugging Face config;
-    0 for a model without one (e.g. OPT's learned positions)."""
+def rope_thetas(config: dict) -> tuple[float, ...]:
+    """Each layer's rotary base (RoPE) from a Hugging Face config: one base for every layer,
+    or per attention kind where ``rope_parameters`` gives one per layer type (Gemma 3:
+    sliding-window and full-attention layers); 0 for a model without RoPE (e.g. OPT's learned
+    positions)."""
     text_cfg = config.get("text_config", config)
+    layers = kv_geometry(config)["num_layers"]
     params = text_cfg.get("rope_parameters") or {}
+    kinds = text_cfg.get("layer_types")
+    if kinds and all(isinstance(params.get(kind), dict) for kind in set(kinds)):
+        return tuple(float(params[kind].get("rope_theta") or 0.0) for kind in kinds)
     theta = params.get("rope_theta") or text_cfg.get("rope_theta")
-    return float(theta) if theta else 0.0
+    return (float(theta) if theta else 0.0,) * layers
 
 
 def fingerprint(path: Path) -> str:

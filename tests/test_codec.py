@@ -22,6 +22,7 @@ from cachegen.codec import (
 )
 from cachegen.codec import tables as tables_mod
 from cachegen.codec.api import CODECS
+from cachegen.codec.bitstream import parse_header
 from cachegen.errors import CacheGenError
 from cachegen.kv import KVCache
 from cachegen.profiles import add_level, codec_for, ensure_profile
@@ -231,6 +232,16 @@ def test_quant_config_packs_compactly_and_round_trips():
             dataclasses.replace(cfg, **bad)
     with pytest.raises(CodecError, match="malformed|truncated"):
         QuantConfig.unpack(extended.pack()[:-1])
+    # per-layer rotary bases (run-length coded); all-equal bases are one number
+    layered = dataclasses.replace(cfg, rope_theta=(1e4, 1e4, 1e6) * (cfg.num_layers // 3))
+    assert QuantConfig.unpack(layered.pack()) == layered
+    assert QuantConfig.from_dict(layered.to_dict()) == layered
+    assert layered.bitstream_version == 2 and extended.bitstream_version == 1
+    assert dataclasses.replace(cfg, rope_theta=[7.0] * cfg.num_layers).rope_theta == 7.0
+    with pytest.raises(CodecError, match="bases for"):
+        dataclasses.replace(cfg, rope_theta=(1e4, 1e6))
+    with pytest.raises(CodecError, match="malformed|truncated"):
+        QuantConfig.unpack(layered.pack()[:-2])
 
 
 def test_inspect_counts_every_byte(tiny_kv, tiny_llama):
@@ -428,14 +439,31 @@ def _step_bound_chunked(x, cfg, kind, chunk_tokens):
         {"rope_theta": 10000.0},
         {"hadamard": True, "rope_theta": 10000.0, "exact_tokens": 3, "value_scale": "token-head"},
         {"hadamard": True, "group_size": 4, "rope_theta": 10000.0, "exact_tokens": 150},
+        {"rope_theta": "per-layer", "exact_tokens": 1},
+        {"hadamard": True, "group_size": 4, "rope_theta": "per-layer"},
     ],
-    ids=["locality", "hadamard", "all-old", "rotary", "rotary-hadamard-exact", "everything"],
+    ids=[
+        "locality",
+        "hadamard",
+        "all-old",
+        "rotary",
+        "rotary-hadamard-exact",
+        "everything",
+        "layer-bases",
+        "layer-bases-locality",
+    ],
 )
 def test_variants_round_trip_within_their_step(change, tiny_kv, tiny_llama, isolated_profiles):
-    cfg = dataclasses.replace(ensure_profile(tiny_llama).config(3), **change)
+    base = ensure_profile(tiny_llama).config(3)
+    if change.get("rope_theta") == "per-layer":  # Gemma 3's kind: bases differ by layer
+        bases = [10000.0, 1e6, 0.0]
+        change = {**change, "rope_theta": [bases[i % 3] for i in range(base.num_layers)]}
+    cfg = dataclasses.replace(base, **change)
     add_level(tiny_llama, 11, cfg)
     codec = codec_for("cachegen", tiny_llama, chunk_tokens=100)
     blob = codec.encode(tiny_kv, 11)
+    # the stream says which format it needs: per-layer bases are version 2, the rest 1
+    assert parse_header(blob).version == (2 if isinstance(cfg.rope_theta, tuple) else 1)
     assert codec.encode(tiny_kv, 11) == blob
     out = decode(blob, out_dtype=torch.float32)
     # bfloat16 output (rotated inside the decoding threads) is the float32 output, rounded;
@@ -456,8 +484,8 @@ def test_variants_round_trip_within_their_step(change, tiny_kv, tiny_llama, isol
         # the orthonormal rotations (Hadamard, rotary angles) keep per-token error norms.
         per_token = (x - y).pow(2).sum(-1).sqrt()
         x_rot = (
-            quant.rotate_keys(x, 0, cfg.rope_theta, inverse=True)
-            if kind == "k" and cfg.rope_theta
+            quant.rotate_layer_keys(x, 0, cfg.layer_thetas, inverse=True)
+            if kind == "k" and cfg.derotates
             else x
         )
         x_rot = quant.hadamard(x_rot) if cfg.hadamard else x_rot
@@ -500,8 +528,8 @@ def test_keys_turned_back_by_rotary_angles_are_the_models_pre_rope_keys(tiny_lla
     from cachegen.extract import extract_kv, load_model
 
     hf_model, _, spec = load_model(tiny_llama, torch.float32)
-    theta = models.rope_theta(spec.config)
-    assert theta > 0 and models.rope_theta(models.resolve("tiny-opt").config) == 0
+    thetas = models.rope_thetas(spec.config)
+    assert min(thetas) > 0 and not any(models.rope_thetas(models.resolve("tiny-opt").config))
     ids = torch.arange(3, 203)
     captured = []
     layer = hf_model.model.layers[-1].self_attn
@@ -516,7 +544,7 @@ def test_keys_turned_back_by_rotary_angles_are_the_models_pre_rope_keys(tiny_lla
     pre_rope = (
         captured[-1][0].view(len(ids), identity.num_kv_heads, identity.head_dim).transpose(0, 1)
     )
-    turned_back = quant.rotate_keys(kv.keys[-1].float(), 0, theta, inverse=True)
+    turned_back = quant.rotate_keys(kv.keys[-1].float(), 0, thetas[-1], inverse=True)
     torch.testing.assert_close(
         turned_back, pre_rope, rtol=1e-4, atol=1e-4 * float(pre_rope.abs().max())
     )

@@ -95,7 +95,9 @@ class Codec:
     def encode(self, kv: KVCache, level: int | None = None) -> bytes:
         level = self.resolve_level(level)
         params = self.params(kv, level)
-        header, token_width = pack_header(self.codec_id, level, kv, self.chunk_tokens, params)
+        header, token_width = pack_header(
+            self.codec_id, level, kv, self.chunk_tokens, params, self.bitstream_version(level)
+        )
         parts = [header]
         if kv.num_tokens:
             for chunk in kv.chunks(self.chunk_tokens):
@@ -112,6 +114,10 @@ class Codec:
 
     def encode_body(self, chunk: KVCache, level: int) -> bytes:
         raise NotImplementedError
+
+    def bitstream_version(self, level: int) -> int:
+        """The bitstream format version that ``level``'s parameters need."""
+        return 1
 
     @classmethod
     def decoder(cls, header: Header) -> FrameDecoder:

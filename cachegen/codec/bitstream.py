@@ -25,7 +25,8 @@ from cachegen.codec.errors import CodecError
 from cachegen.kv import KVCache, ModelIdentity
 
 MAGIC = b"CGKV"
-VERSION = 1
+VERSION = 2  # the newest format this cachegen reads; writers use the lowest that holds a stream
+VERSIONS = (1, 2)
 _FIXED = struct.Struct("<4sBBHBBHHHQII")  # 32 bytes
 _FRAME = struct.Struct("<II")
 
@@ -52,6 +53,7 @@ class Header:
     chunk_tokens: int
     params: bytes  # codec-specific
     size: int  # header bytes
+    version: int = 1  # format version the stream was written in
 
     @property
     def num_layers(self) -> int:
@@ -96,9 +98,12 @@ def _fingerprint_bytes(fingerprint: str) -> tuple[bytes, bool]:
 
 
 def pack_header(
-    codec_id: int, level: int, kv: KVCache, chunk_tokens: int, params: bytes
+    codec_id: int, level: int, kv: KVCache, chunk_tokens: int, params: bytes, version: int = 1
 ) -> tuple[bytes, int]:
-    """Header bytes for ``kv`` and the token id width chosen."""
+    """Header bytes for ``kv`` and the token id width chosen; ``version`` is the format
+    version the codec's parameters need."""
+    if version not in VERSIONS:
+        raise CodecError(f"cannot write bitstream format version {version}")
     if kv.dtype not in DTYPE_CODES:
         raise CodecError(f"cannot encode KV of dtype {kv.dtype}; use float16, bfloat16 or float32")
     if not 0 <= level <= 0xFFFF:
@@ -123,7 +128,7 @@ def pack_header(
     out = bytearray(
         _FIXED.pack(
             MAGIC,
-            VERSION,
+            version,
             codec_id,
             level,
             DTYPE_CODES[kv.dtype],
@@ -172,10 +177,10 @@ def parse_header(blob: bytes | memoryview) -> Header:
     ) = _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
         raise CodecError("not a cachegen bitstream (bad magic bytes)")
-    if version != VERSION:
+    if version not in VERSIONS:
         raise CodecError(
-            f"bitstream format version {version} is not supported "
-            f"(this cachegen reads version {VERSION})"
+            f"bitstream format version {version} is not supported (this cachegen reads versions "
+            f"{', '.join(map(str, VERSIONS))}); upgrade cachegen to read it"
         )
     if dtype_code not in DTYPES or flags & ~_KNOWN_FLAGS:
         raise CodecError("bitstream header is corrupt (unknown dtype or flags)")
@@ -220,6 +225,7 @@ def parse_header(blob: bytes | memoryview) -> Header:
         chunk_tokens=chunk,
         params=params,
         size=pos + 4,
+        version=version,
     )
 
 

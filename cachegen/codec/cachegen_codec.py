@@ -42,6 +42,7 @@ from cachegen.codec.quant import (
     rotary_cos_sin,
     scale_strides,
     segment_tokens,
+    theta_runs,
 )
 from cachegen.codec.tables import KINDS, LevelTables, find_tables
 from cachegen.kv import KVCache, ModelIdentity
@@ -107,12 +108,20 @@ class CacheGenCodec(Codec):
         tables = self.profile.tables(level)
         return encode_chunk(chunk, tables)
 
+    def bitstream_version(self, level: int) -> int:
+        return self.profile.config(level).bitstream_version
+
     @classmethod
     def decoder(cls, header: Header) -> FrameDecoder:
         params = header.params
         if len(params) <= TABLES_ID_BYTES:
             raise CodecError("cachegen bitstream header is corrupt (parameters)")
         config = QuantConfig.unpack(params[TABLES_ID_BYTES:])
+        if config.bitstream_version > header.version:
+            raise CodecError(
+                f"cachegen bitstream header is corrupt (per-layer rotary bases in a format "
+                f"version {header.version} stream)"
+            )
         config.check_geometry(header.num_layers, header.head_dim)
         tables = find_tables(params[:TABLES_ID_BYTES].hex(), config, header.model)
         m = tables.model
@@ -278,7 +287,7 @@ class CacheGenDecoder(FrameDecoder):
         # reconstruct in torch and copy (token locality, or an output dtype the kernels do not
         # write).
         writable = out.dtype in (torch.bfloat16, torch.float32)
-        transformed = bool(self.config.hadamard or self.config.rope_theta)
+        transformed = bool(self.config.hadamard or self.config.derotates)
         direct = writable and not self.config.group_size and not transformed
         fused_rotation = writable and not self.config.group_size and transformed
         if direct:
@@ -333,11 +342,12 @@ class CacheGenDecoder(FrameDecoder):
         dec_f32, dec_bf16 = _strided_views(target.view(-1))
         t = self.tables
         rotation = hadamard_matrix(D) if self.config.hadamard else None
-        rotary = (
-            rotary_cos_sin(self._frame_start(frame), n, D, self.config.rope_theta)
-            if self.config.rope_theta
-            else None
-        )
+        start = self._frame_start(frame)
+        # (first layer, end layer, cos and sin or None) of each run of layers sharing a base
+        rotary = [
+            (a, b, rotary_cos_sin(start, n, D, theta) if theta else None)
+            for a, b, theta in theta_runs(self.config.layer_thetas)
+        ]
 
         def kernel(todo: np.ndarray) -> None:
             rans.decode_streams(
@@ -369,14 +379,19 @@ class CacheGenDecoder(FrameDecoder):
                 # the store in one numba pass (both release the GIL).
                 for k in range(2):
                     layers = todo[todo % 2 == k] // 2
-                    if len(layers):
-                        a, b = int(layers[0]), int(layers[-1]) + 1
+                    if not len(layers):
+                        continue
+                    first, end = int(layers[0]), int(layers[-1]) + 1
+                    for run_first, run_end, angles in rotary:
+                        a, b = max(first, run_first), min(end, run_end)
+                        if a >= b:
+                            continue
                         block = target[k, a:b]
                         if rotation is not None:
                             block = block @ rotation
                         rows = out[k, a:b, :, token_offset : token_offset + n].view(-1, n, D)
-                        rotate = k == 0 and rotary is not None
-                        cos, sin = rotary if rotate else (_NO_ANGLES, _NO_ANGLES)
+                        rotate = k == 0 and angles is not None
+                        cos, sin = angles if rotate else (_NO_ANGLES, _NO_ANGLES)
                         store_rotated(
                             block.reshape(-1, n, D).numpy(),
                             cos.numpy(),
@@ -392,7 +407,6 @@ class CacheGenDecoder(FrameDecoder):
                 "do not decode cleanly"
             )
         if not direct and not fused_rotation:
-            start = self._frame_start(frame)
             for k, kind in enumerate(KINDS):
                 out[k, :, :, token_offset : token_offset + n] = reconstruct(
                     target[k], self.config, kind, start

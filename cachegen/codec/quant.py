@@ -21,7 +21,10 @@ into small integer symbols before entropy coding:
   pairs, ``position * theta ** (-2i / head_dim)``) before quantizing and turned forward
   after decoding. A channel of pre-RoPE keys keeps one distribution across positions, so
   the per-channel tables code it in fewer bits (KVQuant makes the same observation). Any
-  theta decodes to the right keys; only the model's own theta saves bits. 0 turns it off;
+  theta decodes to the right keys; only the model's own theta saves bits. 0 turns it off.
+  One number for every layer, or one per layer for models whose layers use different bases
+  (Gemma 3: 10,000 in sliding-window layers, 1,000,000 in full-attention layers); 0 in a
+  layer leaves that layer's keys as they are;
 * ``exact_tokens``: the first ``exact_tokens`` positions of a sequence are also stored
   exactly (the KV's own dtype). The first token is the attention sink: nearly every query
   attends to it, so its quantization error reaches every later token.
@@ -49,6 +52,9 @@ MIN_BINS = 4
 MAX_BINS = 256  # 255 symbols: fits the coder's uint8 alphabet
 FP16_MAX = 65504.0
 _EXTENSION = struct.Struct("<fH")  # rope_theta, exact_tokens (see QuantConfig.pack)
+_THETA_RUN = struct.Struct("<Hf")  # layers, rope base (per-layer bases, see QuantConfig.pack)
+FLAG_EXTENDED = 1 << 5
+FLAG_LAYER_THETAS = 1 << 6
 
 
 def max_level(bins: int) -> int:
@@ -70,7 +76,7 @@ class QuantConfig:
     value_scale: str = "token"
     hadamard: bool = False
     group_size: int = 0
-    rope_theta: float = 0.0
+    rope_theta: float | tuple[float, ...] = 0.0
     exact_tokens: int = 0
     description: str = field(default="", compare=False)
 
@@ -91,18 +97,46 @@ class QuantConfig:
                 )
         if not 0 <= int(self.group_size) <= 65535 or self.group_size == 1:
             raise CodecError(f"group_size must be 0 (off) or 2..65535, got {self.group_size}")
-        # float32 is what the header stores, so the config compares equal after a round trip
-        object.__setattr__(self, "rope_theta", float(np.float32(self.rope_theta)))
-        if not (math.isfinite(self.rope_theta) and self.rope_theta >= 0):
-            raise CodecError(
-                f"rope_theta must be 0 (off) or a positive number, got {self.rope_theta}"
-            )
+        object.__setattr__(self, "rope_theta", self._normal_thetas(self.rope_theta))
         if not 0 <= int(self.exact_tokens) <= 65535:
             raise CodecError(f"exact_tokens must be in 0..65535, got {self.exact_tokens}")
+
+    def _normal_thetas(self, theta) -> float | tuple[float, ...]:
+        """float32 values (what the header stores, so a config compares equal after a round
+        trip); per-layer bases that are all equal collapse to one number."""
+        values = tuple(theta) if isinstance(theta, (tuple, list)) else (theta,)
+        if isinstance(theta, (tuple, list)) and len(values) != len(self.key_bins):
+            raise CodecError(
+                f"rope_theta lists {len(values)} bases for {len(self.key_bins)} layers; give one "
+                "number or one per layer"
+            )
+        out = tuple(float(np.float32(v)) for v in values)
+        for v in out:
+            if not (math.isfinite(v) and v >= 0):
+                raise CodecError(f"rope_theta must be 0 (off) or a positive number, got {v}")
+        return out[0] if len(set(out)) == 1 else out
 
     @property
     def num_layers(self) -> int:
         return len(self.key_bins)
+
+    @property
+    def layer_thetas(self) -> tuple[float, ...]:
+        """The rotary base of each layer (0: keys stay as they are)."""
+        if isinstance(self.rope_theta, tuple):
+            return self.rope_theta
+        return (self.rope_theta,) * self.num_layers
+
+    @property
+    def derotates(self) -> bool:
+        """Whether any layer's keys are turned back by their rotary angles."""
+        return any(self.layer_thetas)
+
+    @property
+    def bitstream_version(self) -> int:
+        """The lowest bitstream format version that holds this config: 2 for per-layer
+        rotary bases, else 1."""
+        return 2 if isinstance(self.rope_theta, tuple) else 1
 
     def bins(self, kind: str) -> tuple[int, ...]:
         return self.key_bins if kind == "k" else self.value_bins
@@ -119,7 +153,7 @@ class QuantConfig:
             raise CodecError(
                 f"the Hadamard rotation needs a power-of-two head_dim, the model has {head_dim}"
             )
-        if self.rope_theta and head_dim % 2:
+        if self.derotates and head_dim % 2:
             raise CodecError(
                 "turning keys back by their rotary angles needs an even head_dim, "
                 f"the model has {head_dim}"
@@ -138,8 +172,9 @@ class QuantConfig:
             "description": self.description,
         }
         # Written only when on, so the ids of levels made before these options stay the same.
-        if self.rope_theta:
-            out["rope_theta"] = self.rope_theta
+        if self.derotates:
+            thetas = self.rope_theta
+            out["rope_theta"] = list(thetas) if isinstance(thetas, tuple) else thetas
         if self.exact_tokens:
             out["exact_tokens"] = self.exact_tokens
         return out
@@ -154,7 +189,7 @@ class QuantConfig:
                 value_scale=str(data.get("value_scale", "token")),
                 hadamard=bool(data.get("hadamard", False)),
                 group_size=int(data.get("group_size", 0)),
-                rope_theta=float(data.get("rope_theta", 0.0)),
+                rope_theta=_thetas_from_json(data.get("rope_theta", 0.0)),
                 exact_tokens=int(data.get("exact_tokens", 0)),
                 description=str(data.get("description", "")),
             )
@@ -163,13 +198,16 @@ class QuantConfig:
 
     def pack(self) -> bytes:
         """Compact form for bitstream headers: flags, group size, run-length coded bins, then
-        (flag bit 5) rope_theta as float32 and exact_tokens as u16."""
-        extended = bool(self.rope_theta or self.exact_tokens)
+        (flag bit 5) rope_theta as float32 and exact_tokens as u16, then (flag bit 6, format
+        version 2, rope_theta 0) run-length coded per-layer rotary bases."""
+        per_layer = isinstance(self.rope_theta, tuple)
+        extended = bool(self.derotates or self.exact_tokens)
         flags = (
             SCALE_KINDS.index(self.key_scale)
             | SCALE_KINDS.index(self.value_scale) << 2
             | int(self.hadamard) << 4
-            | int(extended) << 5
+            | (FLAG_EXTENDED if extended else 0)
+            | (FLAG_LAYER_THETAS if per_layer else 0)
         )
         out = bytearray(struct.pack("<BH", flags, self.group_size))
         for bins in (self.key_bins, self.value_bins):
@@ -178,7 +216,12 @@ class QuantConfig:
             for count, value in runs:
                 out += struct.pack("<HH", count, value)
         if extended:
-            out += _EXTENSION.pack(self.rope_theta, self.exact_tokens)
+            out += _EXTENSION.pack(0.0 if per_layer else self.rope_theta, self.exact_tokens)
+        if per_layer:
+            runs = _runs(self.rope_theta)
+            out += struct.pack("<H", len(runs))
+            for count, value in runs:
+                out += _THETA_RUN.pack(count, value)
         return bytes(out)
 
     @classmethod
@@ -200,13 +243,27 @@ class QuantConfig:
                         raise CodecError("quantization config has too many layers")
                     bins += [value] * count
                 lists.append(tuple(bins))
-            rope_theta, exact_tokens = 0.0, 0
-            if flags >> 5 & 1:
+            rope_theta: float | tuple[float, ...] = 0.0
+            exact_tokens = 0
+            if flags & FLAG_EXTENDED:
                 rope_theta, exact_tokens = _EXTENSION.unpack_from(data, pos)
                 pos += _EXTENSION.size
+            if flags & FLAG_LAYER_THETAS:
+                (nruns,) = struct.unpack_from("<H", data, pos)
+                pos += 2
+                if pos + _THETA_RUN.size * nruns > len(data) or rope_theta:
+                    raise CodecError("quantization config is malformed (rotary bases)")
+                thetas: list[float] = []
+                for _ in range(nruns):
+                    count, value = _THETA_RUN.unpack_from(data, pos)
+                    pos += _THETA_RUN.size
+                    thetas += [value] * count
+                if len(thetas) != len(lists[0]):
+                    raise CodecError("quantization config is malformed (rotary bases)")
+                rope_theta = tuple(thetas)
             if (
                 pos != len(data)
-                or flags >> 6
+                or flags >> 7
                 or (flags & 3) >= len(SCALE_KINDS)
                 or (flags >> 2 & 3) >= len(SCALE_KINDS)
             ):
@@ -225,7 +282,13 @@ class QuantConfig:
         )
 
 
-def _runs(values: tuple[int, ...]) -> list[tuple[int, int]]:
+def _thetas_from_json(value) -> float | tuple[float, ...]:
+    if isinstance(value, list):
+        return tuple(float(v) for v in value)
+    return float(value)
+
+
+def _runs(values: tuple) -> list[tuple]:
     runs: list[list[int]] = []
     for v in values:
         if runs and runs[-1][1] == v:
@@ -421,8 +484,8 @@ def quantize_chunk(
     """Quantize one chunk's keys or values (``kind`` "k"/"v"), x [L, H, T, D] (any float dtype)
     whose first token is at position ``start`` of its sequence."""
     bins, scale = config.bins(kind), config.scale(kind)
-    if kind == "k" and config.rope_theta:
-        x = rotate_keys(x.to(torch.float32), start, config.rope_theta, inverse=True)
+    if kind == "k" and config.derotates:
+        x = rotate_layer_keys(x.to(torch.float32), start, config.layer_thetas, inverse=True)
     if config.hadamard:
         x = hadamard(x.to(torch.float32))
     parts = segment_tokens(x.shape[2], config.group_size)
@@ -454,8 +517,8 @@ def reconstruct(
         decoded[:, :, delta] += decoded[:, :, owner[delta]]
     if config.hadamard:
         decoded = hadamard(decoded)
-    if kind == "k" and config.rope_theta:
-        decoded = rotate_keys(decoded, start, config.rope_theta)
+    if kind == "k" and config.derotates:
+        decoded = rotate_layer_keys(decoded, start, config.layer_thetas)
     return decoded
 
 
@@ -511,3 +574,27 @@ def rotate_keys(
     angles (``inverse``: back to their pre-RoPE form); returns a new tensor."""
     cos, sin = rotary_cos_sin(start, x.shape[-2], x.shape[-1], theta)
     return apply_rotary(x, cos.to(x.device), (-sin if inverse else sin).to(x.device))
+
+
+def theta_runs(thetas: tuple[float, ...]) -> list[tuple[int, int, float]]:
+    """``(first layer, end layer, base)`` of each run of layers that share a rotary base."""
+    out: list[tuple[int, int, float]] = []
+    begin = 0
+    for count, theta in _runs(thetas):
+        out.append((begin, begin + count, theta))
+        begin += count
+    return out
+
+
+def rotate_layer_keys(
+    x: torch.Tensor, start: int, thetas: tuple[float, ...], *, inverse: bool = False
+) -> torch.Tensor:
+    """:func:`rotate_keys` for keys ``[layers, heads, tokens, head_dim]`` whose layers have
+    their own bases (``thetas``, one per layer; 0 leaves a layer as it is); a new tensor."""
+    if len(set(thetas)) == 1:
+        return rotate_keys(x, start, thetas[0], inverse=inverse) if thetas[0] else x.clone()
+    out = x.clone()
+    for a, b, theta in theta_runs(thetas):
+        if theta:
+            out[a:b] = rotate_keys(x[a:b], start, theta, inverse=inverse)
+    return out

@@ -253,7 +253,7 @@ def _describe(cfg: QuantConfig) -> str:
         parts.append("Hadamard")
     if cfg.group_size:
         parts.append(f"locality {cfg.group_size}")
-    if cfg.rope_theta:
+    if cfg.derotates:
         parts.append("pre-RoPE keys")
     if cfg.exact_tokens:
         parts.append(f"first {cfg.exact_tokens} token(s) exact")

@@ -252,7 +252,9 @@ def _layer_groups(layers: int, groups: int) -> list[list[int]]:
 
 def _fixed_options(spec, settings: CalibrationSettings) -> dict:
     """The QuantConfig options every allocation of this calibration shares."""
-    theta = models.rope_theta(spec.config) if settings.derotate_keys else 0.0
+    thetas = models.rope_thetas(spec.config) if settings.derotate_keys else (0.0,)
+    # one number when every layer shares its base (as QuantConfig writes it), else a list
+    theta = thetas[0] if len(set(thetas)) == 1 else list(thetas)
     return {"rope_theta": theta, "exact_tokens": settings.exact_tokens}
 
 

@@ -12,7 +12,7 @@ from cachegen.codec import QuantConfig, paper_levels
 from cachegen.errors import InputError
 from cachegen.kv import KVCache
 from cachegen.lab.quality.evaluate import Candidate
-from cachegen.models import ModelSpec, rope_theta
+from cachegen.models import ModelSpec, rope_thetas
 
 VARIANT_LEVEL = 0xFFFF  # level number written into variant bitstreams (they are not profile levels)
 
@@ -79,7 +79,7 @@ def variants(spec: ModelSpec) -> dict[str, QuantConfig]:
     """Named cachegen configurations swept besides the profile's levels (``cachegen eval
     --codec cachegen:NAME`` takes them too)."""
     L = spec.identity().num_layers
-    theta = rope_theta(spec.config)
+    theta = rope_thetas(spec.config)
 
     def uniform(bins: int, key_scale: str, value_scale: str, hadamard: bool) -> QuantConfig:
         return QuantConfig((bins,) * L, (bins,) * L, key_scale, value_scale, hadamard)
@@ -88,7 +88,7 @@ def variants(spec: ModelSpec) -> dict[str, QuantConfig]:
         """``config`` alone, with the first token exact, with keys turned back by their
         rotary angles, and with both (models without RoPE: the first two only)."""
         out = {name: config, f"{name}+sink": replace(config, exact_tokens=1)}
-        if theta:
+        if any(theta):
             out[f"{name}+rope"] = replace(config, rope_theta=theta)
             out[f"{name}+rope+sink"] = replace(config, rope_theta=theta, exact_tokens=1)
         return out
