@@ -58,6 +58,42 @@ def test_texts_are_the_same_on_every_call():
     assert workload.bench_question(0) != workload.bench_question(1)
 
 
+def test_evaluation_domains_share_no_token_ngram_with_calibration_text(smollm2):
+    """Every evaluation domain is held out from the calibration text: zero token 13-grams
+    shared with the `tables` split and with the `calibrate` split, with the embedded model's
+    tokenizer, and enough text left for long windows."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.path)
+    calibration = {
+        split: _ngrams(tokenizer(workload.text(split))["input_ids"], SHARED_TOKENS)
+        for split in ("tables", "calibrate")
+    }
+    assert workload.domain_text("pydoc") == workload.text("eval")
+    for domain in workload.DOMAINS:
+        ids = tokenizer(workload.domain_text(domain))["input_ids"]
+        assert len(ids) >= 30_000, domain
+        grams = _ngrams(ids, SHARED_TOKENS)
+        assert not grams & calibration["tables"], domain
+        assert not grams & calibration["calibrate"], domain
+
+
+def test_evaluation_domains_are_distinct_and_stable():
+    texts = {domain: workload.domain_text(domain) for domain in workload.DOMAINS}
+    assert len(set(texts.values())) == len(workload.DOMAINS)
+    workload.domain_text.cache_clear()  # read and filter again, not the cached copy
+    assert {domain: workload.domain_text(domain) for domain in workload.DOMAINS} == texts
+    calibration = workload.text("tables") + "\n\n" + workload.text("calibrate")
+    for domain in workload.DOMAINS:
+        assert not workload._runs(texts[domain]) & workload._runs(calibration), domain
+    assert "def " in texts["code"] and "Gutenberg" not in texts["prose"]
+
+
+def test_unknown_domain_is_refused():
+    with pytest.raises(InputError, match="unknown domain 'news'.*pydoc, prose, code, dialogue"):
+        workload.domain_text("news")
+
+
 def test_passkey_windows_hide_a_key_at_each_depth(gemma3):
     from cachegen.extract import load_model
     from cachegen.workload.passkey import DEPTHS, passkey_windows

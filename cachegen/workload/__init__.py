@@ -15,6 +15,24 @@ is there on every machine, offline. Its topics are split three ways:
     or symbols with the two splits above (the documentation repeats whole passages across
     topics): every measurement (quality, sizes, speed, bench prompts) uses this split.
 
+Held-out evaluation domains (:data:`DOMAINS`, :func:`domain_text`), for measuring quality on
+more than one kind of text:
+
+``pydoc``
+    the ``eval`` split above.
+``prose``
+    *The Adventures of Sherlock Holmes* (Arthur Conan Doyle), shipped in ``texts/prose.txt``.
+``code``
+    the Python source of :data:`CODE_MODULES`, read from the running interpreter's standard
+    library (like ``pydoc_data``, nothing is shipped).
+``dialogue``
+    Shakespeare's plays as collected in "tinyshakespeare", shipped in ``texts/dialogue.txt``.
+
+Each domain other than ``pydoc`` is its text less every paragraph (blank-line separated block,
+for code too) that shares a run of ``OVERLAP_UNITS`` words or symbols with the calibration
+text (the ``tables`` and ``calibrate`` splits), the same filter as ``eval``. Where the shipped
+texts come from and how they were cut: ``texts/SOURCES.md``.
+
 Tasks: :mod:`cachegen.workload.retrieval` (a LongChat-style line-retrieval task generated
 with a fixed seed) and :mod:`cachegen.workload.passkey` (a 5-digit key hidden at a chosen
 depth of a filler context). Evaluation cases are :class:`cachegen.workload.window.Window`.
@@ -24,11 +42,33 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import re
+from pathlib import Path
 
 from cachegen.errors import InputError
 
 SPLITS = ("tables", "calibrate", "eval")
+DOMAINS = ("pydoc", "prose", "code", "dialogue")  # `pydoc` is the `eval` split
+# Standard library modules whose source is the `code` domain: pure Python of varied kinds
+# (command lines, parsers, algorithms, numbers, dates, text, networking, metaprogramming).
+CODE_MODULES = (
+    "argparse",
+    "calendar",
+    "configparser",
+    "dataclasses",
+    "difflib",
+    "fractions",
+    "heapq",
+    "ipaddress",
+    "json.decoder",
+    "shlex",
+    "statistics",
+    "string",
+    "textwrap",
+    "tomllib._parser",
+    "urllib.parse",
+)
 TABLES_TOPICS = 6
 CALIBRATION_SHARE = 5  # one topic in five (outside the tables split) goes to `calibrate`
 OVERLAP_UNITS = (
@@ -69,6 +109,36 @@ def text(split: str) -> str:
     joined = "\n\n".join(documents[name].strip() for name in topics(split))
     if split != "eval":
         return joined
+    return _held_out(joined)
+
+
+@functools.lru_cache(maxsize=len(DOMAINS))
+def domain_text(domain: str) -> str:
+    """The held-out text of evaluation ``domain`` (one of :data:`DOMAINS`): for ``pydoc`` the
+    ``eval`` split, for the others their surviving paragraphs joined by blank lines."""
+    if domain not in DOMAINS:
+        raise InputError(f"unknown domain {domain!r}; use one of {', '.join(DOMAINS)}")
+    if domain == "pydoc":
+        return text("eval")
+    if domain == "code":
+        return _held_out("\n\n".join(_module_source(name) for name in CODE_MODULES))
+    shipped = Path(__file__).with_name("texts") / f"{domain}.txt"
+    return _held_out(shipped.read_text(encoding="utf-8"))
+
+
+def _module_source(name: str) -> str:
+    """The source of standard library module ``name``, read from its file (not imported)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        raise InputError(
+            f"the 'code' domain needs the Python source of the standard library module {name!r}, "
+            "which this interpreter does not have"
+        )
+    return Path(spec.origin).read_text(encoding="utf-8").strip()
+
+
+def _held_out(joined: str) -> str:
+    """``joined`` less every paragraph that shares a run with the calibration text."""
     paragraphs = [p for p in re.split(r"\n\s*\n", joined) if p.strip()]
     return "\n\n".join(_without_overlap(paragraphs, text("tables") + "\n\n" + text("calibrate")))
 

@@ -48,9 +48,11 @@ def _data_args(p: argparse.ArgumentParser, windows: int) -> None:
     p.add_argument(
         "--dataset",
         default="pydoc",
-        help="'pydoc' (CPython's documentation text), 'retrieval' (LongChat-style lines), "
-        "'passkey' (a 5-digit key hidden in filler text) or a path to a UTF-8 text or JSONL "
-        "file (default: %(default)s)",
+        help="'pydoc' (CPython's documentation text), 'prose' (Sherlock Holmes stories), "
+        "'code' (Python standard library source), 'dialogue' (Shakespeare's plays), all held "
+        "out from calibration text; 'retrieval' (LongChat-style lines), 'passkey' (a 5-digit "
+        "key hidden in filler text) or a path to a UTF-8 text or JSONL file "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--windows",

@@ -5,6 +5,8 @@
     ``eval`` split by default or its ``calibrate`` split (for choosing codec levels); the
     split the codec's tables were calibrated on is never used, and ``eval`` shares no text
     with the other two.
+  * ``prose``, ``code``, ``dialogue``: the workload's other evaluation domains
+    (:func:`cachegen.workload.domain_text`), held out from the calibration text like ``eval``.
   * ``retrieval``: a LongChat-style "lines" task generated with a fixed seed (see
     :mod:`cachegen.workload.retrieval`).
   * a user file: plain UTF-8 text, or JSONL whose records hold ``"text"`` (a document to cut
@@ -29,7 +31,8 @@ from cachegen.workload.passkey import passkey_windows
 from cachegen.workload.retrieval import default_lengths, retrieval_windows
 from cachegen.workload.window import Window
 
-SPLITS = ("eval", "calibrate")  # the workload splits that windows are cut from
+SPLITS = ("eval", "calibrate")  # the workload splits that windows are cut from (pydoc only)
+DOMAINS = workload.DOMAINS  # evaluation text domains; `pydoc` also takes a split
 TASKS = ("retrieval", "passkey")  # answer-scored tasks; their lengths: --retrieval-lengths
 
 
@@ -98,6 +101,27 @@ def pydoc_windows(
     )
 
 
+def domain_windows(
+    domain: str,
+    tokenizer,
+    *,
+    count: int,
+    context_tokens: int,
+    continuation_tokens: int,
+    seed: int = 0,
+) -> list[Window]:
+    """Windows from the held-out text of evaluation ``domain`` (``source``: ``domain@begin``)."""
+    ids = torch.tensor(tokenizer(workload.domain_text(domain))["input_ids"], dtype=torch.int64)
+    return windows_from_stream(
+        ids,
+        context_tokens=context_tokens,
+        continuation_tokens=continuation_tokens,
+        count=count,
+        seed=seed,
+        source=domain,
+    )
+
+
 def file_windows(
     path: Path,
     tokenizer,
@@ -110,7 +134,8 @@ def file_windows(
     """Windows from a UTF-8 text file or a JSONL file (see the module docstring)."""
     if not path.is_file():
         raise InputError(
-            f"dataset {path} is not a file; use 'pydoc', 'retrieval' or a path to a text/JSONL file"
+            f"dataset {path} is not a file; use one of {', '.join(DOMAINS + TASKS)} or a path "
+            "to a text/JSONL file"
         )
     try:
         raw = path.read_text(encoding="utf-8")
@@ -186,7 +211,7 @@ class DataSettings:
     # (context tokens, samples or None for `windows`); None: 1K doubling up to the model's limit
     retrieval_lengths: list[tuple[int, int | None]] | None = None
     seed: int = 0
-    split: str = "eval"  # pydoc only: "eval" or "calibrate"
+    split: str = "eval"  # pydoc only: "eval" or "calibrate"; other domains have no split
 
     def describe(self) -> dict:
         out = {"dataset": self.dataset, "seed": self.seed}
@@ -238,4 +263,11 @@ def load_windows(settings: DataSettings, tokenizer, max_positions: int) -> list[
     )
     if settings.dataset == "pydoc":
         return pydoc_windows(tokenizer, split=settings.split, **common)
+    if settings.dataset in DOMAINS:
+        if settings.split != "eval":
+            raise InputError(
+                f"split {settings.split!r} exists only for dataset 'pydoc'; dataset "
+                f"{settings.dataset!r} is evaluation text only"
+            )
+        return domain_windows(settings.dataset, tokenizer, **common)
     return file_windows(Path(settings.dataset), tokenizer, **common)
