@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from cachegen import models
+from cachegen.connector.checks import check_kv_cache_config, check_model
 from cachegen.connector.config import ConnectorConfig
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.metadata import LoadReports, StepMetadata
@@ -80,12 +81,25 @@ class CacheGenConnector(KVConnectorBase_V1):
                 "tokens instead",
                 transfer.kv_load_failure_policy,
             )
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ConnectorError(
-                "the cachegen connector supports models with one KV cache group "
-                "(plain attention) only"
-            )
+        # Before the store is opened: a model or configuration the connector cannot serve
+        # stops start-up, and nothing is stored for it (cachegen/connector/checks.py).
+        check_kv_cache_config(
+            kv_cache_config,
+            hybrid_manager=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+        )
         spec = served_model(vllm_config.model_config.model)
+        windows = check_model(spec.config, spec.name)
+        if role == KVConnectorRole.SCHEDULER and any(w is not None for w in windows):
+            sliding = sorted({w for w in windows if w is not None})
+            logger.info(
+                "cachegen connector: %s has %d sliding-window layers (window %s) of %d; with "
+                "one KV cache group they keep every token, and chunks store every token of "
+                "every layer",
+                spec.name,
+                sum(w is not None for w in windows),
+                "/".join(map(str, sliding)),
+                len(windows),
+            )
         identity = spec.identity()
         block_size = vllm_config.cache_config.block_size
         transport = ChunkTransport(self.config, spec, identity)
@@ -100,6 +114,7 @@ class CacheGenConnector(KVConnectorBase_V1):
                 block_size,
                 self.config.chunk_tokens,
                 save_async=self.config.save_async,
+                windows=windows,
             )
 
     # ---- worker side ---------------------------------------------------------------------------

@@ -98,9 +98,14 @@ class WorkerSide:
         chunk_tokens: int,
         *,
         save_async: bool,
+        windows: tuple[int | None, ...] | None = None,
     ) -> None:
         self.transport = transport
         self.model = model
+        # Each layer's attention window (None: full), recorded on the KV read out for saving.
+        # Sliding-window layers hold every token too: the connector runs only with one KV
+        # cache group of full-attention slots (checks.check_kv_cache_config).
+        self.windows = windows
         self.block_size = block_size  # the scheduler's block size (block ids refer to it)
         self.chunk_tokens = chunk_tokens
         self._caches: list[torch.Tensor] = []  # one per layer, in layer order
@@ -193,6 +198,7 @@ class WorkerSide:
             token_ids=torch.as_tensor(token_ids[begin:end], dtype=torch.int64),
             model=self.model,
             start=begin,
+            windows=self.windows,
         )
 
     def inject(self, block_ids: list[int], kv: KVCache, begin: int, end: int) -> int:
