@@ -21,7 +21,9 @@ DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 )
-NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+# "The pass key is" is always followed by the key: with "{key} is the pass key." as the second
+# sentence, Gemma 3 270M at 4K tokens copied "is the pass key" instead of the key.
+NEEDLE = " The pass key is {key}. Remember it. The pass key is {key}."
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 ANSWER_TOKENS = 8
 MIN_CONTEXT = 128
