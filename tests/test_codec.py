@@ -603,6 +603,29 @@ def test_fresh_profile_of_the_embedded_model_has_its_calibrated_levels(smollm2, 
     assert codec_for("cachegen", smollm2).default_level == 4
 
 
+def test_gemma_levels_turn_keys_back_with_each_layers_own_base(gemma3, isolated_profiles):
+    """Gemma 3's shipped levels carry its two rotary bases (sliding 10,000, full 1,000,000);
+    its streams are format version 2, decode close to the KV, and are smaller than with one
+    base for every layer (the wrong base still decodes right, it just codes worse)."""
+    from cachegen import workload
+    from cachegen.extract import extract_kv
+
+    profile = ensure_profile(gemma3)
+    assert sorted(profile.levels) == [1, 2, 3, 4, 5, 6] and profile.default_level == 4
+    thetas = profile.config(4).layer_thetas
+    assert thetas[5] == 1e6 and thetas[0] == 1e4 and thetas.count(1e6) == 3
+    kv = extract_kv(gemma3, text=workload.text("eval")[:3000]).slice(0, 512)
+    codec = codec_for("cachegen", gemma3)
+    blob = codec.encode(kv, 4)
+    assert parse_header(blob).version == 2
+    out = decode(blob, out_dtype=torch.float32)
+    err = (out.keys - kv.keys.float()).norm() / kv.keys.float().norm()
+    assert err < 0.05
+    one_base = dataclasses.replace(profile.config(4), rope_theta=1e4)
+    add_level(gemma3, 11, one_base)
+    assert len(codec_for("cachegen", gemma3).encode(kv, 11)) > len(blob)
+
+
 @pytest.fixture(scope="session")
 def smollm2_kv(smollm2) -> KVCache:
     from cachegen import workload
