@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cachegen.codec import CodecError, decode, inspect
-from cachegen.codec.bitstream import _FIXED, parse_header
+from cachegen.codec.bitstream import _FIXED, FLAG_LAYER_SUBSET, parse_header
 from cachegen.kv import KVCache
 from cachegen.profiles import codec_for
 
@@ -49,10 +49,25 @@ def blobs(tiny_llama) -> Blobs:
         ("cachegen", 3),
     ]:
         out[f"{name}-{level}"] = codec_for(name, tiny_llama, chunk_tokens=16).encode(kv, level)
+    # streams of a layer subset (format version 3: a layer list in the header)
+    part = kv.select_layers([1, 3])
+    for name, level in [("int8", 0), ("cachegen", 3)]:
+        codec = codec_for(name, tiny_llama, chunk_tokens=16)
+        out[f"{name}-{level}-layers"] = codec.encode(part, level)
     return out
 
 
-NAMES = ["raw-0", "int8-0", "fp8-0", "int8-zstd-0", "kivi2-0", "cachegen-1", "cachegen-3"]
+NAMES = [
+    "raw-0",
+    "int8-0",
+    "fp8-0",
+    "int8-zstd-0",
+    "kivi2-0",
+    "cachegen-1",
+    "cachegen-3",
+    "int8-0-layers",
+    "cachegen-3-layers",
+]
 
 
 def reseal(blob: bytes) -> bytes:
@@ -64,6 +79,9 @@ def reseal(blob: bytes) -> bytes:
         pos += 1 + data[pos]
         (plen,) = struct.unpack_from("<H", data, pos)
         pos += 2 + plen
+        if data[9] & FLAG_LAYER_SUBSET:  # the layer list (format version 3)
+            (count,) = struct.unpack_from("<H", data, pos)
+            pos += 2 + 2 * count
         if pos + 4 > len(data):
             return bytes(data)
         struct.pack_into("<I", data, pos, zlib.crc32(data[:pos]))
@@ -227,3 +245,44 @@ def test_valid_bitstreams_survive_the_reseal_helper(blobs):
 def test_out_dtype_is_checked(blobs):
     with pytest.raises(CodecError):
         decode(blobs["raw-0"], out_dtype=torch.int8)
+
+
+def _relist(blob: bytes, layer_list: bytes) -> bytes:
+    """A layer-subset blob with its layer list replaced and the header checksum fixed."""
+    header = parse_header(blob)
+    assert header.layers is not None
+    end = header.size - 4 - 2 - 2 * len(header.layers)
+    head = blob[:end] + layer_list
+    return head + struct.pack("<I", zlib.crc32(head)) + blob[header.size :]
+
+
+@pytest.mark.parametrize("name", ["int8-0-layers", "cachegen-3-layers"])
+def test_forged_layer_lists_are_refused_before_allocating(blobs, name):
+    blob = blobs[name]
+    assert _relist(blob, struct.pack("<3H", 2, 1, 3)) == blob
+    for layers in ([], [0, 4], [3, 1], [1, 1], [0, 1, 2, 3, 0], [1] * 40000):
+        forged = _relist(blob, struct.pack(f"<H{len(layers)}H", len(layers), *layers))
+        with pytest.raises(CodecError, match="layer list"):
+            parse_header(forged)
+        with pytest.raises(CodecError):
+            decode(forged)
+    # a count larger than the list, or a list cut short
+    with pytest.raises(CodecError):
+        decode(_relist(blob, struct.pack("<3H", 60000, 1, 3)))
+    with pytest.raises(CodecError, match="truncated"):
+        decode(_relist(blob, struct.pack("<3H", 2, 1, 3))[: parse_header(blob).size - 5])
+    # more layers than the frames hold: refused by the body size checks
+    with pytest.raises(CodecError, match="corrupt"):
+        decode(_relist(blob, struct.pack("<4H", 3, 0, 1, 3)))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    name=st.sampled_from(["int8-0-layers", "cachegen-3-layers"]),
+    layers=st.lists(st.integers(min_value=0, max_value=0xFFFF), max_size=8),
+    count=st.one_of(st.none(), st.integers(min_value=0, max_value=0xFFFF)),
+)
+def test_random_layer_lists_are_refused_or_consistent(blobs, name, layers, count):
+    n = len(layers) if count is None else count
+    data = _relist(blobs[name], struct.pack(f"<H{len(layers)}H", n, *layers))
+    check_decodes_or_refuses(reseal(data))

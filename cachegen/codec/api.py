@@ -65,7 +65,9 @@ def _open(blob: bytes | bytearray | memoryview):
 def decode(
     blob: bytes | bytearray | memoryview, out_dtype: torch.dtype = torch.bfloat16
 ) -> KVCache:
-    """Decode a bitstream of any codec. Raises ``CodecError`` for corrupt or unsupported input."""
+    """Decode a bitstream of any codec. Raises ``CodecError`` for corrupt or unsupported input.
+
+    A stream of a layer subset decodes to a ``KVCache`` of the same layers (``layers``)."""
     if out_dtype not in OUT_DTYPES:
         raise CodecError(f"out_dtype must be one of {', '.join(str(d) for d in OUT_DTYPES)}")
     header, _, frames, decoder = _open(blob)
@@ -77,6 +79,7 @@ def decode(
         token_ids=torch.from_numpy(ids),
         model=header.model,
         start=header.start,
+        layers=header.layers,
     )
 
 
@@ -96,7 +99,10 @@ def inspect(blob: bytes | bytearray | memoryview) -> dict:
     ``bits_per_element`` counts every byte (header, frame headers, token ids, scales,
     payload; a cachegen profile's tables are shared per model and reported separately).
     ``ratio_vs_fp16`` compares with 2 bytes per element, ``ratio_vs_int8`` with what the
-    ``int8`` codec (per-token scale) produces for the same tokens and chunking.
+    ``int8`` codec (per-token scale) produces for the same tokens and chunking. For a stream
+    of a layer subset, ``num_layers`` counts the layers present, ``layer_subset`` lists them
+    (None: all of the model's) and ``layers`` has one row per layer present, each naming its
+    absolute index; ``model`` is the whole model's identity.
     """
     header, cls, frames, decoder = _open(blob)
     total = len(blob)
@@ -109,9 +115,10 @@ def inspect(blob: bytes | bytearray | memoryview) -> dict:
     info = {
         "codec": cls.name,
         "level": header.level,
-        "format_version": 1,
+        "format_version": header.version,
         "model": header.model.to_dict(),
         "num_layers": header.num_layers,
+        "layer_subset": None if header.layers is None else list(header.layers),
         "num_kv_heads": header.num_kv_heads,
         "head_dim": header.head_dim,
         "start": header.start,
@@ -128,14 +135,14 @@ def inspect(blob: bytes | bytearray | memoryview) -> dict:
         "ratio_vs_int8": (int8_size(header) / total) if elements else None,
         "layers": [
             {
-                "layer": i,
+                "layer": index,
                 "key_bytes": float(layer[i, 0]),
                 "value_bytes": float(layer[i, 1]),
                 "bits_per_element": float(layer[i].sum() * 8 / per_layer_elements)
                 if elements
                 else None,
             }
-            for i in range(header.num_layers)
+            for i, index in enumerate(header.layer_indices)
         ],
     }
     if isinstance(decoder, CacheGenDecoder):

@@ -5,6 +5,10 @@ container of ``bitstream.py``; its subclass only writes and reads one frame's *b
 the decoding side a codec class builds a :class:`FrameDecoder` from the header; the
 decoder first checks every frame body's size against what the header implies (so nothing
 is allocated for input that cannot be valid), then decodes into one preallocated tensor.
+
+A ``KVCache`` of a subset of the model's layers (``kv.layers``) encodes like any other: the
+header lists the layers (format version 3), bodies hold just those layers, and "layers"
+below (``Header.num_layers``) means the layers the stream holds.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ class FrameDecoder:
     def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
         """Write the frame's K/V into ``out[:, :, :, token_offset : token_offset + n]``.
 
-        ``out`` is ``[2, layers, heads, tokens, head_dim]`` (keys, values) in the output dtype.
+        ``out`` is ``[2, layers, heads, tokens, head_dim]`` (keys, values) in the output dtype,
+        ``layers`` those the stream holds.
         """
         raise NotImplementedError
 
@@ -116,7 +121,8 @@ class Codec:
         raise NotImplementedError
 
     def bitstream_version(self, level: int) -> int:
-        """The bitstream format version that ``level``'s parameters need."""
+        """The bitstream format version that ``level``'s parameters need (``pack_header``
+        raises it to 3 for a layer subset)."""
         return 1
 
     @classmethod

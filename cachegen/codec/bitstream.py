@@ -2,10 +2,16 @@
 
 Layout (all integers little-endian; full spec in ``docs/bitstream.md``)::
 
-    header  : fixed part (32 bytes), model name, model fingerprint, codec parameters, CRC-32
+    header  : fixed part (32 bytes), model name, model fingerprint, codec parameters,
+              [layer list: u16 count, u16 layer indices; only with flag bit 2], CRC-32
     frame i : u32 payload length, u32 CRC-32 of the payload, payload
               (one frame per ``chunk_tokens`` tokens; the last one may be shorter)
     payload : token ids (u16 or u32 each), then the codec's body for those tokens
+
+A stream may hold only some of the model's layers (flag bit 2, format version 3): the header's
+``num_layers`` stays the model's, the layer list names the layers present, and the frame
+bodies hold just those layers. Writers use the lowest version a stream needs (1; 2 for
+per-layer rotary bases; 3 for a layer subset), so full-layer streams are what they always were.
 
 Parsing checks every length against the bytes actually present and every checksum before a
 codec sees a byte of its body, so corrupt or hostile input fails fast with ``CodecError``
@@ -25,14 +31,16 @@ from cachegen.codec.errors import CodecError
 from cachegen.kv import KVCache, ModelIdentity
 
 MAGIC = b"CGKV"
-VERSION = 2  # the newest format this cachegen reads; writers use the lowest that holds a stream
-VERSIONS = (1, 2)
+VERSION = 3  # the newest format this cachegen reads; writers use the lowest that holds a stream
+VERSIONS = (1, 2, 3)
+LAYER_SUBSET_VERSION = 3  # the first version whose header may carry a layer list
 _FIXED = struct.Struct("<4sBBHBBHHHQII")  # 32 bytes
 _FRAME = struct.Struct("<II")
 
 FLAG_TOKENS_U32 = 1
 FLAG_FINGERPRINT_DIGEST = 2
-_KNOWN_FLAGS = FLAG_TOKENS_U32 | FLAG_FINGERPRINT_DIGEST
+FLAG_LAYER_SUBSET = 4  # a layer list follows the codec parameters (version 3)
+_KNOWN_FLAGS = FLAG_TOKENS_U32 | FLAG_FINGERPRINT_DIGEST | FLAG_LAYER_SUBSET
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -54,10 +62,17 @@ class Header:
     params: bytes  # codec-specific
     size: int  # header bytes
     version: int = 1  # format version the stream was written in
+    layers: tuple[int, ...] | None = None  # absolute indices of the layers held; None = all
 
     @property
     def num_layers(self) -> int:
-        return self.model.num_layers
+        """Layers the frames hold (``model.num_layers`` is the model's)."""
+        return self.model.num_layers if self.layers is None else len(self.layers)
+
+    @property
+    def layer_indices(self) -> tuple[int, ...]:
+        """Absolute index of each layer the frames hold, in their order."""
+        return tuple(range(self.model.num_layers)) if self.layers is None else self.layers
 
     @property
     def num_kv_heads(self) -> int:
@@ -101,9 +116,13 @@ def pack_header(
     codec_id: int, level: int, kv: KVCache, chunk_tokens: int, params: bytes, version: int = 1
 ) -> tuple[bytes, int]:
     """Header bytes for ``kv`` and the token id width chosen; ``version`` is the format
-    version the codec's parameters need."""
+    version the codec's parameters need. A layer subset (``kv.layers``) adds the layer list
+    and needs version 3 (the header says the higher of the two)."""
     if version not in VERSIONS:
         raise CodecError(f"cannot write bitstream format version {version}")
+    subset = kv.layers
+    if subset is not None:
+        version = max(version, LAYER_SUBSET_VERSION)
     if kv.dtype not in DTYPE_CODES:
         raise CodecError(f"cannot encode KV of dtype {kv.dtype}; use float16, bfloat16 or float32")
     if not 0 <= level <= 0xFFFF:
@@ -120,8 +139,10 @@ def pack_header(
     if len(name) > 255:
         raise CodecError(f"model name {kv.model.name[:40]!r}... is longer than 255 bytes")
     fp, digest = _fingerprint_bytes(kv.model.fingerprint)
-    flags = (FLAG_TOKENS_U32 if token_width == 4 else 0) | (
-        FLAG_FINGERPRINT_DIGEST if digest else 0
+    flags = (
+        (FLAG_TOKENS_U32 if token_width == 4 else 0)
+        | (FLAG_FINGERPRINT_DIGEST if digest else 0)
+        | (FLAG_LAYER_SUBSET if subset is not None else 0)
     )
     if len(params) > 0xFFFF:
         raise CodecError("codec parameters are too large for the header")
@@ -133,7 +154,7 @@ def pack_header(
             level,
             DTYPE_CODES[kv.dtype],
             flags,
-            kv.num_layers,
+            kv.model.num_layers,
             kv.num_kv_heads,
             kv.head_dim,
             kv.start,
@@ -144,6 +165,8 @@ def pack_header(
     out += (
         bytes([len(name)]) + name + bytes([len(fp)]) + fp + struct.pack("<H", len(params)) + params
     )
+    if subset is not None:
+        out += struct.pack(f"<H{len(subset)}H", len(subset), *subset)
     out += struct.pack("<I", zlib.crc32(out))
     return bytes(out), token_width
 
@@ -184,7 +207,14 @@ def parse_header(blob: bytes | memoryview) -> Header:
         )
     if dtype_code not in DTYPES or flags & ~_KNOWN_FLAGS:
         raise CodecError("bitstream header is corrupt (unknown dtype or flags)")
-    if not (layers and heads and head_dim) or layers * heads * head_dim > MAX_ELEMENTS_PER_TOKEN:
+    has_subset = bool(flags & FLAG_LAYER_SUBSET)
+    if has_subset and version < LAYER_SUBSET_VERSION:
+        raise CodecError(
+            f"bitstream header is corrupt (a layer list in a format version {version} stream)"
+        )
+    if not (layers and heads and head_dim) or (
+        not has_subset and layers * heads * head_dim > MAX_ELEMENTS_PER_TOKEN
+    ):
         raise CodecError("bitstream header is corrupt (impossible KV geometry)")
     if chunk == 0 or tokens > MAX_TOKENS or start + tokens >= 1 << 63:
         raise CodecError("bitstream header is corrupt (impossible token range or chunk size)")
@@ -199,6 +229,16 @@ def parse_header(blob: bytes | memoryview) -> Header:
         (params_len,) = struct.unpack_from("<H", view, pos)
         params = bytes(view[pos + 2 : pos + 2 + params_len])
         pos += 2 + params_len
+        subset: tuple[int, ...] | None = None
+        if has_subset:
+            (count,) = struct.unpack_from("<H", view, pos)
+            if not 0 < count <= layers:
+                raise CodecError(
+                    f"bitstream header is corrupt (its layer list holds {count} of the model's "
+                    f"{layers} layers)"
+                )
+            subset = struct.unpack_from(f"<{count}H", view, pos + 2)
+            pos += 2 + 2 * count
         (crc,) = struct.unpack_from("<I", view, pos)
     except (IndexError, struct.error) as exc:
         raise CodecError("bitstream is truncated inside its header") from exc
@@ -206,6 +246,10 @@ def parse_header(blob: bytes | memoryview) -> Header:
         raise CodecError("bitstream is truncated inside its header")
     if zlib.crc32(view[:pos]) != crc:
         raise CodecError("bitstream header is corrupt (checksum mismatch)")
+    if subset is not None:
+        _check_layer_list(subset, layers)
+        if len(subset) * heads * head_dim > MAX_ELEMENTS_PER_TOKEN:
+            raise CodecError("bitstream header is corrupt (impossible KV geometry)")
     try:
         name_str = name.decode()
         fp_str = fp.hex() if flags & FLAG_FINGERPRINT_DIGEST else fp.decode()
@@ -226,7 +270,21 @@ def parse_header(blob: bytes | memoryview) -> Header:
         params=params,
         size=pos + 4,
         version=version,
+        layers=subset,
     )
+
+
+def _check_layer_list(subset: tuple[int, ...], num_layers: int) -> None:
+    for a, b in zip(subset, subset[1:]):
+        if b <= a:
+            raise CodecError(
+                f"bitstream header is corrupt (layer list is not strictly increasing: {a} then {b})"
+            )
+    if subset[-1] >= num_layers:
+        raise CodecError(
+            f"bitstream header is corrupt (layer {subset[-1]} in its layer list is out of "
+            f"range for a model of {num_layers} layers)"
+        )
 
 
 def parse_frames(blob: bytes | memoryview, header: Header) -> list[Frame]:

@@ -14,10 +14,17 @@ coded with the profile's per-channel tables. Frame body::
 
 The header's codec parameters are the 16-byte tables id followed by the packed config, so
 the decoder needs nothing but the bitstream and (the tables, or the model to rebuild them).
+
+A stream of a layer subset (``KVCache.layers``) holds those layers only (``L`` above is the
+number present); every per-layer setting (bins, rotary base, table rows) is the one of the
+layer's absolute index, so a subset decodes to exactly the values of the same layers of a
+full stream: every scale, symbol and rANS stream belongs to one layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 
 import numpy as np
@@ -122,11 +129,11 @@ class CacheGenCodec(Codec):
                 f"cachegen bitstream header is corrupt (per-layer rotary bases in a format "
                 f"version {header.version} stream)"
             )
-        config.check_geometry(header.num_layers, header.head_dim)
+        config.check_geometry(header.model.num_layers, header.head_dim)
         tables = find_tables(params[:TABLES_ID_BYTES].hex(), config, header.model)
         m = tables.model
         if (m.num_layers, m.num_kv_heads, m.head_dim) != (
-            header.num_layers,
+            header.model.num_layers,
             header.num_kv_heads,
             header.head_dim,
         ):
@@ -134,38 +141,64 @@ class CacheGenCodec(Codec):
         return CacheGenDecoder(header, tables)
 
 
+# ---- layer subsets --------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def layer_config(config: QuantConfig, layers: tuple[int, ...] | None) -> QuantConfig:
+    """``config`` for a KV that holds only ``layers`` (absolute indices; None: all): the bins
+    and rotary bases of those layers, in their order, so that index ``i`` of the result is
+    layer ``layers[i]`` of the model. Everything else applies to every layer alike."""
+    if layers is None:
+        return config
+    thetas = config.layer_thetas
+    return dataclasses.replace(
+        config,
+        key_bins=tuple(config.key_bins[i] for i in layers),
+        value_bins=tuple(config.value_bins[i] for i in layers),
+        rope_theta=tuple(thetas[i] for i in layers),
+    )
+
+
 # ---- encoding -------------------------------------------------------------------------------
 
 
-def _exact_section_bytes(model: ModelIdentity, tokens: int, dtype: torch.dtype) -> int:
-    """Size of a frame body's exact section holding ``tokens`` tokens (keys and values)."""
-    return 2 * model.num_layers * model.num_kv_heads * tokens * model.head_dim * dtype.itemsize
+def _exact_section_bytes(layers: int, model: ModelIdentity, tokens: int, dtype: torch.dtype) -> int:
+    """Size of a frame body's exact section holding ``tokens`` tokens (keys and values) of
+    ``layers`` layers."""
+    return 2 * layers * model.num_kv_heads * tokens * model.head_dim * dtype.itemsize
 
 
 def exact_bytes(chunk: KVCache, config: QuantConfig) -> int:
     """Size of the frame body's exact section for ``chunk``."""
     return _exact_section_bytes(
-        chunk.model, exact_count(config, chunk.start, chunk.num_tokens), chunk.dtype
+        chunk.num_layers,
+        chunk.model,
+        exact_count(config, chunk.start, chunk.num_tokens),
+        chunk.dtype,
     )
 
 
 def encode_chunk(chunk: KVCache, tables: LevelTables) -> bytes:
-    """Frame body for one chunk (see the module docstring)."""
+    """Frame body for one chunk (see the module docstring); ``chunk`` may hold a subset of
+    the layers (``chunk.layers``)."""
     L = chunk.num_layers
-    e = exact_count(tables.config, chunk.start, chunk.num_tokens)
+    config = layer_config(tables.config, chunk.layers)
+    layer_ids = chunk.layer_indices
+    e = exact_count(config, chunk.start, chunk.num_tokens)
     exact = torch.stack([chunk.keys[:, :, :e], chunk.values[:, :, :e]]).cpu().contiguous()
     scale_parts: list[bytes] = [exact.view(torch.uint8).numpy().tobytes()]
     outputs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # per (K/V, segment)
     for k, kind in enumerate(KINDS):
         x = chunk.keys if kind == "k" else chunk.values
-        for s, seg in enumerate(quantize_chunk(x, tables.config, kind, chunk.start)):
+        for s, seg in enumerate(quantize_chunk(x, config, kind, chunk.start)):
             scale_parts.append(seg.scales.cpu().numpy().tobytes())
             sym = seg.symbols.cpu().numpy()  # quantization may run on a GPU, coding runs here
             capacity = sym[0].size + rans.STATE_WORDS
             out_off = np.arange(L + 1, dtype=np.int64) * capacity
             out = np.empty(int(out_off[-1]), dtype=np.uint16)
             start = np.empty(L, dtype=np.int64)
-            base = np.array([tables.base(layer, k, s) for layer in range(L)], dtype=np.int64)
+            base = np.array([tables.base(layer, k, s) for layer in layer_ids], dtype=np.int64)
             run_batches(
                 lambda todo: rans.encode_layers(
                     sym, base, tables.freq_cum, out, out_off, todo, start
@@ -190,14 +223,20 @@ class CacheGenDecoder(FrameDecoder):
     def __init__(self, header: Header, tables: LevelTables) -> None:
         super().__init__(header)
         self.tables = tables
-        self.config = tables.config
+        self.config = tables.config  # the level's config, every layer of the model
+        # the config of the layers the stream holds (index i: layer ``layer_ids[i]``)
+        self.layer_config = layer_config(tables.config, header.layers)
+        self.layer_ids = header.layer_indices
         self.S = tables.num_segments
         self.num_streams = header.num_layers * 2 * self.S
         # Lower bound of each stream's code length per token: sum over channels of the
         # cheapest symbol's bits (see docs/bitstream.md, "size checks").
         per_row = np.maximum(tables.cheapest_symbol_bits - _SLACK_BITS, 0.0)
-        self.stream_bits_per_token = per_row.reshape(self.num_streams, tables.num_channels).sum(
-            axis=1
+        per_layer = per_row.reshape(header.model.num_layers, 2 * self.S, tables.num_channels)
+        self.stream_bits_per_token = (
+            per_layer[list(self.layer_ids)]
+            .reshape(self.num_streams, tables.num_channels)
+            .sum(axis=1)
         )
 
     def _frame_start(self, frame: Frame) -> int:
@@ -208,7 +247,8 @@ class CacheGenDecoder(FrameDecoder):
         return exact_count(self.config, self._frame_start(frame), len(frame.token_ids))
 
     def _exact_bytes(self, frame: Frame) -> int:
-        return _exact_section_bytes(self.header.model, self._exact_tokens(frame), self.header.dtype)
+        h = self.header
+        return _exact_section_bytes(h.num_layers, h.model, self._exact_tokens(frame), h.dtype)
 
     def _layout(self, n: int):
         """Per (K/V, segment): token positions, scale count; plus total scale bytes."""
@@ -276,6 +316,7 @@ class CacheGenDecoder(FrameDecoder):
         h = self.header
         L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
         C, S = H * D, self.S
+        config = self.layer_config  # per-layer settings indexed like the stream's layers
         n = len(frame.token_ids)
         layout, scale_bytes = self._layout(n)
         words_per_stream, dir_end = self._directory(frame)
@@ -287,9 +328,9 @@ class CacheGenDecoder(FrameDecoder):
         # reconstruct in torch and copy (token locality, or an output dtype the kernels do not
         # write).
         writable = out.dtype in (torch.bfloat16, torch.float32)
-        transformed = bool(self.config.hadamard or self.config.derotates)
-        direct = writable and not self.config.group_size and not transformed
-        fused_rotation = writable and not self.config.group_size and transformed
+        transformed = bool(config.hadamard or config.derotates)
+        direct = writable and not config.group_size and not transformed
+        fused_rotation = writable and not config.group_size and transformed
         if direct:
             target, T, t0 = out, out.shape[3], token_offset
         else:
@@ -306,11 +347,11 @@ class CacheGenDecoder(FrameDecoder):
                 .reshape(L, -1)
             )
             pos += 2 * count
-            m = np.array([max_level(b) for b in self.config.bins(kind)], dtype=np.float32)[:, None]
+            m = np.array([max_level(b) for b in config.bins(kind)], dtype=np.float32)[:, None]
             steps.append((amax / m).reshape(-1))
             scale_off_of.append(total)
             total += count
-            strides_of.append(scale_strides(self.config.scale(kind), len(tokens), D))
+            strides_of.append(scale_strides(config.scale(kind), len(tokens), D))
             token_maps.append(tokens.numpy().astype(np.int64) + t0)
         scales = np.concatenate(steps) if steps else np.zeros(0, np.float32)
         token_map = np.concatenate(token_maps)
@@ -331,22 +372,22 @@ class CacheGenDecoder(FrameDecoder):
                     i = (layer * 2 + k) * S + s  # stream
                     _, tokens, count = layout[j]
                     ntok[i] = len(tokens)
-                    base[i] = self.tables.base(layer, k, s)
+                    base[i] = self.tables.base(self.layer_ids[layer], k, s)
                     scale_off[i] = scale_off_of[j] + layer * (count // L)
                     stride[i] = strides_of[j]
-                    center[i] = max_level(self.config.bins(kind)[layer])
+                    center[i] = max_level(config.bins(kind)[layer])
                     token_off[i] = tm_off[j]
                     out_base[i] = ((k * L + layer) * H) * T * D
         nch = np.full(num, C, dtype=np.int64)
         status = np.zeros(num, dtype=np.uint8)
         dec_f32, dec_bf16 = _strided_views(target.view(-1))
         t = self.tables
-        rotation = hadamard_matrix(D) if self.config.hadamard else None
+        rotation = hadamard_matrix(D) if config.hadamard else None
         start = self._frame_start(frame)
         # (first layer, end layer, cos and sin or None) of each run of layers sharing a base
         rotary = [
             (a, b, rotary_cos_sin(start, n, D, theta) if theta else None)
-            for a, b, theta in theta_runs(self.config.layer_thetas)
+            for a, b, theta in theta_runs(config.layer_thetas)
         ]
 
         def kernel(todo: np.ndarray) -> None:
@@ -409,7 +450,7 @@ class CacheGenDecoder(FrameDecoder):
         if not direct and not fused_rotation:
             for k, kind in enumerate(KINDS):
                 out[k, :, :, token_offset : token_offset + n] = reconstruct(
-                    target[k], self.config, kind, start
+                    target[k], config, kind, start
                 )
         e = self._exact_tokens(frame)
         if e:
