@@ -90,7 +90,15 @@ def extract_kv(
         ):
             piece = ids[begin : begin + step].unsqueeze(0)
             positions = torch.arange(begin, begin + piece.shape[1]).unsqueeze(0)
-            hf_model(input_ids=piece, past_key_values=cache, position_ids=positions, use_cache=True)
+            # logits of the last position only: the whole context's would cost a vocabulary-wide
+            # product per token (Gemma 3's vocabulary has 262,144 entries) and go unused
+            hf_model(
+                input_ids=piece,
+                past_key_values=cache,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+            )
     keys = torch.stack([layer.keys[0] for layer in cache.layers])
     values = torch.stack([layer.values[0] for layer in cache.layers])
     return KVCache(
