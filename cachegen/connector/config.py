@@ -24,6 +24,9 @@ Per-request keys (also accepted engine-wide as defaults):
   bandwidth_mbps  rate limit of the transfer in Mbit/s for experiments (unset: unlimited)
   rtt_ms          added round-trip time of the transfer in ms for experiments (default 0)
   load, save      switch loading / saving off for one request (default true)
+  skip_out_of_window  for a model with both full-attention and sliding-window layers, fetch
+                  the sliding layers' part only of the chunks within the largest window
+                  before the loaded prefix's end (default true); false fetches every part
 """
 
 from __future__ import annotations
@@ -37,7 +40,18 @@ from cachegen.constants import CHUNK_TOKENS, RATE_SHAPERS
 from cachegen.modes import CONNECTOR_MODES as MODES
 from cachegen.store import default_store_url
 
-REQUEST_KEYS = frozenset({"mode", "level", "slo_ms", "bandwidth_mbps", "rtt_ms", "load", "save"})
+REQUEST_KEYS = frozenset(
+    {
+        "mode",
+        "level",
+        "slo_ms",
+        "bandwidth_mbps",
+        "rtt_ms",
+        "load",
+        "save",
+        "skip_out_of_window",
+    }
+)
 ENGINE_KEYS = REQUEST_KEYS | {
     "store",
     "chunk_tokens",
@@ -61,6 +75,7 @@ class RequestOptions:
     rtt_ms: float = 0.0
     load: bool = True
     save: bool = True
+    skip_out_of_window: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,7 +100,7 @@ class RequestOptions:
             raise ConnectorError(
                 "adaptive mode needs slo_ms (the time budget for loading the prefix)"
             )
-        for name in ("load", "save"):
+        for name in ("load", "save", "skip_out_of_window"):
             if not isinstance(getattr(self, name), bool):
                 raise ConnectorError(f"{name} must be true or false, got {getattr(self, name)!r}")
 

@@ -93,8 +93,9 @@ class CacheGenConnector(KVConnectorBase_V1):
             sliding = sorted({w for w in windows if w is not None})
             logger.info(
                 "cachegen connector: %s has %d sliding-window layers (window %s) of %d; with "
-                "one KV cache group they keep every token, and chunks store every token of "
-                "every layer",
+                "one KV cache group they keep every token; each chunk is stored as two records "
+                "(full-attention and sliding layers), and loads fetch the sliding part only "
+                "within the window (skip_out_of_window)",
                 spec.name,
                 sum(w is not None for w in windows),
                 "/".join(map(str, sliding)),

@@ -38,6 +38,9 @@ class SaveTask:
     block_ids: list[int]
     modes: tuple[str, ...]
     first_chunk: int = 0  # chunks before it are already stored in every mode
+    # Chunks before it get no sliding-window part: a load skipped their sliding layers' KV, so
+    # the cache holds no valid KV there (models with sliding-window layers only).
+    sliding_from: int = 0
 
 
 @dataclass

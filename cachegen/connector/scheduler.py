@@ -39,6 +39,7 @@ class _Tracked:
     load: LoadTask | None = None  # granted by vLLM, not yet sent to the workers
     loading: bool = False  # an asynchronous load is running on the workers
     load_failed: bool = False  # never retried: vLLM recomputes instead
+    sliding_from: int = 0  # chunks before it hold no valid sliding-layer KV (a load skipped it)
     report: dict[str, Any] = field(default_factory=dict)
 
 
@@ -91,7 +92,9 @@ class SchedulerSide:
         # Never the whole prompt: vLLM must compute at least one token to produce logits.
         limit = (len(prompt) - 1) // self.block_size * self.block_size
         try:
-            stored = self.transport.stored_chunks(prompt, tracked.options)
+            end = self.transport.loadable_tokens(
+                prompt, tracked.options, num_computed_tokens, limit
+            )
         except CacheGenError as exc:
             logger.warning(
                 "request %s: store lookup failed, computing instead: %s",
@@ -100,7 +103,7 @@ class SchedulerSide:
             )
             tracked.error = f"lookup failed: {exc}"
             return 0
-        return max(0, min(stored * self.config.chunk_tokens, limit) - num_computed_tokens)
+        return max(0, end - num_computed_tokens)
 
     def after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -112,6 +115,9 @@ class SchedulerSide:
         begin = tracked.lookup[0]
         end = begin + num_external_tokens
         last_chunk_end = -(-end // self.config.chunk_tokens) * self.config.chunk_tokens
+        skipped_to = self.transport.sliding_from(end, tracked.options)
+        if skipped_to > begin // self.config.chunk_tokens:
+            tracked.sliding_from = max(tracked.sliding_from, skipped_to)
         tracked.load = LoadTask(
             req_id=request.request_id,
             token_ids=list(request.prompt_token_ids[:last_chunk_end]),
@@ -174,6 +180,7 @@ class SchedulerSide:
             list(groups[0]),
             self.config.save_modes,
             first_chunk=stored,
+            sliding_from=tracked.sliding_from,
         )
 
     # ---- worker feedback and completion ---------------------------------------------------------

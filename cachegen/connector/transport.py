@@ -5,6 +5,13 @@ It composes the codec (``cachegen.codec``: chunk <-> bitstream, per quality leve
 (``cachegen.stream``: rate-limited transfer pipelined with decoding, adaptive level choice).
 Modes map onto codecs: ``raw``, ``int8``, ``fp8`` and ``cachegen`` are codecs of the same
 names, ``adaptive`` streams the ``cachegen`` codec's levels under the adaptive controller.
+
+A model that mixes full-attention and sliding-window layers (Gemma 3) stores each chunk as two
+records (its *parts*): the full-attention layers under the chunk's key, the sliding layers
+under ``cachegen.store.keys.sliding_key`` of it. A load of a prefix ending at token ``P``
+fetches the sliding part only of the chunks that intersect ``[P - window, P)``
+(``skip_out_of_window``, see :func:`window_chunks`); the sliding layers never read the other
+chunks' keys. Models with one kind of layer keep one record per chunk under the chunk's key.
 """
 
 from __future__ import annotations
@@ -22,12 +29,26 @@ from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
 from cachegen.errors import CacheGenError
 from cachegen.kv import KVCache, ModelIdentity
-from cachegen.models import ModelSpec
+from cachegen.models import ModelSpec, attention_windows
 from cachegen.store import ChunkCorrupt, chunk_keys, longest_prefix, open_store
+from cachegen.store.keys import sliding_key
 from cachegen.stream import AdaptiveController, open_link, stream_load
 
 # A measured goodput is remembered per link and becomes the controller's prior for the next load.
 GOODPUT_EWMA = 0.5
+
+
+def window_chunks(end: int, chunk_tokens: int, window: int) -> range:
+    """Indices of the chunks (of ``chunk_tokens`` tokens) that intersect tokens
+    ``[end - window, end)``: the only chunks whose keys a sliding-window layer of ``window``
+    tokens reads when the prefix ``[0, end)`` is continued (from the token at ``end`` on)."""
+    if end <= 0:
+        return range(0)
+    return range(max(0, end - window) // chunk_tokens, -(-end // chunk_tokens))
+
+
+# A part of a chunk in a load plan: None (the whole chunk, one record), FULL or SLIDING.
+FULL, SLIDING = "full", "sliding"
 
 
 @dataclass
@@ -58,6 +79,12 @@ class ChunkTransport:
         self._goodput_mbps: dict[tuple[float | None, float], float] = {}
         self._exits = contextlib.ExitStack()
         self._lock = threading.Lock()
+        windows = attention_windows(spec.config)
+        self.full_layers = tuple(i for i, w in enumerate(windows) if w is None)
+        self.sliding_layers = tuple(i for i, w in enumerate(windows) if w is not None)
+        # Two records per chunk only for models with both kinds of layers.
+        self.split = bool(self.full_layers) and bool(self.sliding_layers)
+        self.window = max((w for w in windows if w is not None), default=0)
 
     # ---- codecs, keys, levels -------------------------------------------------------------------
 
@@ -118,17 +145,68 @@ class ChunkTransport:
             )
         return [level]
 
+    def part_keys(self, key: str) -> list[str]:
+        """Every record key of the chunk stored under ``key``: itself, and for a model with
+        sliding-window and full-attention layers, its sliding part's key."""
+        return [key, sliding_key(key)] if self.split else [key]
+
+    def sliding_from(self, end: int, options: RequestOptions) -> int:
+        """The first chunk whose sliding part a load of the prefix ``[0, end)`` fetches (0: the
+        sliding part of every chunk, also for models without two kinds of layers)."""
+        if not self.split or not options.skip_out_of_window:
+            return 0
+        return window_chunks(end, self.chunk_tokens, self.window).start
+
+    def _longest(self, keys: Sequence[str], levels: Sequence[int]) -> int:
+        """Leading chunks of ``keys`` with every part stored at every one of ``levels``."""
+        count = longest_prefix(self.store, keys, levels)
+        if self.split and count:
+            count = longest_prefix(self.store, [sliding_key(k) for k in keys[:count]], levels)
+        return count
+
     def stored_chunks(self, token_ids: Sequence[int], options: RequestOptions) -> int:
-        """Leading whole chunks of ``token_ids`` loadable with ``options``."""
-        return longest_prefix(
-            self.store, self.keys(options.mode, token_ids), self.load_levels(options)
-        )
+        """Leading whole chunks of ``token_ids`` stored in every part, loadable with ``options``."""
+        return self._longest(self.keys(options.mode, token_ids), self.load_levels(options))
+
+    def loadable_tokens(
+        self,
+        token_ids: Sequence[int],
+        options: RequestOptions,
+        begin: int = 0,
+        limit: int | None = None,
+    ) -> int:
+        """End of the longest prefix of ``token_ids`` (at most ``limit``) whose tokens from
+        ``begin`` on a load with ``options`` can fetch: the full-attention part of each of its
+        chunks and, for a model with sliding-window layers, the sliding part of each chunk that
+        load fetches (with ``skip_out_of_window``, only those within the window before its
+        end). A prefix that ends inside a chunk is possible only through ``limit``."""
+        C = self.chunk_tokens
+        keys = self.keys(options.mode, token_ids)
+        levels = self.load_levels(options)
+        stored = longest_prefix(self.store, keys, levels)
+        end = stored * C if limit is None else min(stored * C, limit)
+        if not self.split or end <= begin:
+            return end
+        first, last = begin // C, -(-end // C)
+        present = [True] * (last - first)
+        sliding = [sliding_key(k) for k in keys[first:last]]
+        for level in levels:
+            present = [a and b for a, b in zip(present, self.store.exists_many(sliding, level))]
+        while end > begin:
+            missing = [
+                j
+                for j in range(max(first, self.sliding_from(end, options)), -(-end // C))
+                if not present[j - first]
+            ]
+            if not missing:
+                break
+            end = min(missing) * C  # any shorter prefix still needing chunk j fails too
+        return end
 
     def saved_chunks(self, token_ids: Sequence[int], modes: Sequence[str]) -> int:
-        """Leading whole chunks of ``token_ids`` already stored at every level of every mode."""
-        counts = [
-            longest_prefix(self.store, self.keys(m, token_ids), self.levels(m)) for m in modes
-        ]
+        """Leading whole chunks of ``token_ids`` already stored, every part, at every level of
+        every mode."""
+        counts = [self._longest(self.keys(m, token_ids), self.levels(m)) for m in modes]
         return min(counts, default=0)
 
     # ---- load ----------------------------------------------------------------------------------
@@ -160,9 +238,13 @@ class ChunkTransport:
         options: RequestOptions,
         on_chunk: Callable[[KVCache], None],
         prefill_tokens_per_s: float | None = None,
+        end: int | None = None,
     ) -> LoadResult:
         """Stream chunks ``first_chunk .. first_chunk + num_chunks - 1`` of ``token_ids``,
-        decode them and hand each (in order) to ``on_chunk``."""
+        decode them and hand each (in order) to ``on_chunk``: a whole chunk, or for a model
+        with sliding-window layers each fetched part of it (a layer subset; the full-attention
+        part first). ``end`` (default: the end of the last chunk) is where the loaded prefix
+        ends; it decides which chunks' sliding parts are fetched."""
         C = self.chunk_tokens
         keys = self.keys(options.mode, token_ids[: (first_chunk + num_chunks) * C])[first_chunk:]
         if len(keys) != num_chunks:
@@ -170,34 +252,47 @@ class ChunkTransport:
                 f"{len(token_ids)} tokens do not hold chunks "
                 f"{first_chunk}..{first_chunk + num_chunks - 1}"
             )
+        end = (first_chunk + num_chunks) * C if end is None else end
+        plan = self.load_plan(first_chunk, num_chunks, end, options)
+        fetch = [
+            sliding_key(keys[c - first_chunk]) if part == SLIDING else keys[c - first_chunk]
+            for c, part in plan
+        ]
         link_key = (options.bandwidth_mbps, float(options.rtt_ms))
+        layers = {None: None, FULL: self.full_layers, SLIDING: self.sliding_layers}
 
         def consume(index: int, kv: KVCache) -> None:
-            start = (first_chunk + index) * C
+            chunk, part = plan[index]
+            start = chunk * C
             expected = torch.as_tensor(token_ids[start : start + C], dtype=torch.int64)
             if kv.start != start or not torch.equal(kv.token_ids, expected):
-                raise ConnectorError(
-                    f"chunk {first_chunk + index} decodes to tokens of another prefix"
-                )
-            if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (
+                raise ConnectorError(f"chunk {chunk} decodes to tokens of another prefix")
+            if (kv.model.num_layers, kv.num_kv_heads, kv.head_dim) != (
                 self.identity.num_layers,
                 self.identity.num_kv_heads,
                 self.identity.head_dim,
             ):
+                raise ConnectorError(f"chunk {chunk} has the KV geometry of another model")
+            if kv.layers != layers[part]:
+                what = "all layers" if part is None else f"its {part} layers"
                 raise ConnectorError(
-                    f"chunk {first_chunk + index} has the KV geometry of another model"
+                    f"chunk {chunk}: a record for {what} decodes to layers {list(kv.layer_indices)}"
                 )
             on_chunk(kv)
+
+        def result(n_loaded: int) -> int:
+            """Chunks complete after the first ``n_loaded`` fetches."""
+            return num_chunks if n_loaded >= len(plan) else plan[n_loaded][0] - first_chunk
 
         kwargs: dict[str, Any] = {}
         if options.mode == "adaptive":
             assert options.slo_ms is not None
             levels = self.load_levels(options)
-            sizes = {lv: self.store.sizes(keys, lv) for lv in levels}
+            sizes = {lv: self.store.sizes(fetch, lv) for lv in levels}
             kwargs["controller"] = AdaptiveController(
                 options.slo_ms / 1000.0,
                 sizes,
-                [C] * num_chunks,
+                [C] * len(fetch),
                 prefill_tokens_per_s=self.config.prefill_tokens_per_s
                 or prefill_tokens_per_s
                 or 1000.0,
@@ -206,13 +301,15 @@ class ChunkTransport:
         else:
             kwargs["level"] = self.load_levels(options)[0]
         try:
-            stats = stream_load(self._link(options).source, keys, _decode, consume, **kwargs)
+            stats = stream_load(self._link(options).source, fetch, _decode, consume, **kwargs)
         except CacheGenError as exc:
             partial = getattr(exc, "stats", None)
             loaded = partial.n_loaded if partial else 0
-            if _damaged(exc) and partial is not None and loaded < len(keys):
-                self._drop(keys[loaded], partial.levels[loaded])
-            return LoadResult(loaded, f"{type(exc).__name__}: {exc}", _report(partial))
+            if _damaged(exc) and partial is not None and loaded < len(fetch):
+                self._drop(fetch[loaded], partial.levels[loaded])
+            return LoadResult(
+                result(loaded), f"{type(exc).__name__}: {exc}", self._report(partial, plan)
+            )
         if stats.transfer_s > 0 and stats.bytes:
             previous = self._goodput_mbps.get(link_key)
             now = stats.goodput_mbps
@@ -222,10 +319,49 @@ class ChunkTransport:
         error = None
         if stats.recompute_from is not None:
             error = (
-                f"adaptive controller left chunks from {first_chunk + stats.recompute_from} "
+                f"adaptive controller left chunks from {plan[stats.recompute_from][0]} "
                 "on to recomputation"
             )
-        return LoadResult(stats.n_loaded, error, _report(stats))
+        return LoadResult(result(stats.n_loaded), error, self._report(stats, plan))
+
+    def load_plan(
+        self, first_chunk: int, num_chunks: int, end: int, options: RequestOptions
+    ) -> list[tuple[int, str | None]]:
+        """The records a load fetches, in order: ``(chunk index, part)`` with part ``None``
+        (the whole chunk) for a model with one kind of layer, else ``FULL`` for every chunk
+        and ``SLIDING`` (right after it) for the chunks from :meth:`sliding_from` on."""
+        chunks = range(first_chunk, first_chunk + num_chunks)
+        if not self.split:
+            return [(c, None) for c in chunks]
+        sliding_from = self.sliding_from(end, options)
+        plan: list[tuple[int, str | None]] = []
+        for c in chunks:
+            plan.append((c, FULL))
+            if c >= sliding_from:
+                plan.append((c, SLIDING))
+        return plan
+
+    def _report(self, stats: Any, plan: list[tuple[int, str | None]]) -> dict[str, Any]:
+        """The load's statistics; ``bytes`` counts every record fetched, ``levels`` has one
+        entry per chunk (its full part's level, or what stopped one of its parts)."""
+        report = _report(stats)
+        if not report or not self.split:
+            return report
+        per_chunk: dict[int, list[Any]] = {}
+        for (chunk, _part), level in zip(plan, stats.levels):
+            per_chunk.setdefault(chunk, []).append(level)
+        levels = []
+        for chunk in sorted(per_chunk):
+            stopped = [x for x in per_chunk[chunk] if not isinstance(x, int)]
+            levels.append(stopped[0] if stopped else per_chunk[chunk][0])
+        report["levels"] = levels
+        report["window_skipped_chunks"] = len(per_chunk) - sum(p == SLIDING for _, p in plan)
+        report["sliding_bytes"] = sum(
+            c.bytes
+            for c in stats.chunks
+            if 0 <= c.index < len(plan) and plan[c.index][1] == SLIDING
+        )
+        return report
 
     def _drop(self, key: str, level: Any) -> None:
         """Delete a damaged chunk so that the recomputation that follows stores it afresh."""
@@ -238,23 +374,37 @@ class ChunkTransport:
 
     # ---- save ----------------------------------------------------------------------------------
 
-    def save(self, token_ids: Sequence[int], kv: KVCache, modes: Sequence[str]) -> int:
+    def save(
+        self,
+        token_ids: Sequence[int],
+        kv: KVCache,
+        modes: Sequence[str],
+        sliding_from: int = 0,
+    ) -> int:
         """Encode and store the whole chunks of ``kv``, a chunk-aligned slice of the prompt
-        ``token_ids``, at every level of every mode; chunks already stored are skipped.
-        Returns the bytes written."""
+        ``token_ids``, at every level of every mode; records already stored are skipped.
+        For a model with sliding-window layers each chunk is two records (:meth:`part_keys`);
+        chunks before chunk ``sliding_from`` get no sliding part (their sliding layers' KV in
+        ``kv`` is not valid: a load skipped it). Returns the bytes written."""
         C = self.chunk_tokens
         first = kv.start // C
         written = 0
         for mode in dict.fromkeys("cachegen" if m == "adaptive" else m for m in modes):
             codec = self.codec(mode)
             keys = self.keys(mode, token_ids[: kv.start + kv.num_tokens])[first:]
-            for key, chunk in zip(keys, kv.chunks(C)):
-                for level in self.levels(mode):
-                    if self.store.exists(key, level):
-                        continue
-                    blob = codec.encode(chunk, level=level)
-                    self.store.put(key, level, blob)
-                    written += len(blob)
+            for index, (key, chunk) in enumerate(zip(keys, kv.chunks(C)), start=first):
+                parts = [(key, chunk)]
+                if self.split:
+                    parts = [(key, chunk.select_layers(self.full_layers))]
+                    if index >= sliding_from:
+                        parts.append((sliding_key(key), chunk.select_layers(self.sliding_layers)))
+                for part_key, part in parts:
+                    for level in self.levels(mode):
+                        if self.store.exists(part_key, level):
+                            continue
+                        blob = codec.encode(part, level=level)
+                        self.store.put(part_key, level, blob)
+                        written += len(blob)
         return written
 
     def close(self) -> None:

@@ -202,17 +202,19 @@ class WorkerSide:
         )
 
     def inject(self, block_ids: list[int], kv: KVCache, begin: int, end: int) -> int:
-        """Write the part of ``kv`` inside tokens ``[begin, end)`` into the paged cache."""
+        """Write the part of ``kv`` inside tokens ``[begin, end)`` into the paged cache (into
+        the layers ``kv`` holds; a layer subset leaves the other layers' slots untouched)."""
         lo, hi = max(begin, kv.start), min(end, kv.start + kv.num_tokens)
         if lo >= hi:
             return 0
         slots = self._slots(block_ids, lo, hi)
         part = kv.slice(lo - kv.start, hi - kv.start)
+        caches = self._caches if kv.layers is None else [self._caches[i] for i in kv.layers]
         blocks = _whole_blocks(slots, self._layout.block_size)
         if blocks is None:
-            self._layout.scatter_layers(self._caches, slots, part.keys, part.values)
+            self._layout.scatter_layers(caches, slots, part.keys, part.values)
         else:
-            self._layout.scatter_blocks(self._caches, blocks, part.keys, part.values)
+            self._layout.scatter_blocks(caches, blocks, part.keys, part.values)
         return hi - lo
 
     # ---- loads ---------------------------------------------------------------------------------
@@ -243,7 +245,13 @@ class WorkerSide:
 
         try:
             result = self.transport.load(
-                task.token_ids, first, count, task.options, on_chunk, self.prefill_tokens_per_s
+                task.token_ids,
+                first,
+                count,
+                task.options,
+                on_chunk,
+                self.prefill_tokens_per_s,
+                end=task.end,
             )
             error, done_chunks, stats = result.error, result.chunks_loaded, result.stats
         except Exception as exc:  # noqa: BLE001 - any failure of a load must become a recompute
@@ -341,7 +349,7 @@ class WorkerSide:
     def _save(self, task: SaveTask, kv: KVCache) -> None:
         t0 = time.perf_counter()
         try:
-            nbytes = self.transport.save(task.token_ids, kv, task.modes)
+            nbytes = self.transport.save(task.token_ids, kv, task.modes, task.sliding_from)
         except Exception:  # noqa: BLE001 - a failed save is a future cache miss, never a crash
             logger.exception("request %s: storing its KV failed", task.req_id)
             return

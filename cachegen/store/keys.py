@@ -72,6 +72,17 @@ def chunk_keys(
     return keys
 
 
+SLIDING_SUFFIX = "-sliding"
+
+
+def sliding_key(key: str) -> str:
+    """The key of the sliding-window layers' part of the chunk stored under ``key`` (a chunk of
+    a model that mixes full and sliding-window attention is stored as two records: its
+    full-attention layers under ``key``, its sliding layers under this key)."""
+    validate_key(key)
+    return validate_key(key + SLIDING_SUFFIX)
+
+
 def validate_key(key: str) -> str:
     """Return ``key`` if it is a safe store key (``NAME/NAME``, letters, digits, ``_``, ``-``)."""
     if not isinstance(key, str) or not KEY_RE.match(key):
