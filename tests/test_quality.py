@@ -26,7 +26,13 @@ from cachegen.lab.quality.datasets import (
     pydoc_windows,
 )
 from cachegen.lab.quality.evaluate import Candidate, EvalSettings, evaluate
-from cachegen.lab.quality.metrics import Reference, compare_logits, corpus_bleu, rouge_l
+from cachegen.lab.quality.metrics import (
+    Reference,
+    compare_logits,
+    corpus_bleu,
+    rouge_l,
+    wilson_ci,
+)
 from cachegen.lab.quality.replay import continuation_logits, greedy_generate
 from cachegen.profiles import codec_for
 from cachegen.workload.retrieval import answer_is_correct, default_lengths, retrieval_windows
@@ -123,6 +129,18 @@ def test_replay_rejects_a_slice_and_a_foreign_geometry(llama, windows, tiny_qwen
 
 
 # ---- metrics -----------------------------------------------------------------------------------
+
+
+def test_wilson_interval_of_accuracy():
+    """Known values of the 95% Wilson score interval, and never empty at 0 or all successes."""
+    low, high = wilson_ci(20, 20)
+    assert high == 1.0 and 0.83 < low < 0.84
+    low, high = wilson_ci(0, 20)
+    assert low == 0.0 and 0.16 < high < 0.17
+    low, high = wilson_ci(45, 100)
+    assert 0.35 < low < 0.36 and 0.54 < high < 0.55
+    with pytest.raises(ValueError):
+        wilson_ci(0, 0)
 
 
 def test_metrics_on_identical_and_different_distributions():
@@ -656,3 +674,4 @@ def test_cli_eval_passkey_reports_original_and_codec_accuracy(capsys, gemma3):
         assert r["retrieval_accuracy_original"] == 1.0  # Gemma finds both keys in its own KV
         assert r["retrieval_by_length"]["600"]["samples"] == 2
     assert rows[0]["retrieval_accuracy"] == 1.0  # raw is lossless
+    assert rows[0]["retrieval_accuracy_ci95"][1] == 1.0

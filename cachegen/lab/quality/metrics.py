@@ -164,11 +164,25 @@ class Tally:
             n = sum(c[2] for c in self.retrieval.values())
             row["retrieval_accuracy_original"] = original / n
             row["retrieval_accuracy"] = decoded / n
+            row["retrieval_accuracy_original_ci95"] = wilson_ci(original, n)
+            row["retrieval_accuracy_ci95"] = wilson_ci(decoded, n)
             row["retrieval_by_length"] = {
                 tag: {"original": c[0] / c[2], "decoded": c[1] / c[2], "samples": c[2]}
                 for tag, c in sorted(self.retrieval.items(), key=lambda kv: int(kv[0]))
             }
         return row
+
+
+def wilson_ci(successes: int, trials: int, z: float = 1.959964) -> list[float]:
+    """95% Wilson score interval of a proportion: unlike the normal approximation it stays
+    inside [0, 1] and is not empty at 0 or ``trials`` successes (e.g. 20 of 20)."""
+    if trials <= 0:
+        raise ValueError("no trials")
+    p = successes / trials
+    denominator = 1 + z * z / trials
+    center = (p + z * z / (2 * trials)) / denominator
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
+    return [max(0.0, center - half), min(1.0, center + half)]
 
 
 def _bootstrap_ci(per_window: list[WindowScores], seed: int) -> list[float] | None:

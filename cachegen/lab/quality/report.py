@@ -34,10 +34,11 @@ def terminal_table(rows: list[dict]) -> str:
     if any("retrieval_accuracy" in r for r in rows):
         cols.append(
             (
-                "retrieval orig->dec",
+                "retrieval orig->dec (95% CI of dec)",
                 lambda r: (
                     f"{100 * r['retrieval_accuracy_original']:.1f}%->"
                     f"{100 * r['retrieval_accuracy']:.1f}%"
+                    + _interval_pct(r.get("retrieval_accuracy_ci95"))
                     if "retrieval_accuracy" in r
                     else "-"
                 ),
@@ -121,3 +122,7 @@ def write_outputs(out: Path, stem: str, document: dict, title: str) -> list[Path
     md_path.write_text(frontier.markdown_table(rows))
     frontier.plot(rows, png_path, title)
     return [json_path, md_path, png_path]
+
+
+def _interval_pct(interval: list[float] | None) -> str:
+    return "" if interval is None else f" ({100 * interval[0]:.0f}..{100 * interval[1]:.0f}%)"
