@@ -184,10 +184,13 @@ def test_ttft_timeline_splits_ttft_around_the_load(engine):
         text["load_s"] == 0.0 and text["bandwidth_mbps"] is None and raw["bandwidth_mbps"] == 100.0
     )
     assert all(r["loaded_tokens"] == 512 for r in raw["runs"])
-    # the load is part of TTFT, and the step that produced the first token comes after it
+    # the load is part of TTFT, and the first token needs steps after the idle ones of the load.
+    # first_token_step_s (our clock around engine.step()) is not compared with after_load_s
+    # (vLLM's first-token timestamp, taken inside the step, less the connector's load): on
+    # different clocks their order is not guaranteed (one CI run: 0.0182 s vs 0.0179 s).
     assert 0 < raw["load_s"] < raw["ttft_s"]
     for run in raw["runs"]:
-        assert 0 < run["first_token_step_s"] <= run["after_load_s"] and run["steps"] >= 2
+        assert 0 < run["first_token_step_s"] and 0 < run["after_load_s"] and run["steps"] >= 2
     assert "| raw | 100 |" in timeline_markdown(rows)
     assert parse_mode("cachegen-3") == ("cachegen", 3) and parse_mode("int8") == ("int8", None)
     assert parse_mode("cachegen") == ("cachegen", None) and parse_mode("recompute") == (
