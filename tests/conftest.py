@@ -12,6 +12,17 @@ import pytest
 from cachegen import models
 
 
+@pytest.fixture
+def isolated_profiles(tmp_path, monkeypatch):
+    """An empty profile directory and no tables in memory."""
+    from cachegen.codec import tables
+
+    monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))
+    tables.forget_cached_tables()
+    yield tmp_path / "profiles"
+    tables.forget_cached_tables()
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> models.ModelSpec:
     return models.resolve("smollm2-135m")

@@ -46,15 +46,6 @@ def tiny_profile(tiny_llama):
     return ensure_profile(tiny_llama)
 
 
-@pytest.fixture
-def isolated_profiles(tmp_path, monkeypatch):
-    """An empty profile directory and no tables in memory."""
-    monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))
-    tables_mod.forget_cached_tables()
-    yield tmp_path / "profiles"
-    tables_mod.forget_cached_tables()
-
-
 def codec_levels():
     for name in CODECS:
         for level in [1, 2, 3] if name == "cachegen" else [0]:

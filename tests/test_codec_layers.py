@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from cachegen.codec import CodecError, decode, get_codec, inspect
-from cachegen.codec import tables as tables_mod
 from cachegen.codec.api import CODECS
 from cachegen.codec.bitstream import _FIXED, FLAG_LAYER_SUBSET, parse_header
 from cachegen.errors import CacheGenError, KVError
@@ -46,15 +45,6 @@ def tiny_kv(tiny_llama) -> KVCache:
     kv = extract_kv(tiny_llama, text=TEXT).slice(5, 150)  # starts mid-prompt, spans 3 frames
     assert kv.num_layers == 4 and kv.num_tokens == 145
     return kv
-
-
-@pytest.fixture
-def isolated_profiles(tmp_path, monkeypatch):
-    """An empty profile directory and no tables in memory."""
-    monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))
-    tables_mod.forget_cached_tables()
-    yield tmp_path / "profiles"
-    tables_mod.forget_cached_tables()
 
 
 def same(a: KVCache, b: KVCache) -> bool:

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from cachegen import models
-from cachegen.codec import tables as tables_mod
 from cachegen.errors import InputError
 from cachegen.kv import KVCache
 from cachegen.lab.quality import frontier
@@ -38,14 +37,6 @@ from cachegen.profiles import codec_for
 from cachegen.workload.retrieval import answer_is_correct, default_lengths, retrieval_windows
 
 SMALL = dict(context_tokens=96, continuation_tokens=16)
-
-
-@pytest.fixture
-def isolated_profiles(tmp_path, monkeypatch):
-    monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))
-    tables_mod.forget_cached_tables()
-    yield tmp_path / "profiles"
-    tables_mod.forget_cached_tables()
 
 
 @pytest.fixture(scope="module")
