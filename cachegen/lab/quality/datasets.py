@@ -90,12 +90,12 @@ def pydoc_windows(
 ) -> list[Window]:
     if split not in SPLITS:
         raise InputError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    ids = torch.tensor(tokenizer(workload.text(split))["input_ids"], dtype=torch.int64)
-    return windows_from_stream(
-        ids,
+    return _text_windows(
+        workload.text(split),
+        tokenizer,
+        count=count,
         context_tokens=context_tokens,
         continuation_tokens=continuation_tokens,
-        count=count,
         seed=seed,
         source=f"pydoc-{split}",
     )
@@ -111,15 +111,21 @@ def domain_windows(
     seed: int = 0,
 ) -> list[Window]:
     """Windows from the held-out text of evaluation ``domain`` (``source``: ``domain@begin``)."""
-    ids = torch.tensor(tokenizer(workload.domain_text(domain))["input_ids"], dtype=torch.int64)
-    return windows_from_stream(
-        ids,
+    return _text_windows(
+        workload.domain_text(domain),
+        tokenizer,
+        count=count,
         context_tokens=context_tokens,
         continuation_tokens=continuation_tokens,
-        count=count,
         seed=seed,
         source=domain,
     )
+
+
+def _text_windows(text: str, tokenizer, *, source: str, **cut) -> list[Window]:
+    """Windows cut (:func:`windows_from_stream`) from ``text`` as ``tokenizer`` reads it."""
+    ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.int64)
+    return windows_from_stream(ids, source=source, **cut)
 
 
 def file_windows(
@@ -144,9 +150,9 @@ def file_windows(
     if not raw.strip():
         raise InputError(f"{path} is empty")
     if path.suffix.lower() != ".jsonl":
-        ids = torch.tensor(tokenizer(raw)["input_ids"], dtype=torch.int64)
-        return windows_from_stream(
-            ids,
+        return _text_windows(
+            raw,
+            tokenizer,
             context_tokens=context_tokens,
             continuation_tokens=continuation_tokens,
             count=count,
@@ -181,9 +187,9 @@ def file_windows(
         )
     if explicit:
         return explicit[:count]
-    ids = torch.tensor(tokenizer("\n\n".join(documents))["input_ids"], dtype=torch.int64)
-    return windows_from_stream(
-        ids,
+    return _text_windows(
+        "\n\n".join(documents),
+        tokenizer,
         context_tokens=context_tokens,
         continuation_tokens=continuation_tokens,
         count=count,
