@@ -49,7 +49,7 @@ lint: install
 test: models services lint
 	$(PY) -m pytest --benchmark-skip -q
 
-# The main job: the asv suite on the embedded model (one sweep, shared by every suite through
+# The main job: the asv suite on the embedded models (one sweep, shared by every suite through
 # setup_cache), the dashboard, results.json, the figures and the reproduction report.
 # QUICK=1 runs the smoke profile into benchmarks/out/quick/.
 BENCH_PROFILE := $(if $(QUICK),quick,default)

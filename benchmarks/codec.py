@@ -21,10 +21,11 @@ KV_DIR = "codec-kv"
 
 
 def extract_kv() -> str:
-    """KV of ``CONTEXT_TOKENS`` tokens of held-out CPython documentation for the first model,
-    saved once."""
-    (kv,) = text_windows(MODELS[0], CONTEXT_TOKENS, 1)
-    kv.save(KV_DIR)
+    """KV of ``CONTEXT_TOKENS`` tokens of held-out CPython documentation for each model, saved
+    once into one directory per model."""
+    for model in MODELS:
+        (kv,) = text_windows(model, CONTEXT_TOKENS, 1)
+        kv.save(os.path.join(KV_DIR, model.replace("/", "--")))
     return os.path.abspath(KV_DIR)
 
 
@@ -32,34 +33,36 @@ extract_kv.timeout = 600
 
 
 class CodecSpeed:
-    """Whole-context encode and decode of ``CONTEXT_TOKENS`` tokens of the first model's KV."""
+    """Whole-context encode and decode of ``CONTEXT_TOKENS`` tokens of each model's KV."""
 
-    params = (CODEC_MODES,)
-    param_names = ("mode",)
+    params = (MODELS, CODEC_MODES)
+    param_names = ("model", "mode")
     setup_cache = staticmethod(extract_kv)
     number = 1
     repeat = (1, 3, 5.0) if QUICK else (3, 10, 20.0)  # (min samples, max samples, seconds budget)
-    rounds = 1 if QUICK else 2
+    rounds = 1
     warmup_time = 0
 
-    def setup(self, kv_dir, mode):
+    def setup(self, kv_dir, model, mode):
         parsed = Mode.parse(mode)
-        self.kv = KVCache.load(kv_dir)
-        self.codec = codec_for(parsed.codec_name, MODELS[0])
+        self.kv = KVCache.load(os.path.join(kv_dir, model.replace("/", "--")))
+        self.codec = codec_for(parsed.codec_name, model)
+        if parsed.level is not None and parsed.level not in self.codec.levels:
+            raise NotImplementedError(f"{model}'s codec profile has no level {parsed.level}")
         self.level = self.codec.resolve_level(parsed.level)
         self.blob = self.codec.encode(self.kv, level=self.level)
         decode(self.blob)  # tables and kernels loaded before timing
 
-    def time_encode(self, kv_dir, mode):
+    def time_encode(self, kv_dir, model, mode):
         self.codec.encode(self.kv, level=self.level)
 
-    def time_decode(self, kv_dir, mode):
+    def time_decode(self, kv_dir, model, mode):
         decode(self.blob)
 
-    def peakmem_decode(self, kv_dir, mode):
+    def peakmem_decode(self, kv_dir, model, mode):
         decode(self.blob)
 
-    def track_decode_rate(self, kv_dir, mode):
+    def track_decode_rate(self, kv_dir, model, mode):
         """KV elements decoded per second, median of five whole-context decodes."""
         times = []
         for _ in range(5):
@@ -70,7 +73,7 @@ class CodecSpeed:
 
     track_decode_rate.unit = "M elements/s"
 
-    def track_bits_per_element(self, kv_dir, mode):
+    def track_bits_per_element(self, kv_dir, model, mode):
         """Bits per KV element, one bitstream per chunk as the store holds them."""
         return measure(self.codec, self.level, [self.kv], CHUNK_TOKENS)["bits_per_element"]
 

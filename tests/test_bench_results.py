@@ -134,3 +134,16 @@ def test_mode_groups_expand_like_the_earlier_reproduction():
     assert Mode.parse("cachegen-2") == Mode("cachegen", 2)
     with pytest.raises(InputError, match="unknown mode"):
         expand(["cachegen-x"])
+
+
+def test_default_profile_sweeps_every_embedded_model_and_quick_the_default_one(monkeypatch):
+    from cachegen.lab.bench.sweep import DEFAULT_MODELS_ENV, profile
+    from cachegen.models import EMBEDDED, EMBEDDED_DEFAULT
+
+    monkeypatch.delenv(DEFAULT_MODELS_ENV, raising=False)
+    assert profile("default", modes=["raw"]).models == list(EMBEDDED)
+    assert "gemma3-270m" in EMBEDDED
+    assert profile("quick", modes=["raw"]).models == [EMBEDDED_DEFAULT]
+    monkeypatch.setenv(DEFAULT_MODELS_ENV, f"tiny-llama, {EMBEDDED_DEFAULT}")
+    assert profile("quick", modes=["raw"]).models == [EMBEDDED_DEFAULT, "tiny-llama"]
+    assert profile("default", modes=["raw"]).models == [*EMBEDDED, "tiny-llama"]

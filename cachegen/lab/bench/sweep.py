@@ -24,10 +24,11 @@ from cachegen.errors import CacheGenError, InputError
 from cachegen.lab.bench import environment, results
 from cachegen.lab.bench.modes import expand
 from cachegen.lab.bench.prompts import TEXT_SOURCE
+from cachegen.models import EMBEDDED, EMBEDDED_DEFAULT
 from cachegen.modes import Mode
 
 PARTS = ("e2e", "stream", "quality")
-DEFAULT_MODELS_ENV = "CACHEGEN_BENCH_MODELS"  # comma-separated extra models for the default profile
+DEFAULT_MODELS_ENV = "CACHEGEN_BENCH_MODELS"  # comma-separated extra models for the profiles
 
 
 @dataclass
@@ -83,11 +84,14 @@ class SweepConfig:
 def profile(name: str, **overrides) -> SweepConfig:
     """The named profile with ``overrides`` (None values are ignored; ``modes`` are labels).
 
-    ``default`` is what ``make bench`` runs (at most 20 minutes on a 2-core machine);
-    ``quick`` is its smoke version (at most 3 minutes, what CI may run).
+    ``default`` is what ``make bench`` runs: every embedded model (``models.EMBEDDED``) plus
+    ``$CACHEGEN_BENCH_MODELS``, at most 25 minutes on a 2-core machine. ``quick`` is its smoke
+    version, at most 3 minutes: the default model plus ``$CACHEGEN_BENCH_MODELS`` (each model
+    costs a vLLM engine start, about half a minute, whatever the grid).
     """
     extra = [m.strip() for m in os.environ.get(DEFAULT_MODELS_ENV, "").split(",") if m.strip()]
-    chosen = overrides.get("models") or ["smollm2-135m", *extra]
+    base_models = list(EMBEDDED) if name == "default" else [EMBEDDED_DEFAULT]
+    chosen = overrides.get("models") or list(dict.fromkeys([*base_models, *extra]))
     if name == "default":
         base = dict(
             models=chosen,
