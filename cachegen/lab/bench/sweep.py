@@ -98,7 +98,7 @@ def profile(name: str, **overrides) -> SweepConfig:
             modes=["all"],
             bandwidth_mbps=[100.0, 500.0, 1000.0],
             context_tokens=[1536, 4096],
-            repeats=3,
+            repeats=2,  # with both models, 3 repeats overrun the 25-minute budget on 2 cores
             output_tokens=16,
             quality_windows=4,
             quality_context_tokens=1024,
