@@ -1,6 +1,7 @@
 """Encoded-chunk stores addressed by URL (local directory, Redis / Valkey / Redis Cluster).
 
 store = open_store("file:///var/cache/kv")          # or "redis://127.0.0.1:6379/0"
+store = open_store(url, secret=b"...")               # signed records (or CACHEGEN_STORE_SECRET)
 keys = chunk_keys(model_identity, codec_profile_id, token_ids, chunk_tokens)
 store.put(keys[0], level, blob); store.get(keys[0], level)
 n = longest_prefix(store, keys, levels)              # leading chunks stored at every level
@@ -9,7 +10,9 @@ n = longest_prefix(store, keys, levels)              # leading chunks stored at 
 from cachegen.store.base import ChunkInfo, ChunkStore, StoreStats, longest_prefix
 from cachegen.store.errors import (
     ChunkCorrupt,
+    ChunkForged,
     ChunkMissing,
+    ChunkTooLarge,
     StoreConfigError,
     StoreError,
     StoreUnavailable,
@@ -19,8 +22,10 @@ from cachegen.store.url import default_store_url, open_store, parse_size
 
 __all__ = [
     "ChunkCorrupt",
+    "ChunkForged",
     "ChunkInfo",
     "ChunkMissing",
+    "ChunkTooLarge",
     "ChunkStore",
     "StoreConfigError",
     "StoreError",

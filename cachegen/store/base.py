@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 from cachegen.store import record
+from cachegen.store.errors import ChunkTooLarge, StoreConfigError
 
 
 @dataclass(frozen=True)
@@ -38,14 +39,62 @@ class ChunkStore(ABC):
     Readers never see a partial chunk: ``get`` returns a payload verified against the
     checksum written with it, or raises ``ChunkMissing`` / ``ChunkCorrupt`` /
     ``StoreUnavailable``. Stores are safe to share between threads.
+
+    A store opened with a secret signs every record it writes (record format version 2) and
+    refuses, with ``ChunkForged``, any record not signed with that secret for that key and
+    level. ``max_record_bytes`` bounds the records it writes and reads (``ChunkTooLarge``).
     """
 
     url: str
+    max_record_bytes: int | None = None
+    _signer: record.Signer | None = None
+
+    def _init_records(self, secret, max_record_bytes: int | None) -> None:
+        """Backends call this first: the secret (None: ``CACHEGEN_STORE_SECRET``) and cap."""
+        if max_record_bytes is not None and max_record_bytes < record.HEADER_SIZE_SIGNED:
+            raise StoreConfigError(
+                f"max_record_bytes must be at least {record.HEADER_SIZE_SIGNED} (a record "
+                f"header), got {max_record_bytes}"
+            )
+        self.max_record_bytes = max_record_bytes
+        self._signer = record.signer_for(secret)
+
+    @property
+    def signed(self) -> bool:
+        """Whether this store signs its records and accepts only records signed with its secret."""
+        return self._signer is not None
+
+    @property
+    def record_signer(self) -> record.Signer | None:
+        """What verifies this store's records elsewhere (``SocketSource(..., secret=...)``)."""
+        return self._signer
 
     @property
     def label(self) -> str:
         """The URL without secrets, for messages and reports."""
         return self.url
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.label!r}, signed={self.signed})"
+
+    def _pack(self, key: str, level: int, blob: bytes) -> bytes:
+        """The record to store for ``blob`` (signed if this store has a secret), size-checked."""
+        self._check_record_size(
+            key, level, record.record_size(len(blob), self.signed), writing=True
+        )
+        return record.pack(key, level, blob, self._signer)
+
+    def _check_record_size(self, key: str, level: int, size: int, *, writing: bool = False) -> None:
+        cap = self.max_record_bytes
+        if cap is None or size <= cap:
+            return
+        what = "not stored" if writing else "refused without reading it"
+        raise ChunkTooLarge(
+            f"chunk {key} level {level} in {self.label}: the record is {size} bytes, over this "
+            f"store's max_record_bytes of {cap}, so it is {what}; raise the store option "
+            "max_record_bytes (URL ?max_record_bytes=SIZE or open_store(..., "
+            "max_record_bytes=...)) if chunks this large are expected"
+        )
 
     @abstractmethod
     def put(self, key: str, level: int, blob: bytes) -> None:
@@ -53,11 +102,14 @@ class ChunkStore(ABC):
 
     @abstractmethod
     def get_record(self, key: str, level: int) -> bytes:
-        """The stored record (header + payload) unverified, for forwarding to a remote reader."""
+        """The stored record (header + payload) unverified, for forwarding to a remote reader.
+
+        A record over ``max_record_bytes`` raises ``ChunkTooLarge`` before it is read whole.
+        """
 
     def get(self, key: str, level: int) -> bytes:
         """The verified payload of ``(key, level)``."""
-        return record.unpack(self.get_record(key, level), key, level)
+        return record.unpack(self.get_record(key, level), key, level, self._signer)
 
     def get_stream(self, key: str, level: int, block_size: int = 1 << 20) -> Iterator[bytes]:
         """The verified payload in blocks of at most ``block_size`` bytes.
@@ -73,7 +125,14 @@ class ChunkStore(ABC):
             offset += len(data)
             return data
 
-        return record.iter_payload(read, key, level, block_size)
+        return record.iter_payload(
+            read, key, level, block_size, self._signer, self._size_check(key, level)
+        )
+
+    def _size_check(self, key: str, level: int):
+        if self.max_record_bytes is None:
+            return None
+        return lambda size: self._check_record_size(key, level, size)
 
     def _read_range(self, key: str, level: int, offset: int, length: int) -> bytes:
         return self.get_record(key, level)[offset : offset + length]

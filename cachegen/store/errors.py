@@ -25,3 +25,14 @@ class ChunkMissing(StoreError):
 
 class ChunkCorrupt(StoreError):
     """A stored or received chunk failed its length, key or checksum verification."""
+
+
+class ChunkForged(ChunkCorrupt):
+    """A stored or received chunk failed its keyed signature (HMAC) under the store's secret:
+    it was written without that secret (unsigned, or with another secret), altered since, or
+    copied from another key or level. Like any ``StoreError``, the load recomputes instead."""
+
+
+class ChunkTooLarge(StoreError):
+    """A record is larger than the store's ``max_record_bytes``: refused before reading it
+    whole (or, for a put, before storing it)."""

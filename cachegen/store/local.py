@@ -43,8 +43,17 @@ EVICT_TO = 0.9  # after an over-capacity put, evict down to this fraction of max
 
 class LocalStore(ChunkStore):
     def __init__(
-        self, root: str | os.PathLike, *, max_bytes: int | None = None, fsync: bool = False
+        self,
+        root: str | os.PathLike,
+        *,
+        max_bytes: int | None = None,
+        fsync: bool = False,
+        secret: bytes | str | None = None,
+        max_record_bytes: int | None = None,
     ) -> None:
+        """``secret``: sign and verify records (None: ``CACHEGEN_STORE_SECRET``, empty: none);
+        ``max_record_bytes``: the largest record (header + payload) written or read."""
+        self._init_records(secret, max_record_bytes)
         self.root = Path(root).expanduser().absolute()
         self.url = self.root.as_uri()
         if max_bytes is not None and max_bytes <= 0:
@@ -99,11 +108,11 @@ class LocalStore(ChunkStore):
 
     def put(self, key: str, level: int, blob: bytes) -> None:
         path = self._path(key, level)
-        data = record.pack(key, level, blob)
         if self.max_bytes is not None and len(blob) > self.max_bytes:
             raise StoreError(
                 f"chunk of {len(blob)} bytes exceeds the store capacity of {self.max_bytes} bytes"
             )
+        data = self._pack(key, level, blob)
         tmp = self._tmp / f"{uuid.uuid4().hex}{SUFFIX}"
         try:
             with open(tmp, "wb") as f:
@@ -138,9 +147,15 @@ class LocalStore(ChunkStore):
 
     def get_record(self, key: str, level: int) -> bytes:
         path = self._path(key, level)
+        cap = self.max_record_bytes
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                if cap is None:
+                    data = f.read()
+                else:  # never more than the cap in memory, whatever the file claims
+                    self._check_record_size(key, level, os.fstat(f.fileno()).st_size)
+                    data = f.read(cap + 1)
+                    self._check_record_size(key, level, len(data))
         except FileNotFoundError:
             raise ChunkMissing(f"chunk {key} level {level} is not in {self.url}") from None
         except OSError as exc:
@@ -157,7 +172,10 @@ class LocalStore(ChunkStore):
         except FileNotFoundError:
             raise ChunkMissing(f"chunk {key} level {level} is not in {self.url}") from None
         with f:
-            yield from record.iter_payload(f.read, key, level, block_size)
+            check = self._size_check(key, level)
+            if check is not None:
+                check(os.fstat(f.fileno()).st_size)
+            yield from record.iter_payload(f.read, key, level, block_size, self._signer, check)
 
     def exists_many(self, keys: Sequence[str], level: int) -> list[bool]:
         return [self._path(k, level).is_file() for k in keys]
@@ -175,10 +193,8 @@ class LocalStore(ChunkStore):
     def sizes(self, keys: Sequence[str], level: int) -> list[int | None]:
         out: list[int | None] = []
         for key in keys:
-            try:
-                out.append(self._path(key, level).stat().st_size - record.HEADER_SIZE)
-            except FileNotFoundError:
-                out.append(None)
+            found = _payload_size(self._path(key, level))
+            out.append(None if found is None else found[0])
         return out
 
     def list(self, prefix: str = "") -> Iterator[ChunkInfo]:
@@ -190,12 +206,11 @@ class LocalStore(ChunkStore):
                 for entry in sorted(_listdir(chunk_dir)):
                     if not (entry.name.startswith("L") and entry.name.endswith(SUFFIX)):
                         continue
-                    try:
-                        st = entry.stat()
-                    except FileNotFoundError:
+                    found = _payload_size(entry)
+                    if found is None:
                         continue
                     level = int(entry.name[1 : -len(SUFFIX)])
-                    yield ChunkInfo(key, level, st.st_size - record.HEADER_SIZE, st.st_mtime)
+                    yield ChunkInfo(key, level, *found)
 
     # ---- removal ---------------------------------------------------------------------
 
@@ -234,6 +249,23 @@ class LocalStore(ChunkStore):
 
     def _scan_bytes(self) -> int:
         return sum(e.size for e in self.list())
+
+
+def _payload_size(path: Path) -> tuple[int, float] | None:
+    """(payload bytes, mtime) of the record file at ``path``, or None if it is gone.
+
+    The header's format version says how long the header is (signed records have a longer
+    one), so the first bytes are read; the mtime is untouched (it is the LRU clock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        head = os.pread(fd, 8, 0)
+    finally:
+        os.close(fd)
+    return record.payload_size(head, st.st_size), st.st_mtime
 
 
 def _listdir(path: Path) -> list[Path]:

@@ -6,15 +6,21 @@ Each ``(key, level)`` is one string value ``<prefix>:{<key>}:L<level>`` holding 
 ``SET`` replaces a value atomically, so readers never see a partial chunk. A TTL (``ttl_s``)
 and a memory bound (``max_memory``, which sets ``maxmemory`` with ``allkeys-lru`` on the
 server) are optional.
+
+The URL carries a password (``redis://:PASS@host``) or an ACL user (``redis://USER:PASS@host``);
+``rediss://`` speaks TLS, verified against ``ssl_ca_certs``. Opening the store sends one PING,
+so wrong credentials or an untrusted certificate fail at once with ``StoreConfigError``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import ssl
 import time
 from collections.abc import Iterator, Sequence
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -25,10 +31,18 @@ from cachegen.store import record
 from cachegen.store.base import ChunkInfo, ChunkStore
 from cachegen.store.errors import ChunkMissing, StoreConfigError, StoreError, StoreUnavailable
 from cachegen.store.keys import validate_key, validate_level
+from cachegen.store.url import without_password
 
 PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 ENTRY_RE = re.compile(r"^(?P<prefix>[^:]+):\{(?P<key>[^}]+)\}:L(?P<level>\d+)$")
 SCAN_BATCH = 1000
+CERT_REQS = ("none", "optional", "required")
+_UNREACHABLE = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.RedisClusterException,
+)
+SSL_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
 
 class RedisStore(ChunkStore):
@@ -43,9 +57,22 @@ class RedisStore(ChunkStore):
         timeout_s: float = 5.0,
         retries: int = 1,
         public_url: str | None = None,
+        secret: bytes | str | None = None,
+        max_record_bytes: int | None = None,
+        ssl_ca_certs: str | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_cert_reqs: str | None = None,
     ) -> None:
         """``url`` is what redis-py connects to; ``public_url`` (default ``url``) is the URL
-        ``open_store`` was given, which reopens this same store elsewhere (a server process)."""
+        ``open_store`` was given, which reopens this same store elsewhere (a server process).
+
+        ``secret``: sign and verify records (None: ``CACHEGEN_STORE_SECRET``, empty: none);
+        ``max_record_bytes``: the largest record (header + payload) written or read;
+        ``ssl_*`` (``rediss://`` only): CA file, client certificate and key, and whether the
+        server's certificate is verified (``ssl_cert_reqs``: none, optional, required).
+        """
+        self._init_records(secret, max_record_bytes)
         if not PREFIX_RE.match(prefix):
             raise StoreConfigError(
                 f"redis key prefix {prefix!r} must be 1-32 letters, digits, '_' or '-'"
@@ -53,7 +80,11 @@ class RedisStore(ChunkStore):
         if ttl_s is not None and ttl_s <= 0:
             raise StoreConfigError(f"ttl_s must be a positive number of seconds, got {ttl_s}")
         self.url = public_url or url
-        self._label = _without_password(self.url)  # for messages and logs
+        self._label = without_password(self.url)  # for messages and logs
+        parts = urlsplit(self.url)
+        self._user = unquote(parts.username) if parts.username else "default"
+        self._has_password = parts.password is not None
+        self._host = _host_port(parts)
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.max_memory = max_memory
@@ -64,20 +95,98 @@ class RedisStore(ChunkStore):
             socket_connect_timeout=timeout_s,
             retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries),
         )
+        options.update(
+            _ssl_options(
+                urlsplit(url).scheme.lower() == "rediss",
+                ssl_ca_certs=ssl_ca_certs,
+                ssl_certfile=ssl_certfile,
+                ssl_keyfile=ssl_keyfile,
+                ssl_cert_reqs=ssl_cert_reqs,
+            )
+        )
         try:
             if cluster:
                 self._r = RedisCluster.from_url(url, **options)
             else:
                 self._r = redis.Redis.from_url(url, **options)
-        except (ValueError, redis.exceptions.RedisError) as exc:
-            raise StoreConfigError(
-                f"cannot use redis store {_without_password(url)}: {exc}"
+        except (
+            ValueError,
+            redis.exceptions.RedisError,
+            redis.exceptions.RedisClusterException,
+        ) as exc:
+            # A cluster client connects here: credentials and certificates are checked now.
+            error = self._config_error(exc)
+            if error is None and isinstance(exc, _UNREACHABLE):
+                error = StoreUnavailable(
+                    f"redis at {self._label} is unreachable (connect): {self._redact(exc)}"
+                )
+            raise error or StoreConfigError(
+                f"cannot use redis store {self._label}: {self._redact(exc)}"
             ) from exc
         self.cluster = cluster
+        self._ping()
         if max_memory is not None:
             with self._errors("configure maxmemory"):
                 self._r.config_set("maxmemory", int(max_memory))
                 self._r.config_set("maxmemory-policy", "allkeys-lru")
+
+    def _ping(self) -> None:
+        """One PING: wrong credentials or an untrusted certificate are configuration errors. A
+        server that cannot be reached is not: the first operation that needs it raises
+        ``StoreUnavailable``, so an engine can start while its store is down, and recompute."""
+        try:
+            self._r.ping()
+        except Exception as exc:
+            error = self._config_error(exc)
+            if error is not None:
+                raise error from exc
+
+    def _config_error(self, exc: BaseException) -> StoreConfigError | None:
+        """The configuration mistake ``exc`` reveals (credentials, TLS), if any."""
+        chain = _chain(exc)
+        said = self._redact("; ".join(dict.fromkeys(str(e) for e in chain if str(e))))
+        if any(isinstance(e, redis.exceptions.AuthenticationError) for e in chain) or any(
+            code in said for code in ("WRONGPASS", "NOAUTH", "invalid password")
+        ):
+            hint = (
+                "check the password or the ACL user"
+                if self._has_password
+                else "check the password or the ACL user: the server requires one and the URL "
+                "gives none (redis://:PASSWORD@host:port/db or redis://USER:PASSWORD@...)"
+            )
+            return StoreConfigError(
+                f"authentication failed for user {self._user!r} at {self._host}: {hint} "
+                f"(redis said: {_first_line(said)})"
+            )
+        if any(isinstance(e, redis.exceptions.NoPermissionError) for e in chain):
+            return StoreConfigError(
+                f"user {self._user!r} at {self._host} is not allowed to run the commands the "
+                f"chunk store needs: check the user's ACL rules (redis said: {_first_line(said)})"
+            )
+        cert = next((e for e in chain if isinstance(e, ssl.SSLCertVerificationError)), None)
+        if cert is not None or "CERTIFICATE_VERIFY_FAILED" in said:
+            reason = getattr(cert, "verify_message", None) or _first_line(said)
+            return StoreConfigError(
+                f"the TLS certificate of redis at {self._host} could not be verified ({reason}): "
+                "set the store option ssl_ca_certs to the CA certificate that signed the "
+                "server's certificate (URL ?ssl_ca_certs=/path/ca.pem or open_store(..., "
+                "ssl_ca_certs=...)) and check that the certificate names this host"
+            )
+        tls = next((e for e in chain if isinstance(e, ssl.SSLError)), None)
+        if tls is not None:
+            return StoreConfigError(
+                f"the TLS handshake with redis at {self._host} failed "
+                f"({tls.reason or _first_line(str(tls))}): check that the server speaks TLS on "
+                "this port, and ssl_certfile / ssl_keyfile if it requires a client certificate"
+            )
+        return None
+
+    def _redact(self, text: object) -> str:
+        """``text`` with the URL's password (should a message ever echo it) replaced by ***."""
+        text, password = str(text), urlsplit(self.url).password
+        for secret in {password, unquote(password or "")} - {None, ""}:
+            text = text.replace(secret, "***")
+        return text
 
     @contextlib.contextmanager
     def _errors(self, what: str):
@@ -85,29 +194,35 @@ class RedisStore(ChunkStore):
             yield
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
             raise StoreUnavailable(
-                f"redis at {self._label} is unreachable ({what}): {exc}"
+                f"redis at {self._label} is unreachable ({what}): {self._redact(exc)}"
             ) from exc
         except redis.exceptions.RedisClusterException as exc:
             raise StoreUnavailable(
-                f"redis cluster at {self._label} is unavailable ({what}): {exc}"
+                f"redis cluster at {self._label} is unavailable ({what}): {self._redact(exc)}"
             ) from exc
         except redis.exceptions.RedisError as exc:
-            raise StoreError(f"redis at {self._label} refused to {what}: {exc}") from exc
+            raise StoreError(
+                f"redis at {self._label} refused to {what}: {self._redact(exc)}"
+            ) from exc
 
     def _name(self, key: str, level: int) -> str:
         return f"{self.prefix}:{{{validate_key(key)}}}:L{validate_level(level)}"
 
     def put(self, key: str, level: int, blob: bytes) -> None:
         name = self._name(key, level)
+        data = self._pack(key, level, blob)
         with self._errors(f"store chunk {key} level {level}"):
-            self._r.set(name, record.pack(key, level, blob), ex=self.ttl_s)
+            self._r.set(name, data, ex=self.ttl_s)
 
     def get_record(self, key: str, level: int) -> bytes:
         name = self._name(key, level)
         with self._errors(f"read chunk {key} level {level}"):
+            if self.max_record_bytes is not None:  # the size first: an oversized value stays
+                self._check_record_size(key, level, self._r.strlen(name))  # on the server
             data = self._r.get(name)
         if data is None:
             raise ChunkMissing(f"chunk {key} level {level} is not in {self._label}")
+        self._check_record_size(key, level, len(data))  # replaced by a larger one meanwhile
         return data
 
     def _read_range(self, key: str, level: int, offset: int, length: int) -> bytes:
@@ -132,8 +247,12 @@ class RedisStore(ChunkStore):
             pipe = self._r.pipeline(transaction=False)
             for name in names:
                 pipe.strlen(name)
-            lengths = pipe.execute()
-        return [n - record.HEADER_SIZE if n else None for n in lengths]
+                pipe.getrange(name, 0, 4)  # magic and format version: the header's length
+            replies = pipe.execute()
+        return [
+            record.payload_size(head, n) if n else None
+            for n, head in zip(replies[::2], replies[1::2])
+        ]
 
     def levels(self, key: str) -> list[int]:
         return sorted(info.level for info in self._scan(validate_key(key), exact=True))
@@ -160,14 +279,16 @@ class RedisStore(ChunkStore):
                 for name in batch:
                     pipe.strlen(name)
                     pipe.object("idletime", name)
+                    pipe.getrange(name, 0, 4)  # magic and format version: the header's length
                 replies = pipe.execute(raise_on_error=False)
             for i, name in enumerate(batch):
                 m = ENTRY_RE.match(name.decode() if isinstance(name, bytes) else name)
-                length, idle = replies[2 * i], replies[2 * i + 1]
+                length, idle, head = replies[3 * i : 3 * i + 3]
                 if not m or not isinstance(length, int) or length == 0:
                     continue  # foreign key, or expired/evicted between SCAN and STRLEN
                 last_used = now - idle if isinstance(idle, int) else None
-                yield ChunkInfo(m["key"], int(m["level"]), length - record.HEADER_SIZE, last_used)
+                size = record.payload_size(head if isinstance(head, bytes) else b"", length)
+                yield ChunkInfo(m["key"], int(m["level"]), size, last_used)
 
     def evict(self, max_bytes: int) -> int:
         if max_bytes < 0:
@@ -196,10 +317,47 @@ class RedisStore(ChunkStore):
             self._r.close()
 
 
-def _without_password(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
+def _ssl_options(tls: bool, **given: str | None) -> dict:
+    """redis-py's keyword arguments for the ``ssl_*`` store options (``rediss://`` only)."""
+    chosen = {name: value for name, value in given.items() if value is not None}
+    if not tls:
+        if chosen:
+            raise StoreConfigError(
+                f"store option(s) {sorted(chosen)} need a TLS URL: use rediss:// (or valkeys://, "
+                "rediss+cluster://) instead of redis://"
+            )
+        return {}
+    reqs = str(chosen.get("ssl_cert_reqs", "required")).lower()
+    if reqs not in CERT_REQS:
+        raise StoreConfigError(
+            f"store option ssl_cert_reqs={reqs!r}: expected one of {', '.join(CERT_REQS)}"
+        )
+    for name in SSL_FILES:
+        path = chosen.get(name)
+        if path is not None and not os.path.isfile(os.path.expanduser(path)):
+            raise StoreConfigError(f"store option {name}: {path!r} is not a readable file")
+    out = {name: os.path.expanduser(chosen[name]) for name in SSL_FILES if name in chosen}
+    out["ssl_cert_reqs"] = reqs
+    return out
+
+
+def _host_port(parts) -> str:
+    host = parts.netloc.rsplit("@", 1)[-1]
+    try:
+        port = parts.port
+    except ValueError:  # shown as written
+        return host
+    return host if port is not None or not host else f"{host}:6379"
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling."""
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "no details"

@@ -2,11 +2,17 @@
 
     file:///abs/dir[?max_bytes=2gb&fsync=1]     local directory (a plain path works too)
     redis://host:port/db[?ttl_s=3600&max_memory=1gb&prefix=cachegen&timeout_s=5]
-    rediss://...                                  the same over TLS
+    redis://:PASSWORD@host:port/db               a password (requirepass)
+    redis://USER:PASSWORD@host:port/db           an ACL user
+    rediss://host:port/db?ssl_ca_certs=/ca.pem   the same over TLS (ssl_certfile, ssl_keyfile
+                                                  for a client certificate; ssl_cert_reqs)
     valkey://host:port/db                         Valkey (speaks the Redis protocol)
     redis+cluster://host:port                     a Redis Cluster, any node as entry point
 
-Options may also be given as keyword arguments; they override the URL's query.
+Every store also takes ``max_record_bytes`` (refuse records larger than this). Options may
+also be given as keyword arguments; they override the URL's query. The store secret that
+signs records is never part of a URL: ``open_store(url, secret=...)`` or the environment
+variable ``CACHEGEN_STORE_SECRET``.
 """
 
 from __future__ import annotations
@@ -22,14 +28,20 @@ from cachegen.store.errors import StoreConfigError
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}  # fmt: skip
-LOCAL_OPTIONS = {"max_bytes": "size", "fsync": "bool"}
+LOCAL_OPTIONS = {"max_bytes": "size", "fsync": "bool", "max_record_bytes": "size"}
 REDIS_OPTIONS = {
     "ttl_s": "int",
     "max_memory": "size",
     "prefix": "str",
     "timeout_s": "float",
     "retries": "int",
+    "max_record_bytes": "size",
+    "ssl_ca_certs": "str",
+    "ssl_certfile": "str",
+    "ssl_keyfile": "str",
+    "ssl_cert_reqs": "str",
 }
+_SECRET_NAMES = ("secret", "store_secret")
 
 
 def default_store_url() -> str:
@@ -66,9 +78,24 @@ def _convert(name: str, kind: str, value):
         raise StoreConfigError(f"store option {name}={value!r} is not a valid {kind}") from None
 
 
+def without_password(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``: what messages and logs show."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
+
+
 def _split_options(query: str, known: dict[str, str], overrides: dict) -> tuple[dict, str]:
     ours, rest = {}, []
     for name, value in parse_qsl(query, keep_blank_values=True):
+        if name.lower() in _SECRET_NAMES:
+            raise StoreConfigError(
+                "a store secret cannot be given in the store URL (URLs are shown in messages "
+                "and logs): pass open_store(url, secret=...) or set CACHEGEN_STORE_SECRET"
+            )
         (ours.__setitem__(name, value) if name in known else rest.append((name, value)))
     ours.update(overrides)
     unknown = set(overrides) - set(known)
@@ -77,9 +104,19 @@ def _split_options(query: str, known: dict[str, str], overrides: dict) -> tuple[
     return {k: _convert(k, known[k], v) for k, v in ours.items()}, urlencode(rest)
 
 
-def open_store(url: str | None = None, **options) -> ChunkStore:
-    """Open the chunk store at ``url`` (default: a directory in the user cache)."""
+def open_store(
+    url: str | None = None, *, secret: bytes | str | None = None, **options
+) -> ChunkStore:
+    """Open the chunk store at ``url`` (default: a directory in the user cache).
+
+    ``secret`` signs every record written and makes reads refuse records not signed with it
+    (``ChunkForged``); None reads the environment variable ``CACHEGEN_STORE_SECRET``, and an
+    empty value (either way) means no secret. A Redis store checks its connection (one PING)
+    here: wrong credentials or an untrusted certificate raise ``StoreConfigError``, a server
+    that cannot be reached ``StoreUnavailable``.
+    """
     url = url or default_store_url()
+    shown = without_password(url)
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme in ("", "file"):
@@ -87,15 +124,17 @@ def open_store(url: str | None = None, **options) -> ChunkStore:
 
         if scheme == "file" and parts.netloc not in ("", "localhost"):
             raise StoreConfigError(
-                f"file URL {url!r} names host {parts.netloc!r}; use file:///absolute/path"
+                f"file URL {shown!r} names host {parts.hostname!r}; use file:///absolute/path"
             )
         path = unquote(parts.path) if scheme == "file" else url.split("?", 1)[0]
         if not path:
-            raise StoreConfigError(f"store URL {url!r} has no path")
+            raise StoreConfigError(f"store URL {shown!r} has no path")
         opts, rest = _split_options(parts.query, LOCAL_OPTIONS, options)
         if rest:
-            raise StoreConfigError(f"unknown option(s) in {url!r}; known: {sorted(LOCAL_OPTIONS)}")
-        return LocalStore(path, **opts)
+            raise StoreConfigError(
+                f"unknown option(s) in {shown!r}; known: {sorted(LOCAL_OPTIONS)}"
+            )
+        return LocalStore(path, secret=secret, **opts)
     if scheme in ("redis", "rediss", "valkey", "valkeys", "redis+cluster", "rediss+cluster"):
         from cachegen.store.redis_backend import RedisStore
 
@@ -105,8 +144,8 @@ def open_store(url: str | None = None, **options) -> ChunkStore:
             scheme, scheme.removesuffix("+cluster")
         )
         client_url = urlunsplit((wire_scheme, parts.netloc, parts.path, rest, ""))
-        return RedisStore(client_url, cluster=cluster, public_url=url, **opts)
+        return RedisStore(client_url, cluster=cluster, public_url=url, secret=secret, **opts)
     raise StoreConfigError(
-        f"unknown store URL scheme {parts.scheme!r} in {url!r}; use file:///dir, "
+        f"unknown store URL scheme {parts.scheme!r} in {shown!r}; use file:///dir, "
         "redis://host:port/db, valkey://host:port/db or redis+cluster://host:port"
     )

@@ -93,14 +93,18 @@ def open_link(
             server_rtt = 0.0 if ns.kernel_rtt else rtt_ms
             with _server(store, server, rtt_ms=server_rtt, netns=ns) as srv:
                 emulation = "netem" if ns.kernel_rtt else ("server" if rtt_ms else "none")
-                source = SocketSource(srv.address, socket_factory=ns.socket)
+                source = SocketSource(
+                    srv.address, socket_factory=ns.socket, secret=store.record_signer
+                )
                 yield Link(source, shaper, rate, rtt_ms, emulation, server=srv, netns=ns)
         return
     with _server(
         store, server, rate_mbps=bandwidth_mbps, rtt_ms=rtt_ms, burst_bytes=burst_bytes
     ) as srv:
         emulation = "server" if rtt_ms else "none"
-        yield Link(SocketSource(srv.address), shaper, rate, rtt_ms, emulation, trace, server=srv)
+        # The server forwards records as stored; this end verifies them with the store's secret.
+        source = SocketSource(srv.address, secret=store.record_signer)
+        yield Link(source, shaper, rate, rtt_ms, emulation, trace, server=srv)
 
 
 def _server(store: ChunkStore, mode: str, *, netns: NetnsShaper | None = None, **kw):

@@ -60,7 +60,12 @@ class ChunkSource(ABC):
 
 
 class SocketSource(ChunkSource):
-    """Chunks from a ChunkServer at ``address``; ``socket_factory`` makes the socket (netns)."""
+    """Chunks from a ChunkServer at ``address``; ``socket_factory`` makes the socket (netns).
+
+    The server forwards stored records unverified; this side verifies them, with ``secret``
+    (bytes, str, or a store's ``record_signer``; None: ``CACHEGEN_STORE_SECRET``) as a store
+    opened with that secret would: records not signed with it raise ``ChunkForged``.
+    """
 
     def __init__(
         self,
@@ -68,8 +73,10 @@ class SocketSource(ChunkSource):
         *,
         socket_factory: Callable[[], socket.socket] | None = None,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        secret: bytes | str | record.Signer | None = None,
     ) -> None:
         self.address = address
+        self._signer = record.signer_for(secret)
         self.socket_factory = socket_factory or (
             lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         )
@@ -91,14 +98,22 @@ class SocketSource(ChunkSource):
             sock.close()
             raise StoreUnavailable(f"cannot connect to chunk server {self.address}: {exc}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return _SocketConnection(sock, stall_timeout_s, deadline, self.max_chunk_bytes)
+        return _SocketConnection(
+            sock, stall_timeout_s, deadline, self.max_chunk_bytes, self._signer
+        )
 
 
 class _SocketConnection(ChunkConnection):
     def __init__(
-        self, sock: socket.socket, stall_s: float, deadline: float | None, max_bytes: int
+        self,
+        sock: socket.socket,
+        stall_s: float,
+        deadline: float | None,
+        max_bytes: int,
+        signer: record.Signer | None = None,
     ) -> None:
         self.sock, self.stall_s, self.deadline, self.max_bytes = sock, stall_s, deadline, max_bytes
+        self.signer = signer
         self._pending: collections.deque = (
             collections.deque()
         )  # (request_id, key, level, t_request)
@@ -187,7 +202,8 @@ class _SocketConnection(ChunkConnection):
             ) from exc
         t_last = time.monotonic()
         del view
-        return ReceivedChunk(key, level, record.unpack(buf, key, level), t_request, t_last)
+        payload = record.unpack(buf, key, level, self.signer)
+        return ReceivedChunk(key, level, payload, t_request, t_last)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
