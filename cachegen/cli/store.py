@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cachegen.errors import InputError
 from cachegen.store import chunk_keys, default_store_url, longest_prefix, open_store, parse_size
+from cachegen.store.keys import key_scope
 
 
 def register(subparsers) -> None:
@@ -34,6 +35,7 @@ def register(subparsers) -> None:
     q.add_argument(
         "--chunk-tokens", type=int, default=256, help="tokens per chunk (default: %(default)s)"
     )
+    _scope_arguments(q)
 
     q = add("put-blob", "store one bitstream file under a key and level", _put_blob)
     q.add_argument("file", type=Path)
@@ -50,6 +52,7 @@ def register(subparsers) -> None:
     q.add_argument("--codec", default="cachegen")
     q.add_argument("--levels", default=None)
     q.add_argument("--chunk-tokens", type=int, default=256)
+    _scope_arguments(q)
 
     q = add("ls", "list stored chunks", _ls)
     q.add_argument("--prefix", default="", help="only keys starting with this (e.g. a namespace)")
@@ -64,6 +67,19 @@ def register(subparsers) -> None:
     q = add("rm", "delete one chunk (one level, or all levels)", _rm)
     q.add_argument("--key", required=True)
     q.add_argument("--level", type=int, default=None)
+
+
+def _scope_arguments(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--tenant", default=None, help="the connector's tenant option, if it has one")
+    q.add_argument(
+        "--cache-salt", default=None, help="the requests' cache_salt (vLLM), if they send one"
+    )
+
+
+def _keys(args, codec, kv) -> list[str]:
+    """The chunk keys the connector uses for these tokens, in the key scope of the arguments."""
+    salt = key_scope(args.tenant, args.cache_salt)
+    return chunk_keys(kv.model, codec.profile_id, kv.token_ids, args.chunk_tokens, salt=salt)
 
 
 def _out(args, data, text: str) -> int:
@@ -95,7 +111,7 @@ def _codec_and_kv(args):
 def _put(args) -> int:
     codec, kv = _codec_and_kv(args)
     levels = _levels(codec, args.levels)
-    keys = chunk_keys(kv.model, codec.profile_id, kv.token_ids, args.chunk_tokens)
+    keys = _keys(args, codec, kv)
     total = 0
     with open_store(args.store) as store:
         for key, chunk in zip(keys, kv.chunks(args.chunk_tokens)):
@@ -103,7 +119,7 @@ def _put(args) -> int:
                 blob = codec.encode(chunk, level=lv)
                 store.put(key, lv, blob)
                 total += len(blob)
-        url = store.url
+        url = store.label  # never the password a Redis URL may carry
     data = {"store": url, "codec": codec.name, "profile_id": codec.profile_id, "levels": levels,
             "chunks": len(keys), "bytes": total, "keys": keys}  # fmt: skip
     return _out(args, data, f"stored {len(keys)} chunks x levels {levels} ({total} bytes) in {url}")
@@ -139,7 +155,7 @@ def _get(args) -> int:
 def _lookup(args) -> int:
     codec, kv = _codec_and_kv(args)
     levels = _levels(codec, args.levels)
-    keys = chunk_keys(kv.model, codec.profile_id, kv.token_ids, args.chunk_tokens)
+    keys = _keys(args, codec, kv)
     with open_store(args.store) as store:
         n = longest_prefix(store, keys, levels)
     tokens = min(n * args.chunk_tokens, kv.num_tokens)

@@ -17,6 +17,14 @@ Engine-wide keys (``kv_connector_extra_config``):
                   true); false loads inside the engine step that needs the KV
   save_async      encode and store in a worker thread (default true); false does it inside
                   the engine step that finished the prefill
+  tenant          a scope of this engine's chunks (e.g. a customer): part of every chunk key,
+                  so engines with different tenants never share a chunk (default: none)
+  store_secret    the store's MAC secret: every record written is signed and every record read
+                  must verify (default: ``$CACHEGEN_STORE_SECRET``; unset: not signed)
+  max_chunk_bytes largest record a load reads (default: no cap); larger ones are refused before
+                  they are read whole, and the request recomputes
+  max_load_bytes  most bytes one request's load may fetch (default: no cap); a larger prefix is
+                  recomputed instead
 Per-request keys (also accepted engine-wide as defaults):
   mode            raw | int8 | fp8 | cachegen | adaptive        (default cachegen)
   level           quality level for ``cachegen`` (default: the codec's default level)
@@ -27,6 +35,9 @@ Per-request keys (also accepted engine-wide as defaults):
   skip_out_of_window  for a model with both full-attention and sliding-window layers, fetch
                   the sliding layers' part only of the chunks within the largest window
                   before the loaded prefix's end (default true); false fetches every part
+A request's ``cache_salt`` (vLLM's per-request isolation key) is part of its chunk keys, next to
+the engine's ``tenant``: requests with different salts never share a chunk, requests with the
+same salt do, and requests without one share only with each other.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from typing import Any
 from cachegen.connector.errors import ConnectorError
 from cachegen.constants import CHUNK_TOKENS, RATE_SHAPERS
 from cachegen.modes import CONNECTOR_MODES as MODES
-from cachegen.store import default_store_url
+from cachegen.store import StoreConfigError, default_store_url, parse_size
 
 REQUEST_KEYS = frozenset(
     {
@@ -61,6 +72,10 @@ ENGINE_KEYS = REQUEST_KEYS | {
     "prefill_tokens_per_s",
     "load_async",
     "save_async",
+    "tenant",
+    "store_secret",
+    "max_chunk_bytes",
+    "max_load_bytes",
 }
 
 
@@ -76,6 +91,9 @@ class RequestOptions:
     load: bool = True
     save: bool = True
     skip_out_of_window: bool = True
+    # The request's key scope (tenant and cache_salt), set by the scheduler, never by a client's
+    # kv_transfer_params (not in REQUEST_KEYS).
+    salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -129,6 +147,10 @@ class ConnectorConfig:
     prefill_tokens_per_s: float | None = None
     load_async: bool = True
     save_async: bool = True
+    tenant: str | None = None
+    store_secret: str | None = field(default=None, repr=False)
+    max_chunk_bytes: int | None = None
+    max_load_bytes: int | None = None
     defaults: RequestOptions = field(default_factory=RequestOptions)
 
     def __post_init__(self) -> None:
@@ -165,6 +187,16 @@ class ConnectorConfig:
         for name in ("load_async", "save_async"):
             if not isinstance(getattr(self, name), bool):
                 raise ConnectorError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.tenant is not None and (not isinstance(self.tenant, str) or not self.tenant):
+            raise ConnectorError(f"tenant must be a non-empty string, got {self.tenant!r}")
+        if self.store_secret is not None and not isinstance(self.store_secret, str):
+            raise ConnectorError("store_secret must be a string")  # never echo a secret
+        for name in ("max_chunk_bytes", "max_load_bytes"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value <= 0
+            ):
+                raise ConnectorError(f"{name} must be a positive number of bytes, got {value!r}")
         if not isinstance(self.store, str) or "://" not in self.store:
             raise ConnectorError(
                 f"store must be a URL like file:///path or redis://host:port/0, got {self.store!r}"
@@ -193,6 +225,12 @@ class ConnectorConfig:
             if isinstance(levels, (str, int)) or not isinstance(levels, (list, tuple)):
                 raise ConnectorError(f"cachegen_levels must be a list of levels, got {levels!r}")
             kwargs["cachegen_levels"] = tuple(levels)
+        for name in ("max_chunk_bytes", "max_load_bytes"):
+            if isinstance(extra.get(name), str):
+                try:
+                    extra[name] = parse_size(extra[name])
+                except StoreConfigError as exc:
+                    raise ConnectorError(f"{name}: {exc}") from None
         kwargs.update(extra)  # the engine-only keys
         return cls(**kwargs)
 

@@ -41,6 +41,7 @@ class SaveTask:
     # Chunks before it get no sliding-window part: a load skipped their sliding layers' KV, so
     # the cache holds no valid KV there (models with sliding-window layers only).
     sliding_from: int = 0
+    salt: str | None = None  # the key scope of the request (RequestOptions.salt)
 
 
 @dataclass

@@ -7,6 +7,7 @@ in the request's output ``kv_transfer_params``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMet
 from cachegen.connector.transport import ChunkTransport
 from cachegen.errors import CacheGenError
 from cachegen.fileio import versioned
+from cachegen.store.keys import key_scope
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -62,7 +64,10 @@ class SchedulerSide:
         if tracked is None:
             try:
                 options = self.config.defaults.override(request.kv_transfer_params)
-                tracked = _Tracked(request, options)
+                salt = key_scope(self.config.tenant, getattr(request, "cache_salt", None))
+                tracked = _Tracked(request, dataclasses.replace(options, salt=salt))
+                if salt is not None:
+                    tracked.report["salted"] = True
             except (ConnectorError, TypeError) as exc:
                 logger.warning(
                     "request %s: ignoring the cachegen connector: %s", request.request_id, exc
@@ -163,7 +168,9 @@ class SchedulerSide:
         if full == 0:
             return None
         try:
-            stored = self.transport.saved_chunks(prompt[:full], self.config.save_modes)
+            stored = self.transport.saved_chunks(
+                prompt[:full], self.config.save_modes, options.salt
+            )
         except CacheGenError as exc:
             logger.warning("request %s: store unavailable, not saving: %s", request.request_id, exc)
             tracked.report["save_error"] = str(exc)
@@ -181,6 +188,7 @@ class SchedulerSide:
             self.config.save_modes,
             first_chunk=stored,
             sliding_from=tracked.sliding_from,
+            salt=options.salt,
         )
 
     # ---- worker feedback and completion ---------------------------------------------------------

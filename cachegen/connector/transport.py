@@ -32,6 +32,7 @@ from cachegen.kv import KVCache, ModelIdentity
 from cachegen.models import ModelSpec, attention_windows
 from cachegen.store import ChunkCorrupt, chunk_keys, longest_prefix, open_store
 from cachegen.store.keys import sliding_key
+from cachegen.store.url import without_password
 from cachegen.stream import AdaptiveController, open_link, stream_load
 
 # A measured goodput is remembered per link and becomes the controller's prior for the next load.
@@ -64,6 +65,17 @@ class LoadResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+def store_options(config: ConnectorConfig) -> dict[str, Any]:
+    """``open_store`` keywords from the connector's options: the MAC secret and the per-record
+    cap (the store reads ``$CACHEGEN_STORE_SECRET`` itself when no secret is configured)."""
+    options: dict[str, Any] = {}
+    if config.store_secret:
+        options["secret"] = config.store_secret
+    if config.max_chunk_bytes is not None:
+        options["max_record_bytes"] = config.max_chunk_bytes
+    return options
+
+
 class ChunkTransport:
     def __init__(self, config: ConnectorConfig, spec: ModelSpec, identity: ModelIdentity) -> None:
         self.config = config
@@ -71,9 +83,10 @@ class ChunkTransport:
         self.identity = identity
         self.chunk_tokens = config.chunk_tokens
         try:
-            self.store = open_store(config.store)
+            self.store = open_store(config.store, **store_options(config))
         except CacheGenError as exc:
-            raise ConnectorError(f"cannot open the KV store {config.store!r}: {exc}") from exc
+            shown = without_password(config.store)
+            raise ConnectorError(f"cannot open the KV store {shown!r}: {exc}") from exc
         self._codecs: dict[str, Any] = {}
         self._links: dict[tuple[float | None, float], Any] = {}
         self._goodput_mbps: dict[tuple[float | None, float], float] = {}
@@ -95,11 +108,17 @@ class ChunkTransport:
                 self._codecs[name] = _get_codec(name, self.spec, self.chunk_tokens)
             return self._codecs[name]
 
-    def keys(self, mode: str, token_ids: Sequence[int]) -> list[str]:
-        """Keys of the whole chunks of ``token_ids`` under ``mode``'s codec profile."""
+    def keys(self, mode: str, token_ids: Sequence[int], salt: str | None = None) -> list[str]:
+        """Keys of the whole chunks of ``token_ids`` under ``mode``'s codec profile, in the key
+        scope ``salt`` (a request's tenant and cache_salt, ``RequestOptions.salt``)."""
         profile = self.codec(mode).profile_id
         return chunk_keys(
-            self.identity, profile, list(token_ids), self.chunk_tokens, include_partial=False
+            self.identity,
+            profile,
+            list(token_ids),
+            self.chunk_tokens,
+            include_partial=False,
+            salt=salt,
         )
 
     def levels(self, mode: str) -> list[int]:
@@ -166,7 +185,9 @@ class ChunkTransport:
 
     def stored_chunks(self, token_ids: Sequence[int], options: RequestOptions) -> int:
         """Leading whole chunks of ``token_ids`` stored in every part, loadable with ``options``."""
-        return self._longest(self.keys(options.mode, token_ids), self.load_levels(options))
+        return self._longest(
+            self.keys(options.mode, token_ids, options.salt), self.load_levels(options)
+        )
 
     def loadable_tokens(
         self,
@@ -181,7 +202,7 @@ class ChunkTransport:
         load fetches (with ``skip_out_of_window``, only those within the window before its
         end). A prefix that ends inside a chunk is possible only through ``limit``."""
         C = self.chunk_tokens
-        keys = self.keys(options.mode, token_ids)
+        keys = self.keys(options.mode, token_ids, options.salt)
         levels = self.load_levels(options)
         stored = longest_prefix(self.store, keys, levels)
         end = stored * C if limit is None else min(stored * C, limit)
@@ -203,10 +224,12 @@ class ChunkTransport:
             end = min(missing) * C  # any shorter prefix still needing chunk j fails too
         return end
 
-    def saved_chunks(self, token_ids: Sequence[int], modes: Sequence[str]) -> int:
+    def saved_chunks(
+        self, token_ids: Sequence[int], modes: Sequence[str], salt: str | None = None
+    ) -> int:
         """Leading whole chunks of ``token_ids`` already stored, every part, at every level of
-        every mode."""
-        counts = [self._longest(self.keys(m, token_ids), self.levels(m)) for m in modes]
+        every mode, in the key scope ``salt``."""
+        counts = [self._longest(self.keys(m, token_ids, salt), self.levels(m)) for m in modes]
         return min(counts, default=0)
 
     # ---- load ----------------------------------------------------------------------------------
@@ -246,7 +269,9 @@ class ChunkTransport:
         part first). ``end`` (default: the end of the last chunk) is where the loaded prefix
         ends; it decides which chunks' sliding parts are fetched."""
         C = self.chunk_tokens
-        keys = self.keys(options.mode, token_ids[: (first_chunk + num_chunks) * C])[first_chunk:]
+        keys = self.keys(options.mode, token_ids[: (first_chunk + num_chunks) * C], options.salt)[
+            first_chunk:
+        ]
         if len(keys) != num_chunks:
             raise ConnectorError(
                 f"{len(token_ids)} tokens do not hold chunks "
@@ -285,6 +310,7 @@ class ChunkTransport:
             return num_chunks if n_loaded >= len(plan) else plan[n_loaded][0] - first_chunk
 
         kwargs: dict[str, Any] = {}
+        sizes: dict[int, list[int | None]] | None = None
         if options.mode == "adaptive":
             assert options.slo_ms is not None
             levels = self.load_levels(options)
@@ -300,6 +326,9 @@ class ChunkTransport:
             )
         else:
             kwargs["level"] = self.load_levels(options)[0]
+        too_much = self._over_load_cap(fetch, sizes or {kwargs["level"]: None})
+        if too_much is not None:
+            return LoadResult(0, too_much, {})
         try:
             stats = stream_load(self._link(options).source, fetch, _decode, consume, **kwargs)
         except CacheGenError as exc:
@@ -323,6 +352,28 @@ class ChunkTransport:
                 "on to recomputation"
             )
         return LoadResult(result(stats.n_loaded), error, self._report(stats, plan))
+
+    def _over_load_cap(
+        self, fetch: Sequence[str], sizes: dict[int, list[int | None] | None]
+    ) -> str | None:
+        """Why a load of ``fetch`` at one of the levels of ``sizes`` (payload bytes per record,
+        looked up when None) may not start under ``max_load_bytes`` (None: it may). An adaptive
+        load is held to its cheapest level per record."""
+        cap = self.config.max_load_bytes
+        if cap is None:
+            return None
+        per_level = [
+            self.store.sizes(fetch, lv) if known is None else known for lv, known in sizes.items()
+        ]
+        need = sum(
+            min((s for s in record if s is not None), default=0) for record in zip(*per_level)
+        )
+        if need <= cap:
+            return None
+        return (
+            f"the load needs {need} bytes, more than max_load_bytes={cap}; "
+            "recomputing instead (raise max_load_bytes to load prefixes this long)"
+        )
 
     def load_plan(
         self, first_chunk: int, num_chunks: int, end: int, options: RequestOptions
@@ -380,9 +431,11 @@ class ChunkTransport:
         kv: KVCache,
         modes: Sequence[str],
         sliding_from: int = 0,
+        salt: str | None = None,
     ) -> int:
         """Encode and store the whole chunks of ``kv``, a chunk-aligned slice of the prompt
-        ``token_ids``, at every level of every mode; records already stored are skipped.
+        ``token_ids``, at every level of every mode, in the key scope ``salt``; records already
+        stored are skipped.
         For a model with sliding-window layers each chunk is two records (:meth:`part_keys`);
         chunks before chunk ``sliding_from`` get no sliding part (their sliding layers' KV in
         ``kv`` is not valid: a load skipped it). Returns the bytes written."""
@@ -391,7 +444,7 @@ class ChunkTransport:
         written = 0
         for mode in dict.fromkeys("cachegen" if m == "adaptive" else m for m in modes):
             codec = self.codec(mode)
-            keys = self.keys(mode, token_ids[: kv.start + kv.num_tokens])[first:]
+            keys = self.keys(mode, token_ids[: kv.start + kv.num_tokens], salt)[first:]
             for index, (key, chunk) in enumerate(zip(keys, kv.chunks(C)), start=first):
                 parts = [(key, chunk)]
                 if self.split:

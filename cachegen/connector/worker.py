@@ -349,7 +349,9 @@ class WorkerSide:
     def _save(self, task: SaveTask, kv: KVCache) -> None:
         t0 = time.perf_counter()
         try:
-            nbytes = self.transport.save(task.token_ids, kv, task.modes, task.sliding_from)
+            nbytes = self.transport.save(
+                task.token_ids, kv, task.modes, task.sliding_from, task.salt
+            )
         except Exception:  # noqa: BLE001 - a failed save is a future cache miss, never a crash
             logger.exception("request %s: storing its KV failed", task.req_id)
             return

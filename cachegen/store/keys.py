@@ -7,7 +7,8 @@ is ``"<namespace>/<digest>"``:
   the codec profile id and the chunk size, so two models, two codec profiles or two chunkings
   never read each other's entries;
 * ``digest`` (40 hex) is ``h_i = sha256(h_{i-1} || int64-LE token ids of chunk i)`` with
-  ``h_{-1} = sha256(namespace)``: it depends on every token up to the chunk's end, so the
+  ``h_{-1} = sha256(namespace)``, or ``sha256(namespace || "\\0salt\\0" || salt)`` for a
+  salted (tenant-scoped) chain: it depends on every token up to the chunk's end, so the
   stored chunks of a prompt are found by walking its keys until the first miss.
 """
 
@@ -46,6 +47,15 @@ def namespace(model: ModelIdentity, codec_profile_id: str, chunk_tokens: int) ->
     return hashlib.sha256(ident.encode()).hexdigest()[:NAMESPACE_HEX]
 
 
+def key_scope(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The salt of a request's chunk keys: an operator's tenant and a request's cache_salt
+    (vLLM's), encoded so that no two different pairs give the same salt; None when neither is
+    set (the unsalted keys)."""
+    if not tenant and not cache_salt:
+        return None
+    return json.dumps([tenant or None, cache_salt or None])
+
+
 def chunk_keys(
     model: ModelIdentity,
     codec_profile_id: str,
@@ -53,15 +63,19 @@ def chunk_keys(
     chunk_tokens: int,
     *,
     include_partial: bool = True,
+    salt: str | None = None,
 ) -> list[str]:
     """Keys of the consecutive chunks of ``token_ids`` (a list, numpy array or torch tensor).
 
     With ``include_partial`` the last, shorter chunk gets a key too; its digest differs from
-    any full chunk's, so it only ever matches the exact same tail.
+    any full chunk's, so it only ever matches the exact same tail. A ``salt`` (a tenant's
+    scope, e.g. vLLM's ``cache_salt``) seeds the chain, so the same tokens under different
+    salts, or with and without one, never share a key; no salt keeps the unsalted keys.
     """
     ns = namespace(model, codec_profile_id, chunk_tokens)
     ids = np.asarray(token_ids, dtype="<i8").reshape(-1)
-    state = hashlib.sha256(ns.encode()).digest()
+    seed = ns.encode() if salt is None else ns.encode() + b"\0salt\0" + salt.encode()
+    state = hashlib.sha256(seed).digest()
     keys = []
     for begin in range(0, len(ids), chunk_tokens):
         piece = ids[begin : begin + chunk_tokens]

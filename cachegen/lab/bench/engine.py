@@ -33,6 +33,7 @@ from cachegen.constants import CHUNK_TOKENS
 from cachegen.errors import InputError
 from cachegen.models import ModelSpec, resolve
 from cachegen.modes import MODES, RECOMPUTE
+from cachegen.store.keys import key_scope
 
 
 @dataclass
@@ -140,6 +141,7 @@ class ConnectorEngine:
         save_async: bool = True,
         max_model_len: int | None = None,
         enforce_eager: bool = True,
+        connector_extra: dict[str, Any] | None = None,
         **engine_args: Any,
     ) -> None:
         # In-process engine core: starts faster than the multiprocess one, and run() can step it.
@@ -163,6 +165,7 @@ class ConnectorEngine:
             extra["cachegen_levels"] = list(cachegen_levels)
         if prefill_tokens_per_s is not None:
             extra["prefill_tokens_per_s"] = prefill_tokens_per_s
+        extra.update(connector_extra or {})  # further kv_connector_extra_config keys
         self.config = ConnectorConfig.from_extra_config(extra)  # fail here, before vLLM starts
         transfer = KVTransferConfig(
             kv_connector="CacheGenConnector",
@@ -208,6 +211,8 @@ class ConnectorEngine:
         rtt_ms: float = 0.0,
         save: bool = False,
         max_tokens: int = 16,
+        skip_out_of_window: bool | None = None,
+        cache_salt: str | None = None,
     ) -> Measurement:
         """Greedily answer ``prompt_token_ids``; ``mode`` says where the prefix's KV comes from."""
         request = self.submit(
@@ -219,6 +224,8 @@ class ConnectorEngine:
             rtt_ms=rtt_ms,
             save=save,
             max_tokens=max_tokens,
+            skip_out_of_window=skip_out_of_window,
+            cache_salt=cache_salt,
         )
         self.step_until_done([request])
         return request.measurement()
@@ -234,6 +241,8 @@ class ConnectorEngine:
         rtt_ms: float = 0.0,
         save: bool = False,
         max_tokens: int = 16,
+        skip_out_of_window: bool | None = None,
+        cache_salt: str | None = None,
     ) -> Submitted:
         """Add a request without waiting for it; drive it with :meth:`step_until_done`."""
         from vllm import SamplingParams
@@ -252,6 +261,7 @@ class ConnectorEngine:
                 ("level", level),
                 ("bandwidth_mbps", bandwidth_mbps),
                 ("slo_ms", slo_ms),
+                ("skip_out_of_window", skip_out_of_window),
             ):
                 if value is not None:
                     params[key] = value
@@ -271,9 +281,10 @@ class ConnectorEngine:
             len(prompt_token_ids),
         )
         request.t_submit = time.perf_counter()
-        self.llm.llm_engine.add_request(
-            request.request_id, {"prompt_token_ids": list(prompt_token_ids)}, sampling
-        )
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt  # vLLM's per-request isolation key
+        self.llm.llm_engine.add_request(request.request_id, prompt, sampling)
         self._running[request.request_id] = request
         return request
 
@@ -327,12 +338,19 @@ class ConnectorEngine:
         options = RequestOptions(mode=mode, level=level, slo_ms=1.0 if mode == "adaptive" else None)
         return self.transport.stored_chunks(list(prompt_token_ids), options)
 
-    def wait_stored(self, prompt_token_ids: Sequence[int], timeout_s: float = 600.0) -> None:
-        """Block until every whole chunk of the prompt is stored in every save mode."""
+    def wait_stored(
+        self,
+        prompt_token_ids: Sequence[int],
+        timeout_s: float = 600.0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Block until every whole chunk of the prompt is stored in every save mode (under the
+        key scope of ``cache_salt`` and the engine's tenant)."""
         ids = list(prompt_token_ids)
         want = len(ids) // self.config.chunk_tokens
+        salt = key_scope(self.config.tenant, cache_salt)
         deadline = time.monotonic() + timeout_s
-        while self.transport.saved_chunks(ids, self.config.save_modes) < want:
+        while self.transport.saved_chunks(ids, self.config.save_modes, salt) < want:
             if time.monotonic() > deadline:
                 raise ConnectorError(
                     f"the connector did not store {want} chunks within {timeout_s:.0f} s"
@@ -340,11 +358,16 @@ class ConnectorEngine:
             time.sleep(0.05)
 
     def store_prefix(
-        self, prompt_token_ids: Sequence[int], timeout_s: float = 600.0
+        self,
+        prompt_token_ids: Sequence[int],
+        timeout_s: float = 600.0,
+        cache_salt: str | None = None,
     ) -> Measurement:
         """Prefill the prompt from text with saving on, and wait until its chunks are stored."""
-        result = self.run(prompt_token_ids, mode=RECOMPUTE, save=True, max_tokens=2)
-        self.wait_stored(prompt_token_ids, timeout_s)
+        result = self.run(
+            prompt_token_ids, mode=RECOMPUTE, save=True, max_tokens=2, cache_salt=cache_salt
+        )
+        self.wait_stored(prompt_token_ids, timeout_s, cache_salt)
         return result
 
     def close(self) -> None:
