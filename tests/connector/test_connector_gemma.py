@@ -782,3 +782,20 @@ def test_window_aware_cachegen_load_fetches_less(engine, long_stored, long_promp
     assert reports[True]["window_skipped_chunks"] == 6
     assert reports[True]["bytes"] < reports[False]["bytes"]
     print("cachegen bytes on/off:", reports[True]["bytes"], reports[False]["bytes"])
+
+
+def test_window_measurement_of_the_lab(engine):
+    """``cachegen ttft window``'s rows on this engine: raw with the option on answers like
+    recompute, and on fetches fewer bytes than off, skipping the chunks behind the window."""
+    from cachegen.lab.bench.ttft import TTFTBench
+    from cachegen.lab.bench.window import window_markdown, window_rows
+
+    rows = window_rows(TTFTBench(engine=engine), CONTEXT, ("raw",), output_tokens=8)
+    on, off = rows
+    assert (on["skip_out_of_window"], off["skip_out_of_window"]) == (True, False)
+    assert on["loaded_tokens"] == off["loaded_tokens"] == CONTEXT
+    # 1,024 tokens with a 512-token window: chunks 2 and 3 bring their sliding parts.
+    assert (on["window_skipped_chunks"], off["window_skipped_chunks"]) == (2, 0)
+    assert on["bytes"] < off["bytes"]
+    assert on["tokens_equal_recompute"] == on["output_tokens"] == 8
+    assert "| raw |" in window_markdown(rows)

@@ -1,5 +1,5 @@
-"""``cachegen ttft table|timeline|placement``: TTFT through vLLM with the connector
-(docs/connector.md)."""
+"""``cachegen ttft table|timeline|placement|window``: TTFT and loads through vLLM with the
+connector (docs/connector.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ DOCUMENTS = {
     "table": ("cachegen-ttft-table", "ttft"),
     "timeline": ("cachegen-ttft-timeline", "timeline"),
     "placement": ("cachegen-ttft-placement", None),
+    "window": ("cachegen-ttft-window", None),
 }
 VERSION = 1
 
@@ -66,7 +67,20 @@ def register(subparsers) -> None:
     pl = actions.add_parser("placement", help="inline vs background loads and saves")
     pl.add_argument("--model", default="smollm2-135m")
     pl.set_defaults(func=_placement)
-    for q in (t, tl, pl):
+    w = actions.add_parser(
+        "window",
+        help="bytes a load fetches with skip_out_of_window on and off, answers vs recompute",
+        description="Store a context once, recompute the prompt, then load the stored prefix "
+        "with the connector's skip_out_of_window on and off (a model with sliding-window "
+        "layers).",
+    )
+    w.add_argument("--model", default="gemma3-270m")
+    w.add_argument(
+        "--context", type=int, default=4096, help="stored prefix in tokens (whole chunks load)"
+    )
+    w.add_argument("--modes", nargs="+", default=["raw", "cachegen"], choices=["raw", "cachegen"])
+    w.set_defaults(func=_window)
+    for q in (t, tl, pl, w):
         q.add_argument(
             "--json", type=Path, help="also write every row to this JSON file (schema and version)"
         )
@@ -104,6 +118,14 @@ def _placement(args: argparse.Namespace) -> int:
 
     rows = placement(args.model)
     return _emit(args, rows, placement_markdown(rows))
+
+
+def _window(args: argparse.Namespace) -> int:
+    from cachegen.lab.bench.window import window_bench, window_markdown, window_rows
+
+    with window_bench(args.model, args.context) as bench:
+        rows = window_rows(bench, args.context, args.modes)
+    return _emit(args, rows, window_markdown(rows))
 
 
 def _emit(args: argparse.Namespace, rows: list[dict], text: str) -> int:
