@@ -476,3 +476,85 @@ def test_redis_size_cap(redis_url, monkeypatch):
     assert capped.get(OTHER_KEY, 2) == b"r" * 9_000
     with pytest.raises(StoreConfigError, match="max_record_bytes"):
         open_store(location, max_record_bytes=10)
+
+
+def test_a_short_secret_is_refused(tmp_path):
+    with pytest.raises(StoreConfigError, match="at least 16") as caught:
+        open_store(tmp_path.as_uri(), secret="hunter2")
+    assert "hunter2" not in str(caught.value)
+
+
+# ---- through the connector ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_acl_redis(tmp_path_factory, certs):
+    """TLS and an ACL user (no default user): what a shared production Redis looks like."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed: run `apt-get install -y redis-server`")
+    with _redis_server(
+        tmp_path_factory.mktemp("tls-acl"),
+        f"tls-cert-file {certs / 'server.crt'}",
+        f"tls-key-file {certs / 'server.key'}",
+        f"tls-ca-cert-file {certs / 'ca.crt'}",
+        "tls-auth-clients no",
+        "user default off",
+        f"user alice on >{PASSWORD} ~* &* +@all",
+    ) as port:
+        yield f"rediss://alice:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={certs / 'ca.crt'}"
+
+
+def _transport(spec, store_url: str, **extra):
+    from cachegen.connector.config import ConnectorConfig
+    from cachegen.connector.transport import ChunkTransport
+
+    config = ConnectorConfig.from_extra_config({"store": store_url, "chunk_tokens": 256, **extra})
+    return ChunkTransport(config, spec, spec.identity())
+
+
+@needs_openssl
+@needs_redis
+def test_connector_start_up_names_the_wrong_setting(tls_acl_redis, tiny_llama, certs):
+    from cachegen.connector.errors import ConnectorError
+
+    wrong = {
+        "password": tls_acl_redis.replace(f":{PASSWORD}@", f":{PASSWORD}-wrong@"),
+        "user": tls_acl_redis.replace("alice:", "mallory:"),
+        "certificate": tls_acl_redis.replace("ca.crt", "other-ca.crt"),
+        "rediss://": tls_acl_redis.replace("rediss://", "redis://"),
+    }
+    for needle, url in wrong.items():
+        with pytest.raises(ConnectorError, match="cannot open the KV store") as caught:
+            _transport(tiny_llama, url)
+        assert needle in str(caught.value) and PASSWORD not in str(caught.value)
+    with pytest.raises(ConnectorError, match="at least 16"):
+        _transport(tiny_llama, tls_acl_redis, store_secret="short")
+
+
+@needs_openssl
+@needs_redis
+def test_connector_over_tls_with_an_acl_user_end_to_end(tls_acl_redis, smollm2):
+    """vLLM with the connector on a Redis that needs TLS and an ACL user, signed records: a
+    stored prefix loads directly and through the rate-limited chunk server."""
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from cachegen import workload
+    from cachegen.lab.bench.engine import ConnectorEngine
+
+    with ConnectorEngine(
+        smollm2,
+        store=tls_acl_redis,
+        save_modes=("int8",),
+        max_model_len=1024,
+        connector_extra={"store_secret": SECRET},
+    ) as engine:
+        prompt = engine.tokenize(workload.text("eval")[:8000])[:512] + engine.tokenize(
+            "\n\nSummary:", bos=False
+        )
+        engine.store_prefix(prompt)
+        for bandwidth in (None, 1000.0):
+            hit = engine.run(prompt, mode="int8", bandwidth_mbps=bandwidth, max_tokens=4)
+            assert hit.connector["loaded_tokens"] == 512, hit.connector
+    with open_store(tls_acl_redis, secret=SECRET) as store:
+        assert store.signed and store.stats().chunks >= 2

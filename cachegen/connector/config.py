@@ -21,8 +21,8 @@ Engine-wide keys (``kv_connector_extra_config``):
                   so engines with different tenants never share a chunk (default: none)
   store_secret    the store's MAC secret: every record written is signed and every record read
                   must verify (default: ``$CACHEGEN_STORE_SECRET``; unset: not signed)
-  max_chunk_bytes largest record a load reads (default: no cap); larger ones are refused before
-                  they are read whole, and the request recomputes
+  max_record_bytes  largest record a load reads (default: no cap); larger ones are refused
+                  before they are read whole, and the request recomputes
   max_load_bytes  most bytes one request's load may fetch (default: no cap); a larger prefix is
                   recomputed instead
 Per-request keys (also accepted engine-wide as defaults):
@@ -50,6 +50,7 @@ from cachegen.connector.errors import ConnectorError
 from cachegen.constants import CHUNK_TOKENS, RATE_SHAPERS
 from cachegen.modes import CONNECTOR_MODES as MODES
 from cachegen.store import StoreConfigError, default_store_url, parse_size
+from cachegen.store.keys import check_scope_part
 
 REQUEST_KEYS = frozenset(
     {
@@ -74,7 +75,7 @@ ENGINE_KEYS = REQUEST_KEYS | {
     "save_async",
     "tenant",
     "store_secret",
-    "max_chunk_bytes",
+    "max_record_bytes",
     "max_load_bytes",
 }
 
@@ -149,7 +150,7 @@ class ConnectorConfig:
     save_async: bool = True
     tenant: str | None = None
     store_secret: str | None = field(default=None, repr=False)
-    max_chunk_bytes: int | None = None
+    max_record_bytes: int | None = None
     max_load_bytes: int | None = None
     defaults: RequestOptions = field(default_factory=RequestOptions)
 
@@ -187,11 +188,13 @@ class ConnectorConfig:
         for name in ("load_async", "save_async"):
             if not isinstance(getattr(self, name), bool):
                 raise ConnectorError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.tenant is not None and (not isinstance(self.tenant, str) or not self.tenant):
-            raise ConnectorError(f"tenant must be a non-empty string, got {self.tenant!r}")
+        try:
+            check_scope_part("tenant", self.tenant)
+        except StoreConfigError as exc:
+            raise ConnectorError(str(exc)) from None
         if self.store_secret is not None and not isinstance(self.store_secret, str):
             raise ConnectorError("store_secret must be a string")  # never echo a secret
-        for name in ("max_chunk_bytes", "max_load_bytes"):
+        for name in ("max_record_bytes", "max_load_bytes"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value <= 0
@@ -225,7 +228,7 @@ class ConnectorConfig:
             if isinstance(levels, (str, int)) or not isinstance(levels, (list, tuple)):
                 raise ConnectorError(f"cachegen_levels must be a list of levels, got {levels!r}")
             kwargs["cachegen_levels"] = tuple(levels)
-        for name in ("max_chunk_bytes", "max_load_bytes"):
+        for name in ("max_record_bytes", "max_load_bytes"):
             if isinstance(extra.get(name), str):
                 try:
                     extra[name] = parse_size(extra[name])

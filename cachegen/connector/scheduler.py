@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cachegen.connector.config import ConnectorConfig, RequestOptions
-from cachegen.connector.errors import ConnectorError
 from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
 from cachegen.connector.transport import ChunkTransport
 from cachegen.errors import CacheGenError
@@ -68,7 +67,7 @@ class SchedulerSide:
                 tracked = _Tracked(request, dataclasses.replace(options, salt=salt))
                 if salt is not None:
                     tracked.report["salted"] = True
-            except (ConnectorError, TypeError) as exc:
+            except (CacheGenError, TypeError) as exc:  # bad options, a malformed cache_salt
                 logger.warning(
                     "request %s: ignoring the cachegen connector: %s", request.request_id, exc
                 )

@@ -71,8 +71,8 @@ def store_options(config: ConnectorConfig) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if config.store_secret:
         options["secret"] = config.store_secret
-    if config.max_chunk_bytes is not None:
-        options["max_record_bytes"] = config.max_chunk_bytes
+    if config.max_record_bytes is not None:
+        options["max_record_bytes"] = config.max_record_bytes
     return options
 
 

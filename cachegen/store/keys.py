@@ -47,13 +47,40 @@ def namespace(model: ModelIdentity, codec_profile_id: str, chunk_tokens: int) ->
     return hashlib.sha256(ident.encode()).hexdigest()[:NAMESPACE_HEX]
 
 
+SCOPE_MAX_CHARS = 128
+SCOPE_FORBIDDEN = frozenset("@/\\\0")  # as vLLM's cache_salt rule
+
+
+def check_scope_part(name: str, value: object) -> None:
+    """A tenant or cache_salt is a non-empty string of at most 128 printable characters without
+    '@', '/', '\\' (vLLM's rule for cache_salt); anything else is refused."""
+    if value is None:
+        return
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > SCOPE_MAX_CHARS
+        or any(c in SCOPE_FORBIDDEN or not c.isprintable() for c in value)
+    ):
+        if isinstance(value, str):
+            shown = repr(value) if len(value) <= 40 else f"of {len(value)} characters"
+        else:
+            shown = f"of type {type(value).__name__}"
+        raise StoreConfigError(
+            f"{name} {shown} is not valid: use a non-empty string of at most {SCOPE_MAX_CHARS} "
+            "printable characters without '@', '/' or '\\'"
+        )
+
+
 def key_scope(tenant: str | None, cache_salt: str | None) -> str | None:
     """The salt of a request's chunk keys: an operator's tenant and a request's cache_salt
     (vLLM's), encoded so that no two different pairs give the same salt; None when neither is
-    set (the unsalted keys)."""
-    if not tenant and not cache_salt:
+    set (the unsalted keys). A malformed part raises StoreConfigError."""
+    check_scope_part("tenant", tenant)
+    check_scope_part("cache_salt", cache_salt)
+    if tenant is None and cache_salt is None:
         return None
-    return json.dumps([tenant or None, cache_salt or None])
+    return json.dumps([tenant, cache_salt])
 
 
 def chunk_keys(

@@ -102,6 +102,9 @@ class Signer:
         raise TypeError("a record Signer holds a store secret and cannot be pickled")
 
 
+MIN_SECRET_BYTES = 16  # 128 bits: shorter secrets can be guessed
+
+
 def signer_for(secret: bytes | str | Signer | None) -> Signer | None:
     """The signer for ``secret``; None reads ``CACHEGEN_STORE_SECRET``; empty means unsigned."""
     if isinstance(secret, Signer):
@@ -116,7 +119,14 @@ def signer_for(secret: bytes | str | Signer | None) -> Signer | None:
         raise StoreConfigError(
             f"the store secret must be bytes or str, not {type(secret).__name__}"
         )
-    return Signer(bytes(secret)) if len(secret) else None
+    if not len(secret):
+        return None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise StoreConfigError(
+            f"the store secret is {len(secret)} bytes; use at least {MIN_SECRET_BYTES} random "
+            "bytes (e.g. python -c 'import secrets; print(secrets.token_hex(32))')"
+        )
+    return Signer(bytes(secret))
 
 
 @dataclass(frozen=True)

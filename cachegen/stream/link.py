@@ -93,9 +93,7 @@ def open_link(
             server_rtt = 0.0 if ns.kernel_rtt else rtt_ms
             with _server(store, server, rtt_ms=server_rtt, netns=ns) as srv:
                 emulation = "netem" if ns.kernel_rtt else ("server" if rtt_ms else "none")
-                source = SocketSource(
-                    srv.address, socket_factory=ns.socket, secret=store.record_signer
-                )
+                source = SocketSource(srv.address, socket_factory=ns.socket, **_checks(store))
                 yield Link(source, shaper, rate, rtt_ms, emulation, server=srv, netns=ns)
         return
     with _server(
@@ -103,8 +101,16 @@ def open_link(
     ) as srv:
         emulation = "server" if rtt_ms else "none"
         # The server forwards records as stored; this end verifies them with the store's secret.
-        source = SocketSource(srv.address, secret=store.record_signer)
+        source = SocketSource(srv.address, **_checks(store))
         yield Link(source, shaper, rate, rtt_ms, emulation, trace, server=srv)
+
+
+def _checks(store: ChunkStore) -> dict:
+    """What the receiving end checks as the store would: its secret and its record cap."""
+    checks: dict = {"secret": store.record_signer}
+    if store.max_record_bytes is not None:
+        checks["max_chunk_bytes"] = store.max_record_bytes
+    return checks
 
 
 def _server(store: ChunkStore, mode: str, *, netns: NetnsShaper | None = None, **kw):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from cachegen.store import record
 from cachegen.store.base import ChunkStore
-from cachegen.store.errors import StoreUnavailable
+from cachegen.store.errors import ChunkTooLarge, StoreUnavailable
 from cachegen.stream import protocol
 from cachegen.stream.errors import StreamProtocolError, StreamTimeout
 
@@ -171,9 +171,15 @@ class _SocketConnection(ChunkConnection):
             raise protocol.error_for(
                 status, self._recv(length, "error message").decode("utf-8", "replace")
             )
-        if not record.HEADER_SIZE <= length <= self.max_bytes:
+        if length > self.max_bytes:
+            raise ChunkTooLarge(
+                f"chunk {key}: the record is {length} bytes, over the cap of {self.max_bytes} "
+                "(max_record_bytes), so it is refused without reading it; raise the cap if "
+                "chunks this large are expected"
+            )
+        if length < record.HEADER_SIZE:
             raise StreamProtocolError(
-                f"chunk {key}: record of {length} bytes is outside 64..{self.max_bytes}"
+                f"chunk {key}: record of {length} bytes is shorter than a record header"
             )
         buf = bytearray(length)
         view = memoryview(buf)

@@ -38,7 +38,7 @@ def test_salts_and_tenants_give_disjoint_keys(tiny_llama):
         key_scope("acme", "tenant-a"),
         key_scope("tenant-a", None),  # a tenant named like a salt is still another scope
     ]
-    assert key_scope(None, None) is None and key_scope("", "") is None
+    assert key_scope(None, None) is None
     all_keys = [k for scope in scopes for k in keys(scope)]
     assert len(set(all_keys)) == len(all_keys) == 4 * len(scopes)
     assert keys(key_scope(None, "tenant-a")) == keys(key_scope(None, "tenant-a"))
@@ -48,17 +48,25 @@ def test_salts_and_tenants_give_disjoint_keys(tiny_llama):
     assert {k.split("/")[0] for k in all_keys} == {keys(None)[0].split("/")[0]}
 
 
+@pytest.mark.parametrize("bad", ["", "a/b", "x@y", "back\\slash", "nul\0", "x" * 129, "tab\t", 7])
+def test_a_malformed_salt_or_tenant_is_refused_with_the_rule(bad):
+    from cachegen.store import StoreConfigError
+
+    with pytest.raises(StoreConfigError, match="at most 128 printable characters"):
+        key_scope(None, bad)
+    with pytest.raises(ConnectorError, match="tenant .* is not valid"):
+        ConnectorConfig.from_extra_config({"tenant": bad})
+
+
 def test_a_client_cannot_choose_its_key_scope():
     with pytest.raises(ConnectorError, match="unknown kv_transfer_params"):
         RequestOptions().override({"salt": '[null, "tenant-b"]'})
-    with pytest.raises(ConnectorError, match="tenant"):
-        ConnectorConfig.from_extra_config({"tenant": ""})
     config = ConnectorConfig.from_extra_config(
         {"tenant": "acme", "store_secret": "s3cr3t-value", "max_load_bytes": "1mb"}
     )
     assert config.max_load_bytes == 1_000_000 and "s3cr3t-value" not in repr(config)
-    with pytest.raises(ConnectorError, match="max_chunk_bytes"):
-        ConnectorConfig.from_extra_config({"max_chunk_bytes": -1})
+    with pytest.raises(ConnectorError, match="max_record_bytes"):
+        ConnectorConfig.from_extra_config({"max_record_bytes": -1})
 
 
 def test_max_load_bytes_refuses_a_load_before_it_starts(tiny_llama, tmp_path):
