@@ -193,10 +193,16 @@ class RedisStore(ChunkStore):
         try:
             yield
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            # In a cluster a dead node leaves its slots unavailable (until a replica takes over,
+            # or for good without quorum): the message says it is the cluster that is down.
+            state = "unavailable: a node is unreachable" if self.cluster else "unreachable"
+            kind = "redis cluster" if self.cluster else "redis"
             raise StoreUnavailable(
-                f"redis at {self._label} is unreachable ({what}): {self._redact(exc)}"
+                f"{kind} at {self._label} is {state} ({what}): {self._redact(exc)}"
             ) from exc
-        except redis.exceptions.RedisClusterException as exc:
+        except (redis.exceptions.RedisClusterException, redis.exceptions.ClusterDownError) as exc:
+            # ClusterDownError (CLUSTERDOWN, MASTERDOWN: a slot range lost its master and every
+            # replica) is a RedisError reply, not a refusal: the cluster cannot serve right now.
             raise StoreUnavailable(
                 f"redis cluster at {self._label} is unavailable ({what}): {self._redact(exc)}"
             ) from exc
