@@ -185,8 +185,50 @@ def _ls(args) -> int:
 def _stats(args) -> int:
     with open_store(args.store) as store:
         stats = store.stats().to_dict()
+        raw, skipped = _raw_bf16_bytes(store)
+    stats["raw_bf16_bytes"] = raw
+    stats["payload_to_raw"] = round(stats["payload_bytes"] / raw, 4) if raw else None
+    if skipped:
+        stats["raw_bf16_skipped_keys"] = skipped
     text = "\n".join(f"{k}: {v}" for k, v in stats.items())
     return _out(args, stats, text)
+
+
+# Enough for any bitstream header (fixed part, model name and fingerprint, codec parameters,
+# layer list); a longer one is read whole.
+_HEADER_READ = 4096
+
+
+def _raw_bf16_bytes(store) -> tuple[int, int]:
+    """What the stored chunks hold as raw bf16 KV, one copy per key whatever its levels: 2 bytes
+    per element (keys and values of the layers its header lists), read from the header of the
+    key's lowest stored level. Returns (bytes, keys whose record is not a bitstream)."""
+    from cachegen.codec.bitstream import parse_header
+    from cachegen.codec.errors import CodecError
+    from cachegen.errors import CacheGenError
+
+    first: dict[str, int] = {}
+    for info in store.list():
+        first[info.key] = min(info.level, first.get(info.key, info.level))
+    total = skipped = 0
+    for key, level in sorted(first.items()):
+        try:
+            stream = store.get_stream(key, level, block_size=_HEADER_READ)
+            try:
+                head = next(stream, b"")  # unverified: only the header is read, not checked
+            finally:
+                stream.close()
+            try:
+                header = parse_header(head)
+            except CodecError:
+                if len(head) < _HEADER_READ:
+                    raise
+                header = parse_header(store.get(key, level))
+        except CacheGenError:  # not a bitstream, damaged, or removed since the listing
+            skipped += 1
+            continue
+        total += 2 * header.num_elements
+    return total, skipped
 
 
 def _evict(args) -> int:

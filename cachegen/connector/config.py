@@ -7,9 +7,12 @@ Engine-wide keys (``kv_connector_extra_config``):
   chunk_tokens    tokens per stored chunk; a multiple of vLLM's block size (default 256)
   save_modes      modes whose encodings are written after a prefill (default: ``[mode]``;
                   ``cachegen`` and ``adaptive`` write every level in ``cachegen_levels``)
-  cachegen_levels the cachegen levels that are stored and that ``adaptive`` chooses from
-                  (default: every level of the model's codec profile is stored; ``adaptive``
-                  chooses among the model's shipped calibrated levels if it has them)
+  cachegen_levels the cachegen levels that are stored (default: a save ladder,
+                  ``ChunkTransport.default_ladder``: the codec's default level, then at most two
+                  cheaper levels, from the model's shipped calibrated levels if it has them,
+                  within half of the raw bf16 KV; a request for a level that is not stored
+                  recomputes); ``adaptive`` chooses among the calibrated ones of them (all of
+                  them for a model without a calibration)
   shaper          how ``bandwidth_mbps`` is enforced: ``token-bucket`` (default) or ``netns``
   prefill_tokens_per_s  the engine's prefill rate, used by ``adaptive`` to price recomputation
                   (default: measured by the connector on this engine's own prefills)

@@ -122,11 +122,14 @@ class ChunkTransport:
         )
 
     def levels(self, mode: str) -> list[int]:
-        """The levels stored for ``mode``: all of the codec's, or ``cachegen_levels``."""
+        """The levels stored for ``mode``: ``cachegen_levels`` when set, else (``cachegen`` and
+        ``adaptive``) the :attr:`default_ladder`; one level for the other codecs."""
         codec = self.codec(mode)
-        chosen = self.config.cachegen_levels if mode in ("cachegen", "adaptive") else None
-        if chosen is None:
+        if mode not in ("cachegen", "adaptive"):
             return list(codec.levels)
+        chosen = self.config.cachegen_levels
+        if chosen is None:
+            return list(self.default_ladder)
         unknown = sorted(set(chosen) - set(codec.levels))
         if unknown:
             raise ConnectorError(
@@ -136,21 +139,31 @@ class ChunkTransport:
         return list(chosen)
 
     @functools.cached_property
-    def adaptive_levels(self) -> list[int]:
-        """The levels ``adaptive`` chooses from: ``cachegen_levels`` when set, else the model's
-        shipped calibrated levels when it has them, else every level.
+    def default_ladder(self) -> list[int]:
+        """The cachegen levels stored per chunk when ``cachegen_levels`` is not set: the codec's
+        default level first, then at most two cheaper ones for ``adaptive`` (see
+        :func:`storage_ladder`), so that the ladder stays under half the raw bf16 KV. Levels are
+        picked from the model's shipped calibrated levels when it has them, else from all.
 
         The controller ranks levels by their bytes, which only orders quality along a frontier:
         on SmolLM2 the paper's level 3 is slightly larger than calibrated level 4 at several
-        times its perplexity change, so with both on offer it sent level 3 (docs/connector.md).
-        The calibrated levels were each chosen for a measured perplexity target and together
-        dominate the presets (docs/quality.md). Found once per transport: the scheduler asks on
-        every lookup, and the shipped calibration is read from files."""
-        if self.config.cachegen_levels is None:
-            calibrated = self.codec("adaptive").profile.calibrated_levels()
-            if calibrated:
-                return calibrated
-        return self.levels("adaptive")
+        times its perplexity change (docs/connector.md); the calibrated levels were each chosen
+        for a measured perplexity target and together dominate the presets (docs/quality.md).
+        Found once per transport: the scheduler asks on every lookup."""
+        codec = self.codec("cachegen")
+        pool = codec.profile.calibrated_levels() or list(codec.levels)
+        default = codec.default_level
+        bits = {lv: estimated_bits(codec, lv, self.chunk_tokens) for lv in {*pool, default}}
+        return storage_ladder(default, bits)
+
+    @functools.cached_property
+    def adaptive_levels(self) -> list[int]:
+        """The levels ``adaptive`` chooses from: the stored levels (``cachegen_levels`` when
+        set, else the :attr:`default_ladder`) that are shipped calibrated levels, or every stored
+        level when none is (the controller would trade a dominated preset for a few bytes)."""
+        stored = self.levels("adaptive")
+        calibrated = set(self.codec("adaptive").profile.calibrated_levels())
+        return [lv for lv in stored if lv in calibrated] or stored
 
     def load_levels(self, options: RequestOptions) -> list[int]:
         """Levels a chunk must be stored at to be loadable with ``options``."""
@@ -463,6 +476,69 @@ class ChunkTransport:
     def close(self) -> None:
         self._exits.close()
         self.store.close()
+
+
+# ---- the default save ladder --------------------------------------------------------------------
+# Sum of the ladder's estimated bits/element: half of bf16's 16 bits, less headroom for what the
+# estimate leaves out (headers, frame token ids, the gap between the tables and real KV).
+LADDER_BUDGET_BITS = 8.0
+LADDER_HEADROOM_BITS = 0.5
+LADDER_EXTRA_LEVELS = 2
+
+
+def storage_ladder(
+    default: int,
+    bits: dict[int, float],
+    budget: float = LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS,
+) -> list[int]:
+    """The levels to store per chunk: ``default`` first, then up to two levels of ``bits``
+    (estimated bits/element per level) cheaper than it, while the sum stays within ``budget``:
+    the cheapest level (the form for the slowest links), then the level nearest the midpoint
+    between it and the default that still fits. Deterministic: ties go to the lower level."""
+    ladder = [default]
+    left = budget - bits[default]
+    cheaper = sorted((b, lv) for lv, b in bits.items() if lv != default and b < bits[default])
+    if not cheaper or cheaper[0][0] > left:
+        return ladder
+    low_bits, low = cheaper[0]
+    ladder.append(low)
+    left -= low_bits
+    middle = (bits[default] + low_bits) / 2
+    between = sorted((abs(b - middle), lv, b) for b, lv in cheaper[1:])
+    for _, lv, b in between:
+        if len(ladder) == 1 + LADDER_EXTRA_LEVELS:
+            break
+        if b <= left:
+            ladder.append(lv)
+            left -= b
+    return ladder
+
+
+def estimated_bits(codec: Any, level: int, chunk_tokens: int) -> float:
+    """Bits/element of ``codec`` (cachegen) at ``level`` for a chunk of ``chunk_tokens`` tokens,
+    from the level's coding tables alone: each table row's entropy (the code length its rANS
+    tables give symbols drawn from the calibration's distribution) times the tokens it codes,
+    plus the fp16 scales and the exactly stored tokens. Within ~0.2 bits of the calibration's
+    own estimates ("est. X bits/element" in cachegen/codec/calibrated) and of measured streams;
+    a property of the profile, not of any KV, so the ladder is the same on every engine."""
+    import numpy as np
+
+    from cachegen.codec.quant import exact_count, num_scales, segment_tokens
+
+    tables = codec.profile.tables(level)
+    config, model = tables.config, tables.model
+    freq = tables.freq.astype(np.float64)
+    p = freq / freq.sum(axis=1, keepdims=True)
+    logs = np.log2(np.where(p > 0, p, 1.0))
+    entropy = -(p * logs).sum(axis=1).reshape(model.num_layers, 2, tables.num_segments, -1)
+    tokens = [len(t) for t in segment_tokens(chunk_tokens, config.group_size)]
+    L, H, D = model.num_layers, model.num_kv_heads, model.head_dim
+    bits = sum(float(entropy[:, :, s].sum()) * n for s, n in enumerate(tokens))
+    bits += 16 * sum(num_scales(config.scale(k), L, H, n, D) for k in ("k", "v") for n in tokens)
+    elements = 2 * L * H * D * chunk_tokens
+    exact = exact_count(config, 0, chunk_tokens) * 2 * L * H * D
+    bits += exact * (16 - float(entropy.mean()))  # the first chunk's exact tokens, bf16
+    return bits / elements
 
 
 def _report(stats: Any) -> dict[str, Any]:

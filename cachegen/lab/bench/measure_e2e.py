@@ -30,10 +30,17 @@ MARGIN_TOKENS = 64  # room for the question after the context
 WARM_UP_REPEAT = 999  # question number of unmeasured requests (never one of the measured repeats)
 
 
-def connector_options(store_url: str, chunk_tokens: int, kv_modes: list[Mode]) -> dict:
-    """Engine-wide connector options: the store, chunking, and every encoding to save."""
+def connector_options(
+    store_url: str, chunk_tokens: int, kv_modes: list[Mode], cachegen_levels: list[int]
+) -> dict:
+    """Engine-wide connector options: the store, chunking, and every encoding to save. Every
+    cachegen level is stored (the connector's default stores a small ladder), so that each
+    measured level loads and adaptive chooses among all the calibrated levels."""
     save_modes = sorted({"cachegen" if m.mode == "adaptive" else m.mode for m in kv_modes})
-    return {"store": store_url, "chunk_tokens": chunk_tokens, "save_modes": save_modes}
+    options = {"store": store_url, "chunk_tokens": chunk_tokens, "save_modes": save_modes}
+    if "cachegen" in save_modes:
+        options["cachegen_levels"] = list(cachegen_levels)
+    return options
 
 
 class E2EMeasurer:
@@ -80,6 +87,11 @@ class E2EMeasurer:
                 for context in self.contexts:
                     self._missing(Mode("recompute"), f"vLLM engine failed: {exc}", context)
 
+    def _cachegen_levels(self) -> list[int]:
+        from cachegen.profiles import codec_for
+
+        return list(codec_for("cachegen", self.model).levels)
+
     def _session(self, connector: dict | None) -> EngineSession:
         return EngineSession(self.model, self.max_model_len, connector=connector, log=self.log)
 
@@ -88,7 +100,9 @@ class E2EMeasurer:
         done_recompute = False
         try:
             with self._session(
-                connector_options(store_url, self.cfg.chunk_tokens, kv_modes)
+                connector_options(
+                    store_url, self.cfg.chunk_tokens, kv_modes, self._cachegen_levels()
+                )
             ) as engine:
                 self._warm_up(engine)
                 if recompute:

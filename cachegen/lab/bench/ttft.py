@@ -71,6 +71,10 @@ class TTFTBench:
         self._tmp = None
         self._owns_engine = engine is None
         if engine is None:
+            if "cachegen" in save_modes:  # the tables measure every level, not the default ladder
+                from cachegen.profiles import codec_for
+
+                engine_args.setdefault("cachegen_levels", codec_for("cachegen", model).levels)
             self._tmp = None if store else tempfile.mkdtemp(prefix="cachegen-ttft-")
             store = store or Path(self._tmp).as_uri()
             engine = ConnectorEngine(

@@ -1,0 +1,192 @@
+"""What the connector stores by default costs: its save ladder, and ``cachegen store stats``'s
+``raw_bf16_bytes`` / ``payload_to_raw`` on real KV.
+
+``pytest -rP tests/connector/test_connector_storage.py -k cost`` prints the storage cost table of
+docs/connector.md ("Storage cost").
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cachegen.cli import main
+from cachegen.connector.config import ConnectorConfig, RequestOptions
+from cachegen.connector.errors import ConnectorError
+from cachegen.connector.transport import (
+    LADDER_BUDGET_BITS,
+    LADDER_HEADROOM_BITS,
+    ChunkTransport,
+    estimated_bits,
+    storage_ladder,
+)
+
+CHUNKS = 3
+CHUNK_TOKENS = 256
+
+
+def transport(spec, tmp_path, **extra) -> ChunkTransport:
+    config = ConnectorConfig.from_extra_config(
+        {"store": (tmp_path / "store").as_uri(), "chunk_tokens": CHUNK_TOKENS, **extra}
+    )
+    return ChunkTransport(config, spec, spec.identity())
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3", "tiny_llama"])
+def test_default_ladder_fits_half_of_raw_bf16(model, request, tmp_path):
+    spec = request.getfixturevalue(model)
+    t = transport(spec, tmp_path)
+    try:
+        codec = t.codec("cachegen")
+        ladder = t.levels("cachegen")
+        assert ladder[0] == codec.default_level
+        assert 1 <= len(ladder) <= 3 and len(set(ladder)) == len(ladder)
+        assert set(ladder) <= set(codec.levels)
+        bits = {lv: estimated_bits(codec, lv, CHUNK_TOKENS) for lv in ladder}
+        assert sum(bits.values()) <= LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS
+        assert all(bits[lv] < bits[ladder[0]] for lv in ladder[1:])  # smaller forms only
+        assert t.adaptive_levels == ladder  # adaptive chooses among what is stored
+        calibrated = codec.profile.calibrated_levels()
+        if calibrated:
+            assert set(ladder) <= set(calibrated) and len(ladder) >= 2
+        assert t.levels("int8") == t.codec("int8").levels  # other codecs: unchanged
+    finally:
+        t.close()
+
+
+def test_ladders_of_the_shipped_models(smollm2, gemma3, tiny_llama, tmp_path):
+    """The ladders docs/connector.md quotes."""
+    got = {}
+    for spec in (smollm2, gemma3, tiny_llama):
+        t = transport(spec, tmp_path)
+        try:
+            got[spec.name] = t.levels("cachegen")
+        finally:
+            t.close()
+    assert got == {"smollm2-135m": [4, 10, 9], "gemma3-270m": [4, 6], "tiny-llama": [2, 1]}
+
+
+def test_storage_ladder_rule():
+    bits = {1: 1.0, 2: 1.5, 3: 2.0, 4: 3.0, 5: 4.0}
+    assert storage_ladder(4, bits) == [4, 1, 3]  # the cheapest, then the nearest the midpoint
+    assert storage_ladder(4, bits, budget=5.9) == [4, 1, 2]  # level 3 no longer fits
+    assert storage_ladder(4, bits, budget=3.5) == [4]  # not even the cheapest fits
+    assert storage_ladder(1, bits) == [1]  # nothing cheaper than the default
+    assert storage_ladder(5, {5: 4.0, 1: 1.0}) == [5, 1]
+
+
+def test_explicit_cachegen_levels_are_stored_as_given(smollm2, tmp_path):
+    """Exactly the configured levels are stored; adaptive chooses among the calibrated ones of
+    them (they dominate the paper's presets), or among all when none is calibrated."""
+    for levels, adaptive in (
+        ([2, 4], [4]),
+        ([1, 2, 3, 4, 6, 7, 8, 9, 10], [4, 6, 7, 8, 9, 10]),
+        ([1, 2, 3], [1, 2, 3]),
+    ):
+        t = transport(smollm2, tmp_path, cachegen_levels=levels)
+        try:
+            assert t.levels("cachegen") == t.levels("adaptive") == levels
+            assert t.adaptive_levels == adaptive
+        finally:
+            t.close()
+
+
+def test_a_level_outside_the_ladder_is_a_clean_miss(smollm2, tmp_path):
+    """A request for a level that is not stored gets a ConnectorError from the lookup, which the
+    scheduler turns into a recomputation with the reason in the request's report."""
+    t = transport(smollm2, tmp_path)
+    try:
+        assert t.load_levels(RequestOptions(mode="cachegen")) == [4]
+        with pytest.raises(ConnectorError, match=r"stores levels \[4, 10, 9\], not 3"):
+            t.stored_chunks(list(range(CHUNKS * CHUNK_TOKENS)), RequestOptions(level=3))
+    finally:
+        t.close()
+
+
+# ---- measured on real KV ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_kv():
+    """``real_kv(spec)``: (token ids, KV) of CHUNKS chunks of held-out documentation text."""
+    from cachegen import workload
+    from cachegen.extract import extract_kv, load_model
+
+    cache = {}
+
+    def make(spec):
+        if spec.name not in cache:
+            _, tokenizer, _ = load_model(spec)
+            ids = tokenizer(workload.text("eval")[: 12 * CHUNKS * CHUNK_TOKENS])["input_ids"]
+            ids = ids[: CHUNKS * CHUNK_TOKENS]
+            assert len(ids) == CHUNKS * CHUNK_TOKENS
+            cache[spec.name] = (ids, extract_kv(spec, token_ids=ids))
+        return cache[spec.name]
+
+    return make
+
+
+def store_stats(capsys, url: str) -> dict:
+    capsys.readouterr()
+    assert main(["store", "stats", "--store", url, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def raw_bf16(spec) -> int:
+    ident = spec.identity()
+    return 2 * 2 * ident.num_layers * ident.num_kv_heads * ident.head_dim * CHUNKS * CHUNK_TOKENS
+
+
+COST_CONFIGS = {
+    "default ladder": ({}, ["cachegen"]),
+    "cachegen_levels = [default]": ("default", ["cachegen"]),
+    "every level": ("all", ["cachegen"]),
+    "save_modes raw": ({}, ["raw"]),
+    "save_modes int8": ({}, ["int8"]),
+}
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("name", list(COST_CONFIGS))
+def test_storage_cost(model, name, request, real_kv, tmp_path, capsys):
+    spec = request.getfixturevalue(model)
+    ids, kv = real_kv(spec)
+    extra, modes = COST_CONFIGS[name]
+    if isinstance(extra, str):
+        t = transport(spec, tmp_path)
+        codec = t.codec("cachegen")
+        t.close()
+        levels = [codec.default_level] if extra == "default" else list(codec.levels)
+        extra = {"cachegen_levels": levels}
+    t = transport(spec, tmp_path, **extra)
+    try:
+        written = t.save(ids, kv, modes)
+        levels = t.levels(modes[0])
+    finally:
+        t.close()
+    stats = store_stats(capsys, (tmp_path / "store").as_uri())
+    assert stats["payload_bytes"] == written
+    assert stats["raw_bf16_bytes"] == raw_bf16(spec)  # one copy per chunk, parts add up
+    assert stats["payload_to_raw"] == pytest.approx(written / raw_bf16(spec), abs=1e-4)
+    ratio = written / stats["raw_bf16_bytes"]
+    with capsys.disabled():
+        print(f"\n{spec.name:14} {name:28} levels {levels}: payload/raw bf16 = {ratio:.3f}")
+    if name == "default ladder":
+        assert ratio <= 0.5
+    if name == "save_modes raw":
+        assert 1.0 <= ratio < 1.01  # the raw payload is the bf16 KV plus headers and token ids
+
+
+def test_stats_text_output_and_non_bitstream_records(tmp_path, capsys):
+    url = (tmp_path / "store").as_uri()
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(b"not a bitstream")
+    put = ["store", "put-blob", str(blob), "--key", "ns/abc", "--level", "0", "--store", url]
+    assert main(put) == 0
+    stats = store_stats(capsys, url)
+    assert stats["raw_bf16_bytes"] == 0 and stats["payload_to_raw"] is None
+    assert stats["raw_bf16_skipped_keys"] == 1
+    assert main(["store", "stats", "--store", url]) == 0
+    text = capsys.readouterr().out
+    assert "raw_bf16_bytes: 0" in text and "payload_to_raw: None" in text
