@@ -190,3 +190,30 @@ def test_stats_text_output_and_non_bitstream_records(tmp_path, capsys):
     assert main(["store", "stats", "--store", url]) == 0
     text = capsys.readouterr().out
     assert "raw_bf16_bytes: 0" in text and "payload_to_raw: None" in text
+
+
+def test_serving_a_document_with_default_settings_stays_under_half_of_raw(
+    smollm2, tmp_path, capsys
+):
+    """vLLM with the connector's defaults (mode cachegen, the save ladder): after one request
+    over a document, the store holds at most half of its raw bf16 KV, and a second request over
+    the same document loads it."""
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from cachegen import workload
+    from cachegen.lab.bench.engine import ConnectorEngine
+
+    url = (tmp_path / "served").as_uri()
+    with ConnectorEngine(
+        smollm2, store=url, save_modes=("cachegen",), max_model_len=2048
+    ) as engine:
+        assert engine.config.cachegen_levels is None  # the default: the save ladder
+        document = engine.tokenize(workload.text("eval")[20_000:40_000])[:1536]
+        question = engine.tokenize("\n\nQuestion: what is this about? Answer:", bos=False)
+        engine.store_prefix(document + question)
+        again = engine.run(document + question, mode="cachegen", max_tokens=4)
+        assert again.connector["loaded_tokens"] == 1536
+    stats = store_stats(capsys, url)
+    assert stats["chunks"] == 6 and stats["payload_to_raw"] <= 0.5
+    print(f"served document: payload/raw bf16 = {stats['payload_to_raw']}")
