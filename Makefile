@@ -32,12 +32,13 @@ install: $(STAMP)
 models: install
 	$(VENV)/bin/cachegen models --prepare
 
-# Tests start their own redis-server on 127.0.0.1; the binary must exist.
+# Tests start their own redis-server on 127.0.0.1 and make TLS certificates with openssl; both
+# binaries must exist.
 services:
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@{ command -v redis-server && command -v openssl; } >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get update -qq && apt-get install -y -qq redis-server iproute2 >/dev/null; \
-	  else echo "redis-server is missing: install it (Debian/Ubuntu: sudo apt-get install redis-server)"; exit 1; fi; }
+	    apt-get update -qq && apt-get install -y -qq redis-server iproute2 openssl >/dev/null; \
+	  else echo "redis-server or openssl is missing: install them (Debian/Ubuntu: sudo apt-get install redis-server openssl)"; exit 1; fi; }
 
 # The lint (ruff) and the layer contract (import-linter, [tool.importlinter] in pyproject.toml)
 # run before the tests; either failing fails `make test`.

@@ -34,10 +34,15 @@ N_CHUNKS = 8
 # Small timeouts and one retry: a dead node turns into an error within a fraction of a second.
 FAST = "timeout_s=0.5&retries=1"
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
-    reason="redis-server and redis-cli are not installed: run `apt-get install -y redis-server`",
-)
+
+@pytest.fixture(scope="module", autouse=True)
+def _redis_installed():
+    """Fail (not skip) without Redis, as tests/conftest.py does: .ci/run installs it."""
+    for binary in ("redis-server", "redis-cli"):
+        if shutil.which(binary) is None:
+            pytest.fail(
+                f"{binary} is not installed: run `apt-get install -y redis-server` (.ci/run does)"
+            )
 
 
 # ---- the cluster ---------------------------------------------------------------------------
@@ -58,6 +63,21 @@ def _free_port(taken: set[int]) -> int:
                 continue
         taken.update((port, port + 10000))
         return port
+
+
+def _start_redis(args: list[str], port: int) -> subprocess.Popen:
+    """Start redis-server with ``args`` and wait until it accepts connections on ``port``."""
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"redis-server did not start on port {port}") from None
+            time.sleep(0.02)
 
 
 class Cluster:
@@ -90,18 +110,7 @@ class Cluster:
         ]  # fmt: skip
         if self.password:
             args += ["--requirepass", self.password, "--masterauth", self.password]
-        self.procs[port] = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    return
-            except OSError:
-                if self.procs[port].poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"redis-server did not start on port {port}") from None
-                time.sleep(0.02)
+        self.procs[port] = _start_redis(args, port)
 
     def kill(self, port: int) -> None:
         """SIGKILL: no goodbye to the other nodes, as when a machine dies."""
@@ -491,24 +500,15 @@ def evicting_redis(tmp_path):
     """A single redis-server (not a cluster) that evicts only keys with a TTL (volatile-ttl)."""
     taken: set[int] = set()
     port = _free_port(taken)
-    proc = subprocess.Popen(
+    proc = _start_redis(
         [
             shutil.which("redis-server"),
             "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
             "--save", "", "--appendonly", "no", "--maxmemory-policy", "volatile-ttl",
         ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        port,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.02)
         yield port
     finally:
         proc.terminate()

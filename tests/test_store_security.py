@@ -35,14 +35,12 @@ OTHER_SECRET = b"another-secret-entirely"
 KEY, OTHER_KEY = "ns/chunk0", "ns/chunk1"
 PASSWORD = "pw-Hx91-never-shown"
 
-needs_redis = pytest.mark.skipif(
-    shutil.which("redis-server") is None,
-    reason="redis-server is not installed: run `apt-get install -y redis-server`",
-)
-needs_openssl = pytest.mark.skipif(
-    shutil.which("openssl") is None,
-    reason="the openssl CLI is not installed: run `apt-get install -y openssl`",
-)
+
+def _require(binary: str, package: str) -> None:
+    """Fail (not skip) without a tool the tests need, as tests/conftest.py does for Redis:
+    .ci/run installs both, so a missing one is a broken set-up, not a reason to pass."""
+    if shutil.which(binary) is None:
+        pytest.fail(f"{binary} is not installed: run `apt-get install -y {package}` (.ci/run does)")
 
 
 # ---- helpers -------------------------------------------------------------------------------
@@ -101,8 +99,7 @@ def _make_ca(directory: Path, name: str) -> None:
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
     """A CA, a server certificate it signed for 127.0.0.1, and an unrelated second CA."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl CLI is not installed: run `apt-get install -y openssl`")
+    _require("openssl", "openssl")
     d = tmp_path_factory.mktemp("certs")
     _make_ca(d, "ca")
     _make_ca(d, "other-ca")
@@ -151,9 +148,7 @@ def location(request, tmp_path) -> str:
     """A URL of an empty store; every test opens it with and without the secret."""
     if request.param == "local":
         return (tmp_path / "store").as_uri()
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed: run `apt-get install -y redis-server`")
-    return request.getfixturevalue("redis_url")
+    return request.getfixturevalue("redis_url")  # tests/conftest.py fails without redis-server
 
 
 @pytest.fixture(autouse=True)
@@ -301,8 +296,7 @@ def test_chunk_server_path_verifies(tmp_path):
 
 @pytest.fixture(scope="module")
 def auth_redis(tmp_path_factory):
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed: run `apt-get install -y redis-server`")
+    _require("redis-server", "redis-server")
     with _redis_server(
         tmp_path_factory.mktemp("auth"),
         f"requirepass {PASSWORD}",
@@ -321,7 +315,6 @@ def _assert_config_error(op, *needles: str) -> str:
     return message
 
 
-@needs_redis
 def test_redis_password(auth_redis):
     host = f"127.0.0.1:{auth_redis}"
     with open_store(f"redis://:{PASSWORD}@{host}/0", secret=SECRET) as s:
@@ -339,7 +332,6 @@ def test_redis_password(auth_redis):
     )
 
 
-@needs_redis
 def test_redis_acl_user(auth_redis):
     host = f"127.0.0.1:{auth_redis}"
     with open_store(f"redis://alice:{PASSWORD}-alice@{host}/0") as s:
@@ -353,22 +345,27 @@ def test_redis_acl_user(auth_redis):
         )
 
 
-@pytest.fixture(scope="module")
-def tls_redis(tmp_path_factory, certs):
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed: run `apt-get install -y redis-server`")
-    with _redis_server(
-        tmp_path_factory.mktemp("tls"),
+def _tls_conf(certs: Path) -> list[str]:
+    """redis.conf lines: TLS on the server's port with the test CA's certificate, no client
+    certificates."""
+    return [
         f"tls-cert-file {certs / 'server.crt'}",
         f"tls-key-file {certs / 'server.key'}",
         f"tls-ca-cert-file {certs / 'ca.crt'}",
         "tls-auth-clients no",
+    ]
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tmp_path_factory, certs):
+    _require("redis-server", "redis-server")
+    with _redis_server(
+        tmp_path_factory.mktemp("tls"),
+        *_tls_conf(certs),
     ) as port:
         yield port
 
 
-@needs_openssl
-@needs_redis
 def test_redis_tls(tls_redis, certs):
     url = f"rediss://127.0.0.1:{tls_redis}/0"
     with open_store(f"{url}?ssl_ca_certs={certs / 'ca.crt'}", secret=SECRET) as s:
@@ -389,7 +386,6 @@ def test_redis_tls(tls_redis, certs):
     _assert_config_error(lambda: open_store(url, ssl_cert_reqs="maybe"), "ssl_cert_reqs")
 
 
-@needs_redis
 def test_redis_unreachable_is_unavailable_at_first_use_not_at_open():
     port = _free_port()  # nothing listens there
     store = open_store(f"redis://:{PASSWORD}@127.0.0.1:{port}/0?timeout_s=1")
@@ -451,7 +447,6 @@ def test_local_size_cap(tmp_path, monkeypatch):
         signed.put(OTHER_KEY, 0, b"C" * 7010)
 
 
-@needs_redis
 def test_redis_size_cap(redis_url, monkeypatch):
     location = redis_url
     with open_store(location) as uncapped:
@@ -490,14 +485,10 @@ def test_a_short_secret_is_refused(tmp_path):
 @pytest.fixture(scope="module")
 def tls_acl_redis(tmp_path_factory, certs):
     """TLS and an ACL user (no default user): what a shared production Redis looks like."""
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed: run `apt-get install -y redis-server`")
+    _require("redis-server", "redis-server")
     with _redis_server(
         tmp_path_factory.mktemp("tls-acl"),
-        f"tls-cert-file {certs / 'server.crt'}",
-        f"tls-key-file {certs / 'server.key'}",
-        f"tls-ca-cert-file {certs / 'ca.crt'}",
-        "tls-auth-clients no",
+        *_tls_conf(certs),
         "user default off",
         f"user alice on >{PASSWORD} ~* &* +@all",
     ) as port:
@@ -512,8 +503,6 @@ def _transport(spec, store_url: str, **extra):
     return ChunkTransport(config, spec, spec.identity())
 
 
-@needs_openssl
-@needs_redis
 def test_connector_start_up_names_the_wrong_setting(tls_acl_redis, tiny_llama, certs):
     from cachegen.connector.errors import ConnectorError
 
@@ -531,8 +520,6 @@ def test_connector_start_up_names_the_wrong_setting(tls_acl_redis, tiny_llama, c
         _transport(tiny_llama, tls_acl_redis, store_secret="short")
 
 
-@needs_openssl
-@needs_redis
 def test_connector_over_tls_with_an_acl_user_end_to_end(tls_acl_redis, smollm2):
     """vLLM with the connector on a Redis that needs TLS and an ACL user, signed records: a
     stored prefix loads directly and through the rate-limited chunk server."""

@@ -342,11 +342,17 @@ def engine(gemma3, store_dir, level):
 def prompts(engine, doc_text):
     """The first request (the 1,024-token context + a question) and the second (the same
     context continued to 1,500 tokens + the question): they share exactly 4 whole chunks."""
-    ids = engine.tokenize(doc_text[:20_000])
+    return _prompt_pair(engine, doc_text[:20_000], CONTEXT, PROMPT)
+
+
+def _prompt_pair(engine, text: str, context: int, prompt: int) -> tuple[list[int], list[int]]:
+    """``context`` tokens of ``text`` + the question, and the same text continued to ``prompt``
+    tokens + the question: they share exactly the context's tokens."""
+    ids = engine.tokenize(text)
     question = engine.tokenize(QUESTION, bos=False)
-    first = ids[:CONTEXT] + question
-    second = ids[: PROMPT - len(question)] + question
-    assert len(second) == PROMPT and second[CONTEXT] != first[CONTEXT]
+    first = ids[:context] + question
+    second = ids[: prompt - len(question)] + question
+    assert len(second) == prompt and second[context] != first[context]
     return first, second
 
 
@@ -687,12 +693,7 @@ def test_models_without_sliding_layers_keep_one_record_per_chunk(model, request,
 def long_prompts(engine, doc_text):
     """A 2,048-token context (8 chunks) + the question, and the same context continued to
     2,300 tokens + the question."""
-    ids = engine.tokenize(doc_text[:40_000])
-    question = engine.tokenize(QUESTION, bos=False)
-    first = ids[:LONG_CONTEXT] + question
-    second = ids[: LONG_PROMPT - len(question)] + question
-    assert len(second) == LONG_PROMPT and second[LONG_CONTEXT] != first[LONG_CONTEXT]
-    return first, second
+    return _prompt_pair(engine, doc_text[:40_000], LONG_CONTEXT, LONG_PROMPT)
 
 
 @pytest.fixture(scope="module")
