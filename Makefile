@@ -32,13 +32,13 @@ install: $(STAMP)
 models: install
 	$(VENV)/bin/cachegen models --prepare
 
-# Tests start their own redis-server on 127.0.0.1 and make TLS certificates with openssl; both
-# binaries must exist.
+# Tests start their own redis-server on 127.0.0.1 and make TLS certificates with openssl; the
+# dashboard test and `make bench` open asv's pages in headless chromium. All must exist.
 services:
-	@{ command -v redis-server && command -v openssl; } >/dev/null 2>&1 || { \
+	@{ command -v redis-server && command -v openssl && command -v chromium; } >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get update -qq && apt-get install -y -qq redis-server iproute2 openssl >/dev/null; \
-	  else echo "redis-server or openssl is missing: install them (Debian/Ubuntu: sudo apt-get install redis-server openssl)"; exit 1; fi; }
+	    apt-get update -qq && apt-get install -y -qq redis-server iproute2 openssl chromium >/dev/null; \
+	  else echo "redis-server, openssl or chromium is missing: install them (Debian/Ubuntu: sudo apt-get install redis-server openssl chromium)"; exit 1; fi; }
 
 # The lint (ruff) and the layer contract (import-linter, [tool.importlinter] in pyproject.toml)
 # run before the tests; either failing fails `make test`.
@@ -51,25 +51,31 @@ test: models services lint
 	$(PY) -m pytest --benchmark-skip -q
 
 # The main job: the asv suite on the embedded models (one sweep, shared by every suite through
-# setup_cache), the dashboard, results.json, the figures and the reproduction report.
+# setup_cache), the dashboard, results.json, the figures and the reproduction report. The
+# dashboard gets local copies of its JavaScript and CSS and is checked offline in chromium
+# (installed first, through `services`, when missing: the check comes after the long sweep).
 # QUICK=1 runs the smoke profile into benchmarks/out/quick/.
 BENCH_PROFILE := $(if $(QUICK),quick,default)
 BENCH_DIR := $(if $(QUICK),benchmarks/out/quick,benchmarks)
 ASV := $(VENV)/bin/asv
 
 bench: models
+	@command -v chromium >/dev/null 2>&1 || $(MAKE) --no-print-directory services
 	@mkdir -p $(BENCH_DIR)
 	$(ASV) machine --yes --machine cachegen-local >/dev/null
 	CACHEGEN_BENCH_PROFILE=$(BENCH_PROFILE) CACHEGEN_BENCH_OUT=$(abspath $(BENCH_DIR))/results.json \
 	  $(ASV) run --python=same --machine cachegen-local --set-commit-hash $$(git rev-parse HEAD) --show-stderr
 	$(ASV) publish
+	$(VENV)/bin/cachegen dashboard localize
+	$(VENV)/bin/cachegen dashboard check --benchmark e2e.EndToEnd.track_ttft --screenshot $(BENCH_DIR)/dashboard.png
 	$(VENV)/bin/cachegen plot $(BENCH_DIR)/results.json --out $(BENCH_DIR)
 	$(VENV)/bin/cachegen report $(BENCH_DIR)/results.json --out $(if $(QUICK),$(BENCH_DIR)/reproduction.md,docs/reproduction.md)
 	@echo
 	@echo "results:   $(BENCH_DIR)/results.json"
 	@echo "figures:   $(BENCH_DIR)/*.png"
 	@echo "report:    $(if $(QUICK),$(BENCH_DIR)/reproduction.md,docs/reproduction.md)"
-	@echo "dashboard: .asv/html/index.html (serve it with: $(ASV) preview)"
+	@echo "dashboard: .asv/html/index.html, works offline (serve it with: $(ASV) preview)"
+	@echo "           screenshot: $(BENCH_DIR)/dashboard.png"
 
 clean:
 	rm -rf $(VENV)

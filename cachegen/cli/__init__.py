@@ -22,6 +22,7 @@ COMMAND_GROUPS = {
         "cachegen.lab.cli.stream",
         "cachegen.lab.cli.ttft",
         "cachegen.lab.cli.codec_report",
+        "cachegen.lab.cli.dashboard",
     ],
 }
 
