@@ -1,11 +1,15 @@
-"""Shared fixtures: models (built once into the user cache) and a real redis-server."""
+"""Shared fixtures: models (built once into the user cache), a real redis-server and a real
+Redis Cluster (3 masters, 3 replicas)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +126,274 @@ def redis_url(redis_server: RedisServer) -> str:
 
     redis.Redis.from_url(redis_server.url).flushall()
     return redis_server.url
+
+
+# ---- a real Redis Cluster ------------------------------------------------------------------
+
+
+def _require_redis_binaries() -> None:
+    """Fail (not skip) without Redis, as RedisServer does: .ci/run installs it."""
+    for binary in ("redis-server", "redis-cli"):
+        if shutil.which(binary) is None:
+            pytest.fail(
+                f"{binary} is not installed: run `apt-get install -y redis-server` (.ci/run does)"
+            )
+
+
+def _free_cluster_port(taken: set[int]) -> int:
+    """A free port whose cluster bus port (port + 10000) is free too, and below 65536."""
+    while True:
+        port = free_port()
+        if port > 55000 or port in taken or port + 10000 in taken:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        taken.update((port, port + 10000))
+        return port
+
+
+def _start_redis(args: list[str], port: int) -> subprocess.Popen:
+    """Start redis-server with ``args`` and wait until it accepts connections on ``port``."""
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"redis-server did not start on port {port}") from None
+            time.sleep(0.02)
+
+
+class RedisCluster:
+    """Six redis-server processes in cluster mode; nodes may be killed and restarted."""
+
+    def __init__(
+        self, root: Path, size: int = 6, password: str | None = None, query: str = ""
+    ) -> None:
+        self.root = root
+        self.password = password
+        self.query = query  # the store options of url()
+        taken: set[int] = set()
+        self.ports = [_free_cluster_port(taken) for _ in range(size)]
+        self.procs: dict[int, subprocess.Popen | None] = {p: None for p in self.ports}
+
+    def url(self, port: int | None = None, query: str | None = None) -> str:
+        """A store URL with ``port`` (default: the first node) as entry point."""
+        auth = f":{self.password}@" if self.password else ""
+        query = self.query if query is None else query
+        tail = f"?{query}" if query else ""
+        return f"redis+cluster://{auth}127.0.0.1:{port or self.ports[0]}{tail}"
+
+    def client(self, port: int):
+        import redis
+
+        return redis.Redis(
+            port=port, password=self.password, socket_timeout=2, socket_connect_timeout=2
+        )
+
+    def start_node(self, port: int) -> None:
+        directory = self.root / str(port)
+        directory.mkdir(exist_ok=True)
+        args = [
+            shutil.which("redis-server"),
+            "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
+            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", "1000", "--appendonly", "no", "--save", "",
+        ]  # fmt: skip
+        if self.password:
+            args += ["--requirepass", self.password, "--masterauth", self.password]
+        self.procs[port] = _start_redis(args, port)
+
+    def kill(self, port: int) -> None:
+        """SIGKILL: no goodbye to the other nodes, as when a machine dies."""
+        proc = self.procs[port]
+        if proc is not None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+            self.procs[port] = None
+
+    def pause(self, port: int) -> None:
+        """SIGSTOP: the node answers nothing (nor votes, nor fails over) until resumed."""
+        self.procs[port].send_signal(signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        self.procs[port].send_signal(signal.SIGCONT)
+
+    def alive(self) -> list[int]:
+        return [p for p, proc in self.procs.items() if proc is not None]
+
+    def create(self) -> None:
+        for port in self.ports:
+            self.start_node(port)
+        cmd = [shutil.which("redis-cli"), "--cluster", "create"]
+        cmd += [f"127.0.0.1:{p}" for p in self.ports]
+        cmd += ["--cluster-replicas", "1", "--cluster-yes"]
+        if self.password:
+            cmd += ["-a", self.password, "--no-auth-warning"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        self.wait_ok()
+
+    def count_in_slot(self, port: int, slot: int) -> int:
+        with contextlib.closing(self.client(port)) as c:
+            return c.execute_command("CLUSTER COUNTKEYSINSLOT", slot)
+
+    def master_of(self, name: str) -> int:
+        """The port of the live master that holds the slot of the Redis key ``name``."""
+        with contextlib.closing(self.client(self.alive()[0])) as c:
+            slot = c.execute_command("CLUSTER KEYSLOT", name)
+        return next(p for p in self.masters() if self.count_in_slot(p, slot))
+
+    def info(self, port: int) -> dict[str, str]:
+        with contextlib.closing(self.client(port)) as c:
+            return {k: str(v) for k, v in c.cluster("info").items()}
+
+    def wait_ok(self, timeout_s: float = 20.0, masters: int = 3) -> float:
+        """Wait until every live node says cluster_state:ok and sees ``masters`` masters with
+        slots; returns the seconds waited."""
+        import redis
+
+        t0 = time.monotonic()
+        states: list[dict[str, str]] = []
+        while True:
+            try:
+                states = [self.info(p) for p in self.alive()]
+                if all(
+                    s["cluster_state"] == "ok" and int(s["cluster_size"]) == masters for s in states
+                ):
+                    return time.monotonic() - t0
+            except (redis.RedisError, KeyError):
+                pass
+            if time.monotonic() - t0 > timeout_s:
+                raise AssertionError(f"cluster not ok after {timeout_s} s: {states}")
+            time.sleep(0.1)
+
+    def wait_promoted(self, replica: int, timeout_s: float = 15.0) -> float:
+        """Wait until ``replica`` has taken over its failed master's slots and the cluster is
+        ok again on every live node; returns the seconds waited."""
+        t0 = time.monotonic()
+        while replica not in self.masters():
+            assert time.monotonic() - t0 < timeout_s, f"{replica} was not promoted"
+            time.sleep(0.05)
+        self.wait_ok(timeout_s=max(0.0, timeout_s - (time.monotonic() - t0)))
+        return time.monotonic() - t0
+
+    def wait_replicated(self, master: int, timeout_s: float = 10.0) -> None:
+        """Until the replica of ``master`` holds as many keys as it (replication is
+        asynchronous: a master killed before its replica caught up would lose writes, which
+        is not under test)."""
+        replica = self.replica_of(master)
+        deadline = time.monotonic() + timeout_s
+        with (
+            contextlib.closing(self.client(master)) as m,
+            contextlib.closing(self.client(replica)) as r,
+        ):
+            while m.dbsize() != r.dbsize():
+                assert time.monotonic() < deadline, "the replica did not catch up"
+                time.sleep(0.05)
+
+    def keys_per_master(self, pattern: str = "cachegen:*") -> dict[int, list[bytes]]:
+        out = {}
+        for port in self.masters():
+            with contextlib.closing(self.client(port)) as c:
+                out[port] = list(c.scan_iter(match=pattern, count=1000))
+        return out
+
+    def nodes(self) -> list[dict]:
+        """The live view of ``CLUSTER NODES``: port, id, role, master id, slot count, ok."""
+        cmd = [shutil.which("redis-cli"), "-p", str(self.alive()[0])]
+        if self.password:
+            cmd += ["-a", self.password, "--no-auth-warning"]
+        cmd += ["cluster", "nodes"]
+        text = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout
+        out = []
+        for line in text.strip().splitlines():
+            fields = line.split()
+            node_id, addr, flags, master = fields[0], fields[1], fields[2], fields[3]
+            slots = 0
+            for spec in fields[8:]:
+                if spec.startswith("["):
+                    continue
+                lo, _, hi = spec.partition("-")
+                slots += int(hi or lo) - int(lo) + 1
+            out.append(
+                {
+                    "id": node_id,
+                    "port": int(addr.split("@")[0].rsplit(":", 1)[1]),
+                    "master": "master" in flags,
+                    "of": None if master == "-" else master,
+                    "slots": slots,
+                    "failed": "fail" in flags,
+                }
+            )
+        return out
+
+    def masters(self) -> list[int]:
+        return sorted(
+            n["port"] for n in self.nodes() if n["master"] and n["slots"] and not n["failed"]
+        )
+
+    def replica_of(self, master_port: int) -> int:
+        nodes = self.nodes()
+        mid = next(n["id"] for n in nodes if n["port"] == master_port)
+        return next(n["port"] for n in nodes if n["of"] == mid)
+
+    def stop(self) -> None:
+        for port in self.ports:
+            proc = self.procs[port]
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                self.procs[port] = None
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    """``redis_cluster(password=None, query="")``: a new real Redis Cluster (3 masters, 3
+    replicas) on free loopback ports whose ``url()`` carries the store options ``query``,
+    stopped at the end of the module that made it."""
+    _require_redis_binaries()
+    made: list[RedisCluster] = []
+
+    def make(password: str | None = None, query: str = "") -> RedisCluster:
+        cluster = RedisCluster(tmp_path_factory.mktemp("cluster"), password=password, query=query)
+        made.append(cluster)
+        cluster.create()
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in made:
+            cluster.stop()
+
+
+@pytest.fixture
+def evicting_redis(tmp_path):
+    """The port of a single redis-server (not a cluster) that evicts only keys with a TTL
+    (volatile-ttl) once its maxmemory is set."""
+    _require_redis_binaries()
+    port = _free_cluster_port(set())
+    proc = _start_redis(
+        [
+            shutil.which("redis-server"),
+            "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
+            "--save", "", "--appendonly", "no", "--maxmemory-policy", "volatile-ttl",
+        ],
+        port,
+    )  # fmt: skip
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -1,22 +1,17 @@
 """A real Redis Cluster (3 masters, 3 replicas) under faults, through the project's code paths.
 
 The module fixture starts six ``redis-server`` processes on free loopback ports and joins them
-with ``redis-cli --cluster create``. The tests share that cluster and run in file order: the
-failover test kills a master (its replica takes over; the dead node is restarted and rejoins as
-a replica), and the last test kills a master *and* its replica, leaving the cluster without
-quorum for a slot range.
+with ``redis-cli --cluster create`` (``redis_cluster`` in tests/conftest.py). The tests share
+that cluster and run in file order: the failover test kills a master (its replica takes over;
+the dead node is restarted and rejoins as a replica), and the last test kills a master *and*
+its replica, leaving the cluster without quorum for a slot range.
 """
 
 from __future__ import annotations
 
 import contextlib
-import shutil
-import signal
-import socket
-import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import redis
@@ -35,210 +30,12 @@ N_CHUNKS = 8
 FAST = "timeout_s=0.5&retries=1"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _redis_installed():
-    """Fail (not skip) without Redis, as tests/conftest.py does: .ci/run installs it."""
-    for binary in ("redis-server", "redis-cli"):
-        if shutil.which(binary) is None:
-            pytest.fail(
-                f"{binary} is not installed: run `apt-get install -y redis-server` (.ci/run does)"
-            )
-
-
 # ---- the cluster ---------------------------------------------------------------------------
 
 
-def _free_port(taken: set[int]) -> int:
-    """A free port whose cluster bus port (port + 10000) is free too, and below 65536."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port > 55000 or port in taken or port + 10000 in taken:
-            continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        taken.update((port, port + 10000))
-        return port
-
-
-def _start_redis(args: list[str], port: int) -> subprocess.Popen:
-    """Start redis-server with ``args`` and wait until it accepts connections on ``port``."""
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"redis-server did not start on port {port}") from None
-            time.sleep(0.02)
-
-
-class Cluster:
-    """Six redis-server processes in cluster mode; nodes may be killed and restarted."""
-
-    def __init__(self, root: Path, size: int = 6, password: str | None = None) -> None:
-        self.root = root
-        self.password = password
-        taken: set[int] = set()
-        self.ports = [_free_port(taken) for _ in range(size)]
-        self.procs: dict[int, subprocess.Popen | None] = {p: None for p in self.ports}
-
-    def url(self, port: int | None = None, query: str = FAST) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis+cluster://{auth}127.0.0.1:{port or self.ports[0]}?{query}"
-
-    def client(self, port: int) -> redis.Redis:
-        return redis.Redis(
-            port=port, password=self.password, socket_timeout=2, socket_connect_timeout=2
-        )
-
-    def start_node(self, port: int) -> None:
-        directory = self.root / str(port)
-        directory.mkdir(exist_ok=True)
-        args = [
-            shutil.which("redis-server"),
-            "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
-            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-            "--cluster-node-timeout", "1000", "--appendonly", "no", "--save", "",
-        ]  # fmt: skip
-        if self.password:
-            args += ["--requirepass", self.password, "--masterauth", self.password]
-        self.procs[port] = _start_redis(args, port)
-
-    def kill(self, port: int) -> None:
-        """SIGKILL: no goodbye to the other nodes, as when a machine dies."""
-        proc = self.procs[port]
-        if proc is not None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=10)
-            self.procs[port] = None
-
-    def alive(self) -> list[int]:
-        return [p for p, proc in self.procs.items() if proc is not None]
-
-    def create(self) -> None:
-        for port in self.ports:
-            self.start_node(port)
-        cmd = [shutil.which("redis-cli"), "--cluster", "create"]
-        cmd += [f"127.0.0.1:{p}" for p in self.ports]
-        cmd += ["--cluster-replicas", "1", "--cluster-yes"]
-        if self.password:
-            cmd += ["-a", self.password, "--no-auth-warning"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stdout + done.stderr
-        self.wait_ok()
-
-    def count_in_slot(self, port: int, slot: int) -> int:
-        with contextlib.closing(self.client(port)) as c:
-            return c.execute_command("CLUSTER COUNTKEYSINSLOT", slot)
-
-    def info(self, port: int) -> dict[str, str]:
-        with contextlib.closing(self.client(port)) as c:
-            return {k: str(v) for k, v in c.cluster("info").items()}
-
-    def wait_ok(self, timeout_s: float = 20.0, masters: int = 3) -> float:
-        """Wait until every live node says cluster_state:ok and sees ``masters`` masters with
-        slots; returns the seconds waited."""
-        t0 = time.monotonic()
-        states: list[dict[str, str]] = []
-        while True:
-            try:
-                states = [self.info(p) for p in self.alive()]
-                if all(
-                    s["cluster_state"] == "ok" and int(s["cluster_size"]) == masters for s in states
-                ):
-                    return time.monotonic() - t0
-            except (redis.RedisError, KeyError):
-                pass
-            if time.monotonic() - t0 > timeout_s:
-                raise AssertionError(f"cluster not ok after {timeout_s} s: {states}")
-            time.sleep(0.1)
-
-    def wait_promoted(self, replica: int, timeout_s: float = 15.0) -> float:
-        """Wait until ``replica`` has taken over its failed master's slots and the cluster is
-        ok again on every live node; returns the seconds waited."""
-        t0 = time.monotonic()
-        while replica not in self.masters():
-            assert time.monotonic() - t0 < timeout_s, f"{replica} was not promoted"
-            time.sleep(0.05)
-        self.wait_ok(timeout_s=max(0.0, timeout_s - (time.monotonic() - t0)))
-        return time.monotonic() - t0
-
-    def nodes(self) -> list[dict]:
-        """The live view of ``CLUSTER NODES``: port, id, role, master id, slot count, ok."""
-        cmd = [shutil.which("redis-cli"), "-p", str(self.alive()[0])]
-        if self.password:
-            cmd += ["-a", self.password, "--no-auth-warning"]
-        cmd += ["cluster", "nodes"]
-        text = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout
-        out = []
-        for line in text.strip().splitlines():
-            fields = line.split()
-            node_id, addr, flags, master = fields[0], fields[1], fields[2], fields[3]
-            slots = 0
-            for spec in fields[8:]:
-                if spec.startswith("["):
-                    continue
-                lo, _, hi = spec.partition("-")
-                slots += int(hi or lo) - int(lo) + 1
-            out.append(
-                {
-                    "id": node_id,
-                    "port": int(addr.split("@")[0].rsplit(":", 1)[1]),
-                    "master": "master" in flags,
-                    "of": None if master == "-" else master,
-                    "slots": slots,
-                    "failed": "fail" in flags,
-                }
-            )
-        return out
-
-    def masters(self) -> list[int]:
-        return sorted(
-            n["port"] for n in self.nodes() if n["master"] and n["slots"] and not n["failed"]
-        )
-
-    def replica_of(self, master_port: int) -> int:
-        nodes = self.nodes()
-        mid = next(n["id"] for n in nodes if n["port"] == master_port)
-        return next(n["port"] for n in nodes if n["of"] == mid)
-
-    def stop(self) -> None:
-        for port in self.ports:
-            proc = self.procs[port]
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                self.procs[port] = None
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("cluster"), password=PASSWORD)
-    try:
-        c.create()
-        yield c
-    finally:
-        c.stop()
-
-
-def _keys_per_master(cluster: Cluster) -> dict[int, list[bytes]]:
-    out = {}
-    for port in cluster.masters():
-        with contextlib.closing(cluster.client(port)) as c:
-            out[port] = list(c.scan_iter(match="cachegen:*", count=1000))
-    return out
+def cluster(redis_cluster):
+    return redis_cluster(password=PASSWORD, query=FAST)
 
 
 # ---- 1. the store --------------------------------------------------------------------------
@@ -257,7 +54,7 @@ def test_store_round_trip_spreads_chunks_over_the_masters(cluster):
             store.get("ns/absent", 0)
 
         # Keys land on every master; all levels of a chunk share one slot (the hash tag).
-        per_master = _keys_per_master(cluster)
+        per_master = cluster.keys_per_master()
         assert len(per_master) == 3
         assert all(names for names in per_master.values()), {
             p: len(v) for p, v in per_master.items()
@@ -360,7 +157,7 @@ def test_producer_saves_real_kv_and_a_consumer_loads_it_bit_identical(cluster, p
         result, received = _load(consumer, ids, kv, options)
         assert (result.chunks_loaded, result.error) == (N_CHUNKS, None)
         assert received.next == N_CHUNKS and received.bad == []
-        spread = {p: len(v) for p, v in _keys_per_master(cluster).items()}
+        spread = {p: len(v) for p, v in cluster.keys_per_master().items()}
         assert sum(spread.values()) == N_CHUNKS and sum(1 for v in spread.values() if v) >= 2
     finally:
         producer.close()
@@ -368,20 +165,6 @@ def test_producer_saves_real_kv_and_a_consumer_loads_it_bit_identical(cluster, p
 
 
 # ---- 3. failover ---------------------------------------------------------------------------
-
-
-def _wait_replicated(cluster: Cluster, master: int, timeout_s: float = 10.0) -> None:
-    """Until the replica of ``master`` holds as many keys as it (replication is asynchronous:
-    a master killed before its replica caught up would lose writes, which is not under test)."""
-    replica = cluster.replica_of(master)
-    deadline = time.monotonic() + timeout_s
-    with (
-        contextlib.closing(cluster.client(master)) as m,
-        contextlib.closing(cluster.client(replica)) as r,
-    ):
-        while m.dbsize() != r.dbsize():
-            assert time.monotonic() < deadline, "the replica did not catch up"
-            time.sleep(0.05)
 
 
 def test_failover_loads_are_whole_or_cleanly_partial_and_recover(cluster, prompt, tiny_llama):
@@ -396,7 +179,7 @@ def test_failover_loads_are_whole_or_cleanly_partial_and_recover(cluster, prompt
         with contextlib.closing(cluster.client(cluster.ports[0])) as c:
             slot = c.execute_command("CLUSTER KEYSLOT", f"cachegen:{{{key3}}}:L0")
         victim = next(p for p in cluster.masters() if cluster.count_in_slot(p, slot))
-        _wait_replicated(cluster, victim)
+        cluster.wait_replicated(victim)
         assert _load(consumer, ids, kv, options)[0].chunks_loaded == N_CHUNKS
 
         outcomes: list[tuple[float, object, Receiver]] = []
@@ -493,26 +276,6 @@ def test_a_missing_middle_chunk_cuts_the_prefix(cluster, prompt, tiny_llama):
         assert "ChunkMissing" in result.error
     finally:
         transport.close()
-
-
-@pytest.fixture
-def evicting_redis(tmp_path):
-    """A single redis-server (not a cluster) that evicts only keys with a TTL (volatile-ttl)."""
-    taken: set[int] = set()
-    port = _free_port(taken)
-    proc = _start_redis(
-        [
-            shutil.which("redis-server"),
-            "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
-            "--save", "", "--appendonly", "no", "--maxmemory-policy", "volatile-ttl",
-        ],
-        port,
-    )  # fmt: skip
-    try:
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def test_real_maxmemory_eviction_of_a_middle_chunk_cuts_the_prefix(
