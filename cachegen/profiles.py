@@ -12,6 +12,8 @@ model's KV of the calibration text, so it lives here, above both the codec and e
   and any shipped calibrated levels; rebuilt when it was calibrated on other text; missing
   tables of an existing profile are rebuilt and must come out identical.
 * :func:`add_level`: a calibrated level into the profile (``cachegen calibrate``).
+* :func:`ensure_kvtc_basis`: the model's KVTC basis (``cachegen.codec.kvtc``), PCA fitted on
+  the workload's ``calibrate`` split only, built on first use.
 
 Building is deterministic as long as the model's forward pass is (same weights, same torch
 CPU kernels); if a rebuilt table differs, the error says so and how to copy the file.
@@ -26,7 +28,7 @@ import numpy as np
 import torch
 
 from cachegen import models, workload
-from cachegen.codec import rans
+from cachegen.codec import kvtc, rans
 from cachegen.codec.errors import CodecError
 from cachegen.codec.profile import (
     DEFAULT_LEVEL,
@@ -36,20 +38,30 @@ from cachegen.codec.profile import (
     read_profile,
     shipped_levels,
 )
-from cachegen.codec.quant import QuantConfig, alphabet_size, paper_levels, quantize_chunk
+from cachegen.codec.quant import (
+    QuantConfig,
+    alphabet_size,
+    paper_levels,
+    quantize_chunk,
+    rotate_layer_keys,
+)
 from cachegen.codec.tables import (
     KINDS,
     LOCAL,
     LevelTables,
+    TablesRefused,
     alphabets,
     num_segments,
     save_tables,
     tables_file,
 )
+from cachegen.codec.transform import TransformBasis, allocate_bits, fit_pca, save_basis
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.kv import KVCache
 
 CALIBRATION_TOKENS = 2048
+KVTC_CALIBRATION_SPLIT = "calibrate"
+KVTC_CALIBRATION_TOKENS = 4096
 
 
 def calibration_spec() -> dict:
@@ -131,18 +143,19 @@ def ensure_profile(model: str | models.ModelSpec) -> Profile:
 def _ensure_tables(spec: models.ModelSpec, profile: Profile, level: int) -> None:
     tables_id = profile.tables_ids[level]
     try:
-        profile.tables(level)
+        profile.tables(level)  # from the local directory or a provider (a chunk store)
         return
-    except CodecError:
+    except CodecError as exc:
         if LOCAL.path(tables_id).is_file():
             raise  # present but corrupt or foreign: say so rather than overwrite
+        refused = f" ({exc})" if isinstance(exc, TablesRefused) else ""
     rebuilt = build_tables(spec, profile.config(level))
     if rebuilt.id != tables_id:
         raise CodecError(
             f"profile tables {tables_id[:16]} of {spec.name} level {level} were rebuilt here but "
             f"came out different ({rebuilt.id[:16]}: the model's forward pass is not bit-identical "
             f"on this machine); copy {tables_id}.cgtab from the machine that built the profile "
-            f"into {LOCAL.describe()}"
+            f"into {LOCAL.describe()}{refused}"
         )
 
 
@@ -166,10 +179,93 @@ def transient_profile(spec: models.ModelSpec, levels: dict[int, QuantConfig]) ->
 
 
 def codec_for(name: str, model: str | models.ModelSpec, **options):
-    """Codec ``name`` for ``model``, the model's profile built first if it needs one
-    (``cachegen.codec.get_codec`` only loads profiles)."""
+    """Codec ``name`` for ``model``, the model's profile (``kvtc``: its basis) built first if
+    it needs one (``cachegen.codec.get_codec`` only loads them)."""
     from cachegen.codec import get_codec
 
+    if name == "kvtc":
+        return get_codec(name, basis=ensure_kvtc_basis(model), **options)
     if name != "cachegen":
         return get_codec(name, **options)
     return get_codec(name, profile=ensure_profile(model), **options)
+
+
+# ---- the KVTC basis -------------------------------------------------------------------------
+
+
+def kvtc_calibration_spec() -> dict:
+    """What a KVTC basis is fitted on; recorded in the basis and its reference."""
+    return {
+        "source": "pydoc_data.topics",
+        "split": KVTC_CALIBRATION_SPLIT,
+        "text_sha256": hashlib.sha256(workload.text(KVTC_CALIBRATION_SPLIT).encode()).hexdigest(),
+        "max_tokens": KVTC_CALIBRATION_TOKENS,
+        "skip_tokens": kvtc.EXACT_TOKENS,
+        "keys": "pre-RoPE",
+        "levels": {str(k): v for k, v in kvtc.LEVELS.items()},
+    }
+
+
+def fit_kvtc_basis(spec: models.ModelSpec) -> TransformBasis:
+    """Fit the per-layer PCA bases (keys turned back to pre-RoPE) and every level's bit
+    allocation on the ``calibrate`` split's KV; the first ``kvtc.EXACT_TOKENS`` tokens, stored
+    exactly by the codec, are left out of the fit."""
+    from cachegen.extract import extract_kv, load_model
+
+    _, tokenizer, spec = load_model(spec)
+    ids = tokenizer(workload.text(KVTC_CALIBRATION_SPLIT))["input_ids"][:KVTC_CALIBRATION_TOKENS]
+    kv = extract_kv(spec, token_ids=torch.tensor(ids, dtype=torch.int64)[: spec.max_positions])
+    thetas = models.rope_thetas(spec.config)
+    skip = kvtc.EXACT_TOKENS
+    keys = kv.keys[:, :, skip:].to(torch.float32)
+    if any(thetas):
+        keys = rotate_layer_keys(keys, skip, thetas, inverse=True)
+    values = kv.values[:, :, skip:].to(torch.float32)
+    L, H, n, D = keys.shape
+    fits = [
+        [
+            fit_pca(x[layer].permute(1, 0, 2).reshape(n, H * D).double().numpy())
+            for x in (keys, values)
+        ]
+        for layer in range(L)
+    ]
+    mean, components, variances = (
+        np.array([[f[i] for f in layer_fits] for layer_fits in fits], dtype=np.float32)
+        for i in range(3)
+    )
+    bits = np.array(
+        [
+            [
+                [allocate_bits(v, round(budget * H * D)) for v in layer_vars]
+                for layer_vars in variances
+            ]
+            for budget in kvtc.LEVELS.values()
+        ],
+        dtype=np.uint8,
+    )
+    return TransformBasis(
+        spec.identity(),
+        kvtc_calibration_spec(),
+        tuple(thetas),
+        dict(kvtc.LEVELS),
+        mean,
+        components,
+        variances,
+        bits,
+    )
+
+
+def ensure_kvtc_basis(model: str | models.ModelSpec) -> TransformBasis:
+    """The model's KVTC basis, fitted and stored on first use (or when it was fitted on other
+    text); a stored basis is read and checked like any."""
+    from cachegen.codec.transform import find_basis
+
+    spec = models.resolve(model) if isinstance(model, str) else model
+    identity = spec.identity()
+    with locked(profile_path(identity).parent):
+        ref = kvtc.read_kvtc_basis_ref(identity)
+        if ref is not None and ref["calibration"] == kvtc_calibration_spec():
+            return find_basis(ref["basis"], identity)
+        basis = save_basis(fit_kvtc_basis(spec))
+        kvtc.write_kvtc_basis_ref(basis)
+        return basis

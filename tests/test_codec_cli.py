@@ -117,3 +117,22 @@ def test_bad_inputs_fail_cleanly(kv_dir, tmp_path, capsys):
     assert main(["encode", "--codec", "int8", str(tmp_path), str(tmp_path / "x")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("cachegen ") and "error" in line for line in err)
+
+
+def test_encode_packed_form_decodes_like_the_coded_form(kv_dir, tmp_path, capsys):
+    coded, packed = tmp_path / "coded.cgkv", tmp_path / "packed.cgkv"
+    common = ["encode", "--codec", "cachegen", "--level", "3", "--chunk-tokens", "32"]
+    assert main([*common, str(kv_dir), str(coded)]) == 0
+    assert main([*common, "--form", "packed", str(kv_dir), str(packed)]) == 0
+    assert "(packed)" in capsys.readouterr().out
+    assert main(["inspect", str(packed)]) == 0
+    text = capsys.readouterr().out
+    assert "level 3, packed form" in text and "format version   4" in text
+    assert main(["inspect", str(packed), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["form"] == "packed"
+    a, b = decode(coded.read_bytes()), decode(packed.read_bytes())
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    # the baselines have one form
+    out = tmp_path / "int8.cgkv"
+    assert main(["encode", "--codec", "int8", "--form", "packed", str(kv_dir), str(out)]) == 1
+    assert "form of the cachegen levels" in capsys.readouterr().err and not out.exists()

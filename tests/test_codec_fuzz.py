@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cachegen.codec import CodecError, decode, inspect
-from cachegen.codec.bitstream import _FIXED, FLAG_LAYER_SUBSET, parse_header
+from cachegen.codec.bitstream import _FIXED, FLAG_LAYER_SUBSET, FLAG_PACKED, parse_header
 from cachegen.kv import KVCache
 from cachegen.profiles import codec_for
 
@@ -54,6 +54,11 @@ def blobs(tiny_llama) -> Blobs:
     for name, level in [("int8", 0), ("cachegen", 3)]:
         codec = codec_for(name, tiny_llama, chunk_tokens=16)
         out[f"{name}-{level}-layers"] = codec.encode(part, level)
+    # the packed form (format version 4: bit-packed symbols)
+    codec = codec_for("cachegen", tiny_llama, chunk_tokens=16)
+    for level in (1, 3):
+        out[f"packed-{level}"] = codec.encode(kv, level, form="packed")
+    out["packed-3-layers"] = codec.encode(part, 3, form="packed")
     return out
 
 
@@ -67,6 +72,9 @@ NAMES = [
     "cachegen-3",
     "int8-0-layers",
     "cachegen-3-layers",
+    "packed-1",
+    "packed-3",
+    "packed-3-layers",
 ]
 
 
@@ -286,3 +294,85 @@ def test_random_layer_lists_are_refused_or_consistent(blobs, name, layers, count
     n = len(layers) if count is None else count
     data = _relist(blobs[name], struct.pack(f"<H{len(layers)}H", n, *layers))
     check_decodes_or_refuses(reseal(data))
+
+
+# ---- the packed form ------------------------------------------------------------------------
+
+
+def _rewrite_bodies(blob: bytes, change) -> bytes:
+    """The blob with ``change(index, body) -> body`` applied to every frame body, resealed."""
+    from cachegen.codec.api import _open
+
+    header, _, frames, _ = _open(blob)
+    out = bytearray(blob[: header.size])
+    for frame in frames:
+        ids = frame.token_ids.astype("<u2").tobytes()
+        payload = ids + change(frame.index, bytes(frame.body))
+        out += struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
+    return bytes(out)
+
+
+def _packed_parts(blob: bytes):
+    """(widths offset, data offset, stream byte offsets) of frame 0's body."""
+    from cachegen.codec.api import _open
+
+    _, _, frames, decoder = _open(blob)
+    offsets, data_at = decoder._sections(frames[0])
+    return data_at - decoder.num_streams, data_at, offsets
+
+
+@pytest.mark.parametrize("name", ["packed-1", "packed-3", "packed-3-layers"])
+def test_packed_frames_that_disagree_with_their_header_are_refused(blobs, name):
+    blob = blobs[name]
+    widths_at, data_at, offsets = _packed_parts(blob)
+    assert _rewrite_bodies(blob, lambda i, b: b) == blob
+
+    def wider(i, body):  # one stream claims a width one bit larger
+        return body[:widths_at] + bytes([body[widths_at] + 1]) + body[widths_at + 1 :]
+
+    with pytest.raises(CodecError, match="widths disagree"):
+        decode(_rewrite_bodies(blob, wider))
+    for cut in (1, 2, data_at // 2):  # bodies shorter or longer than the header implies
+        with pytest.raises(CodecError, match="corrupt"):
+            decode(_rewrite_bodies(blob, lambda i, b, cut=cut: b[:-cut]))
+    with pytest.raises(CodecError, match="header implies"):
+        decode(_rewrite_bodies(blob, lambda i, b: b + b"\0"))
+    # an unsealed flip anywhere in a packed body fails the frame checksum
+    data = bytearray(blob)
+    data[-3] ^= 0x10
+    with pytest.raises(CodecError, match="checksum"):
+        decode(bytes(data))
+
+
+def test_packed_symbols_outside_the_alphabet_are_refused(blobs):
+    """Level 1's widths hold one value more than its alphabet (e.g. 15 of 4 bits, 14 the
+    largest symbol): all-ones bits are a symbol no encoder writes."""
+    blob = blobs["packed-1"]
+    _, data_at, offsets = _packed_parts(blob)
+
+    def ones(i, body):
+        return body[:data_at] + b"\xff" * 8 + body[data_at + 8 :]
+
+    with pytest.raises(CodecError, match="do not decode cleanly"):
+        decode(_rewrite_bodies(blob, ones))
+
+
+def test_packed_flag_is_refused_where_it_cannot_be(blobs):
+    """The packed flag in a format version below 4, or on a baseline codec's stream."""
+    packed = blobs["packed-3"]
+    with pytest.raises(CodecError, match="packed symbols in a format version 3"):
+        decode(_forge_header(packed, version=3))
+    with pytest.raises(CodecError, match="version 5 is not supported.*upgrade"):
+        decode(_forge_header(packed, version=5))
+    int8 = blobs["int8-0"]
+    flags = _FIXED.unpack_from(int8, 0)[5]
+    with pytest.raises(CodecError, match="packed symbols in a int8 stream"):
+        decode(_forge_header(int8, version=4, flags=flags | FLAG_PACKED))
+    # a coded stream relabelled packed, or the reverse: refused by the body checks
+    coded = blobs["cachegen-3"]
+    flags = _FIXED.unpack_from(coded, 0)[5]
+    with pytest.raises(CodecError, match="corrupt"):
+        decode(_forge_header(coded, version=4, flags=flags | FLAG_PACKED))
+    flags = _FIXED.unpack_from(packed, 0)[5]
+    with pytest.raises(CodecError):
+        decode(_forge_header(packed, flags=flags & ~FLAG_PACKED))

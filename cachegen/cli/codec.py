@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from cachegen.codec import available_codecs, decode, inspect, load_profile
+from cachegen.codec.bitstream import CODED, FORMS
 from cachegen.errors import InputError
 from cachegen.fileio import write_atomic
 from cachegen.kv import KVCache
@@ -32,6 +33,13 @@ def register(subparsers) -> None:
         "--level", type=int, default=None, help="quality level (default: the codec's default)"
     )
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per frame (default 256)")
+    p.add_argument(
+        "--form",
+        choices=FORMS,
+        default=CODED,
+        help="cachegen only: entropy-coded symbols (coded, the default: smallest) or bit-packed "
+        "at a fixed width (packed: larger, decodes at memory speed to the same KV)",
+    )
     p.add_argument("--json", action="store_true", help="print the inspect summary as JSON")
     p.set_defaults(func=_encode)
 
@@ -90,19 +98,24 @@ def _read(path: Path) -> bytes:
 
 def _encode(args: argparse.Namespace) -> int:
     kv = KVCache.load(args.kv_dir)
-    codec = codec_for(
-        args.codec,
-        kv.model.name if args.codec == "cachegen" else None,
-        chunk_tokens=args.chunk_tokens,
+    codec = codec_for(args.codec, kv.model.name, chunk_tokens=args.chunk_tokens)
+    if args.form != CODED and args.codec != "cachegen":
+        raise InputError(
+            f"--form {args.form} is a form of the cachegen levels; drop it for {args.codec}"
+        )
+    blob = (
+        codec.encode(kv, args.level, form=args.form)
+        if args.codec == "cachegen"
+        else codec.encode(kv, args.level)
     )
-    blob = codec.encode(kv, args.level)
     write_atomic(args.out, blob)
     info = inspect(blob)
     if args.json:
         print(json.dumps(info))
     else:
         print(
-            f"{args.out}: {info['codec']} level {info['level']}, {info['num_tokens']} tokens, "
+            f"{args.out}: {info['codec']} level {info['level']} ({info['form']}), "
+            f"{info['num_tokens']} tokens, "
             f"{info['bytes']} bytes, "
             f"{info['bits_per_element']:.3f} bits/element, {info['ratio_vs_fp16']:.2f}x vs fp16, "
             f"{info['ratio_vs_int8']:.2f}x vs int8"
@@ -129,7 +142,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
-    print(f"codec            {info['codec']} (level {info['level']})")
+    print(f"codec            {info['codec']} (level {info['level']}, {info['form']} form)")
+    print(f"format version   {info['format_version']}")
     print(
         f"model            {info['model']['name']} ({info['num_layers']} layers, "
         f"{info['num_kv_heads']} kv heads, head_dim {info['head_dim']})"

@@ -15,14 +15,25 @@ from cachegen.codec.baselines import (
     RawCodec,
     _Int8Decoder,
 )
-from cachegen.codec.bitstream import Header, parse_frames, parse_header
-from cachegen.codec.cachegen_codec import CacheGenCodec, CacheGenDecoder
+from cachegen.codec.bitstream import PACKED, Header, parse_frames, parse_header
+from cachegen.codec.cachegen_codec import CacheGenCodec, CacheGenDecoder, PackedDecoder
 from cachegen.codec.errors import CodecError
+from cachegen.codec.kvtc import KvtcCodec, KvtcDecoder
+from cachegen.codec.turboquant import TurboQuantCodec
 from cachegen.kv import KVCache
 
 CODECS: dict[str, type[Codec]] = {
     cls.name: cls
-    for cls in (RawCodec, Int8Codec, Fp8Codec, Int8ZstdCodec, Kivi2Codec, CacheGenCodec)
+    for cls in (
+        RawCodec,
+        Int8Codec,
+        Fp8Codec,
+        Int8ZstdCodec,
+        Kivi2Codec,
+        CacheGenCodec,
+        KvtcCodec,
+        TurboQuantCodec,
+    )
 }
 CODECS_BY_ID: dict[int, type[Codec]] = {cls.codec_id: cls for cls in CODECS.values()}
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -33,16 +44,16 @@ def available_codecs() -> list[str]:
 
 
 def get_codec(name: str, model: models.ModelSpec | str | None = None, **options) -> Codec:
-    """A codec by name. ``cachegen`` needs ``model`` (or binds to the KV's model on first
-    encode) for its profile; the baselines ignore it. ``options`` go to the codec's
-    constructor (``chunk_tokens`` for all; ``zstd_level`` for int8-zstd; ``group_size``
+    """A codec by name. ``cachegen`` and ``kvtc`` need ``model`` (or bind to the KV's model
+    on first encode) for their profile or basis; the others ignore it. ``options`` go to the
+    codec's constructor (``chunk_tokens`` for all; ``zstd_level`` for int8-zstd; ``group_size``
     for kivi2)."""
     cls = CODECS.get(name)
     if cls is None:
         raise CodecError(f"unknown codec {name!r}; available: {', '.join(CODECS)}")
     try:
-        if cls is CacheGenCodec:
-            return CacheGenCodec(model=model, **options)
+        if cls in (CacheGenCodec, KvtcCodec):
+            return cls(model=model, **options)
         return cls(**options)
     except TypeError as exc:
         raise CodecError(f"bad option for codec {name}: {exc}") from exc
@@ -55,6 +66,8 @@ def _open(blob: bytes | bytearray | memoryview):
         raise CodecError(
             f"bitstream uses codec id {header.codec_id}, which this cachegen does not know"
         )
+    if header.form == PACKED and cls is not CacheGenCodec:
+        raise CodecError(f"bitstream header is corrupt (packed symbols in a {cls.name} stream)")
     frames = parse_frames(blob, header)
     decoder = cls.decoder(header)
     for frame in frames:
@@ -96,6 +109,9 @@ def int8_size(header: Header) -> int:
 def inspect(blob: bytes | bytearray | memoryview) -> dict:
     """What a bitstream holds and what it costs, without decoding it.
 
+    ``form`` is how a cachegen level's symbols are stored: "coded" (entropy-coded) or
+    "packed" (bit-packed at a fixed width); the baselines are "coded".
+
     ``bits_per_element`` counts every byte (header, frame headers, token ids, scales,
     payload; a cachegen profile's tables are shared per model and reported separately).
     ``ratio_vs_fp16`` compares with 2 bytes per element, ``ratio_vs_int8`` with what the
@@ -115,6 +131,7 @@ def inspect(blob: bytes | bytearray | memoryview) -> dict:
     info = {
         "codec": cls.name,
         "level": header.level,
+        "form": header.form,
         "format_version": header.version,
         "model": header.model.to_dict(),
         "num_layers": header.num_layers,
@@ -145,7 +162,10 @@ def inspect(blob: bytes | bytearray | memoryview) -> dict:
             for i, index in enumerate(header.layer_indices)
         ],
     }
-    if isinstance(decoder, CacheGenDecoder):
-        info["profile_tables"] = decoder.tables.id
+    if isinstance(decoder, (CacheGenDecoder, PackedDecoder)):
+        info["profile_tables"] = decoder.tables_id
         info["config"] = decoder.config.to_dict()
+    if isinstance(decoder, KvtcDecoder):
+        info["transform"] = decoder.basis.id
+        info["transform_bytes"] = decoder.basis.nbytes
     return info

@@ -10,8 +10,10 @@ Layout (all integers little-endian; full spec in ``docs/bitstream.md``)::
 
 A stream may hold only some of the model's layers (flag bit 2, format version 3): the header's
 ``num_layers`` stays the model's, the layer list names the layers present, and the frame
-bodies hold just those layers. Writers use the lowest version a stream needs (1; 2 for
-per-layer rotary bases; 3 for a layer subset), so full-layer streams are what they always were.
+bodies hold just those layers. A ``cachegen`` stream may hold its symbols bit-packed at a
+fixed width instead of entropy-coded (flag bit 3, format version 4: the *packed form*).
+Writers use the lowest version a stream needs (1; 2 for per-layer rotary bases; 3 for a layer
+subset; 4 for the packed form), so every other stream is what it always was.
 
 Parsing checks every length against the bytes actually present and every checksum before a
 codec sees a byte of its body, so corrupt or hostile input fails fast with ``CodecError``
@@ -31,16 +33,21 @@ from cachegen.codec.errors import CodecError
 from cachegen.kv import KVCache, ModelIdentity
 
 MAGIC = b"CGKV"
-VERSION = 3  # the newest format this cachegen reads; writers use the lowest that holds a stream
-VERSIONS = (1, 2, 3)
+VERSION = 4  # the newest format this cachegen reads; writers use the lowest that holds a stream
+VERSIONS = (1, 2, 3, 4)
 LAYER_SUBSET_VERSION = 3  # the first version whose header may carry a layer list
+PACKED_VERSION = 4  # the first version whose frames may hold bit-packed symbols
 _FIXED = struct.Struct("<4sBBHBBHHHQII")  # 32 bytes
 _FRAME = struct.Struct("<II")
 
 FLAG_TOKENS_U32 = 1
 FLAG_FINGERPRINT_DIGEST = 2
 FLAG_LAYER_SUBSET = 4  # a layer list follows the codec parameters (version 3)
-_KNOWN_FLAGS = FLAG_TOKENS_U32 | FLAG_FINGERPRINT_DIGEST | FLAG_LAYER_SUBSET
+FLAG_PACKED = 8  # the frames hold bit-packed symbols, the packed form (version 4)
+_KNOWN_FLAGS = FLAG_TOKENS_U32 | FLAG_FINGERPRINT_DIGEST | FLAG_LAYER_SUBSET | FLAG_PACKED
+
+CODED, PACKED = "coded", "packed"
+FORMS = (CODED, PACKED)  # how a level's symbols are stored: entropy-coded or bit-packed
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -63,6 +70,7 @@ class Header:
     size: int  # header bytes
     version: int = 1  # format version the stream was written in
     layers: tuple[int, ...] | None = None  # absolute indices of the layers held; None = all
+    form: str = CODED  # PACKED: the symbols are bit-packed at a fixed width (flag bit 3)
 
     @property
     def num_layers(self) -> int:
@@ -113,16 +121,26 @@ def _fingerprint_bytes(fingerprint: str) -> tuple[bytes, bool]:
 
 
 def pack_header(
-    codec_id: int, level: int, kv: KVCache, chunk_tokens: int, params: bytes, version: int = 1
+    codec_id: int,
+    level: int,
+    kv: KVCache,
+    chunk_tokens: int,
+    params: bytes,
+    version: int = 1,
+    form: str = CODED,
 ) -> tuple[bytes, int]:
     """Header bytes for ``kv`` and the token id width chosen; ``version`` is the format
     version the codec's parameters need. A layer subset (``kv.layers``) adds the layer list
-    and needs version 3 (the header says the higher of the two)."""
+    and needs version 3, the packed form needs version 4 (the header says the highest)."""
     if version not in VERSIONS:
         raise CodecError(f"cannot write bitstream format version {version}")
+    if form not in FORMS:
+        raise CodecError(f"unknown form {form!r}; use {' or '.join(FORMS)}")
     subset = kv.layers
     if subset is not None:
         version = max(version, LAYER_SUBSET_VERSION)
+    if form == PACKED:
+        version = max(version, PACKED_VERSION)
     if kv.dtype not in DTYPE_CODES:
         raise CodecError(f"cannot encode KV of dtype {kv.dtype}; use float16, bfloat16 or float32")
     if not 0 <= level <= 0xFFFF:
@@ -143,6 +161,7 @@ def pack_header(
         (FLAG_TOKENS_U32 if token_width == 4 else 0)
         | (FLAG_FINGERPRINT_DIGEST if digest else 0)
         | (FLAG_LAYER_SUBSET if subset is not None else 0)
+        | (FLAG_PACKED if form == PACKED else 0)
     )
     if len(params) > 0xFFFF:
         raise CodecError("codec parameters are too large for the header")
@@ -212,6 +231,10 @@ def parse_header(blob: bytes | memoryview) -> Header:
         raise CodecError(
             f"bitstream header is corrupt (a layer list in a format version {version} stream)"
         )
+    if flags & FLAG_PACKED and version < PACKED_VERSION:
+        raise CodecError(
+            f"bitstream header is corrupt (packed symbols in a format version {version} stream)"
+        )
     if not (layers and heads and head_dim) or (
         not has_subset and layers * heads * head_dim > MAX_ELEMENTS_PER_TOKEN
     ):
@@ -271,6 +294,7 @@ def parse_header(blob: bytes | memoryview) -> Header:
         size=pos + 4,
         version=version,
         layers=subset,
+        form=PACKED if flags & FLAG_PACKED else CODED,
     )
 
 

@@ -19,6 +19,11 @@ A stream of a layer subset (``KVCache.layers``) holds those layers only (``L`` a
 number present); every per-layer setting (bins, rotary base, table rows) is the one of the
 layer's absolute index, so a subset decodes to exactly the values of the same layers of a
 full stream: every scale, symbol and rANS stream belongs to one layer.
+
+The *packed form* (``encode(kv, level, form="packed")``, header flag bit 3) stores the same
+exact tokens and scales, then one width byte per stream and the streams' symbols bit-packed
+at that width (``packed.py``) instead of the directory and the rANS streams. It decodes to the
+same KV, bit for bit, at memory speed, and needs no probability tables.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ import numpy as np
 import torch
 
 from cachegen import models
-from cachegen.codec import rans
+from cachegen.codec import packed, rans
 from cachegen.codec.base import Codec, FrameDecoder
-from cachegen.codec.bitstream import Frame, Header
+from cachegen.codec.bitstream import CODED, FORMS, PACKED, Frame, Header, pack_frame, pack_header
 from cachegen.codec.errors import CodecError
 from cachegen.codec.parallel import run_batches
 from cachegen.codec.profile import Profile, load_profile
@@ -51,7 +56,7 @@ from cachegen.codec.quant import (
     segment_tokens,
     theta_runs,
 )
-from cachegen.codec.tables import KINDS, LevelTables, find_tables
+from cachegen.codec.tables import KINDS, LevelTables, find_tables, num_segments
 from cachegen.kv import KVCache, ModelIdentity
 
 TABLES_ID_BYTES = 16
@@ -98,14 +103,35 @@ class CacheGenCodec(Codec):
         model = self._profile.model.name if self._profile else None
         return f"CacheGenCodec(model={model!r}, chunk_tokens={self.chunk_tokens})"
 
-    def encode(self, kv: KVCache, level: int | None = None) -> bytes:
+    def encode(self, kv: KVCache, level: int | None = None, form: str = CODED) -> bytes:
+        """``form`` "coded" entropy-codes the symbols (smallest), "packed" stores them
+        bit-packed (larger, decodes at memory speed to the same KV)."""
+        if form not in FORMS:
+            raise CodecError(f"unknown form {form!r}; use {' or '.join(FORMS)}")
         if self._profile is None:
             self._profile = load_profile(kv.model.name)
         if kv.model.fingerprint != self.profile.model.fingerprint:
             raise CodecError(
                 f"KV of model {kv.model.name} cannot use the profile of {self.profile.model.name}"
             )
-        return super().encode(kv, level)
+        if form == CODED:
+            return super().encode(kv, level)
+        level = self.resolve_level(level)
+        config = self.profile.config(level)
+        header, token_width = pack_header(
+            self.codec_id,
+            level,
+            kv,
+            self.chunk_tokens,
+            self.params(kv, level),
+            self.bitstream_version(level),
+            form=PACKED,
+        )
+        chunks = kv.chunks(self.chunk_tokens) if kv.num_tokens else []
+        return header + b"".join(
+            pack_frame(chunk.token_ids, token_width, encode_packed_chunk(chunk, config))
+            for chunk in chunks
+        )
 
     def params(self, kv: KVCache, level: int) -> bytes:
         tables = self.profile.tables(level)
@@ -130,7 +156,10 @@ class CacheGenCodec(Codec):
                 f"version {header.version} stream)"
             )
         config.check_geometry(header.model.num_layers, header.head_dim)
-        tables = find_tables(params[:TABLES_ID_BYTES].hex(), config, header.model)
+        tables_id = params[:TABLES_ID_BYTES].hex()
+        if header.form == PACKED:
+            return PackedDecoder(header, config, tables_id)
+        tables = find_tables(tables_id, config, header.model)
         m = tables.model
         if (m.num_layers, m.num_kv_heads, m.head_dim) != (
             header.model.num_layers,
@@ -216,28 +245,68 @@ def encode_chunk(chunk: KVCache, tables: LevelTables) -> bytes:
     )
 
 
+def stream_widths(config: QuantConfig, num_segments: int) -> np.ndarray:
+    """Packed width of each stream, ordered (layer, K/V, segment), of the layers ``config``
+    describes."""
+    return np.array(
+        [
+            packed.symbol_width(config.bins(kind)[layer])
+            for layer in range(config.num_layers)
+            for kind in KINDS
+            for _ in range(num_segments)
+        ],
+        dtype=np.uint8,
+    )
+
+
+def encode_packed_chunk(chunk: KVCache, level_config: QuantConfig) -> bytes:
+    """Packed-form frame body for one chunk: the coded form's exact tokens and scales, then
+    one width byte per stream and the bit-packed streams, ordered (layer, K/V, segment)."""
+    L = chunk.num_layers
+    config = layer_config(level_config, chunk.layers)
+    e = exact_count(config, chunk.start, chunk.num_tokens)
+    exact = torch.stack([chunk.keys[:, :, :e], chunk.values[:, :, :e]]).cpu().contiguous()
+    parts: list[bytes] = [exact.view(torch.uint8).numpy().tobytes()]
+    segments: list[np.ndarray] = []  # per (K/V, segment): symbols [L, H, n_s, D]
+    for kind in KINDS:
+        x = chunk.keys if kind == "k" else chunk.values
+        for seg in quantize_chunk(x, config, kind, chunk.start):
+            parts.append(seg.scales.cpu().numpy().tobytes())
+            segments.append(np.ascontiguousarray(seg.symbols.cpu().numpy()))
+    per_layer = len(segments)  # streams per layer: K/V times segments
+    widths = stream_widths(config, per_layer // 2)
+    counts = np.tile([sym[0].size for sym in segments], L)
+    sizes = packed.packed_bytes(counts, widths.astype(np.int64))
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    out = np.zeros(int(offsets[-1]), dtype=np.uint8)
+    for j, sym in enumerate(segments):
+        streams = np.arange(L) * per_layer + j  # this segment's stream in each layer
+        run_batches(
+            lambda todo, sym=sym, streams=streams: packed.pack_layers(
+                sym, widths[streams], out, offsets[streams], todo
+            ),
+            np.ones(L),
+        )
+    return b"".join(parts) + widths.tobytes() + out.tobytes()
+
+
 # ---- decoding -------------------------------------------------------------------------------
 
 
-class CacheGenDecoder(FrameDecoder):
-    def __init__(self, header: Header, tables: LevelTables) -> None:
+class _LevelDecoder(FrameDecoder):
+    """What both forms share: the level's config, the frame's exact tokens and scales, and
+    dequantizing the symbols into the output (then undoing the level's transforms). A
+    subclass reads the symbols: :meth:`_symbol_kernel`."""
+
+    def __init__(self, header: Header, config: QuantConfig, tables_id: str) -> None:
         super().__init__(header)
-        self.tables = tables
-        self.config = tables.config  # the level's config, every layer of the model
+        self.config = config  # the level's config, every layer of the model
         # the config of the layers the stream holds (index i: layer ``layer_ids[i]``)
-        self.layer_config = layer_config(tables.config, header.layers)
+        self.layer_config = layer_config(config, header.layers)
         self.layer_ids = header.layer_indices
-        self.S = tables.num_segments
+        self.tables_id = tables_id
+        self.S = num_segments(config)
         self.num_streams = header.num_layers * 2 * self.S
-        # Lower bound of each stream's code length per token: sum over channels of the
-        # cheapest symbol's bits (see docs/bitstream.md, "size checks").
-        per_row = np.maximum(tables.cheapest_symbol_bits - _SLACK_BITS, 0.0)
-        per_layer = per_row.reshape(header.model.num_layers, 2 * self.S, tables.num_channels)
-        self.stream_bits_per_token = (
-            per_layer[list(self.layer_ids)]
-            .reshape(self.num_streams, tables.num_channels)
-            .sum(axis=1)
-        )
 
     def _frame_start(self, frame: Frame) -> int:
         """Position of the frame's first token in its sequence."""
@@ -263,54 +332,24 @@ class CacheGenDecoder(FrameDecoder):
                 layout.append((kind, tokens, count))
         return layout, 2 * sum(c for _, _, c in layout)
 
-    def _directory(self, frame: Frame) -> tuple[np.ndarray, int]:
-        n = len(frame.token_ids)
-        _, scale_bytes = self._layout(n)
-        dir_end = self._exact_bytes(frame) + scale_bytes + 4 * self.num_streams
-        if len(frame.body) < dir_end:
-            raise CodecError(
-                f"frame {frame.index} is corrupt: {len(frame.body)} bytes cannot hold its scales "
-                "and stream directory"
-            )
-        words = np.frombuffer(
-            frame.body[dir_end - 4 * self.num_streams : dir_end], dtype="<u4"
-        ).astype(np.int64)
-        return words, dir_end
+    def _stream_tokens(self, n: int) -> np.ndarray:
+        """Tokens of each stream of a frame of ``n`` tokens, ordered (layer, K/V, segment)."""
+        return np.tile([len(t) for _, t, _ in self._layout(n)[0]], self.header.num_layers)
 
-    def check(self, frame: Frame) -> None:
-        words, dir_end = self._directory(frame)
-        if 2 * int(words.sum()) != len(frame.body) - dir_end:
-            raise CodecError(
-                f"frame {frame.index} is corrupt: stream directory does not match the frame size"
-            )
-        n = len(frame.token_ids)
-        seg_n = np.array(
-            [len(t) for _, t, _ in self._layout(n)[0]], dtype=np.float64
-        )  # per (K/V, segment)
-        stream_tokens = np.tile(
-            seg_n, self.header.num_layers
-        )  # streams ordered (layer, K/V, segment)
-        needed = rans.STATE_WORDS + np.floor(
-            np.maximum(stream_tokens * self.stream_bits_per_token - 16 * rans.LANES, 0) / 17
-        )
-        if np.any(words < needed):
-            raise CodecError(
-                f"frame {frame.index} is corrupt: a stream is shorter than its symbols "
-                "can be coded in"
-            )
-
-    def layer_bytes(self, frame: Frame) -> np.ndarray:
+    def _layer_overheads(self, frame: Frame) -> np.ndarray:
+        """Bytes of the exact tokens and the scales attributed to each (layer, K/V)."""
         h = self.header
         layout, _ = self._layout(len(frame.token_ids))
-        words, _ = self._directory(frame)
         out = np.zeros((h.num_layers, 2), dtype=np.float64)
-        for i, (kind, _, count) in enumerate(layout):
+        for i, (_, _, count) in enumerate(layout):
             out[:, i // self.S] += 2 * count / h.num_layers
-        out += (
-            2 * words.reshape(h.num_layers, 2, self.S).sum(axis=2) + 4 * self.S
-        )  # streams + directory
-        out += self._exact_bytes(frame) / (2 * h.num_layers)
-        return out
+        return out + self._exact_bytes(frame) / (2 * h.num_layers)
+
+    def _symbol_kernel(self, frame: Frame, num_tokens: np.ndarray):
+        """A function ``(todo, status, *dequantize)`` that decodes the frame's streams ``todo``
+        with the dequantization arguments of ``rans.decode_streams`` (``status[k]`` 1: stream
+        ``k`` is corrupt)."""
+        raise NotImplementedError
 
     def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
         h = self.header
@@ -319,9 +358,6 @@ class CacheGenDecoder(FrameDecoder):
         config = self.layer_config  # per-layer settings indexed like the stream's layers
         n = len(frame.token_ids)
         layout, scale_bytes = self._layout(n)
-        words_per_stream, dir_end = self._directory(frame)
-        words = np.frombuffer(frame.body[dir_end:], dtype="<u2")
-        word_off = np.concatenate([[0], np.cumsum(words_per_stream)]).astype(np.int64)
 
         # Three paths: dequantize straight into ``out``; decode into a float32 scratch and let
         # the kernel rotate it (Hadamard, rotary angles of keys) into ``out``; or decode,
@@ -359,7 +395,6 @@ class CacheGenDecoder(FrameDecoder):
 
         num = self.num_streams
         ntok = np.empty(num, dtype=np.int64)
-        base = np.empty(num, dtype=np.int64)
         scale_off = np.empty(num, dtype=np.int64)
         stride = np.empty((num, 3), dtype=np.int64)
         center = np.empty(num, dtype=np.int32)
@@ -372,16 +407,27 @@ class CacheGenDecoder(FrameDecoder):
                     i = (layer * 2 + k) * S + s  # stream
                     _, tokens, count = layout[j]
                     ntok[i] = len(tokens)
-                    base[i] = self.tables.base(self.layer_ids[layer], k, s)
                     scale_off[i] = scale_off_of[j] + layer * (count // L)
                     stride[i] = strides_of[j]
                     center[i] = max_level(config.bins(kind)[layer])
                     token_off[i] = tm_off[j]
                     out_base[i] = ((k * L + layer) * H) * T * D
-        nch = np.full(num, C, dtype=np.int64)
         status = np.zeros(num, dtype=np.uint8)
         dec_f32, dec_bf16 = _strided_views(target.view(-1))
-        t = self.tables
+        dequantize = (
+            scales,
+            scale_off,
+            stride,
+            center,
+            D,
+            token_map,
+            token_off,
+            dec_f32,
+            dec_bf16,
+            out_base,
+            T,
+        )
+        decode_symbols = self._symbol_kernel(frame, ntok)
         rotation = hadamard_matrix(D) if config.hadamard else None
         start = self._frame_start(frame)
         # (first layer, end layer, cos and sin or None) of each run of layers sharing a base
@@ -391,28 +437,7 @@ class CacheGenDecoder(FrameDecoder):
         ]
 
         def kernel(todo: np.ndarray) -> None:
-            rans.decode_streams(
-                words,
-                word_off,
-                nch,
-                ntok,
-                base,
-                t.slots,
-                t.freq_cum,
-                scales,
-                scale_off,
-                stride,
-                center,
-                D,
-                token_map,
-                token_off,
-                dec_f32,
-                dec_bf16,
-                out_base,
-                T,
-                todo,
-                status,
-            )
+            decode_symbols(todo, status, *dequantize)
             if fused_rotation:
                 # Streams are (layer, K/V) without locality and ``todo`` is a contiguous range,
                 # so its keys and its values are each a contiguous run of layers: transform them
@@ -458,6 +483,166 @@ class CacheGenDecoder(FrameDecoder):
                 2, L, H, e, D
             )
             out[:, :, :, token_offset : token_offset + e] = exact
+
+
+class CacheGenDecoder(_LevelDecoder):
+    """The coded form: a stream directory, then rANS streams under the level's tables."""
+
+    def __init__(self, header: Header, tables: LevelTables) -> None:
+        super().__init__(header, tables.config, tables.id)
+        self.tables = tables
+        # Lower bound of each stream's code length per token: sum over channels of the
+        # cheapest symbol's bits (see docs/bitstream.md, "size checks").
+        per_row = np.maximum(tables.cheapest_symbol_bits - _SLACK_BITS, 0.0)
+        per_layer = per_row.reshape(header.model.num_layers, 2 * self.S, tables.num_channels)
+        self.stream_bits_per_token = (
+            per_layer[list(self.layer_ids)]
+            .reshape(self.num_streams, tables.num_channels)
+            .sum(axis=1)
+        )
+        self.table_base = np.array(
+            [
+                tables.base(index, k, s)
+                for index in self.layer_ids
+                for k in range(2)
+                for s in range(self.S)
+            ],
+            dtype=np.int64,
+        )
+
+    def _directory(self, frame: Frame) -> tuple[np.ndarray, int]:
+        n = len(frame.token_ids)
+        _, scale_bytes = self._layout(n)
+        dir_end = self._exact_bytes(frame) + scale_bytes + 4 * self.num_streams
+        if len(frame.body) < dir_end:
+            raise CodecError(
+                f"frame {frame.index} is corrupt: {len(frame.body)} bytes cannot hold its scales "
+                "and stream directory"
+            )
+        words = np.frombuffer(
+            frame.body[dir_end - 4 * self.num_streams : dir_end], dtype="<u4"
+        ).astype(np.int64)
+        return words, dir_end
+
+    def check(self, frame: Frame) -> None:
+        words, dir_end = self._directory(frame)
+        if 2 * int(words.sum()) != len(frame.body) - dir_end:
+            raise CodecError(
+                f"frame {frame.index} is corrupt: stream directory does not match the frame size"
+            )
+        stream_tokens = self._stream_tokens(len(frame.token_ids))
+        needed = rans.STATE_WORDS + np.floor(
+            np.maximum(stream_tokens * self.stream_bits_per_token - 16 * rans.LANES, 0) / 17
+        )
+        if np.any(words < needed):
+            raise CodecError(
+                f"frame {frame.index} is corrupt: a stream is shorter than its symbols "
+                "can be coded in"
+            )
+
+    def layer_bytes(self, frame: Frame) -> np.ndarray:
+        h = self.header
+        words, _ = self._directory(frame)
+        return (
+            self._layer_overheads(frame)
+            + 2 * words.reshape(h.num_layers, 2, self.S).sum(axis=2)
+            + 4 * self.S  # streams + directory
+        )
+
+    def _symbol_kernel(self, frame: Frame, num_tokens: np.ndarray):
+        words_per_stream, dir_end = self._directory(frame)
+        words = np.frombuffer(frame.body[dir_end:], dtype="<u2")
+        word_off = np.concatenate([[0], np.cumsum(words_per_stream)]).astype(np.int64)
+        channels = np.full(self.num_streams, self.header.num_kv_heads * self.header.head_dim)
+        t = self.tables
+
+        def decode(todo: np.ndarray, status: np.ndarray, *dequantize) -> None:
+            rans.decode_streams(
+                words,
+                word_off,
+                channels,
+                num_tokens,
+                self.table_base,
+                t.slots,
+                t.freq_cum,
+                *dequantize,
+                todo,
+                status,
+            )
+
+        return decode
+
+
+class PackedDecoder(_LevelDecoder):
+    """The packed form: one width byte per stream, then the bit-packed streams. Needs no
+    probability tables."""
+
+    def __init__(self, header: Header, config: QuantConfig, tables_id: str) -> None:
+        super().__init__(header, config, tables_id)
+        self.widths = stream_widths(self.layer_config, self.S)
+
+    def _sections(self, frame: Frame) -> tuple[np.ndarray, int]:
+        """Byte offset of each stream in the body (``num_streams + 1`` of them), after checking
+        the widths and the body's length against the header."""
+        n = len(frame.token_ids)
+        _, scale_bytes = self._layout(n)
+        widths_at = self._exact_bytes(frame) + scale_bytes
+        data_at = widths_at + self.num_streams
+        if len(frame.body) < data_at:
+            raise CodecError(
+                f"frame {frame.index} is corrupt: {len(frame.body)} bytes cannot hold its scales "
+                "and symbol widths"
+            )
+        widths = np.frombuffer(frame.body[widths_at:data_at], dtype=np.uint8)
+        if not np.array_equal(widths, self.widths):
+            raise CodecError(
+                f"frame {frame.index} is corrupt: its packed symbol widths disagree with the "
+                "level's bins in the header"
+            )
+        sizes = packed.packed_bytes(
+            self._stream_tokens(n) * self.header.num_kv_heads * self.header.head_dim,
+            self.widths.astype(np.int64),
+        )
+        offsets = data_at + np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        if offsets[-1] != len(frame.body):
+            raise CodecError(
+                f"frame {frame.index} is corrupt: its body is {len(frame.body)} bytes, its "
+                f"header implies {offsets[-1]} for {n} tokens of packed symbols"
+            )
+        return offsets, data_at
+
+    def check(self, frame: Frame) -> None:
+        offsets, _ = self._sections(frame)
+        # a stream's padding bits are zero: one packing per symbol sequence
+        n = len(frame.token_ids)
+        symbols = self._stream_tokens(n) * self.header.num_kv_heads * self.header.head_dim
+        used = (symbols * self.widths) % 8  # bits used of each stream's last byte
+        ends = offsets[1:] - 1
+        body = np.frombuffer(frame.body, dtype=np.uint8)
+        padded = (used > 0) & (offsets[1:] > offsets[:-1])
+        if np.any(body[ends[padded]] >> used[padded].astype(np.uint8)):
+            raise CodecError(
+                f"frame {frame.index} is corrupt: a packed stream's padding bits are not zero"
+            )
+
+    def layer_bytes(self, frame: Frame) -> np.ndarray:
+        h = self.header
+        offsets, _ = self._sections(frame)
+        streams = np.diff(offsets).reshape(h.num_layers, 2, self.S).sum(axis=2)
+        return self._layer_overheads(frame) + streams + self.S  # streams + width bytes
+
+    def _symbol_kernel(self, frame: Frame, num_tokens: np.ndarray):
+        offsets, data_at = self._sections(frame)
+        data = np.frombuffer(frame.body, dtype=np.uint8)
+        channels = np.full(self.num_streams, self.header.num_kv_heads * self.header.head_dim)
+        widths = self.widths.astype(np.int64)
+
+        def decode(todo: np.ndarray, status: np.ndarray, *dequantize) -> None:
+            packed.decode_streams(
+                data, offsets, widths, channels, num_tokens, *dequantize, todo, status
+            )
+
+        return decode
 
 
 _scratch_buffers = threading.local()

@@ -172,19 +172,43 @@ def read_profile(model: ModelIdentity) -> Profile | None:
         data = json.loads(path.read_text())
         if data.get("format") == SCHEMA:  # version 1 wrote "format"; rebuilt, not migrated
             return None
-        check_version(data, SCHEMA, (VERSION,), str(path))
-        levels = {int(k): QuantConfig.from_dict(v["config"]) for k, v in data["levels"].items()}
-        tables_ids = {int(k): str(v["tables"]) for k, v in data["levels"].items()}
-        default = int(data["default_level"])
-        if default not in levels:
-            raise ValueError("default level is not defined")
-        calibration = dict(data["calibration"])
+        return _from_dict(data, model, str(path))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, CacheGenError) as exc:
         raise CodecError(
             f"codec profile {path} is unreadable ({exc}); delete it and run "
             f"`cachegen profile build --model {model.name}`"
         ) from exc
-    return Profile(model, levels, tables_ids, default, calibration)
+
+
+def _from_dict(data: dict, model: ModelIdentity, where: str) -> Profile:
+    check_version(data, SCHEMA, (VERSION,), where)
+    levels = {int(k): QuantConfig.from_dict(v["config"]) for k, v in data["levels"].items()}
+    tables_ids = {int(k): str(v["tables"]) for k, v in data["levels"].items()}
+    default = int(data["default_level"])
+    if default not in levels:
+        raise ValueError("default level is not defined")
+    return Profile(model, levels, tables_ids, default, dict(data["calibration"]))
+
+
+# A profile travels (in a chunk store) as its canonical document: the bytes its id hashes.
+
+
+def profile_document(profile: Profile) -> bytes:
+    """The canonical bytes of ``profile`` (``Profile.id`` is the start of their SHA-256)."""
+    return _canonical(profile._content())
+
+
+def profile_from_document(data: bytes, where: str) -> Profile:
+    """The profile whose canonical document is ``data``; ``CodecError`` saying what is wrong
+    when it is not one, or when its content does not hash to the id it had when written."""
+    try:
+        doc = json.loads(data)
+        profile = _from_dict(doc, ModelIdentity.from_dict(doc["model"]), where)
+    except (ValueError, KeyError, TypeError, AttributeError, CacheGenError) as exc:
+        raise CodecError(f"codec profile {where} is unreadable ({exc})") from exc
+    if profile_document(profile) != bytes(data):
+        raise CodecError(f"codec profile {where} is not in canonical form")
+    return profile
 
 
 def shipped_levels(model: ModelIdentity) -> tuple[dict[int, QuantConfig], int | None]:

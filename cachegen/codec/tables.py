@@ -192,6 +192,12 @@ def parse_tables(data: bytes, tables_id: str, where: str) -> LevelTables:
 # ---- providers ------------------------------------------------------------------------------
 
 
+class TablesRefused(CodecError):
+    """A provider holds the tables asked for, but they fail its checks (checksum, signature,
+    size): they are not used, and a decode that needs them fails with this reason. Nothing is
+    wrong with the bitstreams that name them."""
+
+
 class TableProvider(Protocol):
     """Somewhere tables files can be read from, by id."""
 

@@ -1,11 +1,12 @@
 """Rate-distortion sweep: every codec, every level, and codec options beyond the levels.
 
-The grid holds the baselines (raw, int8, fp8, int8-zstd, KIVI-style 2-bit), every level of
-the model's cachegen profile (the paper's three and any calibrated ones), and cachegen
-configurations that are not levels (uniform bins with each scale granularity, with and
-without the Hadamard rotation, token locality), all encoded and decoded by the real codec
-so bits/element counts every byte. The result is annotated with the Pareto frontier and
-with the quality targets (docs/quality.md, "Against the targets").
+The grid holds the baselines (raw, int8, fp8, int8-zstd, KIVI-style 2-bit, and every level
+of the transform codecs KVTC and TurboQuant), every level of the model's cachegen profile
+(the paper's three and any calibrated ones), and cachegen configurations that are not levels
+(uniform bins with each scale granularity, with and without the Hadamard rotation, token
+locality), all encoded and decoded by the real codec so bits/element counts every byte. The
+result is annotated with the Pareto frontier and with the quality targets (docs/quality.md,
+"Against the targets").
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ BASELINES = (
     "int8-zstd",
     "fp8",
     "kivi2",
+    "kvtc",
+    "turboquant",
 )  # int8 next to int8-zstd: same decoded KV, one run
 
 

@@ -1,0 +1,223 @@
+"""The packed form of the cachegen levels: the coded form's symbols and scales bit-packed at a
+fixed width (format version 4), decoding to the same KV bit for bit; old streams still decode."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cachegen.codec import CodecError, QuantConfig, decode, inspect, tables
+from cachegen.codec.bitstream import CODED, FLAG_PACKED, PACKED, parse_header
+from cachegen.codec.cachegen_codec import CacheGenCodec
+from cachegen.codec.packed import record_tag, split_record_tag, symbol_width
+from cachegen.kv import KVCache, ModelIdentity
+from cachegen.profiles import add_level, codec_for, ensure_profile
+
+FIXTURE = Path(__file__).parent / "fixtures" / "cachegen-v1-tiny-llama-level3.cgkv"
+# sha256 of the fixture's float32 decode (keys then values), by the code that wrote it
+FIXTURE_DECODED = "fd1940a55ee6fe01c0d0a7fa6f8065db63512c3d23079739ff211e6993c1f7c8"
+DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+
+@pytest.fixture(scope="module")
+def tiny_kv(tiny_llama) -> KVCache:
+    from cachegen.extract import extract_kv
+
+    return extract_kv(tiny_llama, text="Packed symbols decode at memory speed. " * 30)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16) if x.dtype.itemsize == 2 else x.view(torch.int32)
+
+
+def assert_same_decode(coded: bytes, packed: bytes) -> None:
+    for dtype in DTYPES:
+        a, b = decode(coded, out_dtype=dtype), decode(packed, out_dtype=dtype)
+        assert torch.equal(bits(a.keys), bits(b.keys)) and torch.equal(
+            bits(a.values), bits(b.values)
+        )
+        assert torch.equal(a.token_ids, b.token_ids) and (a.start, a.layers) == (b.start, b.layers)
+
+
+def test_symbol_widths_hold_each_alphabet():
+    assert [symbol_width(b) for b in (4, 6, 12, 16, 24, 32, 64, 256)] == [2, 3, 4, 4, 5, 5, 6, 8]
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_packed_decodes_to_the_coded_forms_kv(level, tiny_kv, tiny_llama):
+    part = tiny_kv.slice(7, 120)  # mid-prompt, a short last frame
+    codec = codec_for("cachegen", tiny_llama, chunk_tokens=48)
+    coded, packed = codec.encode(part, level), codec.encode(part, level, form=PACKED)
+    assert codec.encode(part, level, form=PACKED) == packed  # deterministic
+    assert parse_header(coded).version == 1 and parse_header(coded).form == CODED
+    header = parse_header(packed)
+    assert header.version == 4 and header.form == PACKED and header.level == level
+    assert header.params == parse_header(coded).params  # same tables id and config
+    assert_same_decode(coded, packed)
+    info = inspect(packed)
+    assert info["form"] == PACKED and inspect(coded)["form"] == CODED
+    assert info["profile_tables"] == inspect(coded)["profile_tables"]
+    # every byte is accounted for: symbols at their width, plus what the coded form also has
+    config = ensure_profile(tiny_llama).config(level)
+    H, D = part.num_kv_heads, part.head_dim
+    symbol_bytes = sum(
+        -(-n * H * D * symbol_width(b) // 8)
+        for n in (48, 48, 17)
+        for b in config.key_bins + config.value_bins
+    )
+    scales = 2 * 2 * part.num_layers * part.num_tokens  # fp16, per token, K and V
+    frames = 3 * (8 + 2 * part.num_layers) + 2 * part.num_tokens  # headers, widths, token ids
+    assert len(packed) == header.size + frames + scales + symbol_bytes
+    assert sum(r["key_bytes"] + r["value_bytes"] for r in info["layers"]) == pytest.approx(
+        len(packed) - header.size - 3 * 8 - 2 * part.num_tokens
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"group_size": 10},
+        {"hadamard": True, "key_scale": "channel", "value_scale": "token-head"},
+        {"hadamard": True, "rope_theta": 10000.0, "exact_tokens": 3},
+        {"hadamard": True, "group_size": 4, "rope_theta": "per-layer", "exact_tokens": 70},
+        {"key_bins": 256, "value_bins": 4},
+    ],
+    ids=["locality", "scales", "rotary-exact", "everything", "widest-narrowest"],
+)
+def test_every_variant_packs_to_the_same_kv(change, tiny_kv, tiny_llama, isolated_profiles):
+    base = ensure_profile(tiny_llama).config(3)
+    L = base.num_layers
+    if change.get("rope_theta") == "per-layer":
+        change = {**change, "rope_theta": [(1e4, 1e6, 0.0)[i % 3] for i in range(L)]}
+    for key in ("key_bins", "value_bins"):
+        if key in change:
+            change = {**change, key: (change[key],) * L}
+    add_level(tiny_llama, 11, dataclasses.replace(base, **change))
+    codec = codec_for("cachegen", tiny_llama, chunk_tokens=64)
+    coded, packed = codec.encode(tiny_kv, 11), codec.encode(tiny_kv, 11, form=PACKED)
+    assert_same_decode(coded, packed)
+    # a subset of the layers, from a later position
+    part = tiny_kv.slice(40, 150).select_layers([0, 2])
+    coded, packed = codec.encode(part, 11), codec.encode(part, 11, form=PACKED)
+    assert parse_header(packed).version == 4 and parse_header(packed).layers == (0, 2)
+    assert_same_decode(coded, packed)
+
+
+@pytest.fixture(scope="module")
+def odd_codec() -> CacheGenCodec:
+    """head_dim 12 and widths 2 to 6: rows that do not start on a byte, symbols that straddle
+    bytes, streams that end inside a byte."""
+    from cachegen.codec import rans
+    from cachegen.codec.profile import Profile
+    from cachegen.codec.tables import LevelTables, alphabets, remember
+
+    model = ModelIdentity("odd-packed-model", "cd" * 32, num_layers=3, num_kv_heads=3, head_dim=12)
+    cfg = QuantConfig((32, 16, 6), (16, 64, 4), key_scale="channel", value_scale="token-head")
+    sizes = alphabets(cfg, model)
+    counts = np.random.default_rng(0).integers(0, 1000, size=(sizes.size, 63))
+    level_tables = LevelTables(
+        "fedcba9876543210" * 2, cfg, model, rans.quantize_frequencies(counts, sizes)
+    )
+    remember(level_tables)
+    profile = Profile(model, {1: cfg}, {1: level_tables.id}, 1, calibration={})
+    return CacheGenCodec(profile=profile, chunk_tokens=16)
+
+
+def odd_kv(codec: CacheGenCodec) -> KVCache:
+    x = torch.randn(2, 3, 3, 37, 12, generator=torch.Generator().manual_seed(2)) * 3
+    return KVCache(x[0], x[1], torch.arange(37), codec.profile.model, start=5)
+
+
+def test_odd_head_dim_packs_to_the_same_kv(odd_codec):
+    kv = odd_kv(odd_codec)
+    assert_same_decode(odd_codec.encode(kv), odd_codec.encode(kv, form=PACKED))
+
+
+def test_packed_padding_bits_must_be_zero(odd_codec):
+    """A stream that ends inside a byte pads it with zero bits: one packing per symbol
+    sequence. The last frame holds 5 tokens of 36 channels: 180 symbols."""
+    from cachegen.codec.api import _open
+
+    blob = odd_codec.encode(odd_kv(odd_codec), form=PACKED)
+    header, _, frames, decoder = _open(blob)
+    last = frames[-1]
+    offsets, _ = decoder._sections(last)
+    symbols = 5 * 3 * 12 * decoder.widths.astype(int)
+    stream = int(np.flatnonzero(symbols % 8)[0])  # a stream with padding bits
+    end = int(offsets[stream + 1]) - 1
+    body = bytearray(last.body)
+    body[end] |= 0x80
+    payload = last.token_ids.astype("<u2").tobytes() + bytes(body)
+    start = len(blob) - last.size
+    forged = blob[:start] + struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
+    with pytest.raises(CodecError, match="padding bits"):
+        decode(forged)
+
+
+def test_packed_needs_no_probability_tables(tiny_kv, tiny_llama, isolated_profiles):
+    codec = codec_for("cachegen", tiny_llama, chunk_tokens=64)
+    coded, packed = codec.encode(tiny_kv, 2), codec.encode(tiny_kv, 2, form=PACKED)
+    expected = decode(coded)
+    tables.forget_cached_tables()
+    for path in isolated_profiles.rglob("*.cgtab"):
+        path.unlink()
+    assert torch.equal(decode(packed).keys, expected.keys)
+    with pytest.raises(CodecError, match="tables"):
+        decode(coded)
+
+
+def test_real_kv_packs_to_the_same_kv_at_about_the_bin_width(smollm2):
+    from cachegen import workload
+    from cachegen.extract import extract_kv
+
+    kv = extract_kv(smollm2, text=workload.text("eval")[:2000]).slice(0, 300)
+    codec = codec_for("cachegen", smollm2, chunk_tokens=256)
+    for level in (2, codec.default_level):
+        coded, packed = codec.encode(kv, level), codec.encode(kv, level, form=PACKED)
+        assert_same_decode(coded, packed)
+        config = codec.profile.config(level)
+        width = np.mean([symbol_width(b) for b in config.key_bins + config.value_bins])
+        bpe = inspect(packed)["bits_per_element"]
+        assert width < bpe < width + 1.0  # the scales and headers cost well under a bit
+        assert inspect(coded)["bits_per_element"] < bpe
+
+
+def test_unknown_form_is_refused(tiny_kv, tiny_llama):
+    codec = codec_for("cachegen", tiny_llama)
+    with pytest.raises(CodecError, match="unknown form"):
+        codec.encode(tiny_kv, 2, form="zipped")
+
+
+def test_old_bitstream_still_decodes(tiny_llama):
+    """A version-1 stream written before the packed form existed decodes to the same values."""
+    ensure_profile(tiny_llama)  # its tables (content-addressed, rebuilt identically)
+    blob = FIXTURE.read_bytes()
+    assert parse_header(blob).version == 1 and parse_header(blob).form == CODED
+    out = decode(blob, out_dtype=torch.float32)
+    assert out.num_tokens == 20 and out.start == 2
+    data = torch.stack([out.keys, out.values]).contiguous().numpy().tobytes()
+    assert hashlib.sha256(data).hexdigest() == FIXTURE_DECODED
+    # the same KV in the packed form decodes to the same values as in the coded form
+    codec = codec_for("cachegen", tiny_llama, chunk_tokens=8)
+    packed = codec.encode(out, 3, form=PACKED)
+    assert packed[9] & FLAG_PACKED and parse_header(packed).version == 4
+    assert_same_decode(codec.encode(out, 3), packed)
+
+
+def test_record_tags_name_the_form_beside_the_level():
+    assert record_tag(4) == 4 and record_tag(4, PACKED) == 0x8004
+    for level in (0, 4, 32767):
+        for form in (CODED, PACKED):
+            assert split_record_tag(record_tag(level, form)) == (level, form)
+    for form in (CODED, PACKED):  # a tag is unambiguous only below bit 15
+        with pytest.raises(CodecError):
+            record_tag(40000, form)
+    with pytest.raises(CodecError):
+        record_tag(4, "zipped")
