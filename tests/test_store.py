@@ -18,6 +18,7 @@ from cachegen.kv import ModelIdentity
 from cachegen.store import (
     ChunkCorrupt,
     ChunkMissing,
+    ChunkTooLarge,
     StoreConfigError,
     StoreError,
     StoreUnavailable,
@@ -234,6 +235,74 @@ def test_local_concurrent_processes(tmp_path):
 # ---- redis backend ---------------------------------------------------------------------
 
 
+# ---- reading many chunks at once (what the chunk server fetches ahead with) ------------
+
+
+def _get_many_cases(store) -> tuple[list, list]:
+    """Stored chunks with a missing one, a damaged one and an unsafe key among them: the
+    pairs to ask for and what each must come back as (bytes, or an error type)."""
+    keys = chunk_keys(MODEL, "p", list(range(256 * 6)), 256)
+    blobs = [os.urandom(3000 + i) for i in range(len(keys))]
+    for key, blob in zip(keys, blobs):
+        store.put(key, 2, blob)
+    store.delete(keys[2], 2)
+    damaged = bytearray(store.get_record(keys[4], 2))
+    damaged[-1] ^= 0x01
+    _overwrite(store, keys[4], 2, bytes(damaged))
+    items = [(k, 2) for k in keys] + [("../etc/passwd", 2), (keys[0], 7), (keys[1], 2)]
+    want = [blobs[0], blobs[1], ChunkMissing, blobs[3], ChunkCorrupt, blobs[5]]
+    want += [StoreConfigError, ChunkMissing, blobs[1]]
+    return items, want
+
+
+def _check_many(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for found, expected in zip(got, want):
+        if isinstance(expected, bytes):
+            assert found == expected
+        else:
+            assert isinstance(found, expected), (found, expected)
+
+
+def test_get_many_matches_get_pair_by_pair(store):
+    items, want = _get_many_cases(store)
+    _check_many(store.get_many(items), want)
+    records = store.get_records(items)
+    for (key, level), found in zip(items, records):
+        if isinstance(found, bytes):
+            assert found == store.get_record(key, level)
+    assert store.get_many([]) == [] and store.get_records([]) == []
+
+
+@pytest.mark.parametrize("backend", ["local", "redis"])
+def test_get_records_refuses_records_over_the_cap(backend, tmp_path, request):
+    url = (
+        (tmp_path / "capped").as_uri()
+        if backend == "local"
+        else request.getfixturevalue("redis_url")
+    )
+    with open_store(url + ("&" if "?" in url else "?") + "max_record_bytes=4096") as s:
+        s.put("ns/small", 0, b"s" * 1000)
+        s.put("ns/big", 0, b"b")
+        _overwrite(s, "ns/big", 0, record.pack("ns/big", 0, b"b" * 10_000))  # a bigger writer
+        small, big, missing = s.get_many([("ns/small", 0), ("ns/big", 0), ("ns/none", 0)])
+    assert small == b"s" * 1000
+    assert isinstance(big, ChunkTooLarge) and isinstance(missing, ChunkMissing)
+
+
+def test_get_many_with_redis_stopped_fails_every_pair(redis_server):
+    if redis_server.proc is None:
+        redis_server.start()
+    s = open_store(redis_server.url + "?timeout_s=2")
+    s.put("ns/a", 0, b"x")
+    redis_server.stop()
+    try:
+        got = s.get_many([("ns/a", 0), ("ns/b", 0)])
+    finally:
+        redis_server.start()
+    assert all(isinstance(found, StoreUnavailable) for found in got)
+
+
 def test_redis_ttl_and_memory_limit(redis_url):
     s = open_store(redis_url + "?ttl_s=120&max_memory=256mb&prefix=t1")
     s.put("ns/ttl", 0, b"v")
@@ -285,6 +354,8 @@ def test_redis_cluster_single_node(tmp_path):
         assert s.get(keys[1], 1) == b"cluster-" + keys[1].encode()
         assert longest_prefix(s, keys, 1) == 2
         assert {e.key for e in s.list()} == set(keys[:2])
+        items, want = _get_many_cases(s)
+        _check_many(s.get_many(items), want)
         s.close()
     finally:
         proc.terminate()

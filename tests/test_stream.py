@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-import queue
 import socket
 import subprocess
 import threading
@@ -29,7 +29,9 @@ from cachegen.stream import (
     protocol,
     stream_load,
 )
+from cachegen.stream import server as server_module
 from cachegen.stream.ratelimit import TokenBucket
+from cachegen.stream.source import DIRECT_PREFETCH
 
 LEVELS = (0, 1, 2)
 N_CHUNKS = 12
@@ -107,19 +109,18 @@ def test_token_bucket_never_exceeds_its_rate():
 
 def test_a_connection_starts_on_an_idle_link(local_store):
     """Tokens a link banked while idle must not speed up the next connection, even when its
-    first response was queued before the sender looked (the reader prefetches)."""
+    first response was queued before the sender looked (the fetcher reads ahead)."""
     server = ChunkServer(local_store, rate_mbps=8, burst_bytes=1_000)  # 1 MB/s
     server.bucket.set_origin(time.monotonic() - 5)  # idle for 5 s: 5 MB worth of tokens
     body = b"x" * 200_000
-    outbox = queue.Queue()
-    outbox.put((0, time.monotonic(), protocol.OK, body))
-    outbox.put(None)
+    outbox = server_module._Outbox(2, 1 << 20)
+    outbox.put_all([(0, time.monotonic(), protocol.OK, body), None])
     sender, receiver = socket.socketpair()
     received = []
     drain = threading.Thread(target=lambda: received.append(_read_all(receiver)))
     drain.start()
     start = time.monotonic()
-    server._send_responses(sender, outbox, threading.Event())
+    server._send_responses(sender, outbox)
     drain.join()
     assert len(received[0]) > len(body)
     assert time.monotonic() - start >= (len(body) - 1_000) / 1e6
@@ -189,15 +190,16 @@ def test_server_process_serves_redis_with_url_options(redis_url, chunks):
 
 
 def test_buffer_bounds_memory(local_store):
-    """With a slow decoder the fetcher stops after max_buffered chunks (plus one in hand)."""
+    """With a slow decoder the fetcher stops after max_buffered chunks (plus one in hand and
+    the rest of the store read it came from)."""
     reads = []
-    original = local_store.get
+    original = local_store.get_records
 
-    def counting_get(key, level):
-        reads.append(key)
-        return original(key, level)
+    def counting_get_records(items):
+        reads.extend(key for key, _ in items)
+        return original(items)
 
-    local_store.get = counting_get
+    local_store.get_records = counting_get_records
     seen = []
 
     def slow_decode(blob):
@@ -214,7 +216,8 @@ def test_buffer_bounds_memory(local_store):
         level=0,
         max_buffered=2,
     )
-    assert seen[0] <= 1 + 2 + 1  # chunk being decoded + buffer + one waiting to be handed over
+    # chunk being decoded + buffer + one waiting to be handed over + its read's other chunks
+    assert seen[0] <= 1 + 2 + 1 + DIRECT_PREFETCH - 1
 
 
 # ---- failures end in typed errors, never in partial chunks -----------------------------
@@ -229,6 +232,98 @@ def test_missing_chunk_mid_stream(local_store, chunks):
     assert info.value.stats.n_loaded == 5
     assert [i for i, _ in got] == list(range(5))
     assert all(same_kv(kv, decode(chunks[(i, 1)])) for i, kv in got)
+
+
+@pytest.fixture
+def redis_chunks(redis_url, chunks):
+    s = open_store(redis_url + "?prefix=ahead&timeout_s=2")
+    s.keys = [f"ns/ahead{i:03d}" for i in range(N_CHUNKS)]
+    for (i, lv), blob in chunks.items():
+        s.put(s.keys[i], lv, blob)
+    yield s
+    s.close()
+
+
+def _source(kind: str, store, stack):
+    if kind == "direct":
+        return DirectSource(store)
+    server = stack.enter_context(ChunkServer(store, rate_mbps=200, prefetch=3))
+    return SocketSource(server.address, secret=store.record_signer)
+
+
+@pytest.fixture(scope="module")
+def cluster_url(redis_cluster):
+    return redis_cluster().url(query="timeout_s=2")
+
+
+@pytest.mark.parametrize("kind", ["server", "direct"])
+@pytest.mark.parametrize("backend", ["redis", "redis-cluster"])
+def test_redis_fetch_ahead_delivers_every_chunk_in_order(request, chunks, kind, backend):
+    """Chunks read ahead, several per round trip (on a cluster from every master), arrive
+    whole and in order."""
+    if backend == "redis":
+        store = request.getfixturevalue("redis_chunks")
+    else:
+        store = open_store(request.getfixturevalue("cluster_url"))
+        request.addfinalizer(store.close)
+        store.keys = [f"ns/spread{i:03d}" for i in range(N_CHUNKS)]  # slots on every master
+        for i, key in enumerate(store.keys):
+            store.put(key, 2, chunks[(i, 2)])
+    got, consume = collect()
+    with contextlib.ExitStack() as stack:
+        source = _source(kind, store, stack)
+        stats = stream_load(source, store.keys, decode, consume, level=2)
+    assert [i for i, _ in got] == list(range(N_CHUNKS)) and stats.n_loaded == N_CHUNKS
+    assert all(same_kv(kv, decode(chunks[(i, 2)])) for i, kv in got)
+
+
+@pytest.mark.parametrize("kind", ["server", "direct"])
+def test_redis_fetch_ahead_stops_at_a_missing_chunk(redis_chunks, chunks, kind):
+    """Chunks read ahead past a hole are never delivered: the load stops at the hole."""
+    redis_chunks.delete(redis_chunks.keys[5], 1)
+    got, consume = collect()
+    with contextlib.ExitStack() as stack:
+        source = _source(kind, redis_chunks, stack)
+        with pytest.raises(ChunkMissing) as info:
+            stream_load(source, redis_chunks.keys, decode, consume, level=1)
+    assert info.value.stats.n_loaded == 5 and [i for i, _ in got] == list(range(5))
+    assert all(same_kv(kv, decode(chunks[(i, 1)])) for i, kv in got)
+
+
+def test_server_reads_ahead_within_its_bounds(local_store, chunks):
+    """Several records per store read, never more than ``prefetch`` chunks ahead of the link."""
+    batches = []
+    original = local_store.get_records
+
+    def recording_get_records(items):
+        batches.append(len(items))
+        return original(items)
+
+    local_store.get_records = recording_get_records
+    got, consume = collect()
+    with ChunkServer(local_store, rate_mbps=20, prefetch=3) as server:
+        stream_load(SocketSource(server.address), local_store.keys, decode, consume, level=2)
+    assert [i for i, _ in got] == list(range(N_CHUNKS))
+    assert batches[0] == 1 and sum(batches) == N_CHUNKS and max(batches) <= 3
+
+
+def test_outbox_bounds_what_is_read_ahead():
+    outbox = server_module._Outbox(3, 10_000)
+    assert outbox.wait_for_room() == 1  # the sender is idle: one chunk, its bytes soonest
+    outbox.put_all([(0, 0.0, protocol.OK, b"a" * 100)])
+    assert outbox.get() == ((0, 0.0, protocol.OK, b"a" * 100), False)
+    assert outbox.wait_for_room() == 3  # chunk 0 is on the wire: read ahead
+    outbox.put_all([(i, 0.0, protocol.OK, b"b" * 6_000) for i in (1, 2)])
+    waiter = threading.Thread(target=lambda: rooms.append(outbox.wait_for_room()))
+    rooms: list = []
+    waiter.start()  # 12,100 bytes waiting, over the 10,000 bound: no room until sent
+    outbox.sent(100)
+    outbox.get()
+    outbox.sent(6_000)
+    waiter.join(10)
+    assert rooms == [2]
+    outbox.close()
+    assert outbox.wait_for_room() == 0
 
 
 def test_corrupt_stored_chunk(local_store):
@@ -257,8 +352,8 @@ def test_redis_stopped_mid_stream(redis_server, redis_url):
             redis_server.stop()
 
     try:
-        # At 100 Mbit/s the server reads each chunk from redis about when the link is ready
-        # for it (it prefetches two), so most chunks are still in redis when it stops.
+        # At 100 Mbit/s the server reads chunks from redis at most four ahead of the link
+        # (DEFAULT_PREFETCH), so most chunks are still in redis when it stops.
         with ChunkServer(store, rate_mbps=100) as server:
             with pytest.raises(StoreUnavailable) as info:
                 stream_load(

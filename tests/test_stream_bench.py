@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from cachegen.cli import main
 from cachegen.lab import rows
 
@@ -85,3 +87,57 @@ def test_stream_bench_adaptive_and_errors(tmp_path, capsys, tiny_llama):
     assert run["levels"] == [0, 0] and len(run["decisions"]) == 2
     assert main(argv[:-1] + ["--shaper", "carrier-pigeon"]) == 1
     assert "unknown shaper" in capsys.readouterr().err
+
+
+def test_sweep_results_with_fast_and_unlimited_links_plot_and_report(tmp_path, capsys):
+    """Stream runs at 5,000 and 20,000 Mbit/s and over the unlimited link (bandwidth null) pass
+    the schema, and the figures, the summary and the report name the link `unlimited`."""
+    import copy
+    from pathlib import Path
+
+    from cachegen.lab.bench import reproduction, results, summary
+    from cachegen.lab.bench.sweep import profile
+
+    fixture = Path(__file__).parent / "fixtures" / "bench_results.json"
+    doc = json.loads(fixture.read_text())
+    stream = [r for r in doc["runs"] if r["kind"] == "stream"]
+    for bandwidth in (5000.0, 20000.0, None):
+        for run in stream:
+            doc["runs"].append({**copy.deepcopy(run), "bandwidth_mbps": bandwidth})
+    links = profile("default", modes=["raw"]).stream_links
+    assert links[-3:] == [5000.0, 20000.0, None]
+    doc["config"]["stream_bandwidth_mbps"] = links
+    doc["medians"] = results.medians(doc["runs"])
+    path = results.save(doc, tmp_path / "results.json")
+    assert main(["plot", str(path), "--out", str(tmp_path / "png")]) == 0
+    capsys.readouterr()
+    summary.print_summary(results.load(path))
+    printed = capsys.readouterr().out
+    assert "unlimited" in printed and "20000" in printed
+    assert "| unlimited |" in reproduction.render(results.load(path), str(path))
+    doc["config"]["stream_bandwidth_mbps"] = [0]
+    with pytest.raises(results.ResultsError, match="stream_bandwidth_mbps"):
+        results.validate(doc)
+
+
+def test_custom_rates_replace_the_default_stream_links():
+    from cachegen.lab.bench.sweep import profile
+
+    assert profile("default", bandwidth_mbps=[50.0]).stream_links == [50.0]
+    assert profile("quick").stream_links == profile("quick").bandwidth_mbps
+
+
+def test_ttft_table_has_an_unlimited_column_after_the_rates():
+    from cachegen.lab.bench.ttft import markdown
+
+    def row(mode, bandwidth, ttft_s):
+        fixed = {"context_tokens": 512, "prompt_tokens": 530, "repeats": 1, "level": None}
+        return {**fixed, "shaper": "token-bucket", "mode": mode, "bandwidth_mbps": bandwidth,
+                "ttft_s": ttft_s, "bytes": 1e6, "levels": [0]}  # fmt: skip
+
+    rows = [row("recompute", None, 1.0)]
+    rows += [row("int8", bw, t) for bw, t in ((None, 0.1), (20000.0, 0.2), (100.0, 0.5))]
+    table = markdown(rows)
+    assert "| 100 Mbit/s | 20000 Mbit/s | unlimited |" in table
+    assert "| recompute | - | 1.000 | 1.000 | 1.000 |" in table
+    assert "| int8 | 1.00 | 0.500 (2.0x recompute) | 0.200 (5.0x recompute) | 0.100" in table

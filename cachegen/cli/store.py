@@ -64,6 +64,20 @@ def register(subparsers) -> None:
     g.add_argument("--max-bytes", help="keep at most this much payload (e.g. 2gb)")
     g.add_argument("--all", action="store_true", help="remove every chunk")
 
+    add("profiles", "list the codec profiles the store holds and the adopted ones", _profiles)
+
+    unadopt = (
+        "remove a model's adopted-profile pointer: the next producer's profile is adopted "
+        "(chunks stored under the old one are no longer found)"
+    )
+    q = add("unadopt", unadopt, _unadopt)
+    q.add_argument(
+        "--fingerprint",
+        required=True,
+        help="the model's weights fingerprint, or a unique start of it (see `profiles`)",
+    )
+    q.add_argument("--codec", default="cachegen", help="codec name (default: %(default)s)")
+
     q = add("rm", "delete one chunk (one level, or all levels)", _rm)
     q.add_argument("--key", required=True)
     q.add_argument("--level", type=int, default=None)
@@ -108,12 +122,30 @@ def _codec_and_kv(args):
     return codec, kv
 
 
+def _store_codec(store, codec, kv, *, publish: bool):
+    """``codec`` on the profile ``store`` adopted for the KV's model, as the connector's
+    ``profile_source: store`` does (its chunk keys name the profile); ``publish``: with no
+    adopted profile, put this machine's (tables, document) into the store and adopt it."""
+    if codec.name != "cachegen":
+        return codec
+    from cachegen.codec import get_codec
+    from cachegen.store.tables import resolve_profile
+
+    local = codec.profile
+    choice = resolve_profile(store, kv.model, lambda: local, publish=publish)
+    if choice.refused:
+        print(f"cachegen store: using the local profile {local.id}: {choice.refused}",
+              file=sys.stderr)  # fmt: skip
+    return get_codec("cachegen", profile=choice.profile, chunk_tokens=codec.chunk_tokens)
+
+
 def _put(args) -> int:
     codec, kv = _codec_and_kv(args)
-    levels = _levels(codec, args.levels)
-    keys = _keys(args, codec, kv)
     total = 0
     with open_store(args.store) as store:
+        codec = _store_codec(store, codec, kv, publish=True)  # tables first: chunks decode anywhere
+        levels = _levels(codec, args.levels)
+        keys = _keys(args, codec, kv)
         for key, chunk in zip(keys, kv.chunks(args.chunk_tokens)):
             for lv in levels:
                 blob = codec.encode(chunk, level=lv)
@@ -154,9 +186,10 @@ def _get(args) -> int:
 
 def _lookup(args) -> int:
     codec, kv = _codec_and_kv(args)
-    levels = _levels(codec, args.levels)
-    keys = _keys(args, codec, kv)
     with open_store(args.store) as store:
+        codec = _store_codec(store, codec, kv, publish=False)
+        levels = _levels(codec, args.levels)
+        keys = _keys(args, codec, kv)
         n = longest_prefix(store, keys, levels)
     tokens = min(n * args.chunk_tokens, kv.num_tokens)
     data = {
@@ -249,3 +282,45 @@ def _rm(args) -> int:
     if not removed:
         print(f"cachegen store rm: nothing stored under {args.key}", file=sys.stderr)
     return _out(args, {"removed": removed}, f"removed {removed} entries")
+
+
+PROFILES_SCHEMA = "cachegen-store-profiles"
+PROFILES_VERSION = 1
+
+
+def _profiles(args) -> int:
+    from cachegen.store.tables import describe_profiles
+
+    with open_store(args.store) as store:
+        data = describe_profiles(store)
+    doc = {"schema": PROFILES_SCHEMA, "version": PROFILES_VERSION, "store": store.label, **data}
+    lines = [
+        f"{p['id']}  {p['model']['name'] if p['model'] else '?'}  levels {p['levels']}  "
+        f"{p['bytes']} bytes{'  adopted' if p['adopted'] else ''}{_problem(p)}"
+        for p in data["profiles"]
+    ]
+    lines += [
+        f"adopted: {a['fingerprint'][:16]} {a['codec']} -> {a['profile']}{_problem(a)}"
+        for a in data["adopted"]
+    ]
+    return _out(args, doc, "\n".join(lines) or "(no profiles)")
+
+
+def _problem(entry: dict) -> str:
+    return f"  REFUSED: {entry['error']}" if entry.get("error") else ""
+
+
+def _unadopt(args) -> int:
+    with open_store(args.store) as store:
+        pointers = store.pointers()
+        found = [fp for fp, codec in pointers if codec == args.codec]
+        found = [fp for fp in found if fp.startswith(args.fingerprint)]
+        if len(found) != 1:
+            what = "no" if not found else f"{len(found)}"
+            raise InputError(
+                f"{what} adopted {args.codec} profiles for a model fingerprint starting with "
+                f"{args.fingerprint!r} in {store.label}; see `cachegen store profiles`"
+            )
+        store.delete_pointer(found[0], args.codec)
+    text = f"removed the adopted {args.codec} profile of model {found[0][:16]}"
+    return _out(args, {"removed": found[0], "codec": args.codec}, text)

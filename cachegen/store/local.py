@@ -4,6 +4,9 @@ Layout under the root directory::
 
     cachegen-store.json               marker: format name and version
     chunks/<namespace>/<digest>/L<level>.cgc   one record (see record.py) per (key, level)
+    tables/<tables id>.cgc            profile tables the chunks need (one record each)
+    profiles/<profile id>.cgc         codec profile documents (one record each)
+    adopted/<fingerprint>-<codec>.cgc the profile adopted for a model and codec (written once)
     tmp/                              records being written
     .lock                             taken while evicting
 
@@ -29,7 +32,7 @@ from pathlib import Path
 from cachegen.errors import InputError
 from cachegen.fileio import check_version, versioned
 from cachegen.store import record
-from cachegen.store.base import ChunkInfo, ChunkStore
+from cachegen.store.base import ChunkInfo, ChunkStore, meta_too_large, tables_too_large
 from cachegen.store.errors import ChunkMissing, StoreConfigError, StoreError
 from cachegen.store.keys import validate_key, validate_level
 
@@ -211,6 +214,94 @@ class LocalStore(ChunkStore):
                         continue
                     level = int(entry.name[1 : -len(SUFFIX)])
                     yield ChunkInfo(key, level, *found)
+
+    # ---- profile tables --------------------------------------------------------------
+
+    def _tables_path(self, tables_id: str) -> Path:
+        return self.root / "tables" / f"{tables_id}{SUFFIX}"
+
+    def _read_tables_record(self, tables_id: str, cap: int) -> bytes | None:
+        try:
+            with open(self._tables_path(tables_id), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > cap:
+                    raise tables_too_large(tables_id, size)
+                return f.read(cap + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreError(f"cannot read profile tables {tables_id[:16]}: {exc}") from exc
+
+    def _write_tables_record(self, tables_id: str, data: bytes) -> None:
+        path = self._tables_path(tables_id)
+        tmp = self._tmp / f"{uuid.uuid4().hex}{SUFFIX}"
+        try:
+            path.parent.mkdir(exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise StoreError(
+                f"cannot write profile tables {tables_id[:16]} under {self.root}: {exc}"
+            ) from exc
+
+    # ---- codec profiles and adopted-profile pointers ---------------------------------
+
+    def _meta_path(self, kind: str, name: str) -> Path:
+        return self.root / kind / f"{name}{SUFFIX}"
+
+    def _read_meta(self, kind: str, name: str, cap: int) -> bytes | None:
+        try:
+            with open(self._meta_path(kind, name), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > cap:
+                    raise meta_too_large(kind, name, size)
+                return f.read(cap + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreError(f"cannot read {kind} record {name[:16]}: {exc}") from exc
+
+    def _write_meta(self, kind: str, name: str, data: bytes, *, exclusive: bool) -> bool:
+        path = self._meta_path(kind, name)
+        tmp = self._tmp / f"{uuid.uuid4().hex}{SUFFIX}"
+        try:
+            path.parent.mkdir(exist_ok=True)
+            tmp.write_bytes(data)
+            if not exclusive:
+                os.replace(tmp, path)
+                return True
+            try:
+                os.link(tmp, path)  # atomic, and fails when another writer was first
+            except FileExistsError:
+                return False
+            return True
+        except OSError as exc:
+            raise StoreError(
+                f"cannot write {kind} record {name[:16]} under {self.root}: {exc}"
+            ) from exc
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+    def _delete_meta(self, kind: str, name: str) -> bool:
+        try:
+            self._meta_path(kind, name).unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StoreError(f"cannot delete {kind} record {name[:16]}: {exc}") from exc
+        return True
+
+    def _list_meta(self, kind: str) -> list[str]:
+        try:
+            entries = list((self.root / kind).iterdir())
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise StoreError(f"cannot list {kind} under {self.root}: {exc}") from exc
+        return [e.name[: -len(SUFFIX)] for e in entries if e.name.endswith(SUFFIX)]
 
     # ---- removal ---------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from cachegen.store import record
-from cachegen.store.base import ChunkInfo, ChunkStore
+from cachegen.store.base import ChunkInfo, ChunkStore, meta_too_large, tables_too_large
 from cachegen.store.errors import ChunkMissing, StoreConfigError, StoreError, StoreUnavailable
 from cachegen.store.keys import validate_key, validate_level
 from cachegen.store.url import without_password
@@ -231,6 +231,48 @@ class RedisStore(ChunkStore):
         self._check_record_size(key, level, len(data))  # replaced by a larger one meanwhile
         return data
 
+    def get_records(self, items: Sequence[tuple[str, int]]) -> list[bytes | StoreError]:
+        """One pipelined round trip (a cluster pipeline sends each node its keys). With a
+        record cap, GETRANGE reads at most one byte over it, so an oversized value stays on
+        the server. A failed round trip fails every pair in it alike."""
+        out: list[bytes | StoreError | None] = [None] * len(items)
+        asked: dict[int, str] = {}  # index -> redis name, for the pairs with a valid key
+        for i, (key, level) in enumerate(items):
+            try:
+                asked[i] = self._name(key, level)
+            except StoreError as exc:
+                out[i] = exc
+        cap = self.max_record_bytes
+        try:
+            with self._errors(f"read {len(asked)} chunks"):
+                pipe = self._r.pipeline(transaction=False)
+                for name in asked.values():
+                    if cap is None:
+                        pipe.get(name)
+                    else:
+                        pipe.getrange(name, 0, cap)
+                replies = pipe.execute(raise_on_error=False) if asked else []
+        except StoreError as exc:
+            replies = [exc] * len(asked)
+        for i, reply in zip(asked, replies):
+            out[i] = self._record_or_error(*items[i], reply)
+        return out
+
+    def _record_or_error(self, key: str, level: int, reply) -> bytes | StoreError:
+        """One pipelined reply as ``get_record`` would have returned or raised it."""
+        if isinstance(reply, StoreError):
+            return reply
+        try:
+            if isinstance(reply, Exception):
+                with self._errors(f"read chunk {key} level {level}"):
+                    raise reply
+            if not reply:  # GET: None; GETRANGE: b"" (a record is never empty)
+                raise ChunkMissing(f"chunk {key} level {level} is not in {self._label}")
+            self._check_record_size(key, level, len(reply))
+        except StoreError as exc:
+            return exc
+        return reply
+
     def _read_range(self, key: str, level: int, offset: int, length: int) -> bytes:
         name = self._name(key, level)
         with self._errors(f"read chunk {key} level {level}"):
@@ -309,6 +351,45 @@ class RedisStore(ChunkStore):
                 removed += self._r.delete(self._name(entry.key, entry.level))
             total -= entry.size
         return removed
+
+    # Profile tables live under <prefix>:tables:<id>, outside the chunks' <prefix>:{key}:L<level>
+    # pattern, with no TTL: a chunk stored after them may outlive any TTL they would get.
+
+    def _read_tables_record(self, tables_id: str, cap: int) -> bytes | None:
+        name = f"{self.prefix}:tables:{tables_id}"
+        with self._errors(f"read profile tables {tables_id[:16]}"):
+            size = self._r.strlen(name)
+            if size > cap:
+                raise tables_too_large(tables_id, size)
+            return self._r.get(name) if size else None
+
+    def _write_tables_record(self, tables_id: str, data: bytes) -> None:
+        with self._errors(f"store profile tables {tables_id[:16]}"):
+            self._r.set(f"{self.prefix}:tables:{tables_id}", data)
+
+    # Codec profiles under <prefix>:profiles:<id> and pointers under <prefix>:adopted:<name>,
+    # outside the chunks' pattern and with no TTL, like the tables.
+
+    def _read_meta(self, kind: str, name: str, cap: int) -> bytes | None:
+        with self._errors(f"read {kind} record {name[:16]}"):
+            size = self._r.strlen(f"{self.prefix}:{kind}:{name}")
+            if size > cap:
+                raise meta_too_large(kind, name, size)
+            return self._r.get(f"{self.prefix}:{kind}:{name}") if size else None
+
+    def _write_meta(self, kind: str, name: str, data: bytes, *, exclusive: bool) -> bool:
+        with self._errors(f"store {kind} record {name[:16]}"):  # SET NX: first writer wins
+            return bool(self._r.set(f"{self.prefix}:{kind}:{name}", data, nx=exclusive))
+
+    def _delete_meta(self, kind: str, name: str) -> bool:
+        with self._errors(f"delete {kind} record {name[:16]}"):
+            return bool(self._r.delete(f"{self.prefix}:{kind}:{name}"))
+
+    def _list_meta(self, kind: str) -> list[str]:
+        head = f"{self.prefix}:{kind}:"
+        with self._errors(f"list {kind} records"):
+            names = list(self._r.scan_iter(match=f"{head}*", count=SCAN_BATCH))
+        return [(n.decode() if isinstance(n, bytes) else n)[len(head) :] for n in names]
 
     @property
     def capacity_bytes(self) -> int | None:

@@ -35,9 +35,11 @@ class TokenBucket:
         self.trace = (
             rate if isinstance(rate, BandwidthTrace) else BandwidthTrace.constant(float(rate))
         )
-        peak = max(mbps for _, mbps in self.trace.segments) * 1e6 / 8
+        self.peak_bytes_per_s = max(mbps for _, mbps in self.trace.segments) * 1e6 / 8
         self.burst = float(
-            burst_bytes if burst_bytes is not None else max(min_burst, peak * DEFAULT_BURST_S)
+            burst_bytes
+            if burst_bytes is not None
+            else max(min_burst, self.peak_bytes_per_s * DEFAULT_BURST_S)
         )
         self._lock = threading.Lock()
         self._origin: float | None = None

@@ -1,9 +1,17 @@
 """ChunkServer: serves a chunk store over TCP, paced by a token bucket.
 
 It plays the remote side of a link: for each request it reads the chunk's record from the
-store (prefetching up to ``prefetch`` ahead) and sends it through the link's token bucket,
-starting no earlier than ``rtt_ms`` after the request arrived. The bucket is shared by all
-connections, as one link would be. Without a rate the socket runs as fast as loopback.
+store and sends it through the link's token bucket, starting no earlier than ``rtt_ms`` after
+the request arrived. The bucket is shared by all connections, as one link would be. Without a
+rate the socket runs as fast as loopback.
+
+Each connection has three threads: a reader parses requests, a fetcher reads their records
+from the store ahead of the sender, at most ``prefetch`` chunks and about ``prefetch_bytes``
+bytes ahead, and a sender puts them on the wire. So the store's latency overlaps the transfer
+of earlier chunks instead of showing as link idle time. Small records share a store round trip
+(``ChunkStore.get_records``, up to about ``FETCH_BATCH_BYTES``); large ones, and the first
+after the sender went idle, are read one by one, so the sender waits for one record, never
+for a batch.
 
 ``ChunkServerProcess`` runs the same server in a child process (``python -m
 cachegen.stream.server``), as a remote machine would be: its pacing then never waits for
@@ -14,6 +22,7 @@ parent closes its stdin, so it cannot outlive the process that started it.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import logging
@@ -27,16 +36,25 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from cachegen.errors import InputError
 from cachegen.store.base import ChunkStore
 from cachegen.store.errors import StoreError
 from cachegen.stream import protocol
 from cachegen.stream.errors import StreamError
 from cachegen.stream.ratelimit import TokenBucket
+from cachegen.stream.source import FETCH_BATCH_BYTES
 from cachegen.stream.traces import BandwidthTrace
 
 log = logging.getLogger(__name__)
+# Bytes per paced send: 256 KiB, or what the link carries in SEND_BLOCK_S at its peak rate if
+# that is more. Each send costs a bucket update, a sleep and a syscall; at several Gbit/s that
+# overhead, not the link, would bound the rate with small blocks.
 SEND_BLOCK = 256 * 1024
+SEND_BLOCK_S = 0.002
 STORE_URL_ENV = "CACHEGEN_SERVE_STORE_URL"
+DEFAULT_PREFETCH = 4
+DEFAULT_PREFETCH_BYTES = 32 * 1024 * 1024
+MAX_PENDING_REQUESTS = 4096  # parsed, not yet fetched; beyond, TCP pushes back on the client
 
 
 class ChunkServer:
@@ -47,7 +65,8 @@ class ChunkServer:
         rate_mbps: float | BandwidthTrace | None = None,
         rtt_ms: float = 0.0,
         burst_bytes: int | None = None,
-        prefetch: int = 2,
+        prefetch: int = DEFAULT_PREFETCH,
+        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
         socket_factory: Callable[[], socket.socket] | None = None,
         host: str = "127.0.0.1",
     ) -> None:
@@ -56,7 +75,17 @@ class ChunkServer:
             TokenBucket(rate_mbps, burst_bytes=burst_bytes) if rate_mbps is not None else None
         )
         self.rtt_s = rtt_ms / 1000.0
+        self.send_block = (
+            max(SEND_BLOCK, int(self.bucket.peak_bytes_per_s * SEND_BLOCK_S))
+            if self.bucket is not None
+            else None  # unpaced: each body in one send
+        )
+        if prefetch < 1 or prefetch_bytes < 1:
+            raise InputError(
+                f"prefetch and prefetch_bytes must be >= 1, got {prefetch} and {prefetch_bytes}"
+            )
         self.prefetch = prefetch
+        self.prefetch_bytes = prefetch_bytes
         self._factory = socket_factory or (
             lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         )
@@ -118,15 +147,14 @@ class ChunkServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._conns.add(conn)
-            outbox: queue.Queue = queue.Queue(maxsize=self.prefetch)
-            done = threading.Event()
-            self._spawn(self._read_requests, "cachegen-chunk-read", conn, outbox, done)
-            self._spawn(self._send_responses, "cachegen-chunk-send", conn, outbox, done)
+            requests: queue.Queue = queue.Queue(maxsize=MAX_PENDING_REQUESTS)
+            outbox = _Outbox(self.prefetch, self.prefetch_bytes)
+            self._spawn(self._read_requests, "cachegen-chunk-read", conn, requests, outbox)
+            self._spawn(self._fetch_records, "cachegen-chunk-fetch", requests, outbox)
+            self._spawn(self._send_responses, "cachegen-chunk-send", conn, outbox)
 
-    def _read_requests(
-        self, conn: socket.socket, outbox: queue.Queue, done: threading.Event
-    ) -> None:
-        """Parse requests and fetch their records from the store, ``prefetch`` ahead."""
+    def _read_requests(self, conn: socket.socket, requests: queue.Queue, outbox: _Outbox) -> None:
+        """Parse requests and queue them for the fetcher, as fast as they arrive."""
         try:
             while not self._closed.is_set():
                 head = _recv_frame_start(conn, protocol.REQUEST.size)
@@ -139,35 +167,63 @@ class ChunkServer:
                 if self.bucket is not None:
                     self.bucket.set_origin(arrival)
                 key = protocol.recv_exact(conn, key_len, "request key").decode("ascii", "replace")
-                try:
-                    item = (request_id, arrival, protocol.OK, self.store.get_record(key, level))
-                except StoreError as exc:
-                    item = (
-                        request_id,
-                        arrival,
-                        protocol.status_of(exc),
-                        str(exc).encode()[: protocol.MAX_MESSAGE],
-                    )
-                if not _put(outbox, item, done):
+                if not _put(requests, (request_id, arrival, key, level), outbox):
                     break
         except (OSError, StreamError) as exc:
             log.debug("chunk server connection ended: %s", exc)
         finally:
-            _put(outbox, None, done)
+            _put(requests, None, outbox)
 
-    def _send_responses(
-        self, conn: socket.socket, outbox: queue.Queue, done: threading.Event
-    ) -> None:
-        # A connection's first response follows an idle link even when the reader queued it
+    def _fetch_records(self, requests: queue.Queue, outbox: _Outbox) -> None:
+        """Read the queued requests' records from the store ahead of the sender, a batch per
+        store round trip, within the outbox's bounds; a request that fails gets its error."""
+        largest = 0  # the largest record read so far on this connection
+        try:
+            while True:
+                room = outbox.wait_for_room()
+                first = _next_request(requests, outbox) if room else None
+                if first is None:
+                    return  # no more requests, or the sender stopped
+                batch = [first]
+                # A batch arrives whole: large records go one by one, so the next one is ready
+                # as soon as possible; small ones share a round trip.
+                limit = min(room, max(1, FETCH_BATCH_BYTES // max(1, largest)))
+                while len(batch) < limit:
+                    try:
+                        batch.append(requests.get_nowait())
+                    except queue.Empty:
+                        break
+                ended = batch[-1] is None
+                responses = self._responses(batch[:-1] if ended else batch)
+                largest = max([largest, *(len(body) for *_, body in responses)])
+                outbox.put_all(responses)
+                if ended:
+                    return
+        finally:
+            outbox.put_all([None])  # the sender ends the connection after what is queued
+
+    def _responses(self, batch: list) -> list:
+        records = (
+            self.store.get_records([(key, level) for _, _, key, level in batch]) if batch else []
+        )
+        out = []
+        for (request_id, arrival, _, _), found in zip(batch, records):
+            if isinstance(found, StoreError):
+                body = str(found).encode()[: protocol.MAX_MESSAGE]
+                out.append((request_id, arrival, protocol.status_of(found), body))
+            else:
+                out.append((request_id, arrival, protocol.OK, found))
+        return out
+
+    def _send_responses(self, conn: socket.socket, outbox: _Outbox) -> None:
+        # A connection's first response follows an idle link even when the fetcher queued it
         # before this thread first looked: otherwise the tokens banked since the link's last
         # use (seconds of them between loads) let a whole load out at loopback speed.
         fresh = True
         try:
             while True:
-                try:
-                    item = outbox.get_nowait()
-                except queue.Empty:  # nothing queued: the link goes idle
-                    item, fresh = outbox.get(), True
+                item, waited = outbox.get()
+                fresh = fresh or waited  # nothing was queued: the link went idle
                 if item is None:
                     break
                 request_id, arrival, status, body = item
@@ -180,12 +236,15 @@ class ChunkServer:
                 )
                 fresh = False
                 view = memoryview(body)
-                for start in range(0, len(view), SEND_BLOCK):
-                    self._send(conn, view[start : start + SEND_BLOCK])
+                block = self.send_block or max(1, len(view))
+                for start in range(0, len(view), block):
+                    self._send(conn, view[start : start + block])
+                del view
+                outbox.sent(len(body))
         except OSError as exc:
             log.debug("chunk server send ended: %s", exc)
         finally:
-            done.set()  # the reader stops handing over prefetched chunks
+            outbox.close()  # the fetcher stops fetching ahead
             with self._lock:
                 self._conns.discard(conn)
             with contextlib.suppress(OSError):
@@ -198,11 +257,72 @@ class ChunkServer:
         conn.sendall(data)
 
 
-def _put(outbox: queue.Queue, item, done: threading.Event) -> bool:
-    """Hand ``item`` to the sender unless it has stopped; False if it has."""
-    while not done.is_set():
+class _Outbox:
+    """Responses fetched and not yet sent on one connection: at most ``max_chunks`` of them,
+    and no new fetch once ``max_bytes`` are waiting (a batch may go over by its own size)."""
+
+    def __init__(self, max_chunks: int, max_bytes: int) -> None:
+        self.max_chunks, self.max_bytes = max_chunks, max_bytes
+        self._items: collections.deque = collections.deque()
+        self._bytes = 0  # bodies queued or being sent
+        self._cond = threading.Condition()
+        self.closed = False
+
+    def wait_for_room(self) -> int:
+        """How many responses may be fetched now (waits for at least one); 0 once closed.
+
+        One while the sender is idle: it waits for those bytes alone, not for a batch."""
+        with self._cond:
+            while not self.closed and (
+                len(self._items) >= self.max_chunks or self._bytes >= self.max_bytes
+            ):
+                self._cond.wait()
+            if self.closed:
+                return 0
+            return 1 if not self._items and not self._bytes else self.max_chunks - len(self._items)
+
+    def put_all(self, items: list) -> None:
+        with self._cond:
+            for item in items:
+                self._items.append(item)
+                if item is not None:
+                    self._bytes += len(item[3])
+            self._cond.notify_all()
+
+    def get(self) -> tuple:
+        """The next response (None: no more) and whether the sender had to wait for it."""
+        with self._cond:
+            waited = not self._items
+            while not self._items:
+                self._cond.wait()
+            return self._items.popleft(), waited
+
+    def sent(self, nbytes: int) -> None:
+        with self._cond:
+            self._bytes -= nbytes
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
+def _next_request(requests: queue.Queue, outbox: _Outbox):
+    """The next parsed request; None when the reader ended or the sender stopped."""
+    while not outbox.closed:
         try:
-            outbox.put(item, timeout=0.1)
+            return requests.get(timeout=0.1)
+        except queue.Empty:
+            continue
+    return None
+
+
+def _put(requests: queue.Queue, item, outbox: _Outbox) -> bool:
+    """Queue ``item`` for the fetcher unless the sender has stopped; False if it has."""
+    while not outbox.closed:
+        try:
+            requests.put(item, timeout=0.1)
             return True
         except queue.Full:
             continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cachegen.lab.bench.links import link_label, link_order
 from cachegen.lab.bench.results import lookup
 from cachegen.modes import Mode
 
@@ -22,6 +23,7 @@ FIGURES = (
     "quality_vs_size",
 )
 DPI = 110
+UNLIMITED_X = 4.0  # the unlimited link's place on a bandwidth axis, past the fastest rate
 
 
 def plot_all(doc: dict, out_dir: str | Path) -> list[Path]:
@@ -57,6 +59,13 @@ def _label(row: dict) -> str:
 def _order(doc: dict) -> list[str]:
     """Mode labels in the order the sweep was configured with."""
     return list(doc["config"]["modes"])
+
+
+def _link_x(bandwidth: float | None, bandwidths: list[float | None]) -> float:
+    """Where a link sits on a bandwidth axis: its rate, or the unlimited link past the rest."""
+    if bandwidth is not None:
+        return bandwidth
+    return max((b for b in bandwidths if b is not None), default=1000.0) * UNLIMITED_X
 
 
 def _spread(doc: dict, row: dict, metric: str) -> tuple[float, float]:
@@ -113,16 +122,17 @@ def _footnote(fig, text: str) -> None:
         fig.supxlabel(text.strip(), fontsize=8, color="0.35", wrap=True)
 
 
-def _log_axes(ax, bandwidths: list[float]) -> None:
-    """Log-log axes with plain-number ticks at the configured bandwidths."""
+def _log_axes(ax, bandwidths: list[float | None]) -> None:
+    """Log-log axes with plain-number ticks at the configured bandwidths (the unlimited link,
+    None, at the right: ``_link_x``)."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     plain = FuncFormatter(lambda v, _: f"{v:g}")
+    xs = [_link_x(b, bandwidths) for b in bandwidths]
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xticks(bandwidths)
-    ax.set_xlim(min(bandwidths) / 1.4, max(bandwidths) * 1.4)
-    ax.xaxis.set_major_formatter(plain)
+    ax.set_xticks(xs, [link_label(b) for b in bandwidths])
+    ax.set_xlim(min(xs) / 1.4, max(xs) * 1.4)
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.yaxis.set_major_formatter(plain)
     ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
@@ -217,26 +227,32 @@ def _lines_vs_bandwidth(
     if not panels:
         _empty(axes[0], f"no {kind} runs\n{_missing_note(doc, kind)}")
         return fig
+    # Stream runs also cover rates above the end-to-end grid and the unlimited link (None).
+    links = doc["config"]["bandwidth_mbps"]
+    if kind == "stream":
+        links = doc["config"].get("stream_bandwidth_mbps") or links
     for ax, (model, context) in zip(axes, panels):
         rows = lookup(doc, kind=kind, model=model, context_tokens=context)
         values = [r[metric] for r in rows if r.get(metric)]
         for label in _order(doc):
             mine = sorted(
                 (r for r in rows if _label(r) == label and r.get(metric) is not None),
-                key=lambda r: r["bandwidth_mbps"] or 0,
+                key=lambda r: link_order(r["bandwidth_mbps"]),
             )
             if not mine:
                 continue
-            if mine[0]["mode"] in flat_modes or mine[0]["bandwidth_mbps"] is None:
+            if mine[0]["mode"] in flat_modes or (
+                kind == "e2e" and mine[0]["bandwidth_mbps"] is None
+            ):
                 ax.axhline(
                     mine[0][metric], linestyle="--", color="0.3", label=f"{label} (no KV link)"
                 )
                 continue
-            xs = [r["bandwidth_mbps"] for r in mine]
+            xs = [_link_x(r["bandwidth_mbps"], links) for r in mine]
             ys = [r[metric] for r in mine]
             err = list(zip(*[_spread(doc, r, metric) for r in mine]))
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=2, label=label)
-        _log_axes(ax, doc["config"]["bandwidth_mbps"])
+        _log_axes(ax, links)
         if values:  # horizontal lines do not widen the autoscaled range by themselves
             ax.set_ylim(min(values) / 1.5, max(values) * 1.5)
         ax.set_xlabel("bandwidth of the KV link (Mbit/s)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cachegen.lab.bench.links import link_label, link_order
 from cachegen.modes import Mode
 
 PAPER = {
@@ -273,7 +274,7 @@ def _stream_delay(doc: dict) -> tuple[list[str], list[float]]:
         context = max(r["context_tokens"] for r in cachegen if r["model"] == model)
         for r in sorted(
             (r for r in cachegen if r["model"] == model and r["context_tokens"] == context),
-            key=lambda r: (r["bandwidth_mbps"], r["level"]),
+            key=lambda r: (link_order(r["bandwidth_mbps"]), r["level"]),
         ):
             int8 = [
                 x
@@ -287,7 +288,7 @@ def _stream_delay(doc: dict) -> tuple[list[str], list[float]]:
             if ratio:
                 ratios.append(ratio)
             out.append(
-                f"| {model} | {context} | {r['bandwidth_mbps']:g} | {r['level']} | "
+                f"| {model} | {context} | {link_label(r['bandwidth_mbps'])} | {r['level']} | "
                 f"{_num(r['load_s'], 3)} | {_x(ratio)} |"
             )
     return out, ratios

@@ -27,6 +27,7 @@ import torch
 from cachegen import models, workload
 from cachegen.errors import InputError
 from cachegen.fileio import versioned
+from cachegen.lab.bench.links import UNLIMITED
 from cachegen.lab.bench.stream_sim import ADAPTIVE, Workload, evaluate, standard_traces
 from cachegen.lab.rows import StreamRow
 from cachegen.store import ChunkStore, chunk_keys, longest_prefix
@@ -37,6 +38,7 @@ from cachegen.stream.source import DirectSource
 from cachegen.stream.traces import BandwidthTrace
 
 SCHEMA = "cachegen-stream-bench"
+LINK_BOUND_SLACK = 0.05  # transfer-only goodput this far under the rate still counts as the link
 EVAL_SCHEMA = "cachegen-stream-controller-eval"
 VERSION = 1
 
@@ -253,7 +255,7 @@ def stream_bench(
                         alone.load_s, decode_alone[level]
                     )
                 runs.append(row.to_dict())
-                rate = bw if bw is not None else "unlimited"
+                rate = bw if bw is not None else UNLIMITED
                 log(
                     f"{shaper:>12} {rate:>9} Mbit/s  goodput {row.goodput_mbps:8.1f}"
                     f"  load {row.load_s:.3f} s  transfer {row.transfer_s:.3f} s"
@@ -305,6 +307,9 @@ def summarize(runs: list[dict]) -> list[dict]:
             entry[f] = statistics.median(values) if values else None
         if bw and entry["goodput_alone_mbps"] is not None:
             entry["goodput_alone_error"] = entry["goodput_alone_mbps"] / bw - 1
+            # Link-bound: the transfer alone keeps up with the configured rate; host-bound:
+            # the sender, the receiver or the verification cannot, whatever the shaper.
+            entry["bound"] = "link" if entry["goodput_alone_error"] >= -LINK_BOUND_SLACK else "host"
         out.append(entry)
     return out
 
@@ -456,8 +461,9 @@ def parse_bandwidths(text: str | None) -> list:
     if ":" in text:
         return [BandwidthTrace.parse(text)]
     try:
-        return [float(x) for x in text.split(",")]
+        return [None if x.strip() == UNLIMITED else float(x) for x in text.split(",")]
     except ValueError:
         raise InputError(
-            f"--bandwidth-mbps {text!r}: give numbers (100 or 100,500,1000) or a trace spec"
+            f"--bandwidth-mbps {text!r}: give numbers (100 or 100,500,1000,{UNLIMITED}) or a "
+            "trace spec"
         ) from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from cachegen.lab.bench.links import link_label, link_order
 from cachegen.modes import Mode
 
 E2E_COLUMNS = (
@@ -73,7 +74,7 @@ def _table(title: str, rows: list[dict], columns, file) -> None:
         key=lambda r: (
             r.get("context_tokens") or 0,
             Mode(r["mode"], r["level"]),
-            r.get("bandwidth_mbps") or 0,
+            _link_order(r),
         ),
     )
     cells = [[h for _, h, _ in columns]]
@@ -85,10 +86,19 @@ def _table(title: str, rows: list[dict], columns, file) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)), file=file)
 
 
+def _link_order(row: dict) -> float:
+    """Stream rows: the unlimited link last; elsewhere no bandwidth (recompute) first."""
+    if row.get("kind") == "stream":
+        return link_order(row.get("bandwidth_mbps"))
+    return row.get("bandwidth_mbps") or 0
+
+
 def _fmt(row: dict, key: str, fmt: str) -> str:
     if key == "mode":
         return Mode(row["mode"], row["level"]).label
     value = row.get(key)
+    if key == "bandwidth_mbps" and row.get("kind") == "stream":
+        return link_label(value)
     if value is None:
         return "-"
     if key == "bytes":

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from cachegen.errors import CacheGenError, InputError
 from cachegen.lab.bench import environment, results
+from cachegen.lab.bench.links import UNLIMITED
 from cachegen.lab.bench.modes import expand
 from cachegen.lab.bench.prompts import TEXT_SOURCE
 from cachegen.models import EMBEDDED, EMBEDDED_DEFAULT
@@ -47,12 +48,20 @@ class SweepConfig:
     parts: tuple[str, ...] = PARTS
     profile: str = "custom"
     notes: list[str] = field(default_factory=list)
+    # The stream part's links (None: unlimited); unset, the same as bandwidth_mbps. Wider than
+    # the end-to-end grid: a stream load costs about its decode time, a vLLM request more.
+    stream_bandwidth_mbps: list[float | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
             raise InputError("no models given")
         if any(b <= 0 for b in self.bandwidth_mbps) or not self.bandwidth_mbps:
             raise InputError("bandwidths must be positive numbers of Mbit/s")
+        if self.stream_bandwidth_mbps is not None and (
+            not self.stream_bandwidth_mbps
+            or any(b is not None and b <= 0 for b in self.stream_bandwidth_mbps)
+        ):
+            raise InputError(f"stream bandwidths must be positive numbers of Mbit/s or {UNLIMITED}")
         if any(c < 1 for c in self.context_tokens) or not self.context_tokens:
             raise InputError("context lengths must be positive numbers of tokens")
         if self.repeats < 1 or self.output_tokens < 1 or self.quality_windows < 0:
@@ -61,12 +70,20 @@ class SweepConfig:
         if unknown:
             raise InputError(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
 
+    @property
+    def stream_links(self) -> list[float | None]:
+        """The stream part's bandwidths, None for the unlimited link."""
+        if self.stream_bandwidth_mbps is None:
+            return list(self.bandwidth_mbps)
+        return list(self.stream_bandwidth_mbps)
+
     def to_json(self) -> dict:
         return {
             "profile": self.profile,
             "models": list(self.models),
             "modes": [m.label for m in self.modes],
             "bandwidth_mbps": list(self.bandwidth_mbps),
+            "stream_bandwidth_mbps": self.stream_links,
             "context_tokens": list(self.context_tokens),
             "repeats": self.repeats,
             "output_tokens": self.output_tokens,
@@ -97,6 +114,7 @@ def profile(name: str, **overrides) -> SweepConfig:
             models=chosen,
             modes=["all"],
             bandwidth_mbps=[100.0, 500.0, 1000.0],
+            stream_bandwidth_mbps=[100.0, 500.0, 1000.0, 5000.0, 20000.0, None],
             context_tokens=[1536, 4096],
             repeats=2,  # with both models, 3 repeats overrun the 25-minute budget on 2 cores
             output_tokens=16,
@@ -118,6 +136,8 @@ def profile(name: str, **overrides) -> SweepConfig:
         raise InputError(f"unknown profile {name!r}; use default or quick")
     given = {k: v for k, v in overrides.items() if v is not None}
     merged = {**base, **given}
+    if "bandwidth_mbps" in given and "stream_bandwidth_mbps" not in given:
+        merged["stream_bandwidth_mbps"] = None  # the stream part follows the given rates
     merged["modes"] = expand(merged["modes"], merged["models"])
     cfg = SweepConfig(profile=name if not given else "custom", **merged)
     if given:

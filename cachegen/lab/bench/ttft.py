@@ -12,12 +12,13 @@ Python (one engine, many measurements; what ``cachegen bench`` calls):
 
 Command line (the table in docs/connector.md):
 
-    cachegen ttft table --contexts 1536 4096 --bandwidths 100 500 1000
+    cachegen ttft table --contexts 1536 4096 --bandwidths 100 500 1000 5000 20000 unlimited
     cachegen ttft placement     # where the connector's work runs
     cachegen ttft timeline      # TTFT = load + what follows it
 
 ``recompute`` means no KV from the store (vLLM prefills the whole prompt); every other mode loads
-the context's chunks through a token-bucket link of the given rate.
+the context's chunks through a token-bucket link of the given rate, or with no rate limit
+(``unlimited``, bandwidth None).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 from cachegen import workload
 from cachegen.errors import InputError
 from cachegen.lab.bench.engine import ConnectorEngine
+from cachegen.lab.bench.links import UNLIMITED, link_order
 from cachegen.lab.rows import RequestRow, TTFTRow
 from cachegen.modes import CACHEGEN, RECOMPUTE, Mode
 
@@ -253,11 +255,15 @@ def ttft_table(
                     rows.append(row)
                     if progress:
                         print(
-                            f"context {context} {mode} level={level} {bandwidth} Mbit/s: "
+                            f"context {context} {mode} level={level} {_column(bandwidth)}: "
                             f"TTFT {row['ttft_s']:.3f} s",
                             file=sys.stderr,
                         )
     return rows
+
+
+def _column(bandwidth_mbps: float | None) -> str:
+    return UNLIMITED if bandwidth_mbps is None else f"{bandwidth_mbps:g} Mbit/s"
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
@@ -265,7 +271,10 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     out = []
     for context in sorted({r["context_tokens"] for r in rows}):
         mine = [r for r in rows if r["context_tokens"] == context]
-        bandwidths = sorted({r["bandwidth_mbps"] for r in mine if r["bandwidth_mbps"] is not None})
+        # Every link a KV mode ran over, the unlimited one (None) last.
+        bandwidths = sorted(
+            {r["bandwidth_mbps"] for r in mine if r["mode"] != RECOMPUTE}, key=link_order
+        )
         recompute = next((r for r in mine if r["mode"] == RECOMPUTE), None)
         int8 = {r["bandwidth_mbps"]: r for r in mine if r["mode"] == "int8"}
         out.append(
@@ -275,7 +284,7 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
             f"x = TTFT of recompute / int8 over this row's"
         )
         out.append("")
-        head = "| mode | KV size (MB) | " + " | ".join(f"{b:g} Mbit/s" for b in bandwidths) + " |"
+        head = "| mode | KV size (MB) | " + " | ".join(_column(b) for b in bandwidths) + " |"
         out.append(head)
         out.append("|" + " --- |" * (2 + len(bandwidths)))
         if recompute is not None:
