@@ -21,6 +21,7 @@ COMMAND_GROUPS = {
         "cachegen.lab.cli.bench",
         "cachegen.lab.cli.stream",
         "cachegen.lab.cli.ttft",
+        "cachegen.lab.cli.serving",
         "cachegen.lab.cli.codec_report",
         "cachegen.lab.cli.dashboard",
     ],

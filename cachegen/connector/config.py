@@ -20,6 +20,9 @@ Engine-wide keys (``kv_connector_extra_config``):
                   true); false loads inside the engine step that needs the KV
   save_async      encode and store in a worker thread (default true); false does it inside
                   the engine step that finished the prefill
+  save_wait_ms    how long a request whose leading chunks this engine is still saving (first
+                  level not stored yet) waits for them before it computes what is not stored
+                  (default 2000; 0: never waits)
   tenant          a scope of this engine's chunks (e.g. a customer): part of every chunk key,
                   so engines with different tenants never share a chunk (default: none)
   store_secret    the store's MAC secret: every record written is signed and every record read
@@ -28,6 +31,11 @@ Engine-wide keys (``kv_connector_extra_config``):
                   before they are read whole, and the request recomputes
   max_load_bytes  most bytes one request's load may fetch (default: no cap); a larger prefix is
                   recomputed instead
+  profile_source  where the cachegen codec profile (levels, tables ids: it names the chunk
+                  keys) comes from: ``store`` (default) uses the profile the store has adopted
+                  for this model, checked, and publishes and adopts this machine's when it has
+                  none; ``local`` uses this machine's own (chunks stored under another profile
+                  are then not found)
 Per-request keys (also accepted engine-wide as defaults):
   mode            raw | int8 | fp8 | cachegen | adaptive        (default cachegen)
   level           quality level for ``cachegen`` (default: the codec's default level)
@@ -55,6 +63,7 @@ from cachegen.modes import CONNECTOR_MODES as MODES
 from cachegen.store import StoreConfigError, default_store_url, parse_size
 from cachegen.store.keys import check_scope_part
 
+PROFILE_SOURCES = ("store", "local")
 REQUEST_KEYS = frozenset(
     {
         "mode",
@@ -76,10 +85,12 @@ ENGINE_KEYS = REQUEST_KEYS | {
     "prefill_tokens_per_s",
     "load_async",
     "save_async",
+    "save_wait_ms",
     "tenant",
     "store_secret",
     "max_record_bytes",
     "max_load_bytes",
+    "profile_source",
 }
 
 
@@ -151,10 +162,12 @@ class ConnectorConfig:
     prefill_tokens_per_s: float | None = None
     load_async: bool = True
     save_async: bool = True
+    save_wait_ms: float = 2000.0
     tenant: str | None = None
     store_secret: str | None = field(default=None, repr=False)
     max_record_bytes: int | None = None
     max_load_bytes: int | None = None
+    profile_source: str = "store"
     defaults: RequestOptions = field(default_factory=RequestOptions)
 
     def __post_init__(self) -> None:
@@ -180,6 +193,9 @@ class ConnectorConfig:
             isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0
         ):
             raise ConnectorError(f"prefill_tokens_per_s must be a positive number, got {rate!r}")
+        wait = self.save_wait_ms
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
+            raise ConnectorError(f"save_wait_ms must be a number >= 0, got {wait!r}")
         if self.cachegen_levels is not None and (
             not self.cachegen_levels
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in self.cachegen_levels)
@@ -203,6 +219,11 @@ class ConnectorConfig:
                 isinstance(value, bool) or not isinstance(value, int) or value <= 0
             ):
                 raise ConnectorError(f"{name} must be a positive number of bytes, got {value!r}")
+        if self.profile_source not in PROFILE_SOURCES:
+            raise ConnectorError(
+                f"profile_source must be one of {', '.join(PROFILE_SOURCES)}, "
+                f"got {self.profile_source!r}"
+            )
         if not isinstance(self.store, str) or "://" not in self.store:
             raise ConnectorError(
                 f"store must be a URL like file:///path or redis://host:port/0, got {self.store!r}"

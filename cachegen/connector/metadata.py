@@ -42,6 +42,7 @@ class SaveTask:
     # the cache holds no valid KV there (models with sliding-window layers only).
     sliding_from: int = 0
     salt: str | None = None  # the key scope of the request (RequestOptions.salt)
+    save_id: int = 0  # names the save in LoadReports.saved (unique per scheduler)
 
 
 @dataclass
@@ -53,13 +54,15 @@ class StepMetadata(KVConnectorMetadata):
 
 @dataclass
 class LoadReports(KVConnectorWorkerMetadata):
-    """Per-request statistics of the loads a worker finished in one step."""
+    """Per-request statistics of the loads a worker finished in one step, and the saves whose
+    first pass (every chunk loadable) it stored, or gave up, since its last report."""
 
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    saved: list[int] = field(default_factory=list)  # SaveTask.save_id values
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, LoadReports):
             merged = dict(self.reports)
             merged.update(other.reports)
-            return LoadReports(merged)
+            return LoadReports(merged, self.saved + other.saved)
         return self

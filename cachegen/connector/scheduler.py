@@ -8,7 +8,9 @@ in the request's output ``kv_transfer_params``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +43,22 @@ class _Tracked:
     loading: bool = False  # an asynchronous load is running on the workers
     load_failed: bool = False  # never retried: vLLM recomputes instead
     sliding_from: int = 0  # chunks before it hold no valid sliding-layer KV (a load skipped it)
+    save_wait_since: float | None = None  # first held back for a save of this engine (monotonic)
     report: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _PendingSave:
+    """A save sent to the workers whose first pass they have not reported stored yet."""
+
+    token_ids: list[int]  # whole chunks
+    codecs: frozenset[str]  # the codecs it writes (``adaptive`` writes ``cachegen``'s)
+    first_chunk: int  # chunks before it were stored already
+    salt: str | None
+
+
+def _codec(mode: str) -> str:
+    return "cachegen" if mode == "adaptive" else mode
 
 
 class SchedulerSide:
@@ -55,6 +72,8 @@ class SchedulerSide:
         self.can_load = role in ("kv_consumer", "kv_both")
         self.can_save = role in ("kv_producer", "kv_both")
         self._tracked: dict[str, _Tracked] = {}
+        self._save_ids = itertools.count(1)
+        self._pending_saves: dict[int, _PendingSave] = {}
 
     # ---- lookup ------------------------------------------------------------------------------
 
@@ -86,10 +105,41 @@ class SchedulerSide:
             or tracked.load_failed
         ):
             return 0, False
+        if self._held_for_save(tracked, num_computed_tokens):
+            return None, False  # vLLM asks again on a later step
         if tracked.lookup is None or tracked.lookup[0] != num_computed_tokens:
             tracked.lookup = (num_computed_tokens, self._lookup(tracked, num_computed_tokens))
         matched = tracked.lookup[1]
         return matched, matched > 0 and self.config.load_async
+
+    def _held_for_save(self, tracked: _Tracked, num_computed_tokens: int) -> bool:
+        """Whether to hold the request back (vLLM asks again later) because a save of this
+        engine is still writing the first pass of chunks it could load (a repeat of a prompt
+        that finished its prefill a moment ago), at most ``save_wait_ms`` from the first ask."""
+        if self.config.save_wait_ms <= 0:
+            return False
+        if tracked.save_wait_since is not None:
+            waited = time.monotonic() - tracked.save_wait_since
+            if waited * 1000.0 >= self.config.save_wait_ms:
+                tracked.report.setdefault("save_wait_s", waited)
+                tracked.report["save_wait_timed_out"] = True
+                return False
+        prompt = tracked.request.prompt_token_ids or []
+        C = self.config.chunk_tokens
+        usable = (len(prompt) - 1) // C  # whole chunks before the token vLLM must compute
+        needed_from = num_computed_tokens // C
+        codec = _codec(tracked.options.mode)
+        for save in self._pending_saves.values():
+            if save.salt != tracked.options.salt or codec not in save.codecs:
+                continue
+            shared = _shared_chunks(prompt, save.token_ids, C, usable)
+            if shared > max(save.first_chunk, needed_from):
+                if tracked.save_wait_since is None:
+                    tracked.save_wait_since = time.monotonic()
+                return True
+        if tracked.save_wait_since is not None:
+            tracked.report.setdefault("save_wait_s", time.monotonic() - tracked.save_wait_since)
+        return False
 
     def _lookup(self, tracked: _Tracked, num_computed_tokens: int) -> int:
         prompt = tracked.request.prompt_token_ids or []
@@ -180,6 +230,13 @@ class SchedulerSide:
         if not groups:
             return None
         tracked.report["save_chunks"] = full // self.config.chunk_tokens - stored
+        save_id = next(self._save_ids)
+        self._pending_saves[save_id] = _PendingSave(
+            list(prompt[:full]),
+            frozenset(map(_codec, self.config.save_modes)),
+            stored,
+            options.salt,
+        )
         return SaveTask(
             request.request_id,
             list(prompt[:full]),
@@ -188,12 +245,15 @@ class SchedulerSide:
             first_chunk=stored,
             sliding_from=tracked.sliding_from,
             salt=options.salt,
+            save_id=save_id,
         )
 
     # ---- worker feedback and completion ---------------------------------------------------------
 
     def on_worker_output(self, reports: LoadReports | None, finished_loading: set[str]) -> None:
         if reports is not None:
+            for save_id in reports.saved:
+                self._pending_saves.pop(save_id, None)
             for req_id, report in reports.reports.items():
                 tracked = self._tracked.get(req_id)
                 if tracked is not None:
@@ -216,3 +276,14 @@ class SchedulerSide:
         # A background load still writing into the request's blocks keeps them until the
         # worker reports it finished (vLLM frees them then).
         return tracked.loading, {REPORT_KEY: report}
+
+
+def _shared_chunks(a: list[int], b: list[int], chunk_tokens: int, limit: int) -> int:
+    """Leading whole chunks (at most ``limit``) that token lists ``a`` and ``b`` share."""
+    count = 0
+    while count < limit:
+        span = slice(count * chunk_tokens, (count + 1) * chunk_tokens)
+        if len(a) < span.stop or len(b) < span.stop or a[span] != b[span]:
+            break
+        count += 1
+    return count

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from cachegen.store.keys import sliding_key
 from cachegen.store.url import without_password
 from cachegen.stream import AdaptiveController, open_link, stream_load
 
+logger = logging.getLogger(__name__)
+
 # A measured goodput is remembered per link and becomes the controller's prior for the next load.
 GOODPUT_EWMA = 0.5
 
@@ -50,6 +53,19 @@ def window_chunks(end: int, chunk_tokens: int, window: int) -> range:
 
 # A part of a chunk in a load plan: None (the whole chunk, one record), FULL or SLIDING.
 FULL, SLIDING = "full", "sliding"
+
+
+@dataclass(frozen=True, eq=False)
+class SaveRecord:
+    """One record a save writes: ``kv`` (a chunk, or one part of it) under ``key`` at
+    ``level`` of ``mode``'s codec; ``first``: part of the save's first pass, after which the
+    chunk is loadable (:meth:`ChunkTransport.first_levels`)."""
+
+    mode: str
+    key: str
+    level: int
+    kv: KVCache
+    first: bool
 
 
 @dataclass
@@ -88,6 +104,10 @@ class ChunkTransport:
             shown = without_password(config.store)
             raise ConnectorError(f"cannot open the KV store {shown!r}: {exc}") from exc
         self._codecs: dict[str, Any] = {}
+        self._store_tables: Any = None  # the store as a table provider, once a codec is loaded
+        self._published: set[str] = set()  # codecs whose tables are in the store
+        # Where the cachegen profile came from (ProfileChoice.to_dict), once its codec is made.
+        self.profile_choice: dict[str, Any] | None = None
         self._links: dict[tuple[float | None, float], Any] = {}
         self._goodput_mbps: dict[tuple[float | None, float], float] = {}
         self._exits = contextlib.ExitStack()
@@ -105,8 +125,37 @@ class ChunkTransport:
         name = "cachegen" if mode == "adaptive" else mode
         with self._lock:
             if name not in self._codecs:
-                self._codecs[name] = _get_codec(name, self.spec, self.chunk_tokens)
+                if self._store_tables is None:  # before the codec: a profile's missing tables
+                    self._store_tables = _add_store_tables(self.store)  # come from the store
+                self._codecs[name] = self._make_codec(name)
             return self._codecs[name]
+
+    def _make_codec(self, name: str) -> Any:
+        """``name``'s codec; for ``cachegen`` with ``profile_source: store``, on the profile the
+        store has adopted for this model (:func:`cachegen.store.tables.resolve_profile`), so
+        that this engine's chunk keys are every other engine's of the store."""
+        if name != "cachegen" or self.config.profile_source != "store":
+            return _get_codec(name, self.spec, self.chunk_tokens)
+        choice = _resolve_profile(self.store, self.spec, self.identity)
+        self.profile_choice = choice.to_dict()
+        if choice.refused:
+            logger.warning(
+                "cachegen: using this machine's codec profile %s, not the store's (%s); chunks "
+                "stored under the store's profile are not found and are recomputed",
+                choice.profile.id,
+                choice.refused,
+            )
+        return _cachegen_codec(choice.profile, self.chunk_tokens)
+
+    def publish_tables(self, mode: str) -> None:
+        """Put the tables of every level of ``mode``'s profile into the store (once per
+        transport, before its first record): a consumer with the profile but not its tables
+        then needs neither a copy nor a rebuild, which may differ on other hardware."""
+        name = "cachegen" if mode == "adaptive" else mode
+        if name != "cachegen" or name in self._published:
+            return
+        _publish_tables(self.store, list(self.codec(name).profile.tables_ids.values()))
+        self._published.add(name)
 
     def keys(self, mode: str, token_ids: Sequence[int], salt: str | None = None) -> list[str]:
         """Keys of the whole chunks of ``token_ids`` under ``mode``'s codec profile, in the key
@@ -165,10 +214,22 @@ class ChunkTransport:
         calibrated = set(self.codec("adaptive").profile.calibrated_levels())
         return [lv for lv in stored if lv in calibrated] or stored
 
+    def first_levels(self, mode: str) -> list[int]:
+        """The levels of ``mode`` a save writes first, for every chunk, before the others: those
+        a request that names no level needs (the codec's default level, and the level that
+        makes a chunk loadable for ``adaptive``), so the chunks become loadable soonest."""
+        stored = self.levels(mode)
+        needed = {self.codec(mode).default_level}
+        if mode in ("cachegen", "adaptive"):
+            needed.add(self.adaptive_levels[0])
+        return [lv for lv in stored if lv in needed] or stored[:1]
+
     def load_levels(self, options: RequestOptions) -> list[int]:
-        """Levels a chunk must be stored at to be loadable with ``options``."""
+        """Levels a chunk must be stored at to be loadable with ``options``: for ``adaptive``
+        the first of :attr:`adaptive_levels` (written in a save's first pass); it chooses among
+        the adaptive levels each chunk is stored at."""
         if options.mode == "adaptive":
-            return list(self.adaptive_levels)
+            return self.adaptive_levels[:1]
         codec = self.codec(options.mode)
         level = codec.default_level if options.level is None else options.level
         if level not in self.levels(options.mode):
@@ -326,8 +387,8 @@ class ChunkTransport:
         sizes: dict[int, list[int | None]] | None = None
         if options.mode == "adaptive":
             assert options.slo_ms is not None
-            levels = self.load_levels(options)
-            sizes = {lv: self.store.sizes(fetch, lv) for lv in levels}
+            # None where a chunk is not (yet) stored at a level: the controller skips it there.
+            sizes = {lv: self.store.sizes(fetch, lv) for lv in self.adaptive_levels}
             kwargs["controller"] = AdaptiveController(
                 options.slo_ms / 1000.0,
                 sizes,
@@ -438,6 +499,49 @@ class ChunkTransport:
 
     # ---- save ----------------------------------------------------------------------------------
 
+    def save_records(
+        self,
+        token_ids: Sequence[int],
+        kv: KVCache,
+        modes: Sequence[str],
+        sliding_from: int = 0,
+        salt: str | None = None,
+    ) -> list[SaveRecord]:
+        """The records :meth:`save` writes, in the order it writes them: first the
+        :meth:`first_levels` of every mode for each chunk in prefix order (a chunk is loadable
+        once they are stored, and a repeat of the prompt needs the leading chunks first), then
+        the other levels, again in prefix order."""
+        C = self.chunk_tokens
+        first = kv.start // C
+        prefix = token_ids[: kv.start + kv.num_tokens]
+        codecs = list(dict.fromkeys("cachegen" if m == "adaptive" else m for m in modes))
+        keys = {m: self.keys(m, prefix, salt)[first:] for m in codecs}
+        firsts = {m: self.first_levels(m) for m in codecs}
+        ladders = {m: self.levels(m) for m in codecs}
+        passes: tuple[list[SaveRecord], list[SaveRecord]] = ([], [])
+        for at, chunk in enumerate(kv.chunks(C)):
+            parts = [(False, chunk)]
+            if self.split:
+                parts = [(False, chunk.select_layers(self.full_layers))]
+                if first + at >= sliding_from:
+                    parts.append((True, chunk.select_layers(self.sliding_layers)))
+            for mode in codecs:
+                for sliding, part in parts:
+                    key = sliding_key(keys[mode][at]) if sliding else keys[mode][at]
+                    for level in ladders[mode]:
+                        is_first = level in firsts[mode]
+                        passes[not is_first].append(SaveRecord(mode, key, level, part, is_first))
+        return passes[0] + passes[1]
+
+    def write(self, record: SaveRecord) -> int:
+        """Encode and store one record unless it is already stored; returns the bytes written."""
+        if self.store.exists(record.key, record.level):
+            return 0
+        blob = self.codec(record.mode).encode(record.kv, level=record.level)
+        self.publish_tables(record.mode)
+        self.store.put(record.key, record.level, blob)
+        return len(blob)
+
     def save(
         self,
         token_ids: Sequence[int],
@@ -448,33 +552,17 @@ class ChunkTransport:
     ) -> int:
         """Encode and store the whole chunks of ``kv``, a chunk-aligned slice of the prompt
         ``token_ids``, at every level of every mode, in the key scope ``salt``; records already
-        stored are skipped.
+        stored are skipped. The order is :meth:`save_records`'.
         For a model with sliding-window layers each chunk is two records (:meth:`part_keys`);
         chunks before chunk ``sliding_from`` get no sliding part (their sliding layers' KV in
         ``kv`` is not valid: a load skipped it). Returns the bytes written."""
-        C = self.chunk_tokens
-        first = kv.start // C
-        written = 0
-        for mode in dict.fromkeys("cachegen" if m == "adaptive" else m for m in modes):
-            codec = self.codec(mode)
-            keys = self.keys(mode, token_ids[: kv.start + kv.num_tokens], salt)[first:]
-            for index, (key, chunk) in enumerate(zip(keys, kv.chunks(C)), start=first):
-                parts = [(key, chunk)]
-                if self.split:
-                    parts = [(key, chunk.select_layers(self.full_layers))]
-                    if index >= sliding_from:
-                        parts.append((sliding_key(key), chunk.select_layers(self.sliding_layers)))
-                for part_key, part in parts:
-                    for level in self.levels(mode):
-                        if self.store.exists(part_key, level):
-                            continue
-                        blob = codec.encode(part, level=level)
-                        self.store.put(part_key, level, blob)
-                        written += len(blob)
-        return written
+        records = self.save_records(token_ids, kv, modes, sliding_from, salt)
+        return sum(self.write(record) for record in records)
 
     def close(self) -> None:
         self._exits.close()
+        if self._store_tables is not None:
+            _remove_store_tables(self._store_tables)
         self.store.close()
 
 
@@ -566,6 +654,40 @@ def _get_codec(name: str, spec: ModelSpec, chunk_tokens: int) -> Any:
     return codec_for(name, spec, chunk_tokens=chunk_tokens)
 
 
+def _resolve_profile(store: Any, spec: ModelSpec, identity: ModelIdentity) -> Any:
+    from cachegen.profiles import ensure_profile
+    from cachegen.store.tables import resolve_profile
+
+    return resolve_profile(store, identity, lambda: ensure_profile(spec))
+
+
+def _cachegen_codec(profile: Any, chunk_tokens: int) -> Any:
+    from cachegen.codec import get_codec
+
+    return get_codec("cachegen", profile=profile, chunk_tokens=chunk_tokens)
+
+
+def _add_store_tables(store: Any) -> Any:
+    from cachegen.codec.tables import add_provider
+    from cachegen.store.tables import StoreTables
+
+    provider = StoreTables(store)
+    add_provider(provider)
+    return provider
+
+
+def _remove_store_tables(provider: Any) -> None:
+    from cachegen.codec.tables import remove_provider
+
+    remove_provider(provider)
+
+
+def _publish_tables(store: Any, tables_ids: list[str]) -> None:
+    from cachegen.store.tables import publish_tables
+
+    publish_tables(store, tables_ids)
+
+
 def _decode(blob: bytes) -> KVCache:
     from cachegen.codec import decode
 
@@ -575,5 +697,8 @@ def _decode(blob: bytes) -> KVCache:
 def _damaged(exc: BaseException) -> bool:
     """Whether ``exc`` means a stored chunk is damaged (as opposed to unreachable)."""
     from cachegen.codec import CodecError
+    from cachegen.codec.tables import TablesRefused
 
+    if isinstance(exc, TablesRefused):
+        return False  # the chunk is sound; the tables it names are not
     return isinstance(exc, (ChunkCorrupt, CodecError, ConnectorError))

@@ -9,7 +9,11 @@ Where the work runs (chosen by measurement, see docs/connector.md "Where the wor
     other request for the whole transfer.
   * saves (``save_async``, default): the prompt's KV is copied out of the paged cache inside
     ``wait_for_save`` (a memory copy) and a background thread encodes and stores it, so the
-    request's first token does not wait for the encoder or the store.
+    request's first token does not wait for the encoder or the store. The thread writes the
+    first pass of every queued save (each chunk at the levels that make it loadable, in prefix
+    order) before any save's other levels, and pauses while a load runs in this worker; the
+    scheduler hears which saves finished their first pass (``LoadReports.saved``) and holds
+    back a request whose leading chunks are still in one (``save_wait_ms``).
   * not layer by layer: a CacheGen chunk carries all layers of its tokens, so the first layer
     is complete only when the last chunk is decoded; per-layer hand-off would gain nothing.
 """
@@ -20,7 +24,9 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,12 +34,14 @@ import torch
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.layouts import CpuPackedLayout, PagedLayout, layout_for_layer
 from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
-from cachegen.connector.transport import ChunkTransport
+from cachegen.connector.transport import ChunkTransport, SaveRecord
 from cachegen.kv import KVCache, ModelIdentity
 
 logger = logging.getLogger(__name__)
 
-SAVE_QUEUE_DEPTH = 4  # prompts waiting to be encoded; more are dropped (a cache may miss)
+SAVE_QUEUE_DEPTH = 4  # prompts held for saving; more are dropped (a cache may miss)
+SAVE_YIELD_S = 1.0  # longest a save waits, per record, for the loads running in this worker
+SAVE_IDLE_WAIT_S = 0.02  # longest wait of an idle engine step for a save's first pass
 RATE_MIN_TOKENS = 256  # steps with fewer tokens say little about the prefill rate
 RATE_EWMA = 0.5
 IDLE_WAIT_S = 0.005  # longest wait of an idle engine step for a background load to finish
@@ -53,8 +61,8 @@ def _whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
 class _Background:
     """One daemon thread running queued jobs in order; ``pending`` counts unfinished jobs."""
 
-    def __init__(self, name: str, depth: int = 0) -> None:
-        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=depth)
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -89,6 +97,163 @@ class _Background:
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1)
 
 
+@dataclass(eq=False)
+class _SaveJob:
+    """One prompt's save: its KV until the saver thread plans it, then the records of its first
+    pass and the rest (``ChunkTransport.save_records``)."""
+
+    task: SaveTask
+    kv: KVCache | None
+    first: deque[SaveRecord] = field(default_factory=deque)
+    rest: deque[SaveRecord] = field(default_factory=deque)
+    written: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    first_pass_reported: bool = False
+
+
+class _Saver:
+    """One daemon thread writing save jobs a record at a time: the first pass of every queued job
+    before any job's other levels (a repeat of a prompt needs its chunks loadable, not every
+    level), and each record of the other levels after ``wait_loads`` (a load in this worker
+    goes first, for at most ``SAVE_YIELD_S``). ``on_first_pass(job)`` runs once per job, when
+    its first pass is stored or the job is given up; at most ``depth`` jobs are held (with
+    their KV)."""
+
+    def __init__(
+        self,
+        plan: Callable[[SaveTask, KVCache], list[SaveRecord]],
+        write: Callable[[SaveRecord], int],
+        wait_loads: Callable[[float], None],
+        on_first_pass: Callable[[_SaveJob], None],
+        depth: int,
+    ) -> None:
+        self._plan, self._write = plan, write
+        self._wait_loads, self._on_first_pass = wait_loads, on_first_pass
+        self._depth = depth
+        self._cond = threading.Condition()
+        self._first: deque[_SaveJob] = deque()  # first pass not done, oldest first
+        self._rest: deque[_SaveJob] = deque()  # first pass done, other levels to write
+        self._busy = False  # a record is being written
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="cachegen-save", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _SaveJob) -> bool:
+        """Queue ``job``; when ``depth`` jobs are held, the oldest job's other levels make
+        room (its chunks are loadable already), else ``job`` is refused (False)."""
+        dropped = None
+        with self._cond:
+            if len(self._first) + len(self._rest) >= self._depth:
+                if not self._rest:
+                    return False
+                dropped = self._rest.popleft()
+            self._first.append(job)
+            self._cond.notify_all()
+        if dropped is not None:
+            logger.warning(
+                "request %s: save queue full, storing only the first level of its chunks",
+                dropped.task.req_id,
+            )
+        return True
+
+    def _take(self) -> tuple[_SaveJob, SaveRecord]:
+        """The next record to write (the lock is held): the oldest first pass's, else the
+        oldest other levels'."""
+        from_first = bool(self._first)
+        jobs = self._first if from_first else self._rest
+        job = jobs[0]
+        records = job.first if from_first else job.rest
+        record = records.popleft()
+        if not records:
+            jobs.popleft()
+            if from_first and job.rest:
+                self._rest.append(job)
+        return job, record
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._first or self._rest or self._closing)
+                if not (self._first or self._rest):
+                    return
+                head = self._first[0] if self._first else None
+            if head is None:  # other levels; a request may be held back for a first pass
+                self._wait_loads(SAVE_YIELD_S)
+            elif head.kv is not None and not self._planned(head):
+                continue
+            with self._cond:
+                if not (self._first or self._rest) or (
+                    self._first and self._first[0].kv is not None
+                ):
+                    continue  # nothing left, or a new first pass to plan
+                job, record = self._take()
+                self._busy = True
+            try:
+                job.written += self._write(record)
+            except Exception:  # noqa: BLE001 - a failed save is a future cache miss, never a crash
+                logger.exception("request %s: storing its KV failed", job.task.req_id)
+                self._give_up(job)
+            else:
+                if record.first and not job.first:
+                    self._first_pass_over(job)
+                if not job.first and not job.rest:
+                    logger.debug(
+                        "request %s: stored %d bytes in %.3f s",
+                        job.task.req_id,
+                        job.written,
+                        time.perf_counter() - job.started,
+                    )
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _planned(self, job: _SaveJob) -> bool:
+        """Turn ``job``'s KV into its records (here, not in the engine step: the first use of a
+        codec builds it); False when that failed and the job was given up."""
+        try:
+            records = self._plan(job.task, job.kv)
+        except Exception:  # noqa: BLE001 - a failed save is a future cache miss, never a crash
+            logger.exception("request %s: planning its save failed", job.task.req_id)
+            records = []
+        job.kv = None
+        job.first.extend(r for r in records if r.first)
+        job.rest.extend(r for r in records if not r.first)
+        if not job.first:
+            self._give_up(job)
+            return False
+        return True
+
+    def _first_pass_over(self, job: _SaveJob) -> None:
+        if not job.first_pass_reported:
+            job.first_pass_reported = True
+            self._on_first_pass(job)
+
+    def _give_up(self, job: _SaveJob) -> None:
+        with self._cond:
+            for jobs in (self._first, self._rest):
+                if job in jobs:
+                    jobs.remove(job)
+            job.first.clear()
+            job.rest.clear()
+        self._first_pass_over(job)
+
+    def close(self, timeout: float) -> None:
+        """Finish the queued jobs for at most ``timeout`` seconds, then drop the rest."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: not (self._first or self._rest or self._busy), timeout=timeout
+            )
+            left = list(self._first)
+            self._first.clear()
+            self._rest.clear()
+            self._closing = True
+            self._cond.notify_all()
+        for job in left:
+            self._first_pass_over(job)
+        self._thread.join(timeout=1)
+
+
 class WorkerSide:
     def __init__(
         self,
@@ -111,14 +276,26 @@ class WorkerSide:
         self._caches: list[torch.Tensor] = []  # one per layer, in layer order
         self._layout: PagedLayout | None = None  # the same for every layer
         self._lock = threading.Lock()  # guards the collections below (loader thread)
-        self._load_done = threading.Condition(self._lock)
-        self._in_flight = 0  # background loads submitted and not finished
+        self._progress = threading.Condition(self._lock)  # a load or a save's first pass ended
+        self._in_flight = 0  # loads submitted and not finished (background or inline)
+        self._saving: set[int] = set()  # save ids whose first pass is not stored yet
+        self._saved: list[int] = []  # save ids whose first pass ended, not reported yet
         self._invalid_blocks: set[int] = set()
         self._reports: dict[str, dict[str, Any]] = {}
         self._finished_loads: set[str] = set()
         self._failed_inline: set[str] = set()
         self._loader = _Background("cachegen-load")
-        self._saver = _Background("cachegen-save", SAVE_QUEUE_DEPTH) if save_async else None
+        self._saver = (
+            _Saver(
+                self._save_records,
+                transport.write,
+                self._wait_for_loads,
+                self._first_pass_over,
+                SAVE_QUEUE_DEPTH,
+            )
+            if save_async
+            else None
+        )
         self._step_started = 0.0
         self.prefill_tokens_per_s: float | None = None  # measured on this engine's prefill steps
 
@@ -224,9 +401,9 @@ class WorkerSide:
 
     def start_loads(self, meta: StepMetadata) -> None:
         for task in meta.loads:
+            with self._lock:
+                self._in_flight += 1
             if task.in_background:
-                with self._lock:
-                    self._in_flight += 1
                 self._loader.submit(lambda task=task: self._load(task))
             else:
                 self._load(task)
@@ -280,8 +457,8 @@ class WorkerSide:
             self._reports[task.req_id] = report
             if task.in_background:
                 self._finished_loads.add(task.req_id)
-                self._in_flight -= 1
-                self._load_done.notify_all()
+            self._in_flight -= 1
+            self._progress.notify_all()
         if error is not None:
             logger.warning(
                 "request %s: loaded %d of %d tokens, recomputing the rest: %s",
@@ -295,12 +472,16 @@ class WorkerSide:
         """Background loads done since the last call (their failed blocks are reported with them).
 
         ``idle``: vLLM had nothing to compute this step. It then steps again at once, only to
-        ask whether a load finished; waiting here a few milliseconds (woken the moment a load
-        ends) keeps that loop from spinning and taking the CPU from the loader thread.
+        ask whether a load finished (or, for a request the scheduler holds back, whether a
+        save's first pass did); waiting here a few milliseconds (woken the moment one ends)
+        keeps that loop from spinning and taking the CPU from the loader and saver threads.
         """
         with self._lock:
-            if idle and self._in_flight and not self._finished_loads:
-                self._load_done.wait(timeout=IDLE_WAIT_S)
+            if idle and not (self._finished_loads or self._saved):
+                if self._in_flight:
+                    self._progress.wait(timeout=IDLE_WAIT_S)
+                elif self._saving:
+                    self._progress.wait(timeout=SAVE_IDLE_WAIT_S)
             done, self._finished_loads = self._finished_loads, set()
         return done
 
@@ -312,7 +493,8 @@ class WorkerSide:
     def take_reports(self) -> LoadReports | None:
         with self._lock:
             reports, self._reports = self._reports, {}
-        return LoadReports(reports) if reports else None
+            saved, self._saved = self._saved, []
+        return LoadReports(reports, saved) if reports or saved else None
 
     # ---- saves ---------------------------------------------------------------------------------
 
@@ -332,9 +514,11 @@ class WorkerSide:
         self._measure_step(meta)
         with self._lock:
             failed, self._failed_inline = self._failed_inline, set()
+            self._saving.update(task.save_id for task in meta.saves)
         for task in meta.saves:
             if task.req_id in failed:
-                continue  # its cache holds KV that vLLM is about to recompute
+                self._first_pass_ended(task.save_id)  # vLLM recomputes what its cache holds
+                continue
             kv = self.gather(
                 task.block_ids,
                 task.token_ids,
@@ -343,10 +527,18 @@ class WorkerSide:
             )
             if self._saver is None:
                 self._save(task, kv)
-            elif not self._saver.submit(lambda task=task, kv=kv: self._save(task, kv)):
+                continue
+            if not self._saver.submit(_SaveJob(task, kv)):
                 logger.warning("request %s: save queue full, not storing this prefix", task.req_id)
+                self._first_pass_ended(task.save_id)
+
+    def _save_records(self, task: SaveTask, kv: KVCache) -> list[SaveRecord]:
+        return self.transport.save_records(
+            task.token_ids, kv, task.modes, task.sliding_from, task.salt
+        )
 
     def _save(self, task: SaveTask, kv: KVCache) -> None:
+        """Store ``kv`` inside this engine step (``save_async=false``)."""
         t0 = time.perf_counter()
         try:
             nbytes = self.transport.save(
@@ -354,10 +546,27 @@ class WorkerSide:
             )
         except Exception:  # noqa: BLE001 - a failed save is a future cache miss, never a crash
             logger.exception("request %s: storing its KV failed", task.req_id)
-            return
+            nbytes = 0
+        self._first_pass_ended(task.save_id)
         logger.debug(
             "request %s: stored %d bytes in %.3f s", task.req_id, nbytes, time.perf_counter() - t0
         )
+
+    def _first_pass_over(self, job: _SaveJob) -> None:
+        self._first_pass_ended(job.task.save_id)
+
+    def _first_pass_ended(self, save_id: int) -> None:
+        """Tell the scheduler (next report) that save ``save_id`` stored its first pass, or
+        never will: it stops holding back requests for it."""
+        with self._lock:
+            self._saving.discard(save_id)
+            self._saved.append(save_id)
+            self._progress.notify_all()
+
+    def _wait_for_loads(self, timeout: float) -> None:
+        """Return when no load runs in this worker, or after ``timeout`` seconds."""
+        with self._lock:
+            self._progress.wait_for(lambda: not self._in_flight, timeout=timeout)
 
     def shutdown(self) -> None:
         self._loader.close(timeout=30)

@@ -152,7 +152,7 @@ class AdaptiveController:
         arrived. Recomputation starts once the loaded prefix is in.
         """
         backlog = sum(self.decode_spt[lv] * self.tokens[j] for j, lv in self._chosen.items())
-        chunks = [(index, now)] + [(j, rest) for j in range(index + 1, self.n)]
+        chunks = [(index, now)] + [(j, self._stored_as(j, rest)) for j in range(index + 1, self.n)]
         loaded = [(j, lv) for j, lv in chunks if lv != RECOMPUTE]
         if any(self.sizes[lv][j] is None for j, lv in loaded):
             return float("inf")  # not stored at that level
@@ -161,6 +161,16 @@ class AdaptiveController:
         last = self.decode_spt[loaded[-1][1]] * self.tokens[loaded[-1][0]] if loaded else 0.0
         recompute = sum(self.tokens[j] for j, lv in chunks if lv == RECOMPUTE) / self.prefill_tps
         return max(transfer + last, decode) + recompute
+
+    def _stored_as(self, index: int, level: int | str) -> int | str:
+        """``level`` if chunk ``index`` is stored at it, else the next finer level it is stored
+        at (else the next coarser): what a later chunk costs where a store holds only some of
+        its levels (a save still writing them)."""
+        if level == RECOMPUTE or self.sizes[level][index] is not None:
+            return level
+        at = self.levels.index(level)
+        order = self.levels[at + 1 :] + self.levels[:at][::-1]
+        return next((lv for lv in order if self.sizes[lv][index] is not None), level)
 
     def estimate(self, index: int, choice: int | str, inflight_bytes: int = 0) -> float:
         """Seconds to finish the load from chunk ``index`` on, every chunk at ``choice``."""

@@ -1,4 +1,4 @@
-"""``cachegen ttft table|timeline|placement|window``: TTFT and loads through vLLM with the
+"""``cachegen ttft table|timeline|placement|window|repeat``: TTFT and loads through vLLM with the
 connector (docs/connector.md)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from cachegen.fileio import versioned, write_atomic
+from cachegen.lab.bench.links import UNLIMITED
 
 # --json documents: schema name and the row kind of rows.schema.json (placement rows are not
 # measurement rows of one request)
@@ -16,6 +17,7 @@ DOCUMENTS = {
     "timeline": ("cachegen-ttft-timeline", "timeline"),
     "placement": ("cachegen-ttft-placement", None),
     "window": ("cachegen-ttft-window", None),
+    "repeat": ("cachegen-ttft-repeat", None),
 }
 VERSION = 1
 
@@ -31,7 +33,13 @@ def register(subparsers) -> None:
     t = actions.add_parser("table", help="TTFT per mode, level and bandwidth")
     t.add_argument("--model", default="smollm2-135m")
     t.add_argument("--contexts", type=int, nargs="+", default=[1536, 4096])
-    t.add_argument("--bandwidths", type=float, nargs="+", default=[100, 500, 1000])
+    t.add_argument(
+        "--bandwidths",
+        type=lambda text: None if text == UNLIMITED else float(text),
+        nargs="+",
+        default=[100, 500, 1000, 5000, 20000, None],
+        help=f"link rates in Mbit/s, or {UNLIMITED} (default: 100 500 1000 5000 20000 {UNLIMITED})",
+    )
     t.add_argument(
         "--modes",
         nargs="+",
@@ -80,7 +88,19 @@ def register(subparsers) -> None:
     )
     w.add_argument("--modes", nargs="+", default=["raw", "cachegen"], choices=["raw", "cachegen"])
     w.set_defaults(func=_window)
-    for q in (t, tl, pl, w):
+    r = actions.add_parser(
+        "repeat",
+        help="delay from a prefill's end to its chunks being loadable; an immediate repeat's TTFT",
+        description="With the connector's default storage, measure how long after a prefill "
+        "every whole chunk of its prompt is loadable (and every level stored), and the TTFT "
+        "of a second question sent the moment the first answer ends.",
+    )
+    r.add_argument("--model", default="smollm2-135m")
+    r.add_argument("--context", type=int, default=3072, help="document tokens")
+    r.add_argument("--output-tokens", type=int, default=32, help="tokens of each answer")
+    r.add_argument("--repeats", type=int, default=3)
+    r.set_defaults(func=_repeat)
+    for q in (t, tl, pl, w, r):
         q.add_argument(
             "--json", type=Path, help="also write every row to this JSON file (schema and version)"
         )
@@ -126,6 +146,16 @@ def _window(args: argparse.Namespace) -> int:
     with window_bench(args.model, args.context) as bench:
         rows = window_rows(bench, args.context, args.modes)
     return _emit(args, rows, window_markdown(rows))
+
+
+def _repeat(args: argparse.Namespace) -> int:
+    from cachegen.lab.bench.repeat import repeat_bench, repeat_markdown, repeat_rows
+
+    with repeat_bench(args.model, args.context) as bench:
+        rows = repeat_rows(
+            bench, args.context, output_tokens=args.output_tokens, repeats=args.repeats
+        )
+    return _emit(args, rows, repeat_markdown(rows))
 
 
 def _emit(args: argparse.Namespace, rows: list[dict], text: str) -> int:
