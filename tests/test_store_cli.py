@@ -32,8 +32,11 @@ def test_put_lookup_ls_stats_evict(tmp_path, kv_dir, capsys):
     assert put["chunks"] == 3 and put["levels"] == [0] and put["bytes"] > 0
     look = run(capsys, "store", "lookup", str(kv_dir), "--codec", "int8", "--store", url, "--json")
     assert look["stored_prefix_chunks"] == 3 and look["stored_prefix_tokens"] == 600
-    assert len(run(capsys, "store", "ls", "--store", url, "--json")) == 3
+    listing = run(capsys, "store", "ls", "--store", url, "--json")
+    assert listing["schema"] == "cachegen-store-ls" and len(listing["entries"]) == 3
     stats = run(capsys, "store", "stats", "--store", url, "--json")
+    assert (put["schema"], stats["schema"]) == ("cachegen-store-put", "cachegen-store-stats")
+    assert {put["version"], look["version"], stats["version"]} == {1}
     assert stats["entries"] == 3 and stats["payload_bytes"] == put["bytes"]
     key = put["keys"][1]
     got = tmp_path / "chunk.bin"

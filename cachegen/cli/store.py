@@ -97,7 +97,16 @@ def _keys(args, codec, kv) -> list[str]:
 
 
 def _out(args, data, text: str) -> int:
-    print(json.dumps(data, indent=2) if args.json else text)
+    """Print ``text``, or with ``--json`` ``data`` as a document of schema
+    ``cachegen-store-<action>`` (version 1); a list becomes its ``entries``."""
+    if args.json:
+        if isinstance(data, list):
+            data = {"entries": data}
+        if "schema" not in data:
+            data = {"schema": f"cachegen-store-{args.store_command}", "version": 1, **data}
+        print(json.dumps(data, indent=2))
+    else:
+        print(text)
     return 0
 
 
