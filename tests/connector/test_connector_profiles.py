@@ -67,8 +67,14 @@ def test_damaged_tables_in_the_store_recompute_with_the_reason(
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
-    # The engine now has no tables of its own: an empty tables directory, none in memory.
+    # The engine now has no tables of its own: an empty tables directory, none in memory, and
+    # no tables from the stores of other engines still alive in this test session.
     monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))
+    label = engine.transport.store.label
+    own = [p for p in tables_mod._providers if getattr(p, "store", None) is not None]
+    own = [p for p in own if p.store.label == label]  # the connector's and the test's view
+    assert own
+    monkeypatch.setattr(tables_mod, "_providers", [tables_mod.LOCAL, *own])
     tables_mod.forget_cached_tables()
     try:
         refused = engine.run(ids, mode="cachegen", level=2)

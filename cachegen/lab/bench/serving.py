@@ -203,13 +203,16 @@ async def concurrency(
 
 
 def _compare_answers(results: list[dict[str, Any]]) -> None:
-    """Count, per mode, the answers equal to the ``recompute`` server's answer to the same
-    document and question."""
+    """Count, per run, the answers equal to the first ``recompute`` run's answer to the same
+    document and question (further ``recompute`` runs show how much recomputing alone varies
+    under concurrency)."""
     baseline = next((r for r in results if r["mode"] == RECOMPUTE), None)
     if baseline is None:
         return
     expected = {(r["document"], r["question"]): r["text"] for r in baseline["rows"]}
     for result in results:
+        if result is baseline:
+            continue
         result["answers_equal_recompute"] = sum(
             r["error"] is None and expected.get((r["document"], r["question"])) == r["text"]
             for r in result["rows"]
@@ -228,13 +231,18 @@ def serve_bench(
     requests: int = REQUESTS_PER_CLIENT,
     documents_count: int = DOCUMENTS,
     max_tokens: int = MAX_TOKENS,
+    recompute_runs: int = 1,
 ) -> dict[str, Any]:
-    """Start one server per mode in turn and measure ``pair`` and ``concurrency`` on it."""
+    """Start one server per mode in turn and measure ``pair`` and ``concurrency`` on it; the
+    ``recompute`` server's concurrent phase runs ``recompute_runs`` times (answers of later runs
+    are compared with the first run's, like every other mode's)."""
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise InputError(f"modes {unknown} are not measured here; choose from {', '.join(MODES)}")
-    if min(clients, requests, documents_count) < 1:
-        raise InputError("--clients, --requests and --documents must be at least 1")
+    if min(clients, requests, documents_count, recompute_runs) < 1:
+        raise InputError(
+            "--clients, --requests, --documents and --recompute-runs must be at least 1"
+        )
     from cachegen.lab.bench.openai_server import OpenAIServer
 
     docs = documents(model, 1 + documents_count, context_tokens)
@@ -244,15 +252,20 @@ def serve_bench(
         with OpenAIServer(model, mode=mode, max_model_len=context_tokens + 512) as server:
             progress(f"mode {mode}: question 1, question 2 right after, question 3 after saving")
             pairs.append(asyncio.run(pair(server, docs[0], max_tokens)))
-            progress(f"mode {mode}: {clients} clients x {requests} requests")
-            runs.append(
-                asyncio.run(
-                    concurrency(
-                        server, docs[1:], clients=clients, requests=requests, max_tokens=max_tokens
+            for _ in range(recompute_runs if mode == RECOMPUTE else 1):
+                progress(f"mode {mode}: {clients} clients x {requests} requests")
+                runs.append(
+                    asyncio.run(
+                        concurrency(
+                            server,
+                            docs[1:],
+                            clients=clients,
+                            requests=requests,
+                            max_tokens=max_tokens,
+                        )
                     )
                 )
-            )
-            progress(f"mode {mode}: {runs[-1]['errors']} errors")
+                progress(f"mode {mode}: {runs[-1]['errors']} errors")
     _compare_answers(runs)
     return versioned(
         SCHEMA,
@@ -295,7 +308,7 @@ def markdown(result: dict[str, Any]) -> str:
     for run in result["concurrency"]:
         equal = run["answers_equal_recompute"]
         equal_text = "-" if equal is None else f"{equal} of {run['requests']}"
-        if run["mode"] == RECOMPUTE:
+        if run["mode"] == RECOMPUTE and equal is None:
             equal_text = "(the reference)"
         lines.append(
             f"| {run['mode']} | {run['clients']} x {run['requests_per_client']} | {run['errors']} "

@@ -62,6 +62,14 @@ def register(subparsers) -> None:
         help="output tokens per request (default: %(default)s)",
     )
     p.add_argument(
+        "--recompute-runs",
+        type=int,
+        default=1,
+        help="times the recompute server's concurrent phase runs; later runs are compared with "
+        "the first, which shows how much recomputing alone varies under concurrency "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print the result as JSON (schema and version) instead of tables",
@@ -78,6 +86,7 @@ def _serve_bench(args: argparse.Namespace) -> int:
         requests=args.requests,
         documents_count=args.documents,
         max_tokens=args.max_tokens,
+        recompute_runs=args.recompute_runs,
     )
     print(json.dumps(result, indent=1) if args.json else serving.markdown(result))
     return 0
