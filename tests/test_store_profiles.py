@@ -66,19 +66,7 @@ def store(request, tmp_path):
 
 def damage(store, tables_id: str) -> None:
     """Flip one byte of the stored tables record's payload."""
-    if store.url.startswith("file:"):
-        path = store.root / "tables" / f"{tables_id}.cgc"
-        data = bytearray(path.read_bytes())
-        data[-100] ^= 0x01
-        path.write_bytes(bytes(data))
-    else:
-        import redis
-
-        client, name = redis.Redis.from_url(store.url), f"{store.prefix}:tables:{tables_id}"
-        data = bytearray(client.get(name))
-        data[-100] ^= 0x01
-        client.set(name, bytes(data))
-        client.close()
+    damage_record(store, "tables", tables_id, at=-100)
 
 
 def test_tables_round_trip_once_and_apart_from_chunks(store, tiny_tables):
@@ -299,19 +287,19 @@ def test_store_put_command_stores_the_tables_first(tiny_llama, tiny_kv, tmp_path
 # ---- the profile document and the adopted-profile pointer ------------------------------------
 
 
-def damage_record(store, kind: str, name: str) -> None:
-    """Flip one byte near the end of a stored profile document or pointer record."""
+def damage_record(store, kind: str, name: str, at: int = -5) -> None:
+    """Flip the byte at ``at`` of a stored tables, profile document or pointer record."""
     if store.url.startswith("file:"):
         path = store.root / kind / f"{name}.cgc"
         data = bytearray(path.read_bytes())
-        data[-5] ^= 0x01
+        data[at] ^= 0x01
         path.write_bytes(bytes(data))
     else:
         import redis
 
         client, key = redis.Redis.from_url(store.url), f"{store.prefix}:{kind}:{name}"
         data = bytearray(client.get(key))
-        data[-5] ^= 0x01
+        data[at] ^= 0x01
         client.set(key, bytes(data))
         client.close()
 
