@@ -189,6 +189,54 @@ def test_real_kv_packs_to_the_same_kv_at_about_the_bin_width(smollm2):
         assert inspect(coded)["bits_per_element"] < bpe
 
 
+@pytest.mark.parametrize("head_dim", [2, 4, 8, 64, 128, 256])
+def test_decoders_hadamard_row_is_the_hadamard_product(head_dim):
+    """Both forms undo the Hadamard rotation with ``qkernels.hadamard_row`` (a fast transform
+    with its own rounding): exactly the matrix product where every sum is exact (small
+    integers), and within float32 rounding of it elsewhere."""
+    from cachegen.codec import quant
+    from cachegen.codec.qkernels import store_transformed
+
+    matrix = quant.hadamard_matrix(head_dim).double()
+    gen = torch.Generator().manual_seed(head_dim)
+    exact = torch.randint(-64, 65, (3, 5, head_dim), generator=gen).float()
+    rough = torch.randn(3, 5, head_dim, generator=gen) * 5
+    none = np.empty((1, 1), np.float32)
+    for src in (exact, rough):
+        out = torch.empty_like(src)
+        store_transformed(
+            src.numpy(), True, none, none, False, out.numpy(), np.empty((0, 0, 0), np.uint16)
+        )
+        expected = (src.double() @ matrix).float()
+        if src is exact and head_dim in (4, 64, 256):  # 1/sqrt(head_dim) is a power of two
+            assert torch.equal(out, expected)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5 * float(src.abs().max()))
+
+
+@pytest.mark.parametrize("level", [2, 4, 6])
+def test_frames_decoded_together_are_the_frames_decoded_one_by_one(level, smollm2):
+    """``decode`` hands every frame's streams to the threads at once when the kernels write
+    the output themselves: the same KV as frame by frame, bit for bit, with the rotations of
+    the calibrated levels (4: Hadamard and rotary angles, 6: rotary angles) undone."""
+    from cachegen import workload
+    from cachegen.codec.api import _open
+    from cachegen.extract import extract_kv
+
+    kv = extract_kv(smollm2, text=workload.text("eval")[:1500]).slice(3, 203)
+    codec = codec_for("cachegen", smollm2, chunk_tokens=64)
+    for form in (CODED, PACKED):
+        blob = codec.encode(kv, level, form=form)
+        header, _, frames, decoder = _open(blob)
+        for dtype in (torch.bfloat16, torch.float32):
+            together = decoder.decode(frames, dtype)
+            one_by_one = torch.empty_like(together)
+            offset = 0
+            for frame in frames:
+                decoder.decode_frame(frame, one_by_one, offset)
+                offset += len(frame.token_ids)
+            assert torch.equal(bits(together), bits(one_by_one))
+
+
 def test_unknown_form_is_refused(tiny_kv, tiny_llama):
     codec = codec_for("cachegen", tiny_llama)
     with pytest.raises(CodecError, match="unknown form"):

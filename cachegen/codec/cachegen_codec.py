@@ -40,13 +40,12 @@ from cachegen.codec import packed, rans
 from cachegen.codec.base import Codec, FrameDecoder
 from cachegen.codec.bitstream import CODED, FORMS, PACKED, Frame, Header, pack_frame, pack_header
 from cachegen.codec.errors import CodecError
-from cachegen.codec.parallel import run_batches
+from cachegen.codec.parallel import run_batches, run_jobs
 from cachegen.codec.profile import Profile, load_profile
-from cachegen.codec.qkernels import store_rotated
+from cachegen.codec.qkernels import store_transformed
 from cachegen.codec.quant import (
     QuantConfig,
     exact_count,
-    hadamard_matrix,
     max_level,
     num_scales,
     quantize_chunk,
@@ -298,6 +297,10 @@ class _LevelDecoder(FrameDecoder):
     dequantizing the symbols into the output (then undoing the level's transforms). A
     subclass reads the symbols: :meth:`_symbol_kernel`."""
 
+    # whether the symbol kernel undoes the level's transforms row by row (it then takes the
+    # arguments of ``_row_transform`` after the dequantization arguments)
+    transforms_rows = False
+
     def __init__(self, header: Header, config: QuantConfig, tables_id: str) -> None:
         super().__init__(header)
         self.config = config  # the level's config, every layer of the model
@@ -351,7 +354,44 @@ class _LevelDecoder(FrameDecoder):
         ``k`` is corrupt)."""
         raise NotImplementedError
 
+    def decode(self, frames: list[Frame], out_dtype: torch.dtype) -> torch.Tensor:
+        """Every frame's streams in one hand-out to the threads when the kernels write the
+        output themselves (no frame needs the shared float32 scratch), else frame by frame."""
+        if not self._writes_output(out_dtype):
+            return super().decode(frames, out_dtype)
+        for frame in frames:
+            self.check(frame)
+        h = self.header
+        out = torch.empty(
+            (2, h.num_layers, h.num_kv_heads, h.num_tokens, h.head_dim), dtype=out_dtype
+        )
+        jobs, offset = [], 0
+        for frame in frames:
+            jobs.append(self._frame_job(frame, out, offset))
+            offset += len(frame.token_ids)
+        run_jobs([(kernel, work) for kernel, work, _ in jobs])
+        for _, _, finish in jobs:
+            finish()
+        return out
+
+    def _writes_output(self, out_dtype: torch.dtype) -> bool:
+        """Whether the symbol kernel writes the final values into the output itself."""
+        config = self.layer_config
+        transformed = bool(config.hadamard or config.derotates)
+        return (
+            out_dtype in (torch.bfloat16, torch.float32)
+            and not config.group_size
+            and (not transformed or self.transforms_rows)
+        )
+
     def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
+        kernel, work, finish = self._frame_job(frame, out, token_offset)
+        run_batches(kernel, work)
+        finish()
+
+    def _frame_job(self, frame: Frame, out: torch.Tensor, token_offset: int):
+        """``(kernel, work, finish)``: run ``kernel`` on batches of the frame's streams
+        (``work``: their relative costs, as ``run_batches`` takes them), then ``finish()``."""
         h = self.header
         L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
         C, S = H * D, self.S
@@ -359,14 +399,15 @@ class _LevelDecoder(FrameDecoder):
         n = len(frame.token_ids)
         layout, scale_bytes = self._layout(n)
 
-        # Three paths: dequantize straight into ``out``; decode into a float32 scratch and let
-        # the kernel rotate it (Hadamard, rotary angles of keys) into ``out``; or decode,
-        # reconstruct in torch and copy (token locality, or an output dtype the kernels do not
-        # write).
-        writable = out.dtype in (torch.bfloat16, torch.float32)
+        # Three paths: dequantize straight into ``out`` (the packed form also undoes the
+        # Hadamard product and the rotary angles of keys row by row on the way); decode into a
+        # float32 scratch and let a kernel transform it into ``out``; or decode, reconstruct in
+        # torch and copy (token locality, or an output dtype the kernels do not write).
         transformed = bool(config.hadamard or config.derotates)
-        direct = writable and not config.group_size and not transformed
-        fused_rotation = writable and not config.group_size and transformed
+        direct = self._writes_output(out.dtype)
+        fused_rotation = (
+            out.dtype in (torch.bfloat16, torch.float32) and not config.group_size and not direct
+        )
         if direct:
             target, T, t0 = out, out.shape[3], token_offset
         else:
@@ -428,21 +469,21 @@ class _LevelDecoder(FrameDecoder):
             T,
         )
         decode_symbols = self._symbol_kernel(frame, ntok)
-        rotation = hadamard_matrix(D) if config.hadamard else None
         start = self._frame_start(frame)
         # (first layer, end layer, cos and sin or None) of each run of layers sharing a base
         rotary = [
             (a, b, rotary_cos_sin(start, n, D, theta) if theta else None)
             for a, b, theta in theta_runs(config.layer_thetas)
         ]
+        row_transform = _row_transform(config.hadamard, rotary, n, S, direct and transformed)
+        symbol_args = (*dequantize, *row_transform) if self.transforms_rows else dequantize
 
         def kernel(todo: np.ndarray) -> None:
-            decode_symbols(todo, status, *dequantize)
+            decode_symbols(todo, status, *symbol_args)
             if fused_rotation:
                 # Streams are (layer, K/V) without locality and ``todo`` is a contiguous range,
                 # so its keys and its values are each a contiguous run of layers: transform them
-                # while they are in cache, the Hadamard product in torch, the rotary angles and
-                # the store in one numba pass (both release the GIL).
+                # while they are in cache, in one numba pass (it releases the GIL).
                 for k in range(2):
                     layers = todo[todo % 2 == k] // 2
                     if not len(layers):
@@ -453,36 +494,37 @@ class _LevelDecoder(FrameDecoder):
                         if a >= b:
                             continue
                         block = target[k, a:b]
-                        if rotation is not None:
-                            block = block @ rotation
                         rows = out[k, a:b, :, token_offset : token_offset + n].view(-1, n, D)
                         rotate = k == 0 and angles is not None
                         cos, sin = angles if rotate else (_NO_ANGLES, _NO_ANGLES)
-                        store_rotated(
+                        store_transformed(
                             block.reshape(-1, n, D).numpy(),
+                            config.hadamard,
                             cos.numpy(),
                             sin.numpy(),
                             rotate,
                             *_strided_views(rows),
                         )
 
-        run_batches(kernel, ntok * C + 1)
-        if status.any():
-            raise CodecError(
-                f"frame {frame.index} is corrupt: {int(status.sum())} of {num} streams "
-                "do not decode cleanly"
-            )
-        if not direct and not fused_rotation:
-            for k, kind in enumerate(KINDS):
-                out[k, :, :, token_offset : token_offset + n] = reconstruct(
-                    target[k], config, kind, start
+        def finish() -> None:
+            if status.any():
+                raise CodecError(
+                    f"frame {frame.index} is corrupt: {int(status.sum())} of {num} streams "
+                    "do not decode cleanly"
                 )
-        e = self._exact_tokens(frame)
-        if e:
-            exact = torch.frombuffer(bytearray(frame.body[:exact_end]), dtype=h.dtype).view(
-                2, L, H, e, D
-            )
-            out[:, :, :, token_offset : token_offset + e] = exact
+            if not direct and not fused_rotation:
+                for k, kind in enumerate(KINDS):
+                    out[k, :, :, token_offset : token_offset + n] = reconstruct(
+                        target[k], config, kind, start
+                    )
+            e = self._exact_tokens(frame)
+            if e:
+                exact = torch.frombuffer(bytearray(frame.body[:exact_end]), dtype=h.dtype).view(
+                    2, L, H, e, D
+                )
+                out[:, :, :, token_offset : token_offset + e] = exact
+
+        return kernel, ntok * C + 1, finish
 
 
 class CacheGenDecoder(_LevelDecoder):
@@ -577,6 +619,8 @@ class PackedDecoder(_LevelDecoder):
     """The packed form: one width byte per stream, then the bit-packed streams. Needs no
     probability tables."""
 
+    transforms_rows = True  # its kernel undoes a level's transforms itself
+
     def __init__(self, header: Header, config: QuantConfig, tables_id: str) -> None:
         super().__init__(header, config, tables_id)
         self.widths = stream_widths(self.layer_config, self.S)
@@ -660,6 +704,25 @@ def _scratch(shape: tuple[int, ...]) -> torch.Tensor:
 
 
 _NO_ANGLES = torch.zeros(1, 1)
+
+
+def _row_transform(
+    hadamard: bool, rotary: list, n: int, segments: int, active: bool
+) -> tuple[bool, np.ndarray, np.ndarray, np.ndarray]:
+    """The transform arguments of ``packed.decode_streams`` for a frame of ``n`` tokens:
+    whether to undo the Hadamard product, the cos and sin rows of every run of layers with a
+    rotary base (``rotary`` as ``decode_frame`` builds it) stacked, and each stream's first
+    row of them (keys only; -1: not turned). Nothing to undo unless ``active``."""
+    angle_row = np.full(2 * segments * (rotary[-1][1] if rotary else 0), -1, dtype=np.int64)
+    runs = [(a, b, angles) for a, b, angles in rotary if angles is not None] if active else []
+    if not runs:
+        return hadamard and active, _NO_ANGLES.numpy(), _NO_ANGLES.numpy(), angle_row
+    for i, (a, b, _) in enumerate(runs):
+        for layer in range(a, b):  # keys: the first ``segments`` streams of the layer
+            angle_row[2 * segments * layer : 2 * segments * layer + segments] = i * n
+    cos = np.concatenate([angles[0].numpy() for _, _, angles in runs])
+    sin = np.concatenate([angles[1].numpy() for _, _, angles in runs])
+    return hadamard, cos, sin, angle_row
 
 
 def _strided_views(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -24,7 +24,7 @@ from numba.extending import intrinsic
 
 from cachegen.codec.bitstream import CODED, FORMS, PACKED
 from cachegen.codec.errors import CodecError
-from cachegen.codec.qkernels import f32_to_bf16
+from cachegen.codec.qkernels import f32_to_bf16, hadamard_row, store_row
 from cachegen.codec.quant import max_level
 
 PACKED_TAG = 1 << 15  # the store's u16 level slot: this bit marks a packed record
@@ -149,10 +149,11 @@ def _field_check(width, largest):
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
-def _emit_row(stream, first, width, head_dim, lut, lb, ls, out, o, largest, even, add, carry):
-    """Write symbols ``first .. first + head_dim`` of ``stream`` to ``out[o : o + head_dim]``,
-    symbol ``s`` of dim ``d`` as ``lut[lb + d * ls + s]``. Returns non-zero if a symbol is
-    above ``largest``."""
+def _emit_row(stream, first, width, head_dim, lut, lb, ls, out, o, spacing, largest, check):
+    """Write symbols ``first .. first + head_dim`` of ``stream`` to ``out[o + d * spacing]``,
+    symbol ``s`` of dim ``d`` as ``lut[lb + d * ls + s]`` (``check``: :func:`_field_check` of
+    ``width`` and ``largest``). Returns non-zero if a symbol is above ``largest``."""
+    even, add, carry = check
     mask = np.uint64((1 << width) - 1)
     uw = np.uint64(width)
     bad = np.uint64(0)
@@ -165,10 +166,11 @@ def _emit_row(stream, first, width, head_dim, lut, lb, ls, out, o, largest, even
             if ls:  # a table per channel
                 for j in range(8):
                     s = np.int64((v >> np.uint64(j * width)) & mask)
-                    out[o + 8 * g + j] = lut[lb + (8 * g + j) * ls + s]
+                    out[o + (8 * g + j) * spacing] = lut[lb + (8 * g + j) * ls + s]
             else:  # one table for the row: no multiply per symbol
                 for j in range(8):
-                    out[o + 8 * g + j] = lut[lb + np.int64((v >> np.uint64(j * width)) & mask)]
+                    s = np.int64((v >> np.uint64(j * width)) & mask)
+                    out[o + (8 * g + j) * spacing] = lut[lb + s]
             q += width
         return bad
     for d in range(head_dim):  # any head_dim, and rows at the very end of the stream
@@ -179,7 +181,7 @@ def _emit_row(stream, first, width, head_dim, lut, lb, ls, out, o, largest, even
             x |= np.uint64(stream[b + 1]) << np.uint64(8)
         s = np.int64((x >> np.uint64(bit & 7)) & mask)
         bad |= np.uint64(s > largest)
-        out[o + d] = lut[lb + d * ls + s]
+        out[o + d * spacing] = lut[lb + d * ls + s]
     return bad
 
 
@@ -201,6 +203,10 @@ def decode_streams(
     out_bf16,
     out_base,
     out_token_stride,
+    hadamard,
+    cos,
+    sin,
+    angle_row,
     todo,
     status,
 ):
@@ -213,6 +219,12 @@ def decode_streams(
     head, or per channel) and symbols are looked up in it: the float arithmetic per element,
     not the memory traffic, bounds a direct dequantization. ``status[k]`` becomes 1 when a
     symbol is outside the stream's alphabet, else 0.
+
+    A level's transforms are undone row by row while the row is in cache (the coded form does
+    the same arithmetic in ``qkernels.store_transformed``): every row times the Hadamard
+    matrix if ``hadamard``, then, if ``angle_row[k] >= 0``, turned by the rotary angles of rows
+    ``angle_row[k] + t`` of ``cos`` / ``sin`` (token ``t`` of the stream), then stored. Rows of
+    a transformed stream are the tokens of the frame in order (no token locality).
     """
     to_bf16 = out_bf16.shape[0] > 0
     size = 1
@@ -222,8 +234,9 @@ def decode_streams(
             _stream_scales(todo[i], num_channels, num_tokens, scale_stride, head_dim)
             << widths[todo[i]],
         )
+    # bfloat16 values go straight to the output; a transformed row needs float32 first
     lut16 = np.empty(size if to_bf16 else 0, dtype=np.uint16)
-    lut32 = np.empty(0 if to_bf16 else size, dtype=np.float32)
+    lut32 = np.empty(size, dtype=np.float32)
     rows = (
         num_channels,
         num_tokens,
@@ -240,11 +253,18 @@ def decode_streams(
         stream = data[byte_off[k] : byte_off[k + 1]]
         so = scale_off[k]
         ctr = np.float32(center[k])
+        transformed = hadamard or angle_row[k] >= 0
+        to_lut16 = to_bf16 and not transformed
         # a table of the values of every symbol under every scale of the stream
         for j in range(_stream_scales(k, num_channels, num_tokens, scale_stride, head_dim)):
-            _fill_values(lut16, lut32, j * symbols, symbols, ctr, scales[so + j], to_bf16)
+            _fill_values(lut16, lut32, j * symbols, symbols, ctr, scales[so + j], to_lut16)
         largest = 2 * center[k]
-        if to_bf16:
+        if transformed:
+            angles = (hadamard, cos, sin, angle_row[k])
+            bad = _emit_transformed(
+                stream, k, width, head_dim, lut32, out_f32, out_bf16, largest, rows, angles
+            )
+        elif to_bf16:
             bad = _emit_stream(stream, k, width, head_dim, lut16, out_bf16, largest, rows)
         else:
             bad = _emit_stream(stream, k, width, head_dim, lut32, out_f32, largest, rows)
@@ -272,14 +292,65 @@ def _emit_rows(stream, k, width, head_dim, lut, out, largest, rows):
     symbols = 1 << width
     T = num_tokens[k]
     sh, st, sc = scale_stride[k, 0], scale_stride[k, 1], scale_stride[k, 2]
-    even, add, carry = _field_check(width, largest)
+    check = _field_check(width, largest)
     bad = np.uint64(0)
     for h in range(num_channels[k] // head_dim):
         for t in range(T):
             o = out_base[k] + (h * out_token_stride + token_map[token_off[k] + t]) * head_dim
             lb = (h * sh + t * st + h * head_dim * sc) * symbols
             bad |= _emit_row(
-                stream, (h * T + t) * head_dim, width, head_dim, lut, lb, sc * symbols, out, o,
-                largest, even, add, carry,
+                stream, (h * T + t) * head_dim, width, head_dim, lut, lb, sc * symbols, out, o, 1,
+                largest, check,
             )  # fmt: skip
+    return bad
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _emit_transformed(stream, k, width, head_dim, lut, out_f32, out_bf16, largest, rows, angles):
+    """:func:`_emit_transformed_rows`, with a copy for each common head_dim."""
+    if head_dim == 64:
+        return _emit_transformed_rows(
+            stream, k, width, 64, lut, out_f32, out_bf16, largest, rows, angles
+        )
+    if head_dim == 128:
+        return _emit_transformed_rows(
+            stream, k, width, 128, lut, out_f32, out_bf16, largest, rows, angles
+        )
+    if head_dim == 256:
+        return _emit_transformed_rows(
+            stream, k, width, 256, lut, out_f32, out_bf16, largest, rows, angles
+        )
+    return _emit_transformed_rows(
+        stream, k, width, head_dim, lut, out_f32, out_bf16, largest, rows, angles
+    )
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _emit_transformed_rows(
+    stream, k, width, head_dim, lut, out_f32, out_bf16, largest, rows, angles
+):
+    """:func:`_emit_rows` through a float32 row that is transformed before it is stored
+    (``angles``: the transform arguments of ``decode_streams`` and the stream's first row of
+    angles, or -1): ``qkernels.store_transformed``'s arithmetic."""
+    num_channels, num_tokens, scale_stride, token_map, token_off, out_base, out_token_stride = rows
+    hadamard, cos, sin, first_angle = angles
+    inv_sqrt = np.float32(1.0 / np.sqrt(np.float64(head_dim)))
+    symbols = 1 << width
+    T = num_tokens[k]
+    sh, st, sc = scale_stride[k, 0], scale_stride[k, 1], scale_stride[k, 2]
+    check = _field_check(width, largest)
+    row = np.empty(head_dim, dtype=np.float32)
+    bad = np.uint64(0)
+    for h in range(num_channels[k] // head_dim):
+        for t in range(T):
+            o = out_base[k] + (h * out_token_stride + token_map[token_off[k] + t]) * head_dim
+            lb = (h * sh + t * st + h * head_dim * sc) * symbols
+            bad |= _emit_row(
+                stream, (h * T + t) * head_dim, width, head_dim, lut, lb, sc * symbols, row, 0, 1,
+                largest, check,
+            )  # fmt: skip
+            if hadamard:
+                hadamard_row(row, head_dim, inv_sqrt)
+            rotate = first_angle >= 0
+            store_row(row, cos, sin, first_angle + t, rotate, head_dim, out_f32, out_bf16, o)
     return bad

@@ -2,8 +2,9 @@
 
 The numba kernels release the GIL, so plain threads give real parallelism. Streams are
 split into contiguous batches of about equal work (symbols), a few per thread so a slow
-core does not hold everyone up. ``CACHEGEN_CODEC_THREADS`` overrides the thread count
-(default: the CPUs this process may run on).
+core does not hold everyone up; the calling thread takes batches too.
+``CACHEGEN_CODEC_THREADS`` overrides the thread count (default: the CPUs this process may
+run on).
 """
 
 from __future__ import annotations
@@ -42,16 +43,50 @@ def run_batches(kernel: Callable[[np.ndarray], None], work: np.ndarray) -> None:
 
     ``work[i]`` is the relative cost of stream ``i``.
     """
+    run_jobs([(kernel, work)])
+
+
+def run_jobs(jobs: list[tuple[Callable[[np.ndarray], None], np.ndarray]]) -> None:
+    """:func:`run_batches` for several ``(kernel, work)`` jobs at once (the frames of a
+    bitstream): one hand-out of batches for all of them, so threads wait once, not once per
+    job. The calling thread works too instead of waiting."""
+    threads = num_threads()
+    total = sum(float(np.sum(work)) for _, work in jobs)
+    tasks = []
+    for kernel, work in jobs:
+        share = float(np.sum(work)) / total if total else 1.0
+        parts = max(1, round(_BATCHES_PER_THREAD * threads * share)) if threads > 1 else 1
+        tasks += [(kernel, todo) for todo in _split(work, parts)]
+    pending = iter(tasks)  # shared: each thread takes the next batch (atomic under the GIL)
+
+    def drain() -> None:
+        for kernel, todo in pending:
+            kernel(todo)
+
+    helpers = [_executor(threads - 1).submit(drain) for _ in range(min(threads, len(tasks)) - 1)]
+    try:
+        drain()
+    finally:
+        # none may still write once this returns, even on an error; a helper that has not
+        # started has nothing left to do (and may be queued behind this very thread)
+        started = [future for future in helpers if not future.cancel()]
+        for future in started:
+            future.exception()
+    for future in started:
+        future.result()
+
+
+_BATCHES_PER_THREAD = 4  # a few per thread, so a slow core does not hold everyone up
+
+
+def _split(work: np.ndarray, parts: int) -> list[np.ndarray]:
+    """Contiguous ranges of stream indices of about equal ``work``, at most ``parts``."""
     count = len(work)
-    threads = min(num_threads(), count)
-    if threads <= 1:
-        kernel(np.arange(count, dtype=np.int64))
-        return
-    batches = min(count, 4 * threads)
+    parts = min(parts, count)
+    if parts <= 1:
+        return [np.arange(count, dtype=np.int64)] if count else []
     edges = np.searchsorted(
-        np.cumsum(work, dtype=np.float64), np.linspace(0, float(np.sum(work)), batches + 1)[1:-1]
+        np.cumsum(work, dtype=np.float64), np.linspace(0, float(np.sum(work)), parts + 1)[1:-1]
     )
     bounds = np.unique(np.concatenate([[0], edges, [count]]))
-    todo = [np.arange(a, b, dtype=np.int64) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    for future in [_executor(threads).submit(kernel, t) for t in todo]:
-        future.result()
+    return [np.arange(a, b, dtype=np.int64) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]

@@ -219,33 +219,151 @@ def quantize_layers(x, kind, inv, max_level, out, todo):
 # ---- the decoder's last step -----------------------------------------------------------------
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def store_rotated(src, cos, sin, rotate, out_f32, out_bf16):
-    """Write float32 ``src`` ``[rows, n, D]`` to ``out_bf16`` (bfloat16 bits) if that is
-    non-empty, else to ``out_f32`` (same shape, any strides), turned by the rotary angles
-    first if ``rotate``.
+@numba.njit(inline="always")
+def hadamard_row(v, head_dim, inv_sqrt):
+    """``v[:head_dim]`` times the orthonormal Sylvester Hadamard matrix, in place: butterflies
+    of span 1, 2, 4, ... (a fast Walsh-Hadamard transform, ``head_dim`` a power of two), then
+    one multiply by ``inv_sqrt`` (float32 ``1 / sqrt(head_dim)``). The matrix is symmetric, so
+    this is also its inverse; it rounds like no dense product does, so both forms of a level
+    call it (the coded form on its float32 scratch, the packed form on each row).
 
-    ``cos``/``sin`` are ``[n, D]`` as ``quant.rotary_cos_sin`` gives them; the arithmetic is
-    ``quant.apply_rotary``'s, bit for bit (torch's CPU kernels fuse the multiply-add, so this
-    does too). One pass instead of torch's four (product, two in-place updates, converting
-    copy), which is what made decoding the pre-RoPE levels fast (docs/codec.md, "Speed").
+    Spans 1, 2 and 4 run on eight values in registers, the wider ones eight lanes at a time
+    (the same additions in the same order, in fewer instructions)."""
+    span = 1
+    if head_dim % 8 == 0:
+        for g in range(0, head_dim, 8):
+            _hadamard8(v, g)
+        span = 8
+    while span < head_dim:
+        for first in range(0, head_dim, 2 * span):
+            if span % 8 == 0:
+                for j in range(first, first + span, 8):
+                    _butterfly8(v, j, j + span)
+            else:
+                for j in range(first, first + span):
+                    a = v[j]
+                    b = v[j + span]
+                    v[j] = a + b
+                    v[j + span] = a - b
+        span *= 2
+    for j in range(head_dim):
+        v[j] *= inv_sqrt
+
+
+@numba.njit(inline="always")
+def _hadamard8(v, g):
+    """Butterflies of span 1, 2 and 4 on ``v[g : g + 8]``."""
+    a0, a1, a2, a3 = v[g], v[g + 1], v[g + 2], v[g + 3]
+    a4, a5, a6, a7 = v[g + 4], v[g + 5], v[g + 6], v[g + 7]
+    b0, b1, b2, b3 = a0 + a1, a0 - a1, a2 + a3, a2 - a3
+    b4, b5, b6, b7 = a4 + a5, a4 - a5, a6 + a7, a6 - a7
+    c0, c1, c2, c3 = b0 + b2, b1 + b3, b0 - b2, b1 - b3
+    c4, c5, c6, c7 = b4 + b6, b5 + b7, b4 - b6, b5 - b7
+    v[g], v[g + 1], v[g + 2], v[g + 3] = c0 + c4, c1 + c5, c2 + c6, c3 + c7
+    v[g + 4], v[g + 5], v[g + 6], v[g + 7] = c0 - c4, c1 - c5, c2 - c6, c3 - c7
+
+
+@numba.njit(inline="always")
+def _butterfly8(v, p, q):
+    """``(v[p + i], v[q + i]) = (a + b, a - b)`` for ``i < 8``: every load before every store,
+    so the compiler can use vector operations (it cannot tell that the ranges are apart)."""
+    a0 = v[p + 0]
+    a1 = v[p + 1]
+    a2 = v[p + 2]
+    a3 = v[p + 3]
+    a4 = v[p + 4]
+    a5 = v[p + 5]
+    a6 = v[p + 6]
+    a7 = v[p + 7]
+    b0 = v[q + 0]
+    b1 = v[q + 1]
+    b2 = v[q + 2]
+    b3 = v[q + 3]
+    b4 = v[q + 4]
+    b5 = v[q + 5]
+    b6 = v[q + 6]
+    b7 = v[q + 7]
+    v[p + 0] = a0 + b0
+    v[p + 1] = a1 + b1
+    v[p + 2] = a2 + b2
+    v[p + 3] = a3 + b3
+    v[p + 4] = a4 + b4
+    v[p + 5] = a5 + b5
+    v[p + 6] = a6 + b6
+    v[p + 7] = a7 + b7
+    v[q + 0] = a0 - b0
+    v[q + 1] = a1 - b1
+    v[q + 2] = a2 - b2
+    v[q + 3] = a3 - b3
+    v[q + 4] = a4 - b4
+    v[q + 5] = a5 - b5
+    v[q + 6] = a6 - b6
+    v[q + 7] = a7 - b7
+
+
+@numba.njit(inline="always")
+def _turn(x1, x2, cos1, sin1, cos2, sin2):
+    """Channels ``d`` and ``d + D/2`` turned by their rotary angles: ``quant.apply_rotary``'s
+    arithmetic, bit for bit (torch's CPU kernels fuse the multiply-add, so this does too)."""
+    return fma32(-x2, sin1, x1 * cos1), fma32(x1, sin2, x2 * cos2)
+
+
+@numba.njit(inline="always")
+def store_row(v, cos, sin, t, rotate, head_dim, out_f32, out_bf16, o):
+    """Write float32 ``v[:head_dim]`` to ``out_bf16[o : o + head_dim]`` (bfloat16 bits) if that
+    is non-empty, else to ``out_f32``, turned by the rotary angles of row ``t`` of ``cos`` /
+    ``sin`` first if ``rotate``."""
+    half = head_dim // 2
+    to_bf16 = out_bf16.shape[0] > 0
+    for d in range(half):
+        x1 = v[d]
+        x2 = v[d + half]
+        if rotate:
+            x1, x2 = _turn(x1, x2, cos[t, d], sin[t, d], cos[t, d + half], sin[t, d + half])
+        if to_bf16:
+            out_bf16[o + d] = f32_to_bf16(x1)
+            out_bf16[o + d + half] = f32_to_bf16(x2)
+        else:
+            out_f32[o + d] = x1
+            out_f32[o + d + half] = x2
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def store_transformed(src, hadamard, cos, sin, rotate, out_f32, out_bf16):
+    """Write float32 ``src`` ``[rows, n, D]`` to ``out_bf16`` (bfloat16 bits) if that is
+    non-empty, else to ``out_f32`` (same shape, any strides): each row times the Hadamard
+    matrix (:func:`hadamard_row`) if ``hadamard``, then turned by the rotary angles if
+    ``rotate`` (:func:`store_row`'s arithmetic).
+
+    ``cos``/``sin`` are ``[n, D]`` as ``quant.rotary_cos_sin`` gives them. One pass instead of
+    torch's product and four rotary passes (docs/codec.md, "Speed").
     """
     rows, n, D = src.shape
     half = D // 2
     to_bf16 = out_bf16.shape[0] > 0
+    inv_sqrt = np.float32(1.0 / np.sqrt(np.float64(D)))
+    v = np.empty(D, dtype=np.float32)
     for r in range(rows):
         for t in range(n):
+            for d in range(D):
+                v[d] = src[r, t, d]
+            if hadamard:
+                hadamard_row(v, D, inv_sqrt)
             for d in range(half):
-                x1 = src[r, t, d]
-                x2 = src[r, t, d + half]
+                x1 = v[d]
+                x2 = v[d + half]
                 if rotate:
-                    y1 = fma32(-x2, sin[t, d], x1 * cos[t, d])
-                    y2 = fma32(x1, sin[t, d + half], x2 * cos[t, d + half])
-                else:
-                    y1, y2 = x1, x2
+                    x1, x2 = _turn(x1, x2, cos[t, d], sin[t, d], cos[t, d + half], sin[t, d + half])
                 if to_bf16:
-                    out_bf16[r, t, d] = f32_to_bf16(y1)
-                    out_bf16[r, t, d + half] = f32_to_bf16(y2)
+                    out_bf16[r, t, d] = f32_to_bf16(x1)
+                    out_bf16[r, t, d + half] = f32_to_bf16(x2)
                 else:
-                    out_f32[r, t, d] = y1
-                    out_f32[r, t, d + half] = y2
+                    out_f32[r, t, d] = x1
+                    out_f32[r, t, d + half] = x2
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def store_rotated(src, cos, sin, rotate, out_f32, out_bf16):
+    """:func:`store_transformed` without the Hadamard product: ``quant.apply_rotary`` bit for
+    bit."""
+    store_transformed(src, False, cos, sin, rotate, out_f32, out_bf16)
