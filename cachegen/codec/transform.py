@@ -202,8 +202,10 @@ class TransformBasis:
 
     ``mean`` / ``variances`` [L, 2, C], ``components`` [L, 2, C, C] (rows: components),
     ``bits`` [levels, L, 2, C]; index 0 of the second axis is keys. ``levels`` maps each
-    level id to its budget in bits per element before entropy coding (in the order of
-    ``bits``); ``rope_thetas`` are the rotary bases keys were turned back by before fitting.
+    level id to its budget in bits per element before entropy coding, in increasing level
+    order, the order of ``bits`` (the file's canonical JSON sorts its keys as text, so a
+    reader can only rely on numeric order); ``rope_thetas`` are the rotary bases keys were
+    turned back by before fitting.
     """
 
     model: ModelIdentity
@@ -214,6 +216,12 @@ class TransformBasis:
     components: np.ndarray
     variances: np.ndarray
     bits: np.ndarray
+
+    def __post_init__(self) -> None:
+        if list(self.levels) != sorted(self.levels):
+            raise CodecError(
+                f"transform levels must be in increasing order, got {list(self.levels)}"
+            )
 
     @functools.cached_property
     def file_bytes(self) -> bytes:
@@ -289,13 +297,17 @@ def _parse(data: bytes) -> TransformBasis:
     if header_len > _MAX_HEADER_JSON or 8 + header_len > len(data):
         raise ValueError("header length is out of range")
     header = json.loads(data[8 : 8 + header_len])
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
     if header.get("schema") != SCHEMA or header.get("version") != VERSION:
         raise ValueError(f"unsupported {header.get('schema')!r} version {header.get('version')!r}")
     payload = data[8 + header_len :]
     if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
         raise ValueError("checksum of the arrays does not match")
     model = ModelIdentity.from_dict(header["model"])
-    levels = {int(k): float(v) for k, v in header["levels"].items()}
+    levels = {
+        int(k): float(v) for k, v in sorted(header["levels"].items(), key=lambda kv: int(kv[0]))
+    }
     L, C = model.num_layers, model.num_kv_heads * model.head_dim
     arrays, pos = {}, 0
     for name, (dtype, shape_of) in _ARRAYS.items():
