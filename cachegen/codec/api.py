@@ -19,6 +19,7 @@ from cachegen.codec.bitstream import PACKED, Header, parse_frames, parse_header
 from cachegen.codec.cachegen_codec import CacheGenCodec, CacheGenDecoder, PackedDecoder
 from cachegen.codec.errors import CodecError
 from cachegen.codec.kvtc import KvtcCodec, KvtcDecoder
+from cachegen.codec.tcq import TcqCodec, TcqDecoder
 from cachegen.codec.turboquant import TurboQuantCodec
 from cachegen.kv import KVCache
 
@@ -33,6 +34,7 @@ CODECS: dict[str, type[Codec]] = {
         CacheGenCodec,
         KvtcCodec,
         TurboQuantCodec,
+        TcqCodec,
     )
 }
 CODECS_BY_ID: dict[int, type[Codec]] = {cls.codec_id: cls for cls in CODECS.values()}
@@ -44,15 +46,15 @@ def available_codecs() -> list[str]:
 
 
 def get_codec(name: str, model: models.ModelSpec | str | None = None, **options) -> Codec:
-    """A codec by name. ``cachegen`` and ``kvtc`` need ``model`` (or bind to the KV's model
-    on first encode) for their profile or basis; the others ignore it. ``options`` go to the
-    codec's constructor (``chunk_tokens`` for all; ``zstd_level`` for int8-zstd; ``group_size``
-    for kivi2)."""
+    """A codec by name. ``cachegen``, ``kvtc`` and ``tcq`` need ``model`` (or bind to the KV's
+    model on first encode) for their profile, basis or model file; the others ignore it.
+    ``options`` go to the codec's constructor (``chunk_tokens`` for all; ``zstd_level`` for
+    int8-zstd; ``group_size`` for kivi2)."""
     cls = CODECS.get(name)
     if cls is None:
         raise CodecError(f"unknown codec {name!r}; available: {', '.join(CODECS)}")
     try:
-        if cls in (CacheGenCodec, KvtcCodec):
+        if cls in (CacheGenCodec, KvtcCodec, TcqCodec):
             return cls(model=model, **options)
         return cls(**options)
     except TypeError as exc:
@@ -168,4 +170,8 @@ def inspect(blob: bytes | bytearray | memoryview) -> dict:
     if isinstance(decoder, KvtcDecoder):
         info["transform"] = decoder.basis.id
         info["transform_bytes"] = decoder.basis.nbytes
+    if isinstance(decoder, TcqDecoder):
+        info["transform"] = decoder.tcq.id
+        info["transform_bytes"] = decoder.tcq.nbytes
+        info["table_bytes"] = decoder.tcq.table_bytes(header.level)
     return info

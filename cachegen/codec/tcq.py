@@ -1,0 +1,631 @@
+"""Transform coding with entropy-coded uniform quantizers: the ``tcq`` codec.
+
+Per layer, keys (turned back to their pre-RoPE form) and values each go through a PCA basis
+over all heads' channels together, like ``kvtc``; unlike ``kvtc``, every component is coded by
+a *uniform* quantizer whose symbols go through the project's rANS coder
+(:mod:`cachegen.codec.rans`) with one calibrated frequency table per component. Component
+``i`` of a (layer, K/V) has the step ``step / sqrt(w_i)``, where ``w_i`` is its weight in an
+output-tracking distortion (keys: the component's mean squared effect on the attention logits
+of the queries that read it; values: its gain through the output projection), so a level is
+one step for the keys and one for the values: reverse water-filling. A component whose
+calibration coefficients stay within a fraction of its step is dropped (costs nothing); the
+others get an alphabet ``[-r_i, r_i]`` (``r_i`` from the calibration range, values beyond are
+clipped) and a frequency table from the calibration histogram.
+
+Everything the decoder shares with the encoder (basis, weights, steps, radii, tables) is one
+file, a :class:`TcqModel` (``profiles/transforms/<id>.cgtq``; built from the model only by
+``cachegen.profiles.ensure_tcq_model``), named by its content hash in the bitstream's
+header (16 bytes). Frame body::
+
+    exact      tokens at positions below EXACT_TOKENS: keys then values [L, H, e, D] in the
+               KV's dtype (empty in most frames)
+    directory  u32 word count of each rANS stream, streams ordered (layer, K/V)
+    streams    little-endian u16 words (layout in rans.py): stream (l, K/V) codes the symbols
+               [kept components, tokens - e] of its kept components (a stream with no kept
+               component or no token has no words)
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import struct
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cachegen import models
+from cachegen.codec import rans
+from cachegen.codec.base import Codec, FrameDecoder, kv_tensor
+from cachegen.codec.bitstream import Frame, Header
+from cachegen.codec.errors import CodecError
+from cachegen.codec.parallel import run_batches
+from cachegen.codec.profile import profile_path
+from cachegen.codec.quant import rotate_layer_keys
+from cachegen.codec.transform import transforms_dir
+from cachegen.errors import CacheGenError
+from cachegen.fileio import check_version, versioned, write_atomic
+from cachegen.kv import KVCache, KVError, ModelIdentity
+
+EXACT_TOKENS = 1
+MODEL_ID_BYTES = 16
+MAX_RADIUS = (rans.MAX_ALPHABET - 1) // 2
+MAGIC = b"CGTQ"
+SCHEMA = "cachegen-tcq-model"
+VERSION = 1
+REF_SCHEMA = "cachegen-tcq-model-ref"
+REF_VERSION = 1
+_MAX_HEADER_JSON = 1 << 20
+# level -> bits per element its step costs on the calibration text (before the exact tokens)
+LEVELS: dict[int, float] = {20: 0.75, 21: 1.0, 22: 1.25, 23: 1.5, 24: 2.0, 25: 2.5, 26: 3.0}
+# name -> (numpy dtype, shape given (layers, channels, levels)); "freq" is variable-length
+_ARRAYS = {
+    "mean": ("<f4", lambda L, C, n: (L, 2, C)),
+    "components": ("<f4", lambda L, C, n: (L, 2, C, C)),
+    "weights": ("<f4", lambda L, C, n: (L, 2, C)),
+    "radius": ("u1", lambda L, C, n: (n, L, 2, C)),
+    "steps": ("<f4", lambda L, C, n: (n, L, 2, C)),
+}
+
+
+def _exact_count(start: int, num_tokens: int) -> int:
+    return max(0, min(num_tokens, EXACT_TOKENS - start))
+
+
+def _canonical(data: dict) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+
+
+@dataclass
+class LevelCode:
+    """One level's coding state, derived from a :class:`TcqModel`: per (layer, K/V) the kept
+    components, their radii and steps; the rANS tables of all kept components."""
+
+    kept: list[list[np.ndarray]]  # [L][2]: component indices
+    radius: list[list[np.ndarray]]  # [L][2]: int64 radius of each kept component
+    step: list[list[torch.Tensor]]  # [L][2]: float32 step of each kept component
+    table_base: np.ndarray  # [L, 2]: row of each stream's first table
+    freq_cum: np.ndarray  # [tables, width] uint32
+    slot_sym: np.ndarray  # [tables, PROB_SCALE] uint8
+
+
+@dataclass
+class TcqModel:
+    """A model's bases, component weights and levels with their rANS tables.
+
+    ``mean`` / ``weights`` [L, 2, C], ``components`` [L, 2, C, C] (rows: components),
+    ``radius`` [levels, L, 2, C] (0: dropped), ``steps`` [levels, L, 2, C] each component's
+    quantizer step (the level's step over ``sqrt(weight)``, or coarser where the radius would
+    otherwise pass ``MAX_RADIUS``), ``freq`` the kept components' tables one after
+    another (level, layer, K/V, component order), ``2 * radius + 1`` entries each, summing to
+    ``rans.PROB_SCALE``. ``levels`` maps each level id to its (key step, value step).
+    """
+
+    model: ModelIdentity
+    calibration: dict
+    rope_thetas: tuple[float, ...]
+    levels: dict[int, tuple[float, float]]
+    mean: np.ndarray
+    components: np.ndarray
+    weights: np.ndarray
+    radius: np.ndarray
+    steps: np.ndarray
+    freq: np.ndarray
+
+    @functools.cached_property
+    def file_bytes(self) -> bytes:
+        arrays = {name: getattr(self, name) for name in _ARRAYS}
+        payload = (
+            b"".join(
+                np.ascontiguousarray(arrays[name], dtype=_ARRAYS[name][0]).tobytes()
+                for name in _ARRAYS
+            )
+            + np.ascontiguousarray(self.freq, dtype="<u2").tobytes()
+        )
+        header = {
+            "schema": SCHEMA,
+            "version": VERSION,
+            "model": self.model.to_dict(),
+            "calibration": self.calibration,
+            "rope_thetas": list(self.rope_thetas),
+            "levels": {str(k): list(v) for k, v in self.levels.items()},
+            "arrays": {name: list(arrays[name].shape) for name in _ARRAYS},
+            "freq_entries": int(self.freq.size),
+            "payload_sha256": hashlib.sha256(payload).hexdigest(),
+        }
+        raw = _canonical(header)
+        return MAGIC + struct.pack("<I", len(raw)) + raw + payload
+
+    @functools.cached_property
+    def id(self) -> str:
+        return hashlib.sha256(self.file_bytes).hexdigest()[:32]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.file_bytes)
+
+    def table_bytes(self, level: int) -> int:
+        """Bytes of ``level``'s frequency tables in the file (u16 per entry)."""
+        radius = self.radius[self._index(level)].astype(np.int64)
+        return int(2 * np.sum(np.where(radius > 0, 2 * radius + 1, 0)))
+
+    def _index(self, level: int) -> int:
+        if level not in self.levels:
+            raise CodecError(
+                f"the tcq model {self.id[:16]} of {self.model.name} has no level {level}; "
+                f"levels are {sorted(self.levels)}"
+            )
+        return list(self.levels).index(level)
+
+    def level_code(self, level: int) -> LevelCode:
+        return _level_code(self, self._index(level))
+
+    def check_model(self, model: ModelIdentity) -> None:
+        """``CodecError`` unless this model file was fitted for ``model``."""
+        mine = self.model
+        if (mine.fingerprint, mine.num_layers, mine.num_kv_heads, mine.head_dim) != (
+            model.fingerprint,
+            model.num_layers,
+            model.num_kv_heads,
+            model.head_dim,
+        ):
+            raise CodecError(
+                f"the tcq model {self.id[:16]} was fitted for model {mine.name} "
+                f"({mine.fingerprint[:12]}), not {model.name} ({model.fingerprint[:12]}); "
+                f"fit one for {model.name} (cachegen.profiles.ensure_tcq_model)"
+            )
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TcqModel) and other.id == self.id
+
+
+def _table_offsets(radius: np.ndarray) -> np.ndarray:
+    """Start of each component's table in ``freq`` (radius [levels, L, 2, C]; -1: dropped)."""
+    sizes = np.where(radius > 0, 2 * radius.astype(np.int64) + 1, 0).reshape(-1)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return np.where(sizes > 0, starts, -1).reshape(radius.shape)
+
+
+@functools.lru_cache(maxsize=8)
+def _level_code(tcq: TcqModel, index: int) -> LevelCode:
+    radius = tcq.radius[index].astype(np.int64)
+    starts = _table_offsets(tcq.radius)[index]
+    L, _, C = radius.shape
+    width = max(3, 2 * int(radius.max()) + 1)
+    kept, radii, steps, rows = [], [], [], []
+    base = np.zeros((L, 2), dtype=np.int64)
+    count = 0
+    for layer in range(L):
+        kept.append([]), radii.append([]), steps.append([])
+        for k in range(2):
+            idx = np.flatnonzero(radius[layer, k])
+            kept[layer].append(idx)
+            radii[layer].append(radius[layer, k][idx])
+            steps[layer].append(torch.from_numpy(tcq.steps[index, layer, k][idx].copy()))
+            base[layer, k] = count
+            count += len(idx)
+            for i in idx:
+                table = np.zeros(width, dtype=np.uint16)
+                n = 2 * int(radius[layer, k, i]) + 1
+                table[:n] = tcq.freq[starts[layer, k, i] : starts[layer, k, i] + n]
+                rows.append(table)
+    freq = np.stack(rows) if rows else np.zeros((1, width), dtype=np.uint16)
+    slot = rans.slot_table(freq) if rows else np.zeros((1, rans.PROB_SCALE), np.uint8)
+    return LevelCode(kept, radii, steps, base, rans.pack_freq_cum(freq), slot)
+
+
+# ---- the model file -------------------------------------------------------------------------
+
+
+def parse_tcq_model(data: bytes, where: str, model_id: str | None = None) -> TcqModel:
+    """Read and fully validate a tcq model file (``model_id``: its content hash must match)."""
+    if model_id is not None and hashlib.sha256(data).hexdigest()[:32] != model_id:
+        raise CodecError(
+            f"tcq model {where} is corrupt (checksum does not match its id {model_id[:16]}); "
+            "delete the file and copy or refit it"
+        )
+    try:
+        return _parse(data)
+    except (ValueError, KeyError, TypeError, struct.error, KVError) as exc:
+        raise CodecError(
+            f"tcq model {where} is unreadable ({exc}); delete the file and copy or refit it"
+        ) from exc
+
+
+def _parse(data: bytes) -> TcqModel:
+    if data[:4] != MAGIC:
+        raise ValueError("bad magic")
+    (header_len,) = struct.unpack_from("<I", data, 4)
+    if header_len > _MAX_HEADER_JSON or 8 + header_len > len(data):
+        raise ValueError("header length is out of range")
+    header = json.loads(data[8 : 8 + header_len])
+    if header.get("schema") != SCHEMA or header.get("version") != VERSION:
+        raise ValueError(f"unsupported {header.get('schema')!r} version {header.get('version')!r}")
+    payload = data[8 + header_len :]
+    if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
+        raise ValueError("checksum of the arrays does not match")
+    model = ModelIdentity.from_dict(header["model"])
+    levels = {int(k): (float(v[0]), float(v[1])) for k, v in header["levels"].items()}
+    if any(not (s > 0) for steps in levels.values() for s in steps):
+        raise ValueError("level steps must be positive")
+    L, C = model.num_layers, model.num_kv_heads * model.head_dim
+    arrays, pos = {}, 0
+    for name, (dtype, shape_of) in _ARRAYS.items():
+        shape = shape_of(L, C, len(levels))
+        if list(shape) != header["arrays"][name]:
+            raise ValueError(f"{name} has shape {header['arrays'][name]}, expected {list(shape)}")
+        count = int(np.prod(shape))
+        size = count * np.dtype(dtype).itemsize
+        if pos + size > len(payload):
+            raise ValueError("arrays are truncated")
+        arrays[name] = np.frombuffer(payload, dtype=dtype, count=count, offset=pos)
+        arrays[name] = arrays[name].reshape(shape).copy()
+        pos += size
+    radius = arrays["radius"]
+    entries = int(np.sum(np.where(radius > 0, 2 * radius.astype(np.int64) + 1, 0)))
+    if int(header["freq_entries"]) != entries or pos + 2 * entries != len(payload):
+        raise ValueError("frequency tables do not match the radii")
+    freq = np.frombuffer(payload, dtype="<u2", count=entries, offset=pos).copy()
+    _check_tables(radius, freq)
+    for name in ("weights", "steps"):
+        if not np.all(np.isfinite(arrays[name])) or np.any(arrays[name] <= 0):
+            raise ValueError(f"component {name} must be positive")
+    thetas = tuple(float(t) for t in header["rope_thetas"])
+    if len(thetas) != L:
+        raise ValueError("rope_thetas does not have one base per layer")
+    return TcqModel(model, dict(header["calibration"]), thetas, levels, **arrays, freq=freq)
+
+
+def _check_tables(radius: np.ndarray, freq: np.ndarray) -> None:
+    if radius.size and int(radius.max()) > MAX_RADIUS:
+        raise ValueError(f"radii above {MAX_RADIUS}")
+    starts = _table_offsets(radius).reshape(-1)
+    sizes = np.where(radius > 0, 2 * radius.astype(np.int64) + 1, 0).reshape(-1)
+    keep = sizes > 0
+    if np.any(freq == 0):
+        raise ValueError("a frequency table has a zero entry")
+    sums = np.add.reduceat(freq.astype(np.int64), starts[keep]) if keep.any() else np.zeros(0)
+    if np.any(sums != rans.PROB_SCALE):
+        raise ValueError(f"a frequency table does not sum to {rans.PROB_SCALE}")
+
+
+def tcq_model_path(model_id: str):
+    return transforms_dir() / f"{model_id}.cgtq"
+
+
+_CACHE: dict[str, TcqModel] = {}
+_LOCK = threading.Lock()
+
+
+def save_tcq_model(tcq: TcqModel) -> TcqModel:
+    """Store ``tcq`` in the transforms directory (by content id) and keep it in memory."""
+    path = tcq_model_path(tcq.id)
+    if not path.is_file():
+        write_atomic(path, tcq.file_bytes)
+    with _LOCK:
+        _CACHE[tcq.id] = tcq
+    return tcq
+
+
+def find_tcq_model(model_id: str, model: ModelIdentity) -> TcqModel:
+    """The tcq model ``model_id`` for ``model``: from memory, else read and validated from the
+    transforms directory; ``CodecError`` if it is missing, corrupt or another model's."""
+    with _LOCK:
+        tcq = _CACHE.get(model_id)
+    if tcq is None:
+        path = tcq_model_path(model_id)
+        if not path.is_file():
+            raise CodecError(
+                f"tcq model {model_id[:16]} for {model.name} is not in {transforms_dir()}; copy "
+                f"{path.name} from the encoding machine or fit it "
+                f"(cachegen.profiles.ensure_tcq_model, any `cachegen eval --codec tcq`)"
+            )
+        tcq = parse_tcq_model(path.read_bytes(), str(path), model_id)
+        with _LOCK:
+            _CACHE[model_id] = tcq
+    tcq.check_model(model)
+    return tcq
+
+
+def forget_cached_tcq_models() -> None:
+    with _LOCK:
+        _CACHE.clear()
+
+
+def tcq_ref_path(model: ModelIdentity):
+    """Where the id of a model's tcq model is kept: next to its cachegen profile."""
+    return profile_path(model).parent / "tcq.json"
+
+
+def read_tcq_ref(model: ModelIdentity) -> dict | None:
+    """``{"model_file": id, "calibration": ...}`` of the model's tcq model, or None."""
+    path = tcq_ref_path(model)
+    if not path.is_file():
+        return None
+    try:
+        data = check_version(json.loads(path.read_text()), REF_SCHEMA, (REF_VERSION,), str(path))
+        return {"model_file": str(data["model_file"]), "calibration": dict(data["calibration"])}
+    except (OSError, ValueError, KeyError, TypeError, CacheGenError) as exc:
+        raise CodecError(
+            f"tcq model reference {path} is unreadable ({exc}); delete it and fit the model "
+            "again (any `cachegen eval --codec tcq`)"
+        ) from exc
+
+
+def write_tcq_ref(tcq: TcqModel) -> None:
+    data = versioned(
+        REF_SCHEMA, REF_VERSION, {"model_file": tcq.id, "calibration": tcq.calibration}
+    )
+    write_atomic(tcq_ref_path(tcq.model), json.dumps(data, indent=1).encode() + b"\n")
+
+
+def load_tcq_model(model: str | models.ModelSpec) -> TcqModel:
+    """The stored tcq model of ``model``. Never fits one: ``CodecError`` says how."""
+    spec = models.resolve(model) if isinstance(model, str) else model
+    identity = spec.identity()
+    ref = read_tcq_ref(identity)
+    if ref is None:
+        raise CodecError(
+            f"no tcq model for {spec.name} in {tcq_ref_path(identity).parent}; fit it with "
+            f"cachegen.profiles.ensure_tcq_model (any `cachegen eval --codec tcq`)"
+        )
+    return find_tcq_model(ref["model_file"], identity)
+
+
+# ---- quantizing -----------------------------------------------------------------------------
+
+
+def quantize_rows(
+    tcq: TcqModel, code: LevelCode, layer: int, kind: int, rows: torch.Tensor
+) -> np.ndarray:
+    """Symbols ``[kept, tokens]`` (uint8) of ``rows`` [tokens, channels] (float32, pre-RoPE
+    keys or values of layer ``layer``)."""
+    kept = code.kept[layer][kind]
+    mean = torch.from_numpy(tcq.mean[layer, kind])
+    basis = torch.from_numpy(tcq.components[layer, kind][kept])
+    y = (rows - mean) @ basis.T / code.step[layer][kind]
+    radius = torch.from_numpy(code.radius[layer][kind]).to(torch.float32)
+    sym = torch.round(y).clamp_(-radius, radius) + radius
+    return np.ascontiguousarray(sym.T.to(torch.uint8).numpy())
+
+
+def dequantize_rows(
+    tcq: TcqModel, code: LevelCode, layer: int, kind: int, sym: np.ndarray
+) -> torch.Tensor:
+    """Rows [tokens, channels] (float32) of symbols ``sym`` [tokens, kept] (float32)."""
+    kept = code.kept[layer][kind]
+    mean = torch.from_numpy(tcq.mean[layer, kind])
+    radius = torch.from_numpy(code.radius[layer][kind]).to(torch.float32)
+    y = (torch.from_numpy(sym) - radius) * code.step[layer][kind]
+    return y @ torch.from_numpy(tcq.components[layer, kind][kept]) + mean
+
+
+# ---- the codec ------------------------------------------------------------------------------
+
+
+class TcqCodec(Codec):
+    name = "tcq"
+    codec_id = 12
+
+    def __init__(
+        self,
+        model: models.ModelSpec | str | None = None,
+        chunk_tokens: int = 256,
+        tcq: TcqModel | None = None,
+    ) -> None:
+        super().__init__(chunk_tokens)
+        if tcq is None and model is not None:
+            tcq = load_tcq_model(model)
+        self._tcq = tcq
+
+    @property
+    def tcq(self) -> TcqModel:
+        if self._tcq is None:
+            raise CodecError(
+                "the tcq codec needs a model for its basis: get_codec('tcq', model=NAME)"
+            )
+        return self._tcq
+
+    @property
+    def levels(self) -> list[int]:
+        return sorted(self.tcq.levels)
+
+    @property
+    def default_level(self) -> int:
+        return self.levels[len(self.levels) // 2]
+
+    @property
+    def profile_id(self) -> str:
+        return self.tcq.id
+
+    def __repr__(self) -> str:
+        model = self._tcq.model.name if self._tcq else None
+        return f"TcqCodec(model={model!r}, chunk_tokens={self.chunk_tokens})"
+
+    def encode(self, kv: KVCache, level: int | None = None) -> bytes:
+        if self._tcq is None:
+            self._tcq = load_tcq_model(kv.model.name)
+        self.tcq.check_model(kv.model)
+        return super().encode(kv, level)
+
+    def params(self, kv: KVCache, level: int) -> bytes:
+        return bytes.fromhex(self.tcq.id)
+
+    def encode_body(self, chunk: KVCache, level: int) -> bytes:
+        tcq, code = self.tcq, self.tcq.level_code(level)
+        layers = list(chunk.layer_indices)
+        e = _exact_count(chunk.start, chunk.num_tokens)
+        x = kv_tensor(chunk)
+        exact = x[:, :, :, :e].contiguous().view(torch.uint8).numpy().tobytes()
+        q = x[:, :, :, e:].to(torch.float32)
+        thetas = tuple(tcq.rope_thetas[i] for i in layers)
+        if any(thetas):
+            q[0] = rotate_layer_keys(q[0], chunk.start + e, thetas, inverse=True)
+        L, H, m, D = q.shape[1:]
+        streams: list[np.ndarray] = [np.zeros(0, dtype=np.uint16)] * (2 * L)
+
+        def kernel(todo: np.ndarray) -> None:
+            for s in todo:
+                i, k = divmod(int(s), 2)
+                layer = layers[i]
+                if not len(code.kept[layer][k]) or not m:
+                    continue
+                rows = q[k, i].permute(1, 0, 2).reshape(m, H * D)
+                sym = quantize_rows(tcq, code, layer, k, rows)
+                streams[s] = _rans_encode(sym, int(code.table_base[layer, k]), code.freq_cum)
+
+        run_batches(
+            kernel, np.array([len(code.kept[lay][k]) + 1 for lay in layers for k in (0, 1)])
+        )
+        lengths = np.array([len(w) for w in streams], dtype="<u4")
+        return exact + lengths.tobytes() + np.concatenate(streams).astype("<u2").tobytes()
+
+    @classmethod
+    def decoder(cls, header: Header) -> FrameDecoder:
+        if len(header.params) != MODEL_ID_BYTES:
+            raise CodecError("tcq bitstream header is corrupt (parameters)")
+        tcq = find_tcq_model(header.params.hex(), header.model)
+        return TcqDecoder(header, tcq, tcq.level_code(header.level))
+
+
+def _rans_encode(sym: np.ndarray, table_base: int, freq_cum: np.ndarray) -> np.ndarray:
+    """rANS words of symbols ``sym`` [kept, tokens], component ``c`` coded with table row
+    ``table_base + c``."""
+    C, n = sym.shape
+    view = np.ascontiguousarray(sym.T).reshape(1, 1, n, C)
+    out_off = np.array([0, C * n + rans.STATE_WORDS], dtype=np.int64)
+    out = np.empty(int(out_off[-1]), dtype=np.uint16)
+    start = np.empty(1, dtype=np.int64)
+    rans.encode_layers(
+        view, np.array([table_base], np.int64), freq_cum, out, out_off, np.zeros(1, np.int64), start
+    )
+    return out[int(start[0]) :]
+
+
+class TcqDecoder(FrameDecoder):
+    def __init__(self, header: Header, tcq: TcqModel, code: LevelCode) -> None:
+        super().__init__(header)
+        self.tcq = tcq
+        self.code = code
+        self.layers = list(header.layer_indices)
+
+    def _frame_start(self, frame: Frame) -> int:
+        return self.header.start + frame.index * self.header.chunk_tokens
+
+    def _layout(self, frame: Frame) -> tuple[int, int, np.ndarray]:
+        """(exact tokens, exact bytes, word count of each stream), checked against the body."""
+        h = self.header
+        n = len(frame.token_ids)
+        e = _exact_count(self._frame_start(frame), n)
+        exact = 2 * h.num_layers * h.num_kv_heads * e * h.head_dim * h.dtype.itemsize
+        count = 2 * h.num_layers
+        body = frame.body
+        if len(body) < exact + 4 * count:
+            raise CodecError(
+                f"frame {frame.index} is corrupt: tcq body is {len(body)} bytes, too short for "
+                f"its exact tokens and stream directory"
+            )
+        words = np.frombuffer(body, dtype="<u4", count=count, offset=exact).astype(np.int64)
+        if exact + 4 * count + 2 * int(words.sum()) != len(body):
+            raise CodecError(
+                f"frame {frame.index} is corrupt: tcq stream sizes do not add up to the body"
+            )
+        for s, w in enumerate(words):
+            layer, k = self.layers[s // 2], s % 2
+            empty = not len(self.code.kept[layer][k]) or n == e
+            if (w == 0) != empty or (not empty and w < rans.STATE_WORDS):
+                raise CodecError(f"frame {frame.index} is corrupt: tcq stream {s} has {w} words")
+        return e, exact, words
+
+    def check(self, frame: Frame) -> None:
+        self._layout(frame)
+
+    def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
+        h = self.header
+        n = len(frame.token_ids)
+        e, exact, words = self._layout(frame)
+        L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
+        if e:
+            raw = torch.frombuffer(bytearray(frame.body[:exact]), dtype=torch.uint8)
+            out[:, :, :, token_offset : token_offset + e] = raw.view(h.dtype).view(2, L, H, e, D)
+        m = n - e
+        data = np.frombuffer(frame.body, dtype="<u2", offset=exact + 4 * len(words))
+        word_off = np.concatenate([[0], np.cumsum(words)]).astype(np.int64)
+        q = torch.empty((2, L, H, m, D), dtype=torch.float32)
+        status = np.zeros(2 * L, dtype=np.uint8)
+
+        def kernel(todo: np.ndarray) -> None:
+            for s in todo:
+                i, k = divmod(int(s), 2)
+                layer = self.layers[i]
+                if words[s] == 0:
+                    rows = torch.from_numpy(self.tcq.mean[layer, k]).expand(m, -1)
+                else:
+                    sym = self._decode_stream(data, word_off, int(s), layer, k, m, status)
+                    rows = dequantize_rows(self.tcq, self.code, layer, k, sym)
+                q[k, i] = rows.reshape(m, H, D).permute(1, 0, 2)
+
+        run_batches(kernel, np.array(words, dtype=np.float64) + 1)
+        if status.any():
+            raise CodecError(f"frame {frame.index} is corrupt: a tcq rANS stream does not decode")
+        thetas = tuple(self.tcq.rope_thetas[i] for i in self.layers)
+        if any(thetas):
+            q[0] = rotate_layer_keys(q[0], self._frame_start(frame) + e, thetas)
+        out[:, :, :, token_offset + e : token_offset + n] = q
+
+    def _decode_stream(
+        self,
+        data: np.ndarray,
+        word_off: np.ndarray,
+        s: int,
+        layer: int,
+        kind: int,
+        tokens: int,
+        status: np.ndarray,
+    ) -> np.ndarray:
+        """Symbols [tokens, kept] (float32) of stream ``s``; ``status[s]`` 1 if corrupt."""
+        code = self.code
+        C = len(code.kept[layer][kind])
+        sym = np.empty((tokens, C), dtype=np.float32)
+        one = np.zeros(1, dtype=np.int64)
+        flag = np.zeros(1, dtype=np.uint8)
+        rans.decode_streams(
+            data[word_off[s] : word_off[s + 1]],
+            np.array([0, word_off[s + 1] - word_off[s]], dtype=np.int64),
+            np.array([C], dtype=np.int64),
+            np.array([tokens], dtype=np.int64),
+            np.array([code.table_base[layer, kind]], dtype=np.int64),
+            code.slot_sym,
+            code.freq_cum,
+            _ONES,
+            one,
+            np.zeros((1, 3), dtype=np.int64),
+            np.zeros(1, dtype=np.int32),
+            C,
+            np.arange(tokens, dtype=np.int64),
+            one,
+            sym.reshape(-1),
+            _NO_BF16,
+            one,
+            tokens,
+            one,
+            flag,
+        )
+        status[s] = flag[0]
+        return sym
+
+    def layer_bytes(self, frame: Frame) -> np.ndarray:
+        _, exact, words = self._layout(frame)
+        h = self.header
+        per_stream = 2 * words.astype(np.float64).reshape(h.num_layers, 2)
+        return per_stream + (exact + 4 * len(words)) / (2 * h.num_layers)
+
+
+_ONES = np.ones(1, dtype=np.float32)
+_NO_BF16 = np.zeros(0, dtype=np.uint16)

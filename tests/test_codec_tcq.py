@@ -1,0 +1,325 @@
+"""The ``tcq`` codec: PCA transform, weighted uniform quantizers, per-component rANS tables;
+its model file, round trips, size accounting and bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from cachegen import workload
+from cachegen.codec import (
+    CodecError,
+    available_codecs,
+    decode,
+    get_codec,
+    inspect,
+    rans,
+    tcq,
+    transform,
+)
+from cachegen.codec.bitstream import pack_frame, parse_frames, parse_header
+from cachegen.kv import KVCache
+from cachegen.profiles import codec_for, ensure_tcq_model, tcq_calibration_spec
+
+TEXT = "\n\n".join(
+    ["The quick brown fox jumps over the lazy dog. " * 12, "def f(x):\n    return x * 2\n" * 12]
+)
+# levels from the most bits per element (the finest step) to the fewest
+BY_STEP = sorted(tcq.LEVELS, key=lambda level: -tcq.LEVELS[level])
+
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory):
+    """A profile directory of this module's own (the model file is fitted once into it)."""
+    mp = pytest.MonkeyPatch()
+    path = tmp_path_factory.mktemp("profiles")
+    mp.setenv("CACHEGEN_PROFILE_DIR", str(path))
+    transform.forget_cached_bases()
+    tcq.forget_cached_tcq_models()
+    yield path
+    transform.forget_cached_bases()
+    tcq.forget_cached_tcq_models()
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def kv(tiny_llama) -> KVCache:
+    from cachegen.extract import extract_kv
+
+    return extract_kv(tiny_llama, text=TEXT)
+
+
+@pytest.fixture(scope="module")
+def model_file(tiny_llama, profiles) -> tcq.TcqModel:
+    return ensure_tcq_model(tiny_llama)
+
+
+def f32(kv: KVCache) -> torch.Tensor:
+    return torch.stack([kv.keys, kv.values]).to(torch.float32)
+
+
+def relative_error(out: KVCache, kv: KVCache) -> float:
+    return float((f32(out) - f32(kv)).norm() / f32(kv).norm())
+
+
+def test_tcq_is_registered():
+    assert "tcq" in available_codecs()
+    with pytest.raises(CodecError, match="needs a model"):
+        get_codec("tcq").levels  # noqa: B018
+
+
+def test_round_trip_error_and_size_fall_and_rise_with_the_step(kv, tiny_llama, model_file):
+    codec = codec_for("tcq", tiny_llama, chunk_tokens=64)
+    errors, bits = [], []
+    for level in BY_STEP:
+        blob = codec.encode(kv, level=level)
+        out = decode(blob, out_dtype=torch.float32)
+        assert out.keys.shape == kv.keys.shape and out.keys.dtype == torch.float32
+        assert torch.equal(out.keys[:, :, 0], kv.keys[:, :, 0].float())  # the sink token, exact
+        assert torch.equal(out.values[:, :, 0], kv.values[:, :, 0].float())
+        assert torch.equal(out.token_ids, kv.token_ids)
+        errors.append(relative_error(out, kv))
+        bits.append(inspect(blob)["bits_per_element"])
+    # plain relative error: the weights spend the bits where the attention output needs them
+    assert errors == sorted(errors) and errors[0] < 0.5
+    assert bits == sorted(bits, reverse=True)
+
+
+def test_a_layer_subset_decodes_to_the_same_values(kv, tiny_llama, model_file):
+    codec = codec_for("tcq", tiny_llama, chunk_tokens=64)
+    level = BY_STEP[0]
+    full = decode(codec.encode(kv, level=level))
+    part = decode(codec.encode(kv.select_layers([1]), level=level))
+    assert part.layers == (1,)
+    assert torch.equal(part.keys[0], full.keys[1]) and torch.equal(part.values[0], full.values[1])
+
+
+def test_each_token_decodes_alike_in_any_chunking(kv, tiny_llama, model_file):
+    # no per-chunk scales: a token's symbols depend on the token and its position only
+    full = decode(codec_for("tcq", tiny_llama, chunk_tokens=64).encode(kv, level=BY_STEP[1]))
+    tail = kv.slice(40, kv.num_tokens)
+    out = decode(codec_for("tcq", tiny_llama, chunk_tokens=32).encode(tail, level=BY_STEP[1]))
+    assert out.start == 40
+    assert torch.equal(out.keys, full.keys[:, :, 40:])
+    assert torch.equal(out.values, full.values[:, :, 40:])
+
+
+def test_bits_per_element_counts_every_byte(kv, tiny_llama, model_file):
+    blob = codec_for("tcq", tiny_llama).encode(kv, level=BY_STEP[-1])
+    info = inspect(blob)
+    assert info["bits_per_element"] == pytest.approx(len(blob) * 8 / kv.num_elements)
+    layer_bytes = sum(r["key_bytes"] + r["value_bytes"] for r in info["layers"])
+    overhead = info["header_bytes"] + info["frame_header_bytes"] + info["token_id_bytes"]
+    assert layer_bytes + overhead == pytest.approx(len(blob))
+    assert info["transform"] == model_file.id and info["transform_bytes"] == model_file.nbytes
+    assert 0 < info["table_bytes"] < model_file.nbytes
+
+
+def test_model_is_fitted_on_the_calibration_split_only(tiny_llama, profiles, monkeypatch):
+    from cachegen import profiles as profiles_mod
+
+    read = []
+    original = workload.text
+
+    def recording_text(split):
+        read.append(split)
+        return original(split)
+
+    monkeypatch.setattr(workload, "text", recording_text)
+    fitted = profiles_mod.fit_tcq_model(tiny_llama)
+    assert set(read) == {"calibrate"}
+    assert fitted.calibration == tcq_calibration_spec()
+
+
+def test_steps_follow_the_weights_and_never_need_clipping(model_file):
+    for index, (key_step, value_step) in enumerate(model_file.levels.values()):
+        nominal = np.array([key_step, value_step])[None, :, None] / np.sqrt(model_file.weights)
+        steps = model_file.steps[index]
+        assert np.all(steps >= nominal * (1 - 1e-6))
+        assert int(model_file.radius[index].max()) <= tcq.MAX_RADIUS
+        # coarser than nominal only where the radius would otherwise pass the alphabet
+        coarser = steps > nominal * (1 + 1e-5)
+        assert np.all(model_file.radius[index][coarser] == tcq.MAX_RADIUS)
+
+
+def test_attention_probabilities_are_causal_and_windowed():
+    from cachegen.profiles import _attention_probabilities
+
+    keys = torch.zeros(6, 2)
+    a = _attention_probabilities(torch.zeros(2, 2), torch.tensor([2, 5]), keys, 1.0, None)
+    assert torch.allclose(a[0], torch.tensor([1 / 3] * 3 + [0.0] * 3))
+    assert torch.allclose(a[1], torch.full((6,), 1 / 6))
+    a = _attention_probabilities(torch.zeros(1, 2), torch.tensor([5]), keys, 1.0, 2)
+    assert torch.allclose(a[0], torch.tensor([0.0] * 4 + [0.5] * 2))
+
+
+def _one_head_layer(o_proj: torch.Tensor):
+    from types import SimpleNamespace
+
+    linear = torch.nn.Linear(o_proj.shape[1], o_proj.shape[0], bias=False)
+    linear.weight.data = o_proj
+    return SimpleNamespace(self_attn=SimpleNamespace(o_proj=linear, scaling=1.0))
+
+
+def test_component_weights_follow_the_output_projection_and_the_queries():
+    from cachegen.profiles import _layer_weights, _LayerStats
+
+    n, D = 8, 2
+    o_proj = torch.tensor([[3.0, 0.0], [0.0, 1.0]])  # value channel 0 reaches the output 3x
+    keys = torch.zeros(1, n, D)  # every token gets the same attention
+    values = torch.randn(1, n, D, generator=torch.Generator().manual_seed(0))
+    queries = torch.tensor([[[0.0, 2.0]] * 3])  # queries read key channel 1 only
+    stats = _LayerStats(queries, torch.tensor([5, 6, 7]), scale=2.0)
+    key_w, value_w = _layer_weights(
+        _one_head_layer(o_proj), stats, keys, values, 0.0, None, np.eye(D)[None].repeat(2, 0)
+    )
+    assert key_w[0] == 0 and key_w[1] > 0
+    assert value_w[0] == pytest.approx(9 * value_w[1])
+    # a value error reaches the output through the attention weights, squared
+    rows = [(p, 1 / (p + 1)) for p in (5, 6, 7)]
+    a2 = np.mean([p * w**2 for p, w in rows])  # token 0 is exact
+    assert value_w[1] == pytest.approx(a2 * 1.0 / stats.scale, rel=1e-5)
+
+
+def test_model_file_round_trips_and_is_content_addressed(model_file, profiles):
+    path = tcq.tcq_model_path(model_file.id)
+    assert path.is_file() and path.stat().st_size == model_file.nbytes
+    again = tcq.parse_tcq_model(path.read_bytes(), str(path), model_file.id)
+    assert again.id == model_file.id and again.levels == model_file.levels
+    assert np.array_equal(again.freq, model_file.freq)
+    ref = json.loads(tcq.tcq_ref_path(model_file.model).read_text())
+    assert (ref["schema"], ref["version"], ref["model_file"]) == (
+        tcq.REF_SCHEMA,
+        tcq.REF_VERSION,
+        model_file.id,
+    )
+
+
+def test_corrupt_model_file_is_detected_by_its_checksum(kv, tiny_llama, model_file, profiles):
+    blob = codec_for("tcq", tiny_llama).encode(kv, level=BY_STEP[0])
+    path = tcq.tcq_model_path(model_file.id)
+    good = path.read_bytes()
+    bad = bytearray(good)
+    bad[-100] ^= 0x01
+    try:
+        path.write_bytes(bytes(bad))
+        tcq.forget_cached_tcq_models()
+        with pytest.raises(CodecError, match="corrupt"):
+            decode(blob)
+        with pytest.raises(CodecError, match="checksum of the arrays"):
+            tcq.parse_tcq_model(bytes(bad), "test")
+        with pytest.raises(CodecError, match="unreadable"):
+            tcq.parse_tcq_model(good[:-8], "test")
+        path.unlink()
+        tcq.forget_cached_tcq_models()
+        with pytest.raises(CodecError, match="copy"):
+            decode(blob)
+    finally:
+        path.write_bytes(good)
+        tcq.forget_cached_tcq_models()
+    assert decode(blob).num_tokens == kv.num_tokens
+
+
+def _rehashed(data: bytes, payload: bytes) -> bytes:
+    """A model file with ``payload`` and a header whose checksum matches it."""
+    (length,) = struct.unpack_from("<I", data, 4)
+    header = json.loads(data[8 : 8 + length])
+    header["payload_sha256"] = hashlib.sha256(payload).hexdigest()
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return tcq.MAGIC + struct.pack("<I", len(raw)) + raw + payload
+
+
+def test_model_file_with_a_bad_table_is_refused(model_file):
+    data = model_file.file_bytes
+    (length,) = struct.unpack_from("<I", data, 4)
+    payload = bytearray(data[8 + length :])
+    first_table = len(payload) - 2 * model_file.freq.size
+    struct.pack_into("<H", payload, first_table, model_file.freq[0] + 1)
+    with pytest.raises(CodecError, match=f"does not sum to {rans.PROB_SCALE}"):
+        tcq.parse_tcq_model(_rehashed(data, bytes(payload)), "test")
+    with pytest.raises(CodecError, match="do not match the radii"):
+        tcq.parse_tcq_model(_rehashed(data, bytes(payload[:-2])), "test")
+
+
+def test_model_of_another_model_or_level_is_refused(kv, tiny_llama, tiny_qwen2, model_file):
+    from cachegen.extract import extract_kv
+
+    codec = codec_for("tcq", tiny_llama)
+    other = extract_kv(tiny_qwen2, text="Another model entirely. " * 8)
+    with pytest.raises(CodecError, match="fitted for model"):
+        codec.encode(other)
+    with pytest.raises(CodecError, match="fitted for model"):
+        tcq.find_tcq_model(model_file.id, other.model)
+    with pytest.raises(CodecError, match="no level 7"):
+        codec.encode(kv, level=7)
+    # a bitstream naming a level its model file lacks
+    blob = bytearray(codec.encode(kv, level=BY_STEP[0]))
+    header = parse_header(bytes(blob))
+    assert header.level == BY_STEP[0]
+    with pytest.raises(CodecError, match="no level"):
+        get_codec("tcq", tcq=model_file).decoder(_with_level(header, 7))
+
+
+def _with_level(header, level: int):
+    import dataclasses
+
+    return dataclasses.replace(header, level=level)
+
+
+def _reframe(blob: bytes, body) -> bytes:
+    header = parse_header(blob)
+    frames = parse_frames(blob, header)
+    first = pack_frame(torch.from_numpy(frames[0].token_ids), header.token_width, body)
+    return bytes(blob[: header.size]) + first + bytes(blob[header.size + frames[0].size :])
+
+
+def test_truncated_and_flipped_frames_are_refused(kv, tiny_llama, model_file):
+    codec = codec_for("tcq", tiny_llama, chunk_tokens=64)
+    blob = codec.encode(kv.slice(0, 100), level=BY_STEP[0])
+    for cut in range(1, len(blob), max(1, len(blob) // 40)):
+        with pytest.raises(CodecError):
+            decode(blob[:cut])
+    rng = np.random.default_rng(0)
+    for position in rng.integers(0, len(blob), 40):
+        bad = bytearray(blob)
+        bad[position] ^= 1 << int(rng.integers(0, 8))
+        with pytest.raises(CodecError):
+            decode(bytes(bad))
+    body = bytes(parse_frames(blob, parse_header(blob))[0].body)
+    # a directory that still adds up but moves a word from one stream to the next
+    shifted = bytearray(body)
+    exact = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * 2  # the first token, bf16
+    first, second = struct.unpack_from("<2I", shifted, exact)
+    struct.pack_into("<2I", shifted, exact, first + 1, second - 1)
+    for bad_body in (body[:-2], body + b"\0\0", bytes(shifted)):
+        with pytest.raises(CodecError, match="corrupt"):
+            decode(_reframe(blob, bad_body))
+
+
+def test_codec_needs_a_model_file_and_never_fits_one(tiny_opt, profiles):
+    from cachegen.extract import extract_kv
+
+    other = extract_kv(tiny_opt, text="No model file was fitted for this model. " * 4)
+    with pytest.raises(CodecError, match="no tcq model"):
+        get_codec("tcq").encode(other)
+
+
+def test_cli_eval_rows_for_tcq(capsys, tmp_path, tiny_llama, model_file):
+    from cachegen.cli import main
+
+    text = tmp_path / "notes.txt"
+    text.write_text("A plain text file about nothing in particular, told twice over. " * 60)
+    code = main(
+        ["eval", "--model", "tiny-llama", "--dataset", str(text), "--windows", "1"]
+        + ["--context-tokens", "96", "--continuation-tokens", "16", "--gen-tokens", "4"]
+        + ["--codec", "tcq", "--no-progress", "--json"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    rows = [(r["codec"], r["level"]) for r in json.loads(out)]
+    assert rows == [("tcq", str(level)) for level in sorted(tcq.LEVELS)]
