@@ -8,11 +8,14 @@ Engine-wide keys (``kv_connector_extra_config``):
   save_modes      modes whose encodings are written after a prefill (default: ``[mode]``;
                   ``cachegen`` and ``adaptive`` write every level in ``cachegen_levels``)
   cachegen_levels the cachegen levels that are stored (default: a save ladder,
-                  ``ChunkTransport.default_ladder``: the codec's default level, then at most two
-                  cheaper levels, from the model's shipped calibrated levels if it has them,
-                  within half of the raw bf16 KV; a request for a level that is not stored
-                  recomputes); ``adaptive`` chooses among the calibrated ones of them (all of
-                  them for a model without a calibration)
+                  ``ChunkTransport.default_ladder``: the codec's default level, coded and, when
+                  both fit within half of the raw bf16 KV, packed; when ``adaptive`` is in
+                  ``save_modes``, then up to two cheaper levels from the model's shipped
+                  calibrated levels if it has them, costs in docs/connector.md; a request for
+                  a level that is not stored recomputes); a level's packed form
+                  is its record tag ``level | 32768`` (``cachegen.codec.packed.record_tag``),
+                  stored and requested like a level; ``adaptive`` chooses among the coded
+                  calibrated ones of them (all coded ones for a model without a calibration)
   shaper          how ``bandwidth_mbps`` is enforced: ``token-bucket`` (default) or ``netns``
   prefill_tokens_per_s  the engine's prefill rate, used by ``adaptive`` to price recomputation
                   (default: measured by the connector on this engine's own prefills)

@@ -172,26 +172,36 @@ class ChunkTransport:
 
     def levels(self, mode: str) -> list[int]:
         """The levels stored for ``mode``: ``cachegen_levels`` when set, else (``cachegen`` and
-        ``adaptive``) the :attr:`default_ladder`; one level for the other codecs."""
+        ``adaptive``) the :attr:`default_ladder`; one level for the other codecs. A cachegen
+        level's packed form is its record tag (``cachegen.codec.packed.record_tag``): a level
+        with bit 15 set, stored and requested like a level."""
         codec = self.codec(mode)
         if mode not in ("cachegen", "adaptive"):
             return list(codec.levels)
         chosen = self.config.cachegen_levels
         if chosen is None:
             return list(self.default_ladder)
-        unknown = sorted(set(chosen) - set(codec.levels))
+        unknown = sorted(lv for lv in set(chosen) if _tag_level(lv) not in codec.levels)
         if unknown:
             raise ConnectorError(
                 f"cachegen_levels {unknown} are not levels of this model's profile "
-                f"{list(codec.levels)}"
+                f"{list(codec.levels)} (nor their packed forms, level | 32768)"
+            )
+        if all(_tag_level(lv) != lv for lv in chosen):
+            raise ConnectorError(
+                f"cachegen_levels {list(chosen)} hold only packed forms; add a coded level "
+                "(adaptive loads and ranks coded levels)"
             )
         return list(chosen)
 
     @functools.cached_property
     def default_ladder(self) -> list[int]:
         """The cachegen levels stored per chunk when ``cachegen_levels`` is not set: the codec's
-        default level first, then at most two cheaper ones for ``adaptive`` (see
-        :func:`storage_ladder`), so that the ladder stays under half the raw bf16 KV. Levels are
+        default level first, coded, then in its packed form (its record tag: loads that decode
+        at memory speed) when both fit within half the raw bf16 KV. When ``adaptive`` is among
+        the ``save_modes``, at most two cheaper levels follow, those :func:`storage_ladder`
+        picks within half the raw KV beside the coded default alone (so ``adaptive`` has a
+        ladder; its cost is documented per configuration in docs/connector.md). Levels are
         picked from the model's shipped calibrated levels when it has them, else from all.
 
         The controller ranks levels by their bytes, which only orders quality along a frontier:
@@ -199,18 +209,30 @@ class ChunkTransport:
         times its perplexity change (docs/connector.md); the calibrated levels were each chosen
         for a measured perplexity target and together dominate the presets (docs/quality.md).
         Found once per transport: the scheduler asks on every lookup."""
+        from cachegen.codec.packed import record_tag
+
         codec = self.codec("cachegen")
         pool = codec.profile.calibrated_levels() or list(codec.levels)
         default = codec.default_level
         bits = {lv: estimated_bits(codec, lv, self.chunk_tokens) for lv in {*pool, default}}
-        return storage_ladder(default, bits)
+        budget = LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS
+        cheaper = (
+            storage_ladder(default, bits, budget)[1:]
+            if "adaptive" in self.config.save_modes
+            else []
+        )
+        packed = estimated_packed_bits(codec, default, self.chunk_tokens)
+        if bits[default] + packed > budget:  # a default too large to store in both forms
+            return [default, *cheaper]
+        return [default, record_tag(default, "packed"), *cheaper]
 
     @functools.cached_property
     def adaptive_levels(self) -> list[int]:
         """The levels ``adaptive`` chooses from: the stored levels (``cachegen_levels`` when
         set, else the :attr:`default_ladder`) that are shipped calibrated levels, or every stored
-        level when none is (the controller would trade a dominated preset for a few bytes)."""
-        stored = self.levels("adaptive")
+        level when none is (the controller would trade a dominated preset for a few bytes). Coded
+        forms only: the controller ranks levels by their bytes."""
+        stored = [lv for lv in self.levels("adaptive") if _tag_level(lv) == lv]
         calibrated = set(self.codec("adaptive").profile.calibrated_levels())
         return [lv for lv in stored if lv in calibrated] or stored
 
@@ -227,7 +249,8 @@ class ChunkTransport:
     def load_levels(self, options: RequestOptions) -> list[int]:
         """Levels a chunk must be stored at to be loadable with ``options``: for ``adaptive``
         the first of :attr:`adaptive_levels` (written in a save's first pass); it chooses among
-        the adaptive levels each chunk is stored at."""
+        the adaptive levels each chunk is stored at. ``options.level`` may name a stored level's
+        packed form (its record tag, :meth:`levels`); the default level loads coded."""
         if options.mode == "adaptive":
             return self.adaptive_levels[:1]
         codec = self.codec(options.mode)
@@ -534,10 +557,16 @@ class ChunkTransport:
         return passes[0] + passes[1]
 
     def write(self, record: SaveRecord) -> int:
-        """Encode and store one record unless it is already stored; returns the bytes written."""
+        """Encode and store one record unless it is already stored (a level's packed form when
+        ``record.level`` is its record tag); returns the bytes written."""
         if self.store.exists(record.key, record.level):
             return 0
-        blob = self.codec(record.mode).encode(record.kv, level=record.level)
+        codec = self.codec(record.mode)
+        level = _tag_level(record.level)
+        if level == record.level:
+            blob = codec.encode(record.kv, level=level)
+        else:
+            blob = codec.encode(record.kv, level=level, form="packed")
         self.publish_tables(record.mode)
         self.store.put(record.key, record.level, blob)
         return len(blob)
@@ -627,6 +656,31 @@ def estimated_bits(codec: Any, level: int, chunk_tokens: int) -> float:
     exact = exact_count(config, 0, chunk_tokens) * 2 * L * H * D
     bits += exact * (16 - float(entropy.mean()))  # the first chunk's exact tokens, bf16
     return bits / elements
+
+
+def estimated_packed_bits(codec: Any, level: int, chunk_tokens: int) -> float:
+    """Bits/element of ``codec`` (cachegen) at ``level`` in its packed form for a chunk of
+    ``chunk_tokens`` tokens: each (layer, K/V)'s symbol width (the fewest bits that hold its
+    alphabet), plus the fp16 scales and the first chunk's exactly stored tokens in bf16, all
+    as the packed form stores them; exact up to the frame's header and token ids."""
+    from cachegen.codec.packed import symbol_width
+    from cachegen.codec.quant import exact_count, num_scales
+
+    config, model = codec.profile.config(level), codec.profile.model
+    L, H, D = model.num_layers, model.num_kv_heads, model.head_dim
+    elements = 2 * L * H * D * chunk_tokens
+    widths = sum(symbol_width(b) for kind in ("k", "v") for b in config.bins(kind))
+    bits = widths * H * D * chunk_tokens
+    bits += 16 * sum(num_scales(config.scale(k), L, H, chunk_tokens, D) for k in ("k", "v"))
+    bits += 16 * exact_count(config, 0, chunk_tokens) * 2 * L * H * D
+    return bits / elements
+
+
+def _tag_level(level: int) -> int:
+    """The level a stored level names: itself, or the level whose packed form it tags."""
+    from cachegen.codec.packed import split_record_tag
+
+    return split_record_tag(level)[0]
 
 
 def _report(stats: Any) -> dict[str, Any]:

@@ -38,7 +38,7 @@ ADAPTIVE = RequestOptions(mode="adaptive", slo_ms=60_000.0)
 
 
 def test_first_levels_are_what_a_request_without_a_level_needs(smollm2, tmp_path):
-    for extra, firsts in (({}, [4]), ({"cachegen_levels": [2, 4]}, [4]), ({}, [0])):
+    for extra, firsts in (({}, [11]), ({"cachegen_levels": [2, 4]}, [4]), ({}, [0])):
         t = transport(smollm2, tmp_path, **extra)
         try:
             mode = "raw" if firsts == [0] else "cachegen"

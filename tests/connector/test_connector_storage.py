@@ -19,8 +19,11 @@ from cachegen.connector.transport import (
     LADDER_HEADROOM_BITS,
     ChunkTransport,
     estimated_bits,
+    estimated_packed_bits,
     storage_ladder,
 )
+
+PACKED_TAG = 1 << 15  # cachegen.codec.packed.record_tag(level, "packed") == level | PACKED_TAG
 
 CHUNKS = 3
 CHUNK_TOKENS = 256
@@ -40,17 +43,52 @@ def test_default_ladder_fits_half_of_raw_bf16(model, request, tmp_path):
     try:
         codec = t.codec("cachegen")
         ladder = t.levels("cachegen")
-        assert ladder[0] == codec.default_level
-        assert 1 <= len(ladder) <= 3 and len(set(ladder)) == len(ladder)
-        assert set(ladder) <= set(codec.levels)
-        bits = {lv: estimated_bits(codec, lv, CHUNK_TOKENS) for lv in ladder}
-        assert sum(bits.values()) <= LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS
-        assert all(bits[lv] < bits[ladder[0]] for lv in ladder[1:])  # smaller forms only
-        assert t.adaptive_levels == ladder  # adaptive chooses among what is stored
+        default = codec.default_level
+        coded = [lv for lv in ladder if lv < PACKED_TAG]
+        assert coded[0] == default and len(coded) <= 3 and len(set(ladder)) == len(ladder)
+        assert set(coded) <= set(codec.levels)
+        bits = {lv: estimated_bits(codec, lv, CHUNK_TOKENS) for lv in coded}
+        packed = estimated_packed_bits(codec, default, CHUNK_TOKENS)
+        assert bits[default] < packed  # the packed form is the larger one
+        budget = LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS
+        if bits[default] + packed <= budget:  # the default, coded and packed, fits: both stored
+            assert ladder[:2] == [default, default | PACKED_TAG] and len(ladder) == len(coded) + 1
+            assert sum(bits.values()) + packed <= budget
+        else:
+            assert ladder == coded and sum(bits.values()) <= budget
+        assert all(bits[lv] < bits[default] for lv in coded[1:])  # smaller forms only
+        assert t.adaptive_levels == coded  # adaptive chooses among the coded levels stored
         calibrated = codec.profile.calibrated_levels()
         if calibrated:
-            assert set(ladder) <= set(calibrated) and len(ladder) >= 2
+            assert set(coded) <= set(calibrated)
         assert t.levels("int8") == t.codec("int8").levels  # other codecs: unchanged
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_saving_adaptive_adds_cheaper_levels_after_both_forms(model, request, tmp_path):
+    """With ``adaptive`` among the save modes, the ladder is the default's two forms, then the
+    cheaper levels the ladder rule picks beside the coded default alone: adaptive's ladder."""
+    spec = request.getfixturevalue(model)
+    t = transport(spec, tmp_path, save_modes=["adaptive"])
+    try:
+        codec = t.codec("cachegen")
+        default = codec.default_level
+        pool = {*codec.profile.calibrated_levels(), default}
+        coded = storage_ladder(
+            default, {lv: estimated_bits(codec, lv, CHUNK_TOKENS) for lv in pool}
+        )
+        assert len(coded) > 1  # the rule finds cheaper levels for both shipped models
+        packed = estimated_packed_bits(codec, default, CHUNK_TOKENS)
+        both = estimated_bits(codec, default, CHUNK_TOKENS) + packed
+        forms = (
+            [default, default | PACKED_TAG]
+            if both <= LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS
+            else [default]
+        )
+        assert t.levels("adaptive") == [*forms, *coded[1:]]
+        assert t.adaptive_levels == coded
     finally:
         t.close()
 
@@ -64,7 +102,11 @@ def test_ladders_of_the_shipped_models(smollm2, gemma3, tiny_llama, tmp_path):
             got[spec.name] = t.levels("cachegen")
         finally:
             t.close()
-    assert got == {"smollm2-135m": [4, 10, 9], "gemma3-270m": [4, 6], "tiny-llama": [2, 1]}
+    assert got == {
+        "smollm2-135m": [11, 11 | PACKED_TAG],
+        "gemma3-270m": [4],  # level 4 coded and packed would not fit
+        "tiny-llama": [2],  # nor would preset 2
+    }
 
 
 def test_storage_ladder_rule():
@@ -83,6 +125,7 @@ def test_explicit_cachegen_levels_are_stored_as_given(smollm2, tmp_path):
         ([2, 4], [4]),
         ([1, 2, 3, 4, 6, 7, 8, 9, 10], [4, 6, 7, 8, 9, 10]),
         ([1, 2, 3], [1, 2, 3]),
+        ([4 | PACKED_TAG, 4, 10], [4, 10]),  # a packed form is stored, never adaptive's choice
     ):
         t = transport(smollm2, tmp_path, cachegen_levels=levels)
         try:
@@ -97,8 +140,10 @@ def test_a_level_outside_the_ladder_is_a_clean_miss(smollm2, tmp_path):
     scheduler turns into a recomputation with the reason in the request's report."""
     t = transport(smollm2, tmp_path)
     try:
-        assert t.load_levels(RequestOptions(mode="cachegen")) == [4]
-        with pytest.raises(ConnectorError, match=r"stores levels \[4, 10, 9\], not 3"):
+        assert t.load_levels(RequestOptions(mode="cachegen")) == [11]
+        packed = RequestOptions(mode="cachegen", level=11 | PACKED_TAG)
+        assert t.load_levels(packed) == [11 | PACKED_TAG]  # the packed form is a stored level
+        with pytest.raises(ConnectorError, match=r"stores levels \[11, 32779\], not 3"):
             t.stored_chunks(list(range(CHUNKS * CHUNK_TOKENS)), RequestOptions(level=3))
     finally:
         t.close()
@@ -127,6 +172,31 @@ def real_kv():
     return make
 
 
+def test_the_default_level_is_stored_coded_and_packed(smollm2, real_kv, tmp_path):
+    """With default settings each chunk's default level is stored twice, coded and packed (under
+    its record tag); both decode to the same KV, and a request naming the tag finds the chunks."""
+    import torch
+
+    from cachegen.codec import decode
+    from cachegen.codec.bitstream import parse_header
+
+    ids, kv = real_kv(smollm2)
+    t = transport(smollm2, tmp_path)
+    try:
+        default = t.codec("cachegen").default_level
+        t.save(ids, kv, ["cachegen"])
+        key = t.keys("cachegen", ids)[0]
+        coded, packed = (t.store.get(key, lv) for lv in (default, default | PACKED_TAG))
+        assert (parse_header(coded).form, parse_header(packed).form) == ("coded", "packed")
+        assert len(coded) < len(packed)
+        a, b = decode(coded), decode(packed)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        tagged = RequestOptions(mode="cachegen", level=default | PACKED_TAG)
+        assert t.stored_chunks(ids, tagged) == CHUNKS
+    finally:
+        t.close()
+
+
 def store_stats(capsys, url: str) -> dict:
     capsys.readouterr()
     assert main(["store", "stats", "--store", url, "--json"]) == 0
@@ -141,10 +211,33 @@ def raw_bf16(spec) -> int:
 COST_CONFIGS = {
     "default ladder": ({}, ["cachegen"]),
     "cachegen_levels = [default]": ("default", ["cachegen"]),
+    "default + adaptive levels": ("coded ladder", ["cachegen"]),
+    "save_modes adaptive": ({"save_modes": ["adaptive"]}, ["adaptive"]),
     "every level": ("all", ["cachegen"]),
     "save_modes raw": ({}, ["raw"]),
     "save_modes int8": ({}, ["int8"]),
 }
+
+
+def cost_levels(spec, config: str, tmp_path) -> list[int]:
+    """The cachegen levels of a named storage configuration: the default level alone, every
+    level, or adaptive's coded ladder (the default, then the cheaper calibrated levels that
+    :func:`storage_ladder` picks within the budget beside the coded default)."""
+    t = transport(spec, tmp_path)
+    try:
+        codec = t.codec("cachegen")
+        default = codec.default_level
+        if config == "default":
+            return [default]
+        if config == "all":
+            return list(codec.levels)
+        pool = {*codec.profile.calibrated_levels(), default}
+        ladder = storage_ladder(
+            default, {lv: estimated_bits(codec, lv, CHUNK_TOKENS) for lv in pool}
+        )
+        return ladder
+    finally:
+        t.close()
 
 
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
@@ -154,11 +247,7 @@ def test_storage_cost(model, name, request, real_kv, tmp_path, capsys):
     ids, kv = real_kv(spec)
     extra, modes = COST_CONFIGS[name]
     if isinstance(extra, str):
-        t = transport(spec, tmp_path)
-        codec = t.codec("cachegen")
-        t.close()
-        levels = [codec.default_level] if extra == "default" else list(codec.levels)
-        extra = {"cachegen_levels": levels}
+        extra = {"cachegen_levels": cost_levels(spec, extra, tmp_path)}
     t = transport(spec, tmp_path, **extra)
     try:
         written = t.save(ids, kv, modes)
