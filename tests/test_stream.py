@@ -483,7 +483,7 @@ def test_controller_picks_best_level_that_fits():
     assert c.choose(1, 0.88) == 0  # 0.12 s left
     assert c.choose(1, 0.95) == RECOMPUTE  # 0.05 s left: 900 tokens at 20k tok/s take 0.045 s
     assert [d.choice for d in c.decisions] == [0, 2, 1, 0, RECOMPUTE]
-    assert c.decisions[1].estimate_s == pytest.approx(0.36)
+    assert c.decisions[1].predicted_s == pytest.approx(0.36)
 
 
 def test_controller_orders_levels_by_size_not_by_number():

@@ -89,6 +89,55 @@ def test_stream_bench_adaptive_and_errors(tmp_path, capsys, tiny_llama):
     assert "unknown shaper" in capsys.readouterr().err
 
 
+def test_stream_bench_forms(tmp_path, capsys, tiny_llama):
+    """Each form loaded alone and the adaptive choice among the allowed ones, side by side."""
+    argv = [
+        "stream-bench",
+        "--store",
+        (tmp_path / "store").as_uri(),
+        "--model",
+        "tiny-llama",
+        "--tokens",
+        "256",
+        "--chunk-tokens",
+        "64",
+        "--bandwidth-mbps",
+        "200,5000",
+        "--forms",
+        "cachegen-2,cachegen-2-packed,int8,fp8,raw",
+        "--prefill-tps",
+        "1000",
+    ]
+    assert main(argv) == 1  # tiny-llama has no calibrated levels: the bound must be given
+    assert "give --max-loss-pct" in capsys.readouterr().err
+    argv += ["--loss-pct", "cachegen-2=1,int8=0.5", "--max-loss-pct", "1", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert (out["schema"], out["version"]) == ("cachegen-stream-forms-bench", 1)
+    losses = {f["name"]: (f["loss_pct"], f["allowed"]) for f in out["forms"]}
+    assert losses == {
+        "cachegen-2": (1.0, True),
+        "cachegen-2-packed": (1.0, True),  # the coded level's loss
+        "int8": (0.5, True),
+        "fp8": (None, False),  # no data for this model and none given: never allowed
+        "raw": (0.0, True),
+    }
+    assert [c["bandwidth_mbps"] for c in out["columns"]] == [200, 5000]
+    for column in out["columns"]:
+        assert set(column["load_s"]) == set(losses)
+        assert column["best_allowed"] != "fp8"
+        assert column["adaptive_vs_best"] == pytest.approx(
+            column["adaptive_s"] / column["best_allowed_s"]
+        )
+        (run,) = column["adaptive_runs"]
+        assert len(run["choices"]) == 4 and "fp8" not in run["choices"]
+        assert run["predicted_s"] > 0 and len(run["decisions"]) == 4
+    assert "adaptive / best allowed" in captured.err and "fp8 *" in captured.err
+    assert main([*argv[:-1], "--forms", "cachegen-2-coded"]) == 1
+    assert "unknown form 'cachegen-2-coded'" in capsys.readouterr().err
+
+
 def test_sweep_results_with_fast_and_unlimited_links_plot_and_report(tmp_path, capsys):
     """Stream runs at 5,000 and 20,000 Mbit/s and over the unlimited link (bandwidth null) pass
     the schema, and the figures, the summary and the report name the link `unlimited`."""

@@ -6,6 +6,7 @@
     with open_link(store, bandwidth_mbps=100, rtt_ms=0, shaper="token-bucket") as link:
         stats = stream_load(link.source, keys, decode, consume, level=2)
         # or: controller=AdaptiveController(slo_s, sizes, chunk_tokens, prefill_tokens_per_s=...)
+        # or: controller=FastestController(options, chunk_tokens, max_loss_pct=..., ...)
 
 Errors are ``cachegen.store.StoreError`` (ChunkMissing, ChunkCorrupt, StoreUnavailable) or
 ``StreamError`` (StreamTimeout, StreamProtocolError); both derive from CacheGenError and
@@ -13,7 +14,14 @@ carry ``.stats`` (``stats.n_loaded`` chunks were consumed before the failure).
 See docs/streaming.md.
 """
 
-from cachegen.stream.controller import RECOMPUTE, AdaptiveController, Decision
+from cachegen.stream.controller import (
+    RECOMPUTE,
+    AdaptiveController,
+    Decision,
+    FastestController,
+    LoadEstimator,
+    Option,
+)
 from cachegen.stream.errors import (
     ShaperUnavailable,
     StreamError,
@@ -37,8 +45,11 @@ __all__ = [
     "ChunkStat",
     "Decision",
     "DirectSource",
+    "FastestController",
     "Link",
+    "LoadEstimator",
     "LoadStats",
+    "Option",
     "ShaperUnavailable",
     "SocketSource",
     "StreamError",

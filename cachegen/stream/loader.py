@@ -3,6 +3,10 @@
     stats = stream_load(source, keys, decode, consume, level=2)            # fixed level
     stats = stream_load(source, keys, decode, consume, controller=ctrl)    # adaptive
 
+A controller chooses per chunk: a level of the chunk's record (``AdaptiveController``) or
+a stored form with records of its own keys (``FastestController``; ``keys`` then only give
+the chunk count and name the chunks in errors).
+
 A fetch thread requests chunks and receives them over the source's connection; the calling
 thread decodes each chunk and calls ``consume(index, decoded)`` in order. At most
 ``max_buffered`` received-but-undecoded chunks wait between the two, so memory stays
@@ -29,18 +33,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Generic, TypeVar
 
 from cachegen.errors import CacheGenError, InputError
-from cachegen.stream.controller import RECOMPUTE, AdaptiveController
+from cachegen.stream.controller import RECOMPUTE, AdaptiveController, FastestController
 from cachegen.stream.errors import StreamError
 from cachegen.stream.source import DEFAULT_STALL_TIMEOUT_S, ChunkSource
 
 T = TypeVar("T")
+Controller = AdaptiveController | FastestController
 _END = object()
 
 
 @dataclass
 class ChunkStat:
     index: int
-    level: int
+    level: int  # the store level slot it came from
     bytes: int
     transfer_s: float  # from when the link could start on it to its last byte
     decode_s: float
@@ -54,9 +59,8 @@ class LoadStats:
     n_chunks: int
     n_loaded: int = 0
     recompute_from: int | None = None  # first chunk left to recomputation (None: all loaded)
-    levels: list = field(
-        default_factory=list
-    )  # per chunk: level, "recompute", or None (not reached)
+    # per chunk: level (or the controller's option name), "recompute", or None (not reached)
+    levels: list = field(default_factory=list)
     bytes: int = 0
     transfer_s: float = 0.0  # first request to last byte received
     decode_s: float = 0.0  # sum of decode times
@@ -84,7 +88,7 @@ def stream_load(
     consume: Callable[[int, T], None],
     *,
     level: int | Sequence[int] | None = None,
-    controller: AdaptiveController | None = None,
+    controller: Controller | None = None,
     chunk_tokens: Sequence[int] | None = None,
     max_buffered: int = 2,
     lookahead: float = 0.5,
@@ -148,7 +152,10 @@ class _Pipeline(Generic[T]):
                 self.stats.levels[j] = RECOMPUTE
             return False
         self.stats.levels[index] = choice
-        self.conn.request(self.keys[index], choice)
+        key, slot = self.keys[index], choice
+        if self.controller is not None:
+            key, slot = self.controller.record(index, choice, key)
+        self.conn.request(key, slot)
         return True
 
     def _fetch(self) -> None:
@@ -164,19 +171,27 @@ class _Pipeline(Generic[T]):
                 requested = 1 if n and self._choose(0, 0) else 0
             prev_end = self.t0
             i = 0
+            # After the fetcher waited for the decoder, the next chunk's bytes come from socket
+            # buffers at memory speed: they measure the host, not the link.
+            waited = False
             while i < requested and not self.stop.is_set():
-                midway = _Midway(self, i + 1) if self.controller is not None and i + 1 < n else None
+                measure = self.controller is not None and not waited
+                midway = (
+                    _Midway(self, i + 1, measure)
+                    if self.controller is not None and i + 1 < n
+                    else None
+                )
                 chunk = self.conn.receive(midway)
                 transfer_s = chunk.t_last - max(prev_end, chunk.t_request)
                 prev_end = chunk.t_last
-                if self.controller is not None:
-                    self.controller.observe_throughput(chunk.nbytes, transfer_s)
+                if measure:
+                    self.controller.observe_throughput(chunk.nbytes, transfer_s, i)
                 if midway is not None:
                     if not midway.decided:  # chunk too small to decide midway
                         midway.decide(0)
                     requested += midway.requested
                 self.stats.transfer_s = chunk.t_last - self.t0
-                self._hand_over((i, chunk, transfer_s))
+                waited = self._hand_over((i, chunk, transfer_s))
                 i += 1
             self._hand_over(_END)
         except BaseException as exc:  # everything reaches the caller's thread
@@ -185,8 +200,10 @@ class _Pipeline(Generic[T]):
             if self.conn is not None:
                 self.conn.close()
 
-    def _hand_over(self, item) -> None:
+    def _hand_over(self, item) -> bool:
+        """Queue ``item`` for the decoder; True when the buffer was full (the fetcher waited)."""
         t = time.monotonic()
+        waited = self.buffer.full()
         while not self.stop.is_set():
             try:
                 self.buffer.put(item, timeout=0.05)
@@ -194,6 +211,7 @@ class _Pipeline(Generic[T]):
             except queue.Full:
                 continue
         self.stats.wait_decoder_s += time.monotonic() - t
+        return waited
 
     # ---- caller's thread -------------------------------------------------------------
 
@@ -252,10 +270,11 @@ class _Pipeline(Generic[T]):
 
 class _Midway:
     """Progress callback that decides and requests chunk ``index`` once ``lookahead`` of the
-    chunk before it has arrived, using the throughput measured since its first bytes."""
+    chunk before it has arrived, using the throughput measured since its first bytes (when
+    ``measure``)."""
 
-    def __init__(self, pipeline: _Pipeline, index: int) -> None:
-        self.pipeline, self.index = pipeline, index
+    def __init__(self, pipeline: _Pipeline, index: int, measure: bool) -> None:
+        self.pipeline, self.index, self.measure = pipeline, index, measure
         self.decided = False
         self.requested = False
         self._ref: tuple[float, int] | None = None
@@ -270,8 +289,8 @@ class _Midway:
         if got < self.pipeline.lookahead * total:
             return
         t_ref, got_ref = self._ref
-        if now > t_ref and got > got_ref:
-            self.pipeline.controller.observe_throughput(got - got_ref, now - t_ref)
+        if self.measure and now > t_ref and got > got_ref:
+            self.pipeline.controller.observe_throughput(got - got_ref, now - t_ref, self.index - 1)
         self.decide(total - got)
 
     def decide(self, inflight_bytes: int) -> None:

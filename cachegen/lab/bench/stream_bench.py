@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from cachegen import models, workload
+from cachegen.codec.bitstream import CODED
+from cachegen.codec.packed import split_record_tag
 from cachegen.errors import InputError
 from cachegen.fileio import versioned
 from cachegen.lab.bench.links import UNLIMITED
@@ -58,6 +60,7 @@ class Prepared:
     encoded_now: bool
     encode_s: dict[int, float]  # seconds to encode every chunk, per level (when encoded now)
     kv_bytes_bf16: int
+    kv: object = None  # the KV it was encoded from, when it was encoded now (not reported)
 
     def to_dict(self) -> dict:
         return {
@@ -108,8 +111,9 @@ def prepare(
     kv=None,
     log=None,
 ) -> Prepared:
-    """Chunks of the tokens ``ids`` in ``store`` at ``levels``, encoded if any is missing
-    (from ``kv``, their KV, when given; else from a timed prefill)."""
+    """Chunks of the tokens ``ids`` in ``store`` at ``levels`` (store level slots: a packed
+    form's slot is its record tag), encoded if any is missing (from ``kv``, their KV, when
+    given; else from a timed prefill)."""
     from cachegen.profiles import codec_for
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -117,7 +121,7 @@ def prepare(
     codec = codec_for(codec_name, spec, chunk_tokens=chunk_tokens)
     levels = list(levels or codec.levels)
     for lv in levels:
-        codec.resolve_level(lv)
+        codec.resolve_level(split_record_tag(lv)[0])
     tokens = ids.numel()
     keys = chunk_keys(spec.identity(), codec.profile_id, ids, chunk_tokens)
     tps = None
@@ -131,7 +135,7 @@ def prepare(
         for key, chunk in zip(keys, kv.chunks(chunk_tokens)):
             for lv in levels:
                 begin = time.perf_counter()
-                blob = codec.encode(chunk, level=lv)
+                blob = encode_slot(codec, chunk, lv)
                 encode_s[lv] += time.perf_counter() - begin
                 store.put(key, lv, blob)
     sizes = {lv: store.sizes(keys, lv) for lv in levels}
@@ -139,8 +143,26 @@ def prepare(
     ident = spec.identity()
     kv_bytes = tokens * ident.num_layers * ident.num_kv_heads * ident.head_dim * 2 * 2
     return Prepared(
-        spec.name, codec_name, levels, ids, counts, keys, sizes, tps, encoded, encode_s, kv_bytes
+        spec.name,
+        codec_name,
+        levels,
+        ids,
+        counts,
+        keys,
+        sizes,
+        tps,
+        encoded,
+        encode_s,
+        kv_bytes,
+        kv if encoded else None,
     )
+
+
+def encode_slot(codec, chunk, slot: int) -> bytes:
+    """``chunk`` encoded for the store level slot ``slot`` (a level, or a packed level's
+    record tag)."""
+    level, form = split_record_tag(slot)
+    return codec.encode(chunk, level=level) if form == CODED else codec.encode(chunk, level, form)
 
 
 def make_decoder(expected: Prepared):

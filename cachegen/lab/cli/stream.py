@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from cachegen import models
 from cachegen.errors import InputError
 from cachegen.lab import rows
 from cachegen.lab.bench import stream_bench as bench
+from cachegen.lab.bench import stream_forms as forms
 from cachegen.store import default_store_url, open_store
 from cachegen.stream.controller import DEFAULT_DROP_FACTOR
 from cachegen.stream.link import SHAPERS
@@ -23,7 +25,9 @@ def register(subparsers) -> None:
         "into the store once, then load them through a rate-limited TCP link on 127.0.0.1 with "
         "pipelined decoding and print goodput_mbps, bytes, transfer_s, decode_s, load_s and "
         "levels (docs/benchmarks.md, Vocabulary). With --controller-eval, evaluate the adaptive "
-        "controller over bandwidth traces instead.",
+        "controller over bandwidth traces instead; with --forms, compare stored forms loaded "
+        "alone with the per-chunk choice of the fastest form within a quality bound "
+        "(docs/streaming.md).",
     )
     p.add_argument(
         "--store", default=None, help=f"chunk store URL (default: {default_store_url()})"
@@ -58,6 +62,27 @@ def register(subparsers) -> None:
         "--slo-ms",
         default=None,
         help="TTFT budget for the adaptive controller (a comma list with --controller-eval)",
+    )
+    mode.add_argument(
+        "--forms",
+        default=None,
+        help="store these forms (a comma list of cachegen-<L>, cachegen-<L>-packed, raw, int8, "
+        "fp8; 'default': the default level coded and packed, raw, int8, fp8), load each alone "
+        "and with the adaptive choice of the fastest form allowed by the quality bound, and "
+        "compare (--codec is not used)",
+    )
+    p.add_argument(
+        "--max-loss-pct",
+        type=float,
+        default=None,
+        help="with --forms: the quality bound, the largest loss (perplexity change, %%) a form "
+        "may have (default: the default cachegen level's calibrated loss)",
+    )
+    p.add_argument(
+        "--loss-pct",
+        default=None,
+        help="with --forms: losses that override the data, NAME=PCT,... (a packed form has its "
+        "coded level's loss), e.g. int8=0.1,cachegen-2=1.5",
     )
     p.add_argument(
         "--prefill-tps",
@@ -101,7 +126,21 @@ def _stream_bench(args: argparse.Namespace) -> int:
     if unknown:
         raise InputError(f"unknown shaper {unknown[0]!r}; choose from {', '.join(SHAPERS)}")
     bandwidths = bench.parse_bandwidths(args.bandwidth_mbps)
+    if args.forms is None and (args.max_loss_pct is not None or args.loss_pct is not None):
+        raise InputError("--max-loss-pct and --loss-pct go with --forms")
+    if args.forms is not None and args.controller_eval:
+        raise InputError("--controller-eval evaluates the SLO rule: give --slo-ms, not --forms")
     store = open_store(args.store)
+    if args.forms is not None:
+        try:
+            result = _forms_bench(args, store, shapers, bandwidths)
+        finally:
+            store.close()
+        result["command"] = "cachegen stream-bench " + " ".join(_argv(args))
+        print(forms.format_table(result), file=sys.stderr)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        return 0
     try:
         codec = codec_for(args.codec, args.model)
         need_all_levels = args.controller_eval or args.slo_ms is not None
@@ -151,6 +190,37 @@ def _stream_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _forms_bench(args: argparse.Namespace, store, shapers, bandwidths) -> dict:
+    from cachegen.profiles import codec_for
+
+    spec = models.resolve(args.model)
+    cachegen_codec = codec_for("cachegen", spec, chunk_tokens=args.chunk_tokens)
+    chosen = forms.parse_forms(args.forms, cachegen_codec.default_level)
+    losses = forms.form_losses(spec, cachegen_codec, chosen, forms.parse_losses(args.loss_pct))
+    bound = (
+        args.max_loss_pct if args.max_loss_pct is not None else forms.default_bound(cachegen_codec)
+    )
+    ids = bench.bench_tokens(spec, args.tokens)
+    preps = forms.prepare_forms(store, args.model, chosen, ids, args.chunk_tokens)
+    prefill_tps = args.prefill_tps or next(
+        (p.prefill_tps for p in preps.values() if p.prefill_tps), None
+    )
+    if not prefill_tps:
+        prefill_tps, _ = bench.measure_prefill_tps(spec, ids)
+    return forms.forms_bench(
+        store,
+        preps,
+        chosen,
+        losses,
+        max_loss_pct=bound,
+        shapers=shapers,
+        bandwidths=bandwidths,
+        rtt_ms=args.rtt_ms,
+        prefill_tps=prefill_tps,
+        repeat=args.repeat,
+    )
+
+
 def _floats(text: str) -> list[float]:
     try:
         return [float(x) for x in str(text).split(",")]
@@ -170,8 +240,6 @@ def _argv(args: argparse.Namespace) -> list[str]:
 
 
 def _print_eval(result: dict) -> None:
-    import sys
-
     for ev in result["evaluations"]:
         feasible = ev["adaptive_hit_rate_where_feasible"]
         hit_rate = "n/a (no such trace)" if feasible is None else f"{feasible:.3f}"

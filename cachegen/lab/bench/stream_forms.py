@@ -1,0 +1,394 @@
+"""``cachegen stream-bench --forms``: each stored form loaded alone vs the adaptive choice.
+
+1. ``prepare_forms``: the bench's chunks in the store in every form asked for (a cachegen
+   level coded or packed, raw, int8, fp8; each codec under its own chunk keys), encoded from
+   one prefill when any is missing.
+2. ``form_losses``: each form's quality loss (perplexity change, %): a cachegen level's
+   calibration target (``target_ppl_pct`` in ``cachegen/codec/calibrated/*.json``; its packed
+   form decodes to the same KV), 0 for lossless codecs, the baselines' measured loss from
+   ``form_loss.json`` (its ``source`` says which command measured it), or the caller's.
+3. ``forms_bench``: per shaper and bandwidth, load every form alone and then with
+   :class:`~cachegen.stream.FastestController` choosing per chunk among the forms whose loss
+   is within the bound, and compare adaptive's time with the best allowed fixed form's
+   (recomputation included, at the measured prefill rate).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from cachegen import models
+from cachegen.codec import get_codec
+from cachegen.codec.bitstream import CODED, PACKED
+from cachegen.codec.packed import record_tag
+from cachegen.codec.profile import SHIPPED_DIR, SHIPPED_SCHEMA, SHIPPED_VERSION
+from cachegen.errors import InputError
+from cachegen.fileio import check_version, versioned
+from cachegen.lab.bench.links import UNLIMITED
+from cachegen.lab.bench.stream_bench import Prepared, prepare, run_load, warm_up
+from cachegen.modes import CACHEGEN, KV_BASELINES, Mode
+from cachegen.store import ChunkStore
+from cachegen.stream.controller import RECOMPUTE, FastestController, Option
+
+SCHEMA = "cachegen-stream-forms-bench"
+VERSION = 1
+LOSS_FILE = Path(__file__).with_name("form_loss.json")
+LOSS_SCHEMA = "cachegen-form-loss"
+LOSS_VERSION = 1
+PACKED_SUFFIX = "-" + PACKED
+DEFAULT_FORMS = "default"
+WITHIN = 1.10  # adaptive should finish within this factor of the best allowed fixed form
+
+
+@dataclass(frozen=True)
+class Form:
+    """A stored form: ``name`` (``cachegen-<L>``, ``cachegen-<L>-packed``, ``raw``, ``int8``,
+    ``fp8``), its codec and its store level slot."""
+
+    name: str
+    codec: str
+    slot: int
+
+    @property
+    def coded_name(self) -> str:
+        """The name of the coded form with the same symbols (itself when not packed)."""
+        return self.name.removesuffix(PACKED_SUFFIX)
+
+
+def parse_form(name: str) -> Form:
+    packed = name.endswith(PACKED_SUFFIX)
+    try:
+        mode = Mode.parse(name.removesuffix(PACKED_SUFFIX))
+    except InputError:
+        mode = None
+    if mode is not None and mode.mode == CACHEGEN and mode.level is not None:
+        return Form(name, CACHEGEN, record_tag(mode.level, PACKED if packed else CODED))
+    if mode is not None and mode.mode in KV_BASELINES and not packed:
+        return Form(name, mode.mode, get_codec(mode.mode).default_level)
+    raise InputError(
+        f"unknown form {name!r}; forms are cachegen-<L>, cachegen-<L>-packed, "
+        f"{', '.join(KV_BASELINES)} (or {DEFAULT_FORMS!r})"
+    )
+
+
+def parse_forms(text: str, default_level: int) -> list[Form]:
+    """Forms of a comma list; ``default``: the default level coded and packed, and the
+    baselines."""
+    if text == DEFAULT_FORMS:
+        names = [f"cachegen-{default_level}", f"cachegen-{default_level}{PACKED_SUFFIX}"]
+        names += list(KV_BASELINES)
+    else:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or len(set(names)) != len(names):
+        raise InputError(f"--forms {text!r}: give distinct forms separated by commas")
+    return [parse_form(n) for n in names]
+
+
+def parse_losses(text: str | None) -> dict[str, float]:
+    """``NAME=PCT,...`` (coded names: a packed form has its coded level's loss)."""
+    out = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, _, value = item.partition("=")
+        try:
+            out[parse_form(name.strip()).coded_name] = float(value)
+        except ValueError:
+            raise InputError(f"--loss-pct {text!r}: give NAME=PCT pairs, e.g. int8=0.1") from None
+    return out
+
+
+# ---- losses ------------------------------------------------------------------------------
+
+
+def calibrated_losses(codec) -> dict[int, float]:
+    """``target_ppl_pct`` of the cachegen ``codec``'s calibrated levels."""
+    profile = codec.profile
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        doc = check_version(
+            json.loads(path.read_text()), SHIPPED_SCHEMA, (SHIPPED_VERSION,), str(path)
+        )
+        if doc["model"]["fingerprint"] == profile.model.fingerprint:
+            levels = doc["levels"]
+            return {
+                lv: float(levels[str(lv)]["target_ppl_pct"])
+                for lv in profile.calibrated_levels()
+                if "target_ppl_pct" in levels[str(lv)]
+            }
+    return {}
+
+
+def baseline_losses(spec: models.ModelSpec) -> dict[str, float]:
+    """The baselines' measured losses for ``spec`` from ``form_loss.json``."""
+    doc = check_version(
+        json.loads(LOSS_FILE.read_text()), LOSS_SCHEMA, (LOSS_VERSION,), str(LOSS_FILE)
+    )
+    fingerprint = spec.identity().fingerprint
+    entry = next((e for e in doc["models"].values() if e["fingerprint"] == fingerprint), None)
+    return dict(entry["loss_pct"]) if entry else {}
+
+
+def form_losses(
+    spec: models.ModelSpec, cachegen_codec, forms: list[Form], given: Mapping[str, float]
+) -> dict[str, float | None]:
+    """Each form's loss (None: unknown): ``given`` first, then the data (module docs)."""
+    levels = calibrated_losses(cachegen_codec) if cachegen_codec is not None else {}
+    baselines = baseline_losses(spec)
+    out: dict[str, float | None] = {}
+    for f in forms:
+        if f.coded_name in given:
+            out[f.name] = given[f.coded_name]
+        elif f.codec == CACHEGEN:
+            out[f.name] = levels.get(Mode.parse(f.coded_name).level)
+        else:
+            out[f.name] = 0.0 if get_codec(f.codec).lossless else baselines.get(f.codec)
+    return out
+
+
+def default_bound(cachegen_codec) -> float:
+    """The loss of the default cachegen level: adaptive never buys speed with a lossier one."""
+    loss = calibrated_losses(cachegen_codec).get(cachegen_codec.default_level)
+    if loss is None:
+        raise InputError(
+            f"the default level {cachegen_codec.default_level} of "
+            f"{cachegen_codec.profile.model.name} has no calibrated loss: give --max-loss-pct"
+        )
+    return loss
+
+
+# ---- prepare and measure -----------------------------------------------------------------
+
+
+def prepare_forms(
+    store: ChunkStore, model: str, forms: list[Form], ids, chunk_tokens: int, log=None
+) -> dict[str, Prepared]:
+    """Each codec's chunks in ``store`` at the slots of ``forms``, from one prefill."""
+    slots: dict[str, list[int]] = {}
+    for f in forms:
+        slots.setdefault(f.codec, []).append(f.slot)
+    preps: dict[str, Prepared] = {}
+    kv = None
+    for codec_name, codec_slots in slots.items():
+        preps[codec_name] = prepare(
+            store, model, codec_name, ids, chunk_tokens, codec_slots, kv=kv, log=log
+        )
+        kv = preps[codec_name].kv or kv
+    return preps
+
+
+def allowed_names(options: list[Option], max_loss_pct: float) -> list[str]:
+    return [o.name for o in options if o.within(max_loss_pct)]
+
+
+def forms_bench(
+    store: ChunkStore,
+    preps: dict[str, Prepared],
+    forms: list[Form],
+    losses: Mapping[str, float | None],
+    *,
+    max_loss_pct: float,
+    shapers,
+    bandwidths,
+    rtt_ms: float,
+    prefill_tps: float,
+    repeat: int = 1,
+    log=None,
+) -> dict:
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    for prep in preps.values():
+        warm_up(store, prep)  # compiles the kernels and fills caches, which no load pays for
+    options = [
+        Option(f.name, preps[f.codec].keys, f.slot, preps[f.codec].sizes[f.slot], losses[f.name])
+        for f in forms
+    ]
+    anchor = preps[forms[0].codec]  # its keys count the chunks, its tokens check each chunk
+    allowed = allowed_names(options, max_loss_pct)
+    columns = []
+    for shaper in shapers:
+        for bw in bandwidths:
+            load_before = os.getloadavg()[0]
+            column = _measure_column(
+                store,
+                preps,
+                forms,
+                options,
+                shaper=shaper,
+                bw=bw,
+                rtt_ms=rtt_ms,
+                max_loss_pct=max_loss_pct,
+                prefill_tps=prefill_tps,
+                repeat=repeat,
+            )
+            column["loadavg_1min"] = [load_before, os.getloadavg()[0]]
+            columns.append(column)
+            log(
+                f"{shaper:>12} {bw if bw is not None else UNLIMITED:>9} Mbit/s  adaptive "
+                f"{column['adaptive_s']:.3f} s  best allowed {column['best_allowed']} "
+                f"{column['best_allowed_s']:.3f} s"
+            )
+    return versioned(
+        SCHEMA,
+        VERSION,
+        {
+            "model": anchor.model,
+            "tokens": sum(anchor.chunk_tokens),
+            "chunks": len(anchor.keys),
+            "chunk_tokens": anchor.chunk_tokens[0] if anchor.chunk_tokens else None,
+            "rtt_ms": rtt_ms,
+            "prefill_tps": prefill_tps,
+            "max_loss_pct": max_loss_pct,
+            "within": WITHIN,
+            "forms": [
+                {
+                    "name": o.name,
+                    "slot": o.slot,
+                    "loss_pct": o.loss_pct,
+                    "allowed": o.name in allowed,
+                    "bytes": sum(s for s in o.sizes if s is not None),
+                }
+                for o in options
+            ],
+            "prepared": {name: prep.to_dict() for name, prep in preps.items()},
+            "columns": columns,
+        },
+    )
+
+
+def _measure_column(
+    store, preps, forms, options, *, shaper, bw, rtt_ms, max_loss_pct, prefill_tps, repeat
+) -> dict:
+    """Every form loaded alone, then adaptively, ``repeat`` times in turn (so a busy moment
+    hits every form alike). The adaptive load's decode priors are each form's median rate
+    per chunk in the loads of it so far: what a server learns from its earlier loads."""
+    anchor = preps[forms[0].codec]
+    fixed: dict[str, list[float]] = {f.name: [] for f in forms}
+    rates: dict[str, list[float]] = {f.name: [] for f in forms}
+    adaptive = []
+    for _ in range(repeat):
+        for f in forms:
+            stats, _ = run_load(
+                store, preps[f.codec], shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, level=f.slot
+            )
+            fixed[f.name].append(stats.load_s)
+            rates[f.name] += [c.decode_s / anchor.chunk_tokens[c.index] for c in stats.chunks]
+        priors = {name: statistics.median(r) for name, r in rates.items()}
+        controller = FastestController(
+            options,
+            anchor.chunk_tokens,
+            max_loss_pct=max_loss_pct,
+            prefill_tokens_per_s=prefill_tps,
+            initial_mbps=bw,
+            decode_s_per_token=priors,
+        )
+        stats, _ = run_load(
+            store, anchor, shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, controller=controller
+        )
+        adaptive.append(_adaptive_run(stats, anchor, prefill_tps))
+    allowed = allowed_names(options, max_loss_pct)
+    column = _column(shaper, bw, fixed, adaptive, allowed, sum(anchor.chunk_tokens) / prefill_tps)
+    column["decode_s_per_token"] = priors  # the last adaptive load's priors
+    return column
+
+
+def _adaptive_run(stats, anchor: Prepared, prefill_tps: float) -> dict:
+    recompute_tokens = (
+        sum(anchor.chunk_tokens[stats.recompute_from :]) if stats.recompute_from is not None else 0
+    )
+    # when each decision predicted the load to end (NaN, no rate known yet: None)
+    ends = [d["elapsed_s"] + d["predicted_s"] for d in stats.decisions]
+    ends = [end if end == end else None for end in ends]
+    recompute_s = recompute_tokens / prefill_tps
+    return {
+        "load_s": stats.load_s,
+        "recompute_s": recompute_s,
+        "completion_s": stats.load_s + recompute_s,
+        "predicted_s": ends[0] if ends else None,  # at the first chunk
+        "predicted_mid_s": ends[len(ends) // 2] if ends else None,  # halfway, rates learned
+        "bytes": stats.bytes,
+        "transfer_s": stats.transfer_s,
+        "decode_s": stats.decode_s,
+        "choices": list(stats.levels),
+        "decisions": list(stats.decisions),
+    }
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _column(shaper, bw, fixed, adaptive, allowed, recompute_s) -> dict:
+    load_s = {name: statistics.median(times) for name, times in fixed.items()}
+    candidates = {name: load_s[name] for name in allowed} | {RECOMPUTE: recompute_s}
+    best = min(candidates, key=lambda name: candidates[name])
+    adaptive_s = statistics.median(r["completion_s"] for r in adaptive)
+    return {
+        "shaper": shaper,
+        "bandwidth_mbps": bw,
+        "runs": len(adaptive),
+        "load_s": load_s,
+        "recompute_s": recompute_s,
+        "best_allowed": best,
+        "best_allowed_s": candidates[best],
+        "adaptive_s": adaptive_s,
+        "adaptive_predicted_s": _median([r["predicted_s"] for r in adaptive]),
+        "adaptive_predicted_mid_s": _median([r["predicted_mid_s"] for r in adaptive]),
+        "adaptive_vs_best": adaptive_s / candidates[best],
+        "within_target": adaptive_s <= WITHIN * candidates[best],
+        "fixed_runs_load_s": fixed,
+        "adaptive_runs": adaptive,
+    }
+
+
+def choice_summary(choices: list) -> str:
+    """Run-length form of per-chunk choices: ``cachegen-4 x3, int8 x13``."""
+    runs: list[list] = []
+    for c in choices:
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    return ", ".join(f"{c} x{n}" for c, n in runs)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def format_table(result: dict) -> str:
+    """The forms (rows) by bandwidth (columns), load_s medians; then adaptive's choices."""
+    cols = result["columns"]
+    heads = [
+        UNLIMITED if c["bandwidth_mbps"] is None else f"{c['bandwidth_mbps']:g} Mbit/s"
+        for c in cols
+    ]
+    width = 2 + max(12, *(len(h) for h in heads), *(len(c["best_allowed"]) for c in cols))
+    names = [f["name"] for f in result["forms"]]
+    label = max(len(n) for n in [*names, "adaptive / best allowed"]) + 2
+    lines = ["load_s".ljust(label) + "".join(h.rjust(width) for h in heads)]
+    allowed = {f["name"]: f["allowed"] for f in result["forms"]}
+    for name in names:
+        mark = "" if allowed[name] else " *"
+        cells = "".join(f"{c['load_s'][name]:.3f}".rjust(width) for c in cols)
+        lines.append((name + mark).ljust(label) + cells)
+    rows = (
+        (RECOMPUTE, lambda c: f"{c['recompute_s']:.3f}"),
+        ("adaptive", lambda c: f"{c['adaptive_s']:.3f}"),
+        ("predicted at chunk 0", lambda c: _seconds(c["adaptive_predicted_s"])),
+        ("predicted halfway", lambda c: _seconds(c["adaptive_predicted_mid_s"])),
+        ("best allowed", lambda c: c["best_allowed"]),
+        ("adaptive / best allowed", lambda c: f"{c['adaptive_vs_best']:.3f}"),
+    )
+    for name, cell in rows:
+        lines.append(name.ljust(label) + "".join(cell(c).rjust(width) for c in cols))
+    lines.append(f"* loss above the bound of {result['max_loss_pct']:g}%: not allowed")
+    for c, head in zip(cols, heads):
+        for i, run in enumerate(c["adaptive_runs"]):
+            lines.append(f"{head} run {i + 1}: {choice_summary(run['choices'])}")
+    return "\n".join(lines)

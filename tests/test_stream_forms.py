@@ -1,0 +1,220 @@
+"""The fastest-form controller: its choice among stored forms under a quality bound, and a load
+of real KV stored coded, packed and as int8, over a real socket."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachegen.codec import decode
+from cachegen.codec.packed import record_tag
+from cachegen.errors import InputError
+from cachegen.store import chunk_keys, open_store
+from cachegen.stream import RECOMPUTE, FastestController, Option, open_link, stream_load
+
+N = 10
+TOKENS = [100] * N
+PACKED_4 = record_tag(4, "packed")
+
+
+def option(name: str, size: int, loss: float | None, slot: int = 0) -> Option:
+    return Option(name, [f"{name}/{i}" for i in range(N)], slot, [size] * N, loss)
+
+
+CODED = option("cachegen-4", 100_000, 1.0, 4)
+PACKED = option("cachegen-4-packed", 300_000, 1.0, PACKED_4)
+INT8 = option("int8", 400_000, 0.1)
+COARSE = option("cachegen-9", 50_000, 10.0, 9)
+DECODE = {"cachegen-4": 1e-3, "cachegen-4-packed": 1e-4, "int8": 2e-4, "cachegen-9": 1e-3}
+
+
+def make(options, bound=1.0, prefill_tps=100.0, decode=DECODE, **kw) -> FastestController:
+    return FastestController(
+        options,
+        TOKENS,
+        max_loss_pct=bound,
+        prefill_tokens_per_s=prefill_tps,
+        decode_s_per_token=decode,
+        **kw,
+    )
+
+
+def test_a_faster_allowed_form_wins():
+    c = make([CODED, PACKED, INT8])
+    c.observe_throughput(1_000_000_000, 1.0)  # 1 GB/s: decoding decides
+    assert c.choose(0, 0.0) == "cachegen-4-packed"  # 1000 tokens decode in 0.1 s, coded in 1 s
+    slow = make([CODED, PACKED, INT8])
+    slow.observe_throughput(1_000_000, 1.0)  # 1 MB/s: the bytes decide
+    assert slow.choose(0, 0.0) == "cachegen-4"
+    # 1 MB in 1 s, then the last chunk's 0.1 s of decoding
+    assert slow.decisions[0].predicted_s == pytest.approx(1.1)
+    assert slow.record(3, "int8", "ignored") == ("int8/3", 0)
+    assert slow.record(3, "cachegen-4-packed", "ignored") == ("cachegen-4-packed/3", PACKED_4)
+
+
+def test_a_lossier_faster_form_is_not_chosen():
+    cases = ((1.0, ["cachegen-4"]), (10.0, ["cachegen-9", "cachegen-4"]))
+    for bound, allowed in cases:
+        c = make([CODED, COARSE, option("loss-unknown", 1, None)], bound=bound)
+        assert c.allowed == allowed  # smallest first; an unknown loss is never allowed
+        assert c.choose(0, 0.0) == allowed[0]  # no rate yet: the smallest allowed form
+        c.observe_throughput(1_000_000, 1.0)  # the bytes decide: cachegen-9 has half of them
+        assert c.choose(1, 0.0) == allowed[0]
+    with pytest.raises(InputError, match="no option has a loss of at most 0.01%"):
+        make([CODED, COARSE], bound=0.01)
+
+
+def test_decode_speed_learning_changes_the_choice():
+    c = make([CODED, PACKED], decode={"cachegen-4": 1e-5, "cachegen-4-packed": 1e-4})
+    c.observe_throughput(1_000_000_000, 1.0)
+    assert c.choose(0, 0.0) == "cachegen-4"  # the prior says coded decodes fastest
+    c.observe_decode(0, 0.1)  # measured: 1e-3 s/token, ten times the packed form's prior
+    assert c.decode_spt["cachegen-4"] == pytest.approx((1e-5 + 1e-3) / 2)  # blended (EWMA)
+    assert c.choose(1, 0.0) == "cachegen-4-packed"
+
+
+def test_a_close_form_is_tried_once_and_its_measurement_decides():
+    priors = {"cachegen-4": 1e-3, "cachegen-4-packed": 1e-4, "int8": 1.2e-4}
+    c = make([CODED, PACKED, INT8], decode=priors)
+    c.observe_throughput(1_000_000_000, 1.0)
+    assert c.choose(0, 0.0) == "cachegen-4-packed"  # 0.1 s; int8 0.12 s, coded 1 s
+    assert c.choose(1, 0.0) == "cachegen-4-packed"  # nothing measured yet: no trial
+    c.observe_decode(0, 0.01)  # packed measured as its prior said
+    assert c.choose(2, 0.0) == "int8"  # within 25% of the fastest and never measured: tried
+    assert c.choose(3, 0.0) == "cachegen-4-packed"  # int8 waits for the decoder: not again
+    c.observe_decode(1, 0.01)
+    c.observe_decode(2, 0.005)  # int8 measured: half its prior
+    assert c.choose(4, 0.0) == "int8"
+    never = make([CODED, PACKED, INT8], decode=priors, explore=0.0)
+    never.observe_throughput(1_000_000_000, 1.0)
+    never.choose(0, 0.0)
+    never.observe_decode(0, 0.01)
+    assert never.choose(1, 0.0) == "cachegen-4-packed"
+
+
+def test_recompute_when_loading_cannot_win():
+    c = make([CODED, PACKED], prefill_tps=100_000.0)
+    c.observe_throughput(10_000, 1.0)  # 10 kB/s: 1 MB takes 100 s, the text 0.01 s
+    assert c.choose(0, 0.0) == RECOMPUTE
+    fast = make([CODED, PACKED], prefill_tps=100_000.0)
+    fast.observe_throughput(1_000_000_000, 1.0)  # packed: 0.1 s; recompute: 0.01 s
+    assert fast.choose(0, 0.0) == RECOMPUTE
+    slow_text = make([CODED, PACKED])  # recompute: 10 s
+    slow_text.observe_throughput(1_000_000_000, 1.0)
+    assert slow_text.choose(0, 0.0) == "cachegen-4-packed"
+
+
+def test_the_rate_weighs_each_sample_by_its_time():
+    """Bytes that waited in socket buffers arrive at memory speed; they must not pass for the
+    link's rate."""
+    c = make([CODED, PACKED])
+    c.observe_throughput(1_000_000, 1.0)  # 8 Mbit/s
+    c.observe_throughput(1_000_000, 0.001)  # read from a buffer: 8 Gbit/s
+    assert c.estimate_mbps == pytest.approx(2_000_000 * 8 / 1.001 / 1e6)
+
+
+def test_each_option_moves_at_its_own_measured_rate():
+    """Where the host bounds the transfer, a big form's chunks arrive slower than a small
+    one's; once an option has been measured its own rate predicts its transfer."""
+    c = make([CODED, INT8], decode={"cachegen-4": 2e-5, "int8": 1e-6})
+    c.observe_throughput(400_000_000, 1.0)  # 400 MB/s: int8 (4 MB) 10 ms, coded decodes 20 ms
+    assert c.choose(0, 0.0) == "int8"
+    c.observe_throughput(400_000, 0.04, 0)  # int8's chunk 0 came at 10 MB/s
+    # int8: 3.6 MB at 10 MB/s is 0.36 s; coded still moves at the link's rate: 18 ms decoding
+    assert c.choose(1, 0.0) == "cachegen-4"
+
+
+def test_options_are_checked():
+    with pytest.raises(InputError, match="distinct"):
+        make([CODED, CODED])
+    with pytest.raises(InputError, match="keys"):
+        make([Option("int8", ["k"], 0, [1] * N, 0.0)])
+
+
+# ---- real KV, three forms, a real socket ---------------------------------------------------
+
+CHUNK = 32
+CHUNKS = 4
+
+
+@pytest.fixture(scope="module")
+def forms_store(tmp_path_factory, tiny_llama):
+    """A directory store with ``CHUNKS`` chunks of tiny-llama's KV, each coded and packed at the
+    default level and as int8 (under int8's keys), except chunk 2, which has no packed record."""
+    from cachegen.extract import extract_kv
+    from cachegen.profiles import codec_for
+
+    ids = torch.arange(10, 10 + CHUNK * CHUNKS)
+    kv = extract_kv(tiny_llama, token_ids=ids)
+    cachegen = codec_for("cachegen", tiny_llama, chunk_tokens=CHUNK)
+    int8 = codec_for("int8", tiny_llama, chunk_tokens=CHUNK)
+    level = cachegen.default_level
+    store = open_store((tmp_path_factory.mktemp("forms") / "store").as_uri())
+    keys = {
+        name: chunk_keys(tiny_llama.identity(), codec.profile_id, ids, CHUNK)
+        for name, codec in (("cachegen", cachegen), ("int8", int8))
+    }
+    blobs = {}
+    for i, chunk in enumerate(kv.chunks(CHUNK)):
+        blobs["coded", i] = cachegen.encode(chunk, level)
+        blobs["int8", i] = int8.encode(chunk)
+        store.put(keys["cachegen"][i], level, blobs["coded", i])
+        store.put(keys["int8"][i], 0, blobs["int8", i])
+        if i != 2:
+            blobs["packed", i] = cachegen.encode(chunk, level, form="packed")
+            store.put(keys["cachegen"][i], record_tag(level, "packed"), blobs["packed", i])
+    yield store, keys, level, blobs
+    store.close()
+
+
+def form_options(store, keys, level, int8_loss):
+    packed = record_tag(level, "packed")
+    return [
+        Option("coded", keys["cachegen"], level, store.sizes(keys["cachegen"], level), 1.0),
+        Option("packed", keys["cachegen"], packed, store.sizes(keys["cachegen"], packed), 1.0),
+        Option("int8", keys["int8"], 0, store.sizes(keys["int8"], 0), int8_loss),
+    ]
+
+
+def load(store, options, decode_priors):
+    controller = FastestController(
+        options,
+        [CHUNK] * CHUNKS,
+        max_loss_pct=1.0,
+        prefill_tokens_per_s=1e-3,  # recomputing never wins
+        initial_mbps=1000,
+        decode_s_per_token=decode_priors,
+    )
+    got = []
+    with open_link(store, bandwidth_mbps=1000) as link:
+        stats = stream_load(
+            link.source,
+            options[0].keys,
+            decode,
+            lambda i, kv: got.append(kv),
+            controller=controller,
+        )
+    return stats, got
+
+
+def same(a, b) -> bool:
+    return torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_fastest_form_over_a_socket(forms_store):
+    store, keys, level, blobs = forms_store
+    # int8 loses more than the bound allows; the coded form decodes far slower than packed
+    options = form_options(store, keys, level, int8_loss=5.0)
+    stats, got = load(store, options, {"coded": 1.0, "packed": 1e-6, "int8": 1e-9})
+    assert stats.levels == ["packed", "packed", "coded", "packed"]  # chunk 2 has no packed
+    packed = record_tag(level, "packed")
+    assert [c.level for c in stats.chunks] == [packed, packed, level, packed]
+    for i, kv in enumerate(got):  # the packed form decodes to the coded form's KV, bit for bit
+        assert same(kv, decode(blobs["coded", i]))
+    assert [d["choice"] for d in stats.decisions] == stats.levels
+
+    options = form_options(store, keys, level, int8_loss=0.5)  # now int8 is allowed
+    stats, got = load(store, options, {"coded": 1.0, "packed": 1.0, "int8": 1e-9})
+    assert stats.levels == ["int8"] * CHUNKS and [c.level for c in stats.chunks] == [0] * CHUNKS
+    for i, kv in enumerate(got):
+        assert same(kv, decode(blobs["int8", i]))
