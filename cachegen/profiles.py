@@ -567,7 +567,7 @@ def fit_tcq_model(spec: models.ModelSpec, levels: dict[int, float] | None = None
     the histograms of the calibration coefficients."""
     from cachegen.extract import load_model
 
-    levels = dict(levels or tcq.LEVELS)
+    levels = dict(sorted((levels or tcq.LEVELS).items()))  # the file keeps levels in order
     basis = ensure_kvtc_basis(spec)
     hf_model, tokenizer, spec = load_model(spec)
     ids = tokenizer(workload.text(KVTC_CALIBRATION_SPLIT))["input_ids"][:KVTC_CALIBRATION_TOKENS]

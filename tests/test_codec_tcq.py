@@ -323,3 +323,169 @@ def test_cli_eval_rows_for_tcq(capsys, tmp_path, tiny_llama, model_file):
     assert code == 0, err
     rows = [(r["codec"], r["level"]) for r in json.loads(out)]
     assert rows == [("tcq", str(level)) for level in sorted(tcq.LEVELS)]
+
+
+def _documented_rans(words: np.ndarray, tables: list[np.ndarray], tokens: int) -> np.ndarray:
+    """Symbols ``[tokens, len(tables)]`` of one rANS stream, decoded as docs/bitstream.md says:
+    8 lanes, lane ``i`` codes components ``i, i + 8, ...``; order: group, token, lane."""
+    state = [int(words[2 * i]) | int(words[2 * i + 1]) << 16 for i in range(8)]
+    cums = [np.concatenate([[0], np.cumsum(f)]) for f in tables]
+    out, pos = np.empty((tokens, len(tables)), dtype=np.int64), 16
+    for group in range(0, len(tables), 8):
+        for t in range(tokens):
+            for lane in range(min(8, len(tables) - group)):
+                c, x = group + lane, state[lane]
+                slot = x & (rans.PROB_SCALE - 1)
+                s = int(np.searchsorted(cums[c], slot, side="right")) - 1
+                x = int(tables[c][s]) * (x >> 10) + slot - int(cums[c][s])
+                if x < 1 << 16:
+                    x, pos = (x << 16) | int(words[pos]), pos + 1
+                out[t, c], state[lane] = s, x
+    assert pos == len(words) and state == [1 << 16] * 8
+    return out
+
+
+def _documented_model_file(path, model_id: str) -> dict:
+    """The arrays and JSON header of a CGTQ file, read by the documented layout."""
+    data = path.read_bytes()
+    assert data[:4] == b"CGTQ" and hashlib.sha256(data).hexdigest()[:32] == model_id
+    (length,) = struct.unpack_from("<I", data, 4)
+    head = json.loads(data[8 : 8 + length])
+    assert data[8 : 8 + length] == json.dumps(head, sort_keys=True, separators=(",", ":")).encode()
+    assert set(head) == {"schema", "version", "model", "calibration", "rope_thetas", "levels"} | {
+        "arrays",
+        "freq_entries",
+        "payload_sha256",
+    }
+    assert (head["schema"], head["version"]) == ("cachegen-tcq-model", 1)
+    payload = data[8 + length :]
+    assert hashlib.sha256(payload).hexdigest() == head["payload_sha256"]
+    m = head["model"]
+    L, C, N = m["num_layers"], m["num_kv_heads"] * m["head_dim"], len(head["levels"])
+    shapes = {"mean": (L, 2, C), "components": (L, 2, C, C), "weights": (L, 2, C)}
+    shapes |= {"radius": (N, L, 2, C), "steps": (N, L, 2, C)}
+    doc, pos = {"head": head, "levels": [int(k) for k in head["levels"]]}, 0
+    for name, shape in shapes.items():
+        assert head["arrays"][name] == list(shape)
+        dtype = "u1" if name == "radius" else "<f4"
+        count = int(np.prod(shape))
+        doc[name] = np.frombuffer(payload, dtype, count, pos).reshape(shape)
+        pos += count * np.dtype(dtype).itemsize
+    sizes = np.where(doc["radius"] > 0, 2 * doc["radius"].astype(np.int64) + 1, 0)
+    assert head["freq_entries"] == sizes.sum() and pos + 2 * sizes.sum() == len(payload)
+    assert len(data) == 8 + length + 8 * L * C * (C + 2) + 10 * N * L * C + 2 * sizes.sum()
+    freq = np.frombuffer(payload, "<u2", offset=pos)
+    ends = np.cumsum(sizes.reshape(-1)).reshape(sizes.shape)
+    doc["tables"] = lambda x, layer, k, c: freq[ends[x, layer, k, c] - sizes[x, layer, k, c] :][
+        : sizes[x, layer, k, c]
+    ]
+    return doc
+
+
+def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, tiny_llama, model_file):
+    import zlib
+
+    part = kv.slice(0, 100)  # frame 0 starts at position 0: 1 exact token; frame 1 none
+    level = BY_STEP[-1]  # the coarsest step: some components dropped
+    blob = codec_for("tcq", tiny_llama, chunk_tokens=64).encode(part, level=level)
+    fixed = struct.unpack_from("<4sBBHBBHHHQII", blob, 0)
+    magic, version, codec_id, got_level, dtype, flags, L, H, D, start, tokens, chunk = fixed
+    assert (magic, version, codec_id, got_level, start, tokens, chunk) == (
+        b"CGKV",
+        1,
+        12,
+        level,
+        0,
+        100,
+        64,
+    )
+    assert dtype == {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[part.dtype]
+    assert flags == 2 and (L, H, D) == (part.num_layers, part.num_kv_heads, part.head_dim)
+    pos = 32 + 1 + blob[32]
+    assert blob[33:pos].decode() == "tiny-llama" and blob[pos] == 32
+    fingerprint = blob[pos + 1 : pos + 33].hex()
+    pos += 33
+    (p,) = struct.unpack_from("<H", blob, pos)
+    params = blob[pos + 2 : pos + 2 + p]
+    assert p == 16 and params.hex() == model_file.id and fingerprint == part.model.fingerprint
+    pos += 2 + p
+    assert struct.unpack_from("<I", blob, pos)[0] == zlib.crc32(blob[:pos])
+    assert pos + 4 == 32 + 1 + len("tiny-llama") + 1 + 32 + 2 + 16 + 4
+    pos += 4
+    doc = _documented_model_file(tcq.tcq_model_path(params.hex()), params.hex())
+    x = doc["levels"].index(level)
+    assert 0 < np.count_nonzero(doc["radius"][x]) < doc["radius"][x].size  # kept and dropped
+    thetas = doc["head"]["rope_thetas"]
+    decoded = decode(blob, out_dtype=torch.float32)
+    got = torch.stack([decoded.keys, decoded.values]).numpy()
+    original = torch.stack([part.keys, part.values])
+    offset = 0
+    for index in range(2):
+        length, crc = struct.unpack_from("<II", blob, pos)
+        payload = blob[pos + 8 : pos + 8 + length]
+        assert len(payload) == length and zlib.crc32(payload) == crc
+        pos += 8 + length
+        n = min(64, 100 - 64 * index)
+        body = payload[2 * n :]
+        e = min(max(1 - 64 * index, 0), n)
+        m = n - e
+        exact = body[: 2 * L * H * e * D * part.keys.element_size()]
+        want = original[:, :, :, offset : offset + e].contiguous().view(torch.uint8)
+        assert exact == want.numpy().tobytes()
+        words = struct.unpack_from(f"<{2 * L}I", body, len(exact))
+        at = len(exact) + 8 * L
+        assert at + 2 * sum(words) == len(body)
+        for i in range(L):
+            for k in range(2):
+                stream = np.frombuffer(body, "<u2", words[2 * i + k], at)
+                at += 2 * words[2 * i + k]
+                kept = np.flatnonzero(doc["radius"][x, i, k])
+                if not len(kept) or not m:
+                    assert len(stream) == 0
+                    continue
+                tables = [doc["tables"](x, i, k, c) for c in kept]
+                sym = _documented_rans(stream, tables, m)
+                radius = doc["radius"][x, i, k][kept].astype(np.float32)
+                y = (sym.astype(np.float32) - radius) * doc["steps"][x, i, k][kept]
+                rows = y @ doc["components"][i, k][kept] + doc["mean"][i, k]
+                heads = rows.reshape(m, H, D).transpose(1, 0, 2)
+                if k == 0 and thetas[i]:
+                    heads = _neox_rotate(
+                        heads, np.arange(64 * index + e, 64 * index + n), thetas[i]
+                    )
+                coded = got[k, i, :, offset + e : offset + n]
+                assert np.allclose(heads, coded, rtol=1e-4, atol=1e-4 * np.abs(coded).max())
+        offset += n
+    assert pos == len(blob) and offset == part.num_tokens
+    assert torch.equal(decoded.keys[:, :, :1], part.keys[:, :, :1].float())
+
+
+def _neox_rotate(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+    """Keys ``[..., tokens, D]`` rotated NeoX-style: pair (j, j + D/2) by p * theta^(-2j/D)."""
+    half = x.shape[-1] // 2
+    angles = positions[:, None].astype(np.float64) * theta ** (-2 * np.arange(half) / (2 * half))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def test_model_file_levels_stay_with_their_arrays(model_file):
+    """The file's canonical JSON sorts level ids as text; the per-level arrays are in numeric
+    order, so a reader takes the ids in numeric order, and a model out of order is refused."""
+    import dataclasses
+
+    ids = list(model_file.levels)
+    assert ids == sorted(ids)
+    renamed = dict(zip([9, *range(10, 10 + len(ids) - 1)], model_file.levels.values()))
+    model = dataclasses.replace(model_file, levels=renamed)  # "10" sorts before "9" as text
+    again = tcq.parse_tcq_model(model.file_bytes, "test", model.id)
+    assert list(again.levels) == list(renamed)
+    assert np.array_equal(again.steps, model.steps) and np.array_equal(again.radius, model.radius)
+    with pytest.raises(CodecError, match="increasing order"):
+        dataclasses.replace(model_file, levels=dict(reversed(list(renamed.items()))))
+
+
+def test_model_file_whose_header_is_not_an_object_is_refused():
+    data = tcq.MAGIC + struct.pack("<I", 2) + b"[]"
+    with pytest.raises(CodecError):
+        tcq.parse_tcq_model(data, "test", hashlib.sha256(data).hexdigest()[:32])

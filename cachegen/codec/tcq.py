@@ -101,7 +101,9 @@ class TcqModel:
     quantizer step (the level's step over ``sqrt(weight)``, or coarser where the radius would
     otherwise pass ``MAX_RADIUS``), ``freq`` the kept components' tables one after
     another (level, layer, K/V, component order), ``2 * radius + 1`` entries each, summing to
-    ``rans.PROB_SCALE``. ``levels`` maps each level id to its (key step, value step).
+    ``rans.PROB_SCALE``. ``levels`` maps each level id to its (key step, value step), in
+    increasing level order, the order of the per-level arrays (the file's canonical JSON sorts
+    its keys as text, so a reader can only rely on numeric order).
     """
 
     model: ModelIdentity
@@ -114,6 +116,10 @@ class TcqModel:
     radius: np.ndarray
     steps: np.ndarray
     freq: np.ndarray
+
+    def __post_init__(self) -> None:
+        if list(self.levels) != sorted(self.levels):
+            raise CodecError(f"tcq levels must be in increasing order, got {list(self.levels)}")
 
     @functools.cached_property
     def file_bytes(self) -> bytes:
@@ -245,13 +251,18 @@ def _parse(data: bytes) -> TcqModel:
     if header_len > _MAX_HEADER_JSON or 8 + header_len > len(data):
         raise ValueError("header length is out of range")
     header = json.loads(data[8 : 8 + header_len])
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
     if header.get("schema") != SCHEMA or header.get("version") != VERSION:
         raise ValueError(f"unsupported {header.get('schema')!r} version {header.get('version')!r}")
     payload = data[8 + header_len :]
     if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
         raise ValueError("checksum of the arrays does not match")
     model = ModelIdentity.from_dict(header["model"])
-    levels = {int(k): (float(v[0]), float(v[1])) for k, v in header["levels"].items()}
+    levels = {
+        int(k): (float(v[0]), float(v[1]))
+        for k, v in sorted(header["levels"].items(), key=lambda kv: int(kv[0]))
+    }
     if any(not (s > 0) for steps in levels.values() for s in steps):
         raise ValueError("level steps must be positive")
     L, C = model.num_layers, model.num_kv_heads * model.head_dim
