@@ -107,9 +107,16 @@ def test_a_row_that_breaks_the_schema_is_named():
 
 
 def test_committed_rows_follow_the_row_schema():
+    results = 0
     for path in sorted(DOCS.glob("quality/*/*.json")):
-        if not path.name.startswith("calibration"):
-            assert report.read_document(path)["rows"]
+        schema = json.loads(path.read_text())["schema"]
+        # calibrations and the packed-form selection's candidates and rankings have rows of
+        # their own kinds (docs/quality.md)
+        if schema in ("cachegen-calibration", "cachegen-packed-candidates", "cachegen-packed-fit"):
+            continue
+        assert report.read_document(path)["rows"]
+        results += 1
+    assert results >= 10
     for name, schema, kind in (("ttft", "table", "ttft"), ("timeline", "timeline", "timeline")):
         path = DOCS / "connector" / f"{name}.json"
         doc = json.loads(path.read_text())

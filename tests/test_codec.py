@@ -47,7 +47,7 @@ def tiny_profile(tiny_llama):
 
 
 def codec_levels():
-    levels = {"cachegen": [1, 2, 3], "kvtc": [10, 40], "turboquant": [25, 35]}
+    levels = {"cachegen": [1, 2, 3], "kvtc": [10, 40], "turboquant": [25, 35], "tcq": [20, 26]}
     for name in CODECS:
         for level in levels.get(name, [0]):
             yield name, level
