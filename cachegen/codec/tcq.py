@@ -31,7 +31,6 @@ import functools
 import hashlib
 import json
 import struct
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +44,7 @@ from cachegen.codec.errors import CodecError
 from cachegen.codec.parallel import run_batches
 from cachegen.codec.profile import profile_path
 from cachegen.codec.quant import rotate_layer_keys
-from cachegen.codec.transform import transforms_dir
+from cachegen.codec.transform import ModelFiles
 from cachegen.errors import CacheGenError
 from cachegen.fileio import check_version, versioned, write_atomic
 from cachegen.kv import KVCache, KVError, ModelIdentity
@@ -306,47 +305,18 @@ def _check_tables(radius: np.ndarray, freq: np.ndarray) -> None:
         raise ValueError(f"a frequency table does not sum to {rans.PROB_SCALE}")
 
 
-def tcq_model_path(model_id: str):
-    return transforms_dir() / f"{model_id}.cgtq"
-
-
-_CACHE: dict[str, TcqModel] = {}
-_LOCK = threading.Lock()
-
-
-def save_tcq_model(tcq: TcqModel) -> TcqModel:
-    """Store ``tcq`` in the transforms directory (by content id) and keep it in memory."""
-    path = tcq_model_path(tcq.id)
-    if not path.is_file():
-        write_atomic(path, tcq.file_bytes)
-    with _LOCK:
-        _CACHE[tcq.id] = tcq
-    return tcq
-
-
-def find_tcq_model(model_id: str, model: ModelIdentity) -> TcqModel:
-    """The tcq model ``model_id`` for ``model``: from memory, else read and validated from the
-    transforms directory; ``CodecError`` if it is missing, corrupt or another model's."""
-    with _LOCK:
-        tcq = _CACHE.get(model_id)
-    if tcq is None:
-        path = tcq_model_path(model_id)
-        if not path.is_file():
-            raise CodecError(
-                f"tcq model {model_id[:16]} for {model.name} is not in {transforms_dir()}; copy "
-                f"{path.name} from the encoding machine or fit it "
-                f"(cachegen.profiles.ensure_tcq_model, any `cachegen eval --codec tcq`)"
-            )
-        tcq = parse_tcq_model(path.read_bytes(), str(path), model_id)
-        with _LOCK:
-            _CACHE[model_id] = tcq
-    tcq.check_model(model)
-    return tcq
-
-
-def forget_cached_tcq_models() -> None:
-    with _LOCK:
-        _CACHE.clear()
+TCQ_MODELS = ModelFiles(
+    "tcq model",
+    ".cgtq",
+    parse_tcq_model,
+    "cachegen.profiles.ensure_tcq_model, any `cachegen eval --codec tcq`",
+)
+tcq_model_path, save_tcq_model, find_tcq_model = (
+    TCQ_MODELS.path,
+    TCQ_MODELS.save,
+    TCQ_MODELS.find,
+)
+forget_cached_tcq_models = TCQ_MODELS.forget
 
 
 def tcq_ref_path(model: ModelIdentity):

@@ -340,44 +340,57 @@ def transforms_dir() -> Path:
     return profiles_dir() / "transforms"
 
 
-def basis_path(basis_id: str) -> Path:
-    return transforms_dir() / f"{basis_id}.cgtr"
+class ModelFiles:
+    """Content-addressed model files of one kind in the transforms directory (``<id><suffix>``),
+    kept in memory once read or written. An object stored here has ``id``, ``file_bytes`` and
+    ``check_model``; ``parse(data, where, id)`` reads and validates one (``CodecError``).
+    ``what`` names the kind in messages, ``fit`` says how to make a missing one."""
 
+    def __init__(self, what: str, suffix: str, parse, fit: str) -> None:
+        self.what, self.suffix, self.parse, self.fit = what, suffix, parse, fit
+        self._cache: dict = {}
+        self._lock = threading.Lock()
 
-_CACHE: dict[str, TransformBasis] = {}
-_LOCK = threading.Lock()
+    def path(self, file_id: str) -> Path:
+        return transforms_dir() / f"{file_id}{self.suffix}"
 
-
-def save_basis(basis: TransformBasis) -> TransformBasis:
-    """Store ``basis`` in the transforms directory (by content id) and keep it in memory."""
-    path = basis_path(basis.id)
-    if not path.is_file():
-        write_atomic(path, basis.file_bytes)
-    with _LOCK:
-        _CACHE[basis.id] = basis
-    return basis
-
-
-def find_basis(basis_id: str, model: ModelIdentity) -> TransformBasis:
-    """The basis ``basis_id`` for ``model``: from memory, else read and validated from the
-    transforms directory; ``CodecError`` if it is missing, corrupt or another model's."""
-    with _LOCK:
-        basis = _CACHE.get(basis_id)
-    if basis is None:
-        path = basis_path(basis_id)
+    def save(self, obj):
+        """Store ``obj`` in the transforms directory (by content id) and keep it in memory."""
+        path = self.path(obj.id)
         if not path.is_file():
-            raise CodecError(
-                f"transform {basis_id[:16]} for {model.name} is not in {transforms_dir()}; copy "
-                f"{path.name} from the encoding machine or fit it "
-                f"(cachegen.profiles.ensure_kvtc_basis, any `cachegen eval --codec kvtc`)"
-            )
-        basis = parse_basis(path.read_bytes(), str(path), basis_id)
-        with _LOCK:
-            _CACHE[basis_id] = basis
-    basis.check_model(model)
-    return basis
+            write_atomic(path, obj.file_bytes)
+        with self._lock:
+            self._cache[obj.id] = obj
+        return obj
+
+    def find(self, file_id: str, model: ModelIdentity):
+        """The file ``file_id`` for ``model``: from memory, else read and validated from the
+        transforms directory; ``CodecError`` if it is missing, corrupt or another model's."""
+        with self._lock:
+            obj = self._cache.get(file_id)
+        if obj is None:
+            path = self.path(file_id)
+            if not path.is_file():
+                raise CodecError(
+                    f"{self.what} {file_id[:16]} for {model.name} is not in {transforms_dir()}; "
+                    f"copy {path.name} from the encoding machine or fit it ({self.fit})"
+                )
+            obj = self.parse(path.read_bytes(), str(path), file_id)
+            with self._lock:
+                self._cache[file_id] = obj
+        obj.check_model(model)
+        return obj
+
+    def forget(self) -> None:
+        with self._lock:
+            self._cache.clear()
 
 
-def forget_cached_bases() -> None:
-    with _LOCK:
-        _CACHE.clear()
+BASES = ModelFiles(
+    "transform",
+    ".cgtr",
+    parse_basis,
+    "cachegen.profiles.ensure_kvtc_basis, any `cachegen eval --codec kvtc`",
+)
+basis_path, save_basis, find_basis = BASES.path, BASES.save, BASES.find
+forget_cached_bases = BASES.forget
