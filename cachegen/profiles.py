@@ -560,22 +560,40 @@ def _step_for_bits(coefficients, weights: np.ndarray, bits: float) -> float:
     return float(2.0**high)
 
 
-def fit_tcq_model(spec: models.ModelSpec, levels: dict[int, float] | None = None) -> tcq.TcqModel:
+def fit_tcq_model(
+    spec: models.ModelSpec,
+    levels: dict[int, float] | None = None,
+    *,
+    basis: TransformBasis | None = None,
+    unit_weights: bool = False,
+) -> tcq.TcqModel:
     """Fit the tcq model of ``spec`` on the ``calibrate`` split: the KVTC basis, the component
     weights, and for each level (``levels``: id -> bits per element on the calibration text;
     default ``tcq.LEVELS``) the step that costs those bits, its radii and rANS tables from
-    the histograms of the calibration coefficients."""
+    the histograms of the calibration coefficients.
+
+    For ablations (``cachegen.lab.quality.tcq_ablation``): ``basis`` replaces the KVTC basis
+    (the weights are computed for it), ``unit_weights`` gives every component the weight 1
+    (one step for all); the model's calibration records either."""
     from cachegen.extract import load_model
 
     levels = dict(sorted((levels or tcq.LEVELS).items()))  # the file keeps levels in order
-    basis = ensure_kvtc_basis(spec)
+    calibration = tcq_calibration_spec(levels)
+    if basis is None:
+        basis = ensure_kvtc_basis(spec)
+    else:
+        calibration["basis"] = basis.calibration
     hf_model, tokenizer, spec = load_model(spec)
     ids = tokenizer(workload.text(KVTC_CALIBRATION_SPLIT))["input_ids"][:KVTC_CALIBRATION_TOKENS]
     ids = torch.tensor(ids, dtype=torch.int64)[: spec.max_positions]
     skip = kvtc.EXACT_TOKENS
     kv, stats = _attention_stats(hf_model, spec, ids, skip, TCQ_QUERY_ROWS)
     identity = spec.identity()
-    weights = _component_weights(hf_model, kv, stats, basis)
+    if unit_weights:
+        weights = np.ones(basis.variances.shape, dtype=np.float32)
+        calibration["weights"] = "none: every component weighs 1"
+    else:
+        weights = _component_weights(hf_model, kv, stats, basis)
     keys = kv.keys[:, :, skip:].to(torch.float32)
     if any(basis.rope_thetas):
         keys = rotate_layer_keys(keys, skip, basis.rope_thetas, inverse=True)
@@ -600,7 +618,7 @@ def fit_tcq_model(spec: models.ModelSpec, levels: dict[int, float] | None = None
     freq = np.concatenate(tables).astype(np.uint16) if tables else np.zeros(0, np.uint16)
     return tcq.TcqModel(
         identity,
-        tcq_calibration_spec(levels),
+        calibration,
         basis.rope_thetas,
         steps_of,
         basis.mean,
