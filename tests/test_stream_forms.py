@@ -52,6 +52,25 @@ def test_a_faster_allowed_form_wins():
     assert slow.record(3, "cachegen-4-packed", "ignored") == ("cachegen-4-packed/3", PACKED_4)
 
 
+def test_a_form_the_host_receives_slowly_is_priced_at_its_ceiling():
+    """On a link faster than the host, a big form arrives at the host's ceiling for it."""
+    raw = option("raw", 1_000_000, 0.0)
+    fast_decode = {"raw": 1e-5, "int8": 1e-4}
+    link_only = make([raw, INT8], decode=fast_decode, initial_mbps=80_000)  # 10 GB/s
+    assert link_only.choose(0, 0.0) == "raw"  # 10 MB at 10 GB/s beats int8's decoding
+    capped = make([raw, INT8], decode=fast_decode, initial_mbps=80_000, host_mbps={"raw": 800})
+    assert capped.choose(0, 0.0) == "int8"
+    # raw at its 100 MB/s ceiling: 0.1 s for the 10 MB, then its last chunk's decoding
+    raw_s = capped.estimate(0, "raw")
+    assert raw_s == pytest.approx(0.1 + 100 * 1e-5)
+    assert capped.decisions[0].predicted_s < raw_s
+    # a form this host never received arrives no faster than the fastest one it did
+    unseen = make([raw, INT8], decode=fast_decode, initial_mbps=80_000, host_mbps={"int8": 800})
+    assert unseen.estimate(0, "raw") == pytest.approx(raw_s)
+    with pytest.raises(InputError, match="host_mbps"):
+        make([raw, INT8], host_mbps={"raw": 0})
+
+
 def test_a_lossier_faster_form_is_not_chosen():
     cases = ((1.0, ["cachegen-4"]), (10.0, ["cachegen-9", "cachegen-4"]))
     for bound, allowed in cases:

@@ -42,7 +42,14 @@ Engine-wide keys (``kv_connector_extra_config``):
 Per-request keys (also accepted engine-wide as defaults):
   mode            raw | int8 | fp8 | cachegen | adaptive        (default cachegen)
   level           quality level for ``cachegen`` (default: the codec's default level)
-  slo_ms          time budget for loading the prefix in ``adaptive`` mode
+  slo_ms          time budget for loading the prefix in ``adaptive`` mode (required there
+                  unless ``max_loss_pct`` is set)
+  max_loss_pct    with ``adaptive``: load each chunk in the stored form (a cachegen level coded
+                  or packed, or another codec of ``save_modes``: int8, fp8, raw) or recompute it,
+                  whichever is predicted to finish soonest, among the forms whose quality loss
+                  (perplexity change, %; ``cachegen.codec.form_loss``) is at most this; a bound
+                  no stored form meets recomputes (default: unset, the ``slo_ms`` rule; when
+                  set, ``slo_ms`` is not used)
   bandwidth_mbps  rate limit of the transfer in Mbit/s for experiments (unset: unlimited)
   rtt_ms          added round-trip time of the transfer in ms for experiments (default 0)
   load, save      switch loading / saving off for one request (default true)
@@ -58,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from math import inf
 from typing import Any
 
 from cachegen.connector.errors import ConnectorError
@@ -72,6 +80,7 @@ REQUEST_KEYS = frozenset(
         "mode",
         "level",
         "slo_ms",
+        "max_loss_pct",
         "bandwidth_mbps",
         "rtt_ms",
         "load",
@@ -104,6 +113,7 @@ class RequestOptions:
     mode: str = "cachegen"
     level: int | None = None
     slo_ms: float | None = None
+    max_loss_pct: float | None = None
     bandwidth_mbps: float | None = None
     rtt_ms: float = 0.0
     load: bool = True
@@ -132,9 +142,18 @@ class RequestOptions:
             or self.rtt_ms < 0
         ):
             raise ConnectorError(f"rtt_ms must be a number >= 0, got {self.rtt_ms!r}")
-        if self.mode == "adaptive" and self.slo_ms is None:
+        loss = self.max_loss_pct
+        if loss is not None and (
+            isinstance(loss, bool) or not isinstance(loss, (int, float)) or not 0 <= loss < inf
+        ):
             raise ConnectorError(
-                "adaptive mode needs slo_ms (the time budget for loading the prefix)"
+                "max_loss_pct must be a number >= 0 (the largest perplexity change in % a "
+                f"stored form may have, e.g. 1), got {loss!r}"
+            )
+        if self.mode == "adaptive" and self.slo_ms is None and loss is None:
+            raise ConnectorError(
+                "adaptive mode needs slo_ms (the time budget for loading the prefix) or "
+                "max_loss_pct (the quality bound of the fastest stored form)"
             )
         for name in ("load", "save", "skip_out_of_window"):
             if not isinstance(getattr(self, name), bool):

@@ -4,7 +4,10 @@ It composes the codec (``cachegen.codec``: chunk <-> bitstream, per quality leve
 (``cachegen.store``: chained chunk keys, longest stored prefix, put/get) and the stream
 (``cachegen.stream``: rate-limited transfer pipelined with decoding, adaptive level choice).
 Modes map onto codecs: ``raw``, ``int8``, ``fp8`` and ``cachegen`` are codecs of the same
-names, ``adaptive`` streams the ``cachegen`` codec's levels under the adaptive controller.
+names, ``adaptive`` streams the ``cachegen`` codec's levels under the adaptive controller
+(``slo_ms``), or with ``max_loss_pct`` every stored form within that quality bound (each
+cachegen level coded or packed, and the other codecs of ``save_modes``) under the fastest-form
+controller, informed by what this transport's earlier loads measured of each form.
 
 A model that mixes full-attention and sliding-window layers (Gemma 3) stores each chunk as two
 records (its *parts*): the full-attention layers under the chunk's key, the sliding layers
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import statistics
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,20 +30,31 @@ from typing import Any
 
 import torch
 
+from cachegen.codec.form_loss import form_losses, form_name
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
-from cachegen.errors import CacheGenError
+from cachegen.errors import CacheGenError, InputError
 from cachegen.kv import KVCache, ModelIdentity
 from cachegen.models import ModelSpec, attention_windows
+from cachegen.modes import KV_BASELINES
 from cachegen.store import ChunkCorrupt, chunk_keys, longest_prefix, open_store
 from cachegen.store.keys import sliding_key
 from cachegen.store.url import without_password
-from cachegen.stream import AdaptiveController, open_link, stream_load
+from cachegen.stream import (
+    AdaptiveController,
+    FastestController,
+    Option,
+    host_bound_mbps,
+    open_link,
+    stream_load,
+)
 
 logger = logging.getLogger(__name__)
 
 # A measured goodput is remembered per link and becomes the controller's prior for the next load.
 GOODPUT_EWMA = 0.5
+# Each form's decode seconds per token, remembered across loads (a load's median per record).
+DECODE_EWMA = 0.5
 
 
 def window_chunks(end: int, chunk_tokens: int, window: int) -> range:
@@ -110,6 +125,10 @@ class ChunkTransport:
         self.profile_choice: dict[str, Any] | None = None
         self._links: dict[tuple[float | None, float], Any] = {}
         self._goodput_mbps: dict[tuple[float | None, float], float] = {}
+        # Per form name (cachegen.codec.form_loss.form_name), from this transport's loads: the
+        # decode seconds per token and the best goodput a host-bound load of it reached.
+        self._decode_s_per_token: dict[str, float] = {}
+        self._host_mbps: dict[str, float] = {}
         self._exits = contextlib.ExitStack()
         self._lock = threading.Lock()
         windows = attention_windows(spec.config)
@@ -376,10 +395,7 @@ class ChunkTransport:
             )
         end = (first_chunk + num_chunks) * C if end is None else end
         plan = self.load_plan(first_chunk, num_chunks, end, options)
-        fetch = [
-            sliding_key(keys[c - first_chunk]) if part == SLIDING else keys[c - first_chunk]
-            for c, part in plan
-        ]
+        fetch = _plan_keys(keys, first_chunk, plan)
         link_key = (options.bandwidth_mbps, float(options.rtt_ms))
         layers = {None: None, FULL: self.full_layers, SLIDING: self.sliding_layers}
 
@@ -407,8 +423,19 @@ class ChunkTransport:
             return num_chunks if n_loaded >= len(plan) else plan[n_loaded][0] - first_chunk
 
         kwargs: dict[str, Any] = {}
-        sizes: dict[int, list[int | None]] | None = None
-        if options.mode == "adaptive":
+        sizes: dict[Any, list[int | None]] | None = None
+        prefill_tps = self.config.prefill_tokens_per_s or prefill_tokens_per_s or 1000.0
+        initial_mbps = self._goodput_mbps.get(link_key, options.bandwidth_mbps)
+        extra: dict[str, Any] = {}  # the report's entries beyond the load's statistics
+        if options.mode == "adaptive" and options.max_loss_pct is not None:
+            forms = self.stored_forms(token_ids, first_chunk, num_chunks, plan, options.salt)
+            extra["forms"] = {o.name: o.loss_pct for o in forms}
+            sizes = {o.name: list(o.sizes) for o in forms}
+            try:
+                kwargs["controller"] = self._fastest(forms, options, prefill_tps, initial_mbps)
+            except InputError as exc:  # no stored form within the bound
+                return LoadResult(0, f"max_loss_pct={options.max_loss_pct}: {exc}", extra)
+        elif options.mode == "adaptive":
             assert options.slo_ms is not None
             # None where a chunk is not (yet) stored at a level: the controller skips it there.
             sizes = {lv: self.store.sizes(fetch, lv) for lv in self.adaptive_levels}
@@ -416,26 +443,29 @@ class ChunkTransport:
                 options.slo_ms / 1000.0,
                 sizes,
                 [C] * len(fetch),
-                prefill_tokens_per_s=self.config.prefill_tokens_per_s
-                or prefill_tokens_per_s
-                or 1000.0,
-                initial_mbps=self._goodput_mbps.get(link_key, options.bandwidth_mbps),
+                prefill_tokens_per_s=prefill_tps,
+                initial_mbps=initial_mbps,
             )
         else:
             kwargs["level"] = self.load_levels(options)[0]
         too_much = self._over_load_cap(fetch, sizes or {kwargs["level"]: None})
         if too_much is not None:
-            return LoadResult(0, too_much, {})
+            return LoadResult(0, too_much, extra)
+        controller = kwargs.get("controller")
         try:
             stats = stream_load(self._link(options).source, fetch, _decode, consume, **kwargs)
         except CacheGenError as exc:
             partial = getattr(exc, "stats", None)
             loaded = partial.n_loaded if partial else 0
             if _damaged(exc) and partial is not None and loaded < len(fetch):
-                self._drop(fetch[loaded], partial.levels[loaded])
-            return LoadResult(
-                result(loaded), f"{type(exc).__name__}: {exc}", self._report(partial, plan)
-            )
+                choice = partial.levels[loaded]
+                if isinstance(controller, FastestController) and choice in controller.options:
+                    self._drop(*controller.record(loaded, choice, fetch[loaded]))
+                else:
+                    self._drop(fetch[loaded], choice)
+            report = {**self._report(partial, plan), **extra, **_decisions(controller)}
+            return LoadResult(result(loaded), f"{type(exc).__name__}: {exc}", report)
+        self._learn(stats, "cachegen" if options.mode == "adaptive" else options.mode, options)
         if stats.transfer_s > 0 and stats.bytes:
             previous = self._goodput_mbps.get(link_key)
             now = stats.goodput_mbps
@@ -448,7 +478,87 @@ class ChunkTransport:
                 f"adaptive controller left chunks from {plan[stats.recompute_from][0]} "
                 "on to recomputation"
             )
-        return LoadResult(result(stats.n_loaded), error, self._report(stats, plan))
+        report = {**self._report(stats, plan), **extra, **_decisions(controller)}
+        return LoadResult(result(stats.n_loaded), error, report)
+
+    def stored_forms(
+        self,
+        token_ids: Sequence[int],
+        first_chunk: int,
+        num_chunks: int,
+        plan: Sequence[tuple[int, str | None]],
+        salt: str | None,
+    ) -> list[Option]:
+        """Every form the records of ``plan`` (:meth:`load_plan`) can be loaded in: each stored
+        cachegen level, coded or packed, and each other codec of ``save_modes`` (raw, int8,
+        fp8), under its own keys, with the payload size of each record in it (None: not
+        stored) and its quality loss (:attr:`form_loss_pct`)."""
+        C = self.chunk_tokens
+        prefix = token_ids[: (first_chunk + num_chunks) * C]
+        codecs = ["cachegen", *(m for m in self.config.save_modes if m in KV_BASELINES)]
+        forms = []
+        for codec in dict.fromkeys(codecs):
+            fetch = _plan_keys(self.keys(codec, prefix, salt)[first_chunk:], first_chunk, plan)
+            for slot in self.levels(codec):
+                name = form_name(codec, slot)
+                sizes = self.store.sizes(fetch, slot)
+                forms.append(Option(name, fetch, slot, sizes, self.form_loss_pct.get(name)))
+        return forms
+
+    @functools.cached_property
+    def form_loss_pct(self) -> dict[str, float | None]:
+        """The quality loss (perplexity change, %; None: unknown) of each form this transport
+        stores (``cachegen.codec.form_loss``)."""
+        names = [form_name("cachegen", lv) for lv in self.levels("cachegen")]
+        names += [m for m in self.config.save_modes if m in KV_BASELINES]
+        calibrated = self.codec("cachegen").profile.calibrated_levels()
+        return form_losses(names, self.identity.fingerprint, calibrated)
+
+    def _fastest(
+        self,
+        forms: list[Option],
+        options: RequestOptions,
+        prefill_tps: float,
+        initial_mbps: float | None,
+    ) -> FastestController:
+        """The controller of an ``adaptive`` load under ``max_loss_pct``, with what this
+        transport's earlier loads taught about each form (:meth:`_learn`)."""
+        assert options.max_loss_pct is not None
+        with self._lock:
+            decode_s_per_token = dict(self._decode_s_per_token)
+            host_mbps = dict(self._host_mbps)
+        return FastestController(
+            forms,
+            [self.chunk_tokens] * len(forms[0].keys),
+            max_loss_pct=float(options.max_loss_pct),
+            prefill_tokens_per_s=prefill_tps,
+            initial_mbps=initial_mbps,
+            decode_s_per_token=decode_s_per_token,
+            host_mbps=host_mbps,
+        )
+
+    def _learn(self, stats: Any, codec: str, options: RequestOptions) -> None:
+        """Remember, per form, what a finished load of ``codec``'s records measured: its
+        decode seconds per token (this load's median per record, averaged over loads), and
+        its goodput over the whole load when it loaded every record in that one form and
+        was bounded by the host, not the link (``cachegen.stream.host_bound_mbps``;
+        the best such goodput is the form's ceiling on this host)."""
+        per_form: dict[str, list[float]] = {}
+        for chunk in stats.chunks:
+            choice = stats.levels[chunk.index]
+            name = choice if isinstance(choice, str) else form_name(codec, choice)
+            per_form.setdefault(name, []).append(chunk.decode_s / self.chunk_tokens)
+        with self._lock:
+            for name, samples in per_form.items():
+                now = statistics.median(samples)
+                before = self._decode_s_per_token.get(name)
+                self._decode_s_per_token[name] = (
+                    now if before is None else (1 - DECODE_EWMA) * before + DECODE_EWMA * now
+                )
+            ceiling = host_bound_mbps(stats.bytes, stats.load_s, options.bandwidth_mbps)
+            if len(per_form) == 1 and ceiling is not None:
+                (name,) = per_form
+                self._host_mbps[name] = max(self._host_mbps.get(name, 0.0), ceiling)
 
     def _over_load_cap(
         self, fetch: Sequence[str], sizes: dict[int, list[int | None] | None]
@@ -674,6 +784,31 @@ def estimated_packed_bits(codec: Any, level: int, chunk_tokens: int) -> float:
     bits += 16 * sum(num_scales(config.scale(k), L, H, chunk_tokens, D) for k in ("k", "v"))
     bits += 16 * exact_count(config, 0, chunk_tokens) * 2 * L * H * D
     return bits / elements
+
+
+def _plan_keys(
+    keys: Sequence[str], first_chunk: int, plan: Sequence[tuple[int, str | None]]
+) -> list[str]:
+    """The record keys of ``plan`` (:meth:`ChunkTransport.load_plan`), from the keys of its
+    chunks (``keys[0]``: chunk ``first_chunk``'s)."""
+    return [
+        sliding_key(keys[c - first_chunk]) if part == SLIDING else keys[c - first_chunk]
+        for c, part in plan
+    ]
+
+
+def _decisions(controller: Any) -> dict[str, Any]:
+    """A load controller's choices for the report: per record fetched, its ``choice`` (a
+    level, a form name, or ``recompute``) and ``predicted_s`` (None before any measurement)."""
+    if controller is None:
+        return {}
+    decisions = []
+    for decision in controller.decisions:
+        entry = decision.to_dict()
+        if entry["predicted_s"] != entry["predicted_s"]:  # NaN: chosen before any measurement
+            entry["predicted_s"] = None
+        decisions.append(entry)
+    return {"decisions": decisions}
 
 
 def _tag_level(level: int) -> int:

@@ -21,6 +21,7 @@ from cachegen.stream.controller import (
     FastestController,
     LoadEstimator,
     Option,
+    host_bound_mbps,
 )
 from cachegen.stream.errors import (
     ShaperUnavailable,
@@ -46,6 +47,7 @@ __all__ = [
     "Decision",
     "DirectSource",
     "FastestController",
+    "host_bound_mbps",
     "Link",
     "LoadEstimator",
     "LoadStats",

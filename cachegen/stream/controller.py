@@ -41,6 +41,18 @@ DEFAULT_DROP_FACTOR = 3.0  # chosen from the trace evaluation in docs/streaming.
 DEFAULT_EXPLORE = 0.25  # one chunk of a form this close to the fastest costs little
 
 Choice = Hashable  # a level (AdaptiveController), an option name (FastestController)
+# A load whose goodput stayed under this fraction of its link's rate was bounded by the host.
+HOST_BOUND = 0.8
+
+
+def host_bound_mbps(nbytes: int, load_s: float, link_mbps: float | None) -> float | None:
+    """The goodput (Mbit/s) of a load of one form that moved ``nbytes`` in ``load_s`` over a
+    link of ``link_mbps`` (None: unshaped) if the host, not the link, bounded it: a sample of
+    that form's ceiling on this host (``FastestController``'s ``host_mbps``); else None."""
+    if load_s <= 0 or nbytes <= 0:
+        return None
+    goodput = nbytes * 8 / load_s / 1e6
+    return goodput if link_mbps is None or goodput < HOST_BOUND * link_mbps else None
 
 
 @dataclass(frozen=True)
@@ -301,12 +313,18 @@ class FastestController(LoadEstimator):
     """Per-chunk choice of the stored form (or recomputation) predicted to finish the load
     soonest, among the ``options`` whose ``loss_pct`` is at most ``max_loss_pct``.
 
-    ``decode_s_per_token`` holds priors per option name. Without a throughput prior
-    (``initial_mbps``), chunk 0 goes in the smallest allowed form. A prior is only a guess at
-    how fast a form decodes during this load: once the fastest option's decoding has been
-    measured, an option predicted within ``explore`` (a fraction) of it whose decoding has
-    not been goes once, in the first half of the load, so that its measurement, not its prior
-    alone, decides (0: never). Other arguments: :class:`LoadEstimator`.
+    ``decode_s_per_token`` holds priors per option name; ``host_mbps`` per option name the
+    highest rate at which this host has received that form in earlier loads (its ceiling when
+    the host, not the link, bounds the transfer: the receiving thread's copies and checksums
+    share the cores with the decoder, and a big form hits that ceiling first); a form's bytes
+    are predicted to arrive at the lower of the link's rate and its ceiling (for a form
+    without one, the highest ceiling of the others). Without a
+    throughput prior (``initial_mbps``), chunk 0 goes in the smallest allowed form. A prior is
+    only a guess at how fast a form decodes during this load: once the fastest option's
+    decoding has been measured, an option predicted within ``explore`` (a fraction) of it
+    whose decoding has not been goes once, in the first half of the load, so that its
+    measurement, not its prior alone, decides (0: never). Other arguments:
+    :class:`LoadEstimator`.
     """
 
     # Its priors are forms' measured decode rates: one sample (a load's first chunk often
@@ -324,10 +342,16 @@ class FastestController(LoadEstimator):
         decode_s_per_token: Mapping[str, float] | None = None,
         safety: float = 1.0,
         explore: float = DEFAULT_EXPLORE,
+        host_mbps: Mapping[str, float] | None = None,
     ) -> None:
         if explore < 0:
             raise InputError("explore must be >= 0")
+        if any(not rate > 0 for rate in (host_mbps or {}).values()):
+            raise InputError(f"host_mbps must be positive rates: {dict(host_mbps or {})}")
         self.explore = explore
+        self._host_bps = {name: rate * 1e6 / 8 for name, rate in (host_mbps or {}).items()}
+        # a form never received here arrives no faster than the fastest one that was
+        self._host_bps_unseen = max(self._host_bps.values(), default=None)
         names = [o.name for o in options]
         if len(set(names)) != len(names) or RECOMPUTE in names:
             raise InputError(f"option names must be distinct and not {RECOMPUTE!r}: {names}")
@@ -371,10 +395,14 @@ class FastestController(LoadEstimator):
                 self._sampled_by_option[option] = (got + nbytes, took + seconds)
 
     def _transfer_s(self, index: int, choice: Choice, bps: float) -> float:
-        """At the option's own measured rate, once it has one."""
+        """At the option's own measured rate once it has one, and never above the host's
+        ceiling for it."""
         if choice in self._sampled_by_option:
             got, took = self._sampled_by_option[choice]
             bps = got / took * self.safety
+        ceiling = self._host_bps.get(choice, self._host_bps_unseen)
+        if ceiling is not None:
+            bps = min(bps, ceiling)
         return self.sizes[choice][index] / bps
 
     @property

@@ -3,10 +3,9 @@
 1. ``prepare_forms``: the bench's chunks in the store in every form asked for (a cachegen
    level coded or packed, raw, int8, fp8; each codec under its own chunk keys), encoded from
    one prefill when any is missing.
-2. ``form_losses``: each form's quality loss (perplexity change, %): a cachegen level's
-   calibration target (``target_ppl_pct`` in ``cachegen/codec/calibrated/*.json``; its packed
-   form decodes to the same KV), 0 for lossless codecs, the baselines' measured loss from
-   ``form_loss.json`` (its ``source`` says which command measured it), or the caller's.
+2. ``form_losses``: each form's quality loss (perplexity change, %), the caller's or the
+   data's (:mod:`cachegen.codec.form_loss`: a cachegen level's calibration target, its
+   packed form the same, 0 for ``raw``, the baselines' measured loss).
 3. ``forms_bench``: per shaper and bandwidth, load every form alone and then with
    :class:`~cachegen.stream.FastestController` choosing per chunk among the forms whose loss
    is within the bound, and compare adaptive's time with the best allowed fixed form's
@@ -15,32 +14,26 @@
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from cachegen import models
-from cachegen.codec import get_codec
+from cachegen.codec import form_loss, get_codec
 from cachegen.codec.bitstream import CODED, PACKED
 from cachegen.codec.packed import record_tag
-from cachegen.codec.profile import SHIPPED_DIR, SHIPPED_SCHEMA, SHIPPED_VERSION
 from cachegen.errors import InputError
-from cachegen.fileio import check_version, versioned
+from cachegen.fileio import versioned
 from cachegen.lab.bench.links import UNLIMITED
 from cachegen.lab.bench.stream_bench import Prepared, prepare, run_load, warm_up
 from cachegen.modes import CACHEGEN, KV_BASELINES, Mode
 from cachegen.store import ChunkStore
-from cachegen.stream.controller import RECOMPUTE, FastestController, Option
+from cachegen.stream.controller import RECOMPUTE, FastestController, Option, host_bound_mbps
 
 SCHEMA = "cachegen-stream-forms-bench"
 VERSION = 1
-LOSS_FILE = Path(__file__).with_name("form_loss.json")
-LOSS_SCHEMA = "cachegen-form-loss"
-LOSS_VERSION = 1
 PACKED_SUFFIX = "-" + PACKED
 DEFAULT_FORMS = "default"
 WITHIN = 1.10  # adaptive should finish within this factor of the best allowed fixed form
@@ -107,57 +100,28 @@ def parse_losses(text: str | None) -> dict[str, float]:
 # ---- losses ------------------------------------------------------------------------------
 
 
-def calibrated_losses(codec) -> dict[int, float]:
-    """``target_ppl_pct`` of the cachegen ``codec``'s calibrated levels."""
-    profile = codec.profile
-    for path in sorted(SHIPPED_DIR.glob("*.json")):
-        doc = check_version(
-            json.loads(path.read_text()), SHIPPED_SCHEMA, (SHIPPED_VERSION,), str(path)
-        )
-        if doc["model"]["fingerprint"] == profile.model.fingerprint:
-            levels = doc["levels"]
-            return {
-                lv: float(levels[str(lv)]["target_ppl_pct"])
-                for lv in profile.calibrated_levels()
-                if "target_ppl_pct" in levels[str(lv)]
-            }
-    return {}
-
-
-def baseline_losses(spec: models.ModelSpec) -> dict[str, float]:
-    """The baselines' measured losses for ``spec`` from ``form_loss.json``."""
-    doc = check_version(
-        json.loads(LOSS_FILE.read_text()), LOSS_SCHEMA, (LOSS_VERSION,), str(LOSS_FILE)
-    )
-    fingerprint = spec.identity().fingerprint
-    entry = next((e for e in doc["models"].values() if e["fingerprint"] == fingerprint), None)
-    return dict(entry["loss_pct"]) if entry else {}
-
-
 def form_losses(
     spec: models.ModelSpec, cachegen_codec, forms: list[Form], given: Mapping[str, float]
 ) -> dict[str, float | None]:
-    """Each form's loss (None: unknown): ``given`` first, then the data (module docs)."""
-    levels = calibrated_losses(cachegen_codec) if cachegen_codec is not None else {}
-    baselines = baseline_losses(spec)
-    out: dict[str, float | None] = {}
-    for f in forms:
-        if f.coded_name in given:
-            out[f.name] = given[f.coded_name]
-        elif f.codec == CACHEGEN:
-            out[f.name] = levels.get(Mode.parse(f.coded_name).level)
-        else:
-            out[f.name] = 0.0 if get_codec(f.codec).lossless else baselines.get(f.codec)
-    return out
+    """Each form's loss (None: unknown): ``given`` first, then the data
+    (:mod:`cachegen.codec.form_loss`)."""
+    fingerprint = spec.identity().fingerprint
+    calibrated = cachegen_codec.profile.calibrated_levels() if cachegen_codec is not None else []
+    known = form_loss.form_losses([f.name for f in forms], fingerprint, calibrated)
+    return {f.name: given.get(f.coded_name, known[f.name]) for f in forms}
 
 
 def default_bound(cachegen_codec) -> float:
     """The loss of the default cachegen level: adaptive never buys speed with a lossier one."""
-    loss = calibrated_losses(cachegen_codec).get(cachegen_codec.default_level)
+    profile = cachegen_codec.profile
+    level = cachegen_codec.default_level
+    name = f"{CACHEGEN}-{level}"
+    fingerprint = profile.model.fingerprint
+    loss = form_loss.form_losses([name], fingerprint, profile.calibrated_levels())[name]
     if loss is None:
         raise InputError(
-            f"the default level {cachegen_codec.default_level} of "
-            f"{cachegen_codec.profile.model.name} has no calibrated loss: give --max-loss-pct"
+            f"the default level {level} of {profile.model.name} has no calibrated loss: "
+            "give --max-loss-pct"
         )
     return loss
 
@@ -209,6 +173,7 @@ def forms_bench(
     ]
     anchor = preps[forms[0].codec]  # its keys count the chunks, its tokens check each chunk
     allowed = allowed_names(options, max_loss_pct)
+    host_mbps: dict[str, float] = {}  # each form's ceiling so far, over every column
     columns = []
     for shaper in shapers:
         for bw in bandwidths:
@@ -224,6 +189,7 @@ def forms_bench(
                 max_loss_pct=max_loss_pct,
                 prefill_tps=prefill_tps,
                 repeat=repeat,
+                host_mbps=host_mbps,
             )
             column["loadavg_1min"] = [load_before, os.getloadavg()[0]]
             columns.append(column)
@@ -261,11 +227,24 @@ def forms_bench(
 
 
 def _measure_column(
-    store, preps, forms, options, *, shaper, bw, rtt_ms, max_loss_pct, prefill_tps, repeat
+    store,
+    preps,
+    forms,
+    options,
+    *,
+    shaper,
+    bw,
+    rtt_ms,
+    max_loss_pct,
+    prefill_tps,
+    repeat,
+    host_mbps: dict[str, float],
 ) -> dict:
     """Every form loaded alone, then adaptively, ``repeat`` times in turn (so a busy moment
-    hits every form alike). The adaptive load's decode priors are each form's median rate
-    per chunk in the loads of it so far: what a server learns from its earlier loads."""
+    hits every form alike). What the adaptive load knows is what a server learns from its
+    earlier loads: its decode priors are each form's median rate per chunk in the loads of
+    it so far at this rate, and its ceilings (``host_mbps``, updated here) each form's best
+    goodput in the loads so far that the host, not the link, bounded."""
     anchor = preps[forms[0].codec]
     fixed: dict[str, list[float]] = {f.name: [] for f in forms}
     rates: dict[str, list[float]] = {f.name: [] for f in forms}
@@ -276,6 +255,9 @@ def _measure_column(
                 store, preps[f.codec], shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, level=f.slot
             )
             fixed[f.name].append(stats.load_s)
+            ceiling = host_bound_mbps(stats.bytes, stats.load_s, bw)
+            if ceiling is not None:
+                host_mbps[f.name] = max(host_mbps.get(f.name, 0.0), ceiling)
             rates[f.name] += [c.decode_s / anchor.chunk_tokens[c.index] for c in stats.chunks]
         priors = {name: statistics.median(r) for name, r in rates.items()}
         controller = FastestController(
@@ -285,6 +267,7 @@ def _measure_column(
             prefill_tokens_per_s=prefill_tps,
             initial_mbps=bw,
             decode_s_per_token=priors,
+            host_mbps=host_mbps,
         )
         stats, _ = run_load(
             store, anchor, shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, controller=controller
@@ -293,6 +276,7 @@ def _measure_column(
     allowed = allowed_names(options, max_loss_pct)
     column = _column(shaper, bw, fixed, adaptive, allowed, sum(anchor.chunk_tokens) / prefill_tps)
     column["decode_s_per_token"] = priors  # the last adaptive load's priors
+    column["host_mbps"] = dict(host_mbps)
     return column
 
 

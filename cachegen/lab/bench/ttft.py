@@ -29,11 +29,13 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from cachegen import workload
+from cachegen.codec.packed import split_record_tag
 from cachegen.errors import InputError
 from cachegen.lab.bench.engine import ConnectorEngine
 from cachegen.lab.bench.links import UNLIMITED, link_order
@@ -266,8 +268,9 @@ def _column(bandwidth_mbps: float | None) -> str:
     return UNLIMITED if bandwidth_mbps is None else f"{bandwidth_mbps:g} Mbit/s"
 
 
-def markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """One table per context: TTFT (s) per mode and bandwidth, with size and speed-ups."""
+def markdown(rows: Sequence[dict[str, Any]], max_loss_pct: float | None = None) -> str:
+    """One table per context: TTFT (s) per mode and bandwidth, with size and speed-ups;
+    ``max_loss_pct``: the engine's bound for ``adaptive`` (its rows' SLO is then unused)."""
     out = []
     for context in sorted({r["context_tokens"] for r in rows}):
         mine = [r for r in rows if r["context_tokens"] == context]
@@ -318,10 +321,12 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
                 if mode != "int8" and b in int8:
                     ratios.append(f"{int8[b]['ttft_s'] / r['ttft_s']:.1f}x int8")
                 if mode == "adaptive" and r.get("levels"):
-                    ratios.append("levels " + ",".join(str(x) for x in r["levels"]))
+                    ratios.append("levels " + _levels_text(r["levels"]))
                 cells.append(cell + (f" ({'; '.join(ratios)})" if ratios else ""))
-            name = mode if level is None else f"{mode} level {level}"
-            if mode == "adaptive":
+            name = mode if level is None else f"{mode} level {_level_name(level)}"
+            if mode == "adaptive" and max_loss_pct is not None:
+                name += f" (fastest form within {max_loss_pct:g}% loss)"
+            elif mode == "adaptive":
                 slo = next(r["slo_ms"] for r in mine if r["mode"] == "adaptive")
                 name += f" (SLO {slo:g} ms)"
             out.append(
@@ -331,6 +336,20 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
             )
         out.append("")
     return "\n".join(out)
+
+
+def _level_name(level: int) -> str:
+    """A stored cachegen level: ``11``, or ``11 packed`` for its packed form's record tag."""
+    coded, form = split_record_tag(level)
+    return str(level) if coded == level else f"{coded} {form}"
+
+
+def _levels_text(levels: Sequence[Any]) -> str:
+    """Each chunk's level, or for choices among forms (names) each form with its count."""
+    if all(isinstance(x, int) or x == RECOMPUTE for x in levels):
+        return ",".join(str(x) for x in levels)
+    counts = Counter(str(x) for x in levels)
+    return ", ".join(f"{name} x{count}" for name, count in counts.items())
 
 
 # ---- where a load's TTFT goes --------------------------------------------------------------------

@@ -49,6 +49,21 @@ def register(subparsers) -> None:
     t.add_argument(
         "--slo-ms", type=float, default=None, help="adaptive's load budget (default: 1000)"
     )
+    t.add_argument(
+        "--max-loss-pct",
+        type=float,
+        default=None,
+        help="adaptive loads the fastest stored form within this quality loss (perplexity "
+        "change, %%) instead of keeping to --slo-ms (the connector's max_loss_pct)",
+    )
+    t.add_argument(
+        "--cachegen-levels",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the cachegen levels stored and measured; a level's packed form is level | 32768 "
+        "(default: every level of the model's profile)",
+    )
     t.add_argument("--repeats", type=int, default=3)
     t.add_argument(
         "--shaper",
@@ -112,7 +127,12 @@ def register(subparsers) -> None:
 def _table(args: argparse.Namespace) -> int:
     from cachegen.lab.bench.ttft import TTFTBench, markdown, ttft_table
 
-    with TTFTBench(args.model, shaper=args.shaper) as bench:
+    engine_args: dict = {}
+    if args.cachegen_levels is not None:
+        engine_args["cachegen_levels"] = args.cachegen_levels
+    if args.max_loss_pct is not None:  # the engine's default: every adaptive request's bound
+        engine_args["connector_extra"] = {"max_loss_pct": args.max_loss_pct}
+    with TTFTBench(args.model, shaper=args.shaper, **engine_args) as bench:
         rows = ttft_table(
             bench,
             args.contexts,
@@ -121,7 +141,7 @@ def _table(args: argparse.Namespace) -> int:
             slo_ms=args.slo_ms,
             repeats=args.repeats,
         )
-    return _emit(args, rows, markdown(rows))
+    return _emit(args, rows, markdown(rows, max_loss_pct=args.max_loss_pct))
 
 
 def _timeline(args: argparse.Namespace) -> int:

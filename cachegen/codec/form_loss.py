@@ -1,0 +1,111 @@
+"""The quality loss of each stored form of a model's KV, for a bound on it (``max_loss_pct``).
+
+A *form* is how a chunk is stored: ``cachegen-<L>`` (the cachegen codec at level L, coded),
+``cachegen-<L>-packed`` (the same symbols in the packed form, store slot
+``record_tag(L, "packed")``), ``raw``, ``int8`` or ``fp8``. Its loss is a perplexity change in
+percent:
+
+* a cachegen level: its calibration target (``target_ppl_pct`` in
+  ``cachegen/codec/calibrated/*.json``); the packed form decodes to the same KV, so it has its
+  coded level's loss; a level that is not a shipped calibrated one has no known loss;
+* ``raw``: 0 (lossless);
+* ``int8``, ``fp8``: measured per model, in ``form_loss.json`` next to this module (its
+  ``source`` says which command measured them); unknown for a model it does not list.
+
+Unknown is ``None``: a bound never allows such a form.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from cachegen.codec.bitstream import PACKED
+from cachegen.codec.errors import CodecError
+from cachegen.codec.packed import split_record_tag
+from cachegen.codec.profile import SHIPPED_DIR, SHIPPED_SCHEMA, SHIPPED_VERSION
+from cachegen.fileio import check_version
+
+LOSS_FILE = Path(__file__).with_name("form_loss.json")
+LOSS_SCHEMA = "cachegen-form-loss"
+LOSS_VERSION = 1
+CACHEGEN = "cachegen"
+PACKED_SUFFIX = "-" + PACKED
+LOSSLESS = ("raw",)
+
+
+def form_name(codec: str, slot: int) -> str:
+    """The form stored by ``codec`` at store level ``slot`` (a cachegen slot may be a packed
+    form's record tag): ``cachegen-11``, ``cachegen-11-packed``, ``int8``..."""
+    if codec != CACHEGEN:
+        return codec
+    level, form = split_record_tag(slot)
+    return f"{CACHEGEN}-{level}{PACKED_SUFFIX if form == PACKED else ''}"
+
+
+def cachegen_level(name: str) -> int | None:
+    """The cachegen level a form name stores (its coded level for a packed form), or None
+    for a form of another codec."""
+    prefix, _, rest = name.partition("-")
+    rest = rest.removesuffix(PACKED_SUFFIX)
+    if prefix != CACHEGEN or not rest.isdigit():
+        return None
+    return int(rest)
+
+
+def calibrated_losses(fingerprint: str) -> dict[int, float]:
+    """``target_ppl_pct`` per shipped calibrated cachegen level of the model with weights
+    ``fingerprint`` (``ModelIdentity.fingerprint``); empty for a model without a calibration."""
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        doc = _read(path, SHIPPED_SCHEMA, SHIPPED_VERSION)
+        if doc["model"]["fingerprint"] == fingerprint:
+            return {
+                int(level): float(entry["target_ppl_pct"])
+                for level, entry in doc["levels"].items()
+                if "target_ppl_pct" in entry
+            }
+    return {}
+
+
+def baseline_losses(fingerprint: str) -> dict[str, float]:
+    """The measured losses of the baseline codecs (``int8``, ``fp8``) for the model with
+    weights ``fingerprint``, from ``form_loss.json``; empty for a model it does not list."""
+    doc = _read(LOSS_FILE, LOSS_SCHEMA, LOSS_VERSION)
+    for entry in doc["models"].values():
+        if entry["fingerprint"] == fingerprint:
+            return {name: float(value) for name, value in entry["loss_pct"].items()}
+    return {}
+
+
+def form_losses(
+    names: Iterable[str], fingerprint: str, calibrated_levels: Iterable[int] | None = None
+) -> dict[str, float | None]:
+    """Each form's loss (None: unknown; module docs) for the model with weights
+    ``fingerprint``. ``calibrated_levels`` (e.g. ``Profile.calibrated_levels()``), when
+    given, are the only cachegen levels whose calibration target counts: a profile whose level
+    differs from the shipped one (rebuilt, or another calibration) has no known loss there."""
+    levels = calibrated_losses(fingerprint)
+    if calibrated_levels is not None:
+        keep = set(calibrated_levels)
+        levels = {lv: loss for lv, loss in levels.items() if lv in keep}
+    baselines = baseline_losses(fingerprint)
+    out: dict[str, float | None] = {}
+    for name in names:
+        level = cachegen_level(name)
+        if level is not None:
+            out[name] = levels.get(level)
+        elif name in LOSSLESS:
+            out[name] = 0.0
+        else:
+            out[name] = baselines.get(name)
+    return out
+
+
+def _read(path: Path, schema: str, version: int) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CodecError(f"{path} is unreadable ({exc}); reinstall cachegen") from exc
+    return check_version(doc, schema, (version,), str(path))
