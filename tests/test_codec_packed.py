@@ -269,3 +269,63 @@ def test_record_tags_name_the_form_beside_the_level():
             record_tag(40000, form)
     with pytest.raises(CodecError):
         record_tag(4, "zipped")
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
+def test_hadamard_row_adds_in_butterfly_order(head_dim):
+    """``hadamard_row`` (vector registers for the common head dims, a loop for the others)
+    rounds exactly like butterflies of span 1, 2, 4, ... in float32, bit for bit: both forms
+    of a level undo the rotation with it."""
+    import numba
+
+    from cachegen.codec.qkernels import hadamard_row
+
+    @numba.njit
+    def transform(rows, inv_sqrt):
+        for r in range(rows.shape[0]):
+            row = rows[r].copy()
+            hadamard_row(row, rows.shape[1], inv_sqrt)
+            rows[r] = row
+
+    gen = np.random.default_rng(head_dim)
+    x = gen.standard_normal((50, head_dim)) * np.exp(gen.standard_normal((50, head_dim)) * 4)
+    x = x.astype(np.float32)
+    expected = x.copy()
+    span = 1
+    while span < head_dim:  # numpy float32 butterflies, one stage at a time
+        pairs = expected.reshape(50, head_dim // (2 * span), 2, span)
+        a, b = pairs[:, :, 0].copy(), pairs[:, :, 1].copy()
+        pairs[:, :, 0], pairs[:, :, 1] = a + b, a - b
+        span *= 2
+    inv_sqrt = np.float32(1 / np.sqrt(head_dim))
+    expected *= inv_sqrt
+    transform(x, inv_sqrt)
+    assert np.array_equal(x.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_rotated_levels_pack_to_the_same_kv_at_any_head_dim(head_dim):
+    """Hadamard and rotary angles undone row by row at a head dim with vector rows (128) and
+    one without (16), per-token and per-channel scales: the coded form's KV, bit for bit."""
+    from cachegen.codec import rans
+    from cachegen.codec.profile import Profile
+    from cachegen.codec.tables import LevelTables, alphabets, remember
+
+    model = ModelIdentity(
+        f"rotated-packed-{head_dim}", "ef" * 32, num_layers=2, num_kv_heads=2, head_dim=head_dim
+    )
+    cfg = QuantConfig(
+        (32, 16), (16, 8), key_scale="token", value_scale="channel", hadamard=True,
+        rope_theta=10000.0,
+    )  # fmt: skip
+    sizes = alphabets(cfg, model)
+    counts = np.random.default_rng(1).integers(1, 1000, size=(sizes.size, 63))
+    level_tables = LevelTables(
+        f"{head_dim:016x}" * 2, cfg, model, rans.quantize_frequencies(counts, sizes)
+    )
+    remember(level_tables)
+    profile = Profile(model, {1: cfg}, {1: level_tables.id}, 1, calibration={})
+    codec = CacheGenCodec(profile=profile, chunk_tokens=16)
+    x = torch.randn(2, 2, 2, 37, head_dim, generator=torch.Generator().manual_seed(3)) * 3
+    kv = KVCache(x[0], x[1], torch.arange(37), model, start=5)
+    assert_same_decode(codec.encode(kv), codec.encode(kv, form=PACKED))

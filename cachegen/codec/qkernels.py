@@ -219,6 +219,78 @@ def quantize_layers(x, kind, inv, max_level, out, todo):
 # ---- the decoder's last step -----------------------------------------------------------------
 
 
+VECTOR_HEAD_DIMS = (32, 64, 128, 256)  # the head dims whose rows run in vector registers
+
+
+def _for_head_dim(context, builder, head_dim, head_dim_type, emit):
+    """LLVM: ``emit(n)`` for the ``n`` of ``VECTOR_HEAD_DIMS`` that equals ``head_dim`` (a
+    switch, folded away where the head dim is a constant); an i1, true if one did."""
+    size = context.cast(builder, head_dim, head_dim_type, types.int64)
+    end = builder.append_basic_block("head_dim.end")
+    other = builder.append_basic_block("head_dim.other")
+    switch = builder.switch(size, other)
+    done = []
+    for n in VECTOR_HEAD_DIMS:
+        block = builder.append_basic_block(f"head_dim.{n}")
+        switch.add_case(ir.Constant(size.type, n), block)
+        builder.position_at_end(block)
+        emit(n)
+        done.append(builder.block)
+        builder.branch(end)
+    builder.position_at_end(other)
+    builder.branch(end)
+    builder.position_at_end(end)
+    flag = builder.phi(ir.IntType(1))
+    for block in done:
+        flag.add_incoming(ir.IntType(1)(1), block)
+    flag.add_incoming(ir.IntType(1)(0), other)
+    return flag
+
+
+def _is_row(v):
+    """Whether numba type ``v`` is a row the vector kernels take: 1-D C-contiguous float32."""
+    return isinstance(v, types.Array) and (v.ndim, v.layout, v.dtype) == (1, "C", types.float32)
+
+
+@intrinsic
+def hadamard_vector(typingctx, v, head_dim, inv_sqrt):
+    """:func:`hadamard_row` with the row in vector registers, for a head dim of
+    ``VECTOR_HEAD_DIMS``; returns False (and does nothing) for any other. A row written and
+    read back per butterfly stage costs several times the arithmetic. Each stage gathers the
+    pairs ``(i, i + span)`` with shuffles, then adds and subtracts them: the same operations in
+    the same order as the butterflies. ``v`` is C-contiguous."""
+    if not _is_row(v) or not isinstance(head_dim, types.Integer) or inv_sqrt != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+
+        def emit(n):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            row = ir.VectorType(f32, n)
+            ptr = builder.bitcast(data, row.as_pointer())
+            x = builder.load(ptr, align=4)
+            span = 1
+            while span < n:
+                low = [i for i in range(n) if not i & span]  # the first of each pair
+                at = {i: p for p, i in enumerate(low)}
+                a = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(i32, n // 2), low))
+                high = ir.Constant(ir.VectorType(i32, n // 2), [i + span for i in low])
+                b = builder.shuffle_vector(x, x, high)
+                back = [n // 2 + at[i - span] if i & span else at[i] for i in range(n)]
+                x = builder.shuffle_vector(
+                    builder.fadd(a, b), builder.fsub(a, b), ir.Constant(ir.VectorType(i32, n), back)
+                )
+                span *= 2
+            lane = builder.insert_element(ir.Constant(row, ir.Undefined), args[2], i32(0))
+            scale = builder.shuffle_vector(lane, lane, ir.Constant(ir.VectorType(i32, n), [0] * n))
+            builder.store(builder.fmul(x, scale), ptr, align=4)
+
+        return _for_head_dim(context, builder, args[1], signature.args[1], emit)
+
+    return types.boolean(v, head_dim, inv_sqrt), codegen
+
+
 @numba.njit(inline="always")
 def hadamard_row(v, head_dim, inv_sqrt):
     """``v[:head_dim]`` times the orthonormal Sylvester Hadamard matrix, in place: butterflies
@@ -227,78 +299,21 @@ def hadamard_row(v, head_dim, inv_sqrt):
     this is also its inverse; it rounds like no dense product does, so both forms of a level
     call it (the coded form on its float32 scratch, the packed form on each row).
 
-    Spans 1, 2 and 4 run on eight values in registers, the wider ones eight lanes at a time
-    (the same additions in the same order, in fewer instructions)."""
+    ``v`` is C-contiguous. The common head dims run in vector registers
+    (:func:`hadamard_vector`), the others in a loop: the same additions in the same order."""
+    if hadamard_vector(v, head_dim, inv_sqrt):
+        return
     span = 1
-    if head_dim % 8 == 0:
-        for g in range(0, head_dim, 8):
-            _hadamard8(v, g)
-        span = 8
     while span < head_dim:
         for first in range(0, head_dim, 2 * span):
-            if span % 8 == 0:
-                for j in range(first, first + span, 8):
-                    _butterfly8(v, j, j + span)
-            else:
-                for j in range(first, first + span):
-                    a = v[j]
-                    b = v[j + span]
-                    v[j] = a + b
-                    v[j + span] = a - b
+            for j in range(first, first + span):
+                a = v[j]
+                b = v[j + span]
+                v[j] = a + b
+                v[j + span] = a - b
         span *= 2
     for j in range(head_dim):
         v[j] *= inv_sqrt
-
-
-@numba.njit(inline="always")
-def _hadamard8(v, g):
-    """Butterflies of span 1, 2 and 4 on ``v[g : g + 8]``."""
-    a0, a1, a2, a3 = v[g], v[g + 1], v[g + 2], v[g + 3]
-    a4, a5, a6, a7 = v[g + 4], v[g + 5], v[g + 6], v[g + 7]
-    b0, b1, b2, b3 = a0 + a1, a0 - a1, a2 + a3, a2 - a3
-    b4, b5, b6, b7 = a4 + a5, a4 - a5, a6 + a7, a6 - a7
-    c0, c1, c2, c3 = b0 + b2, b1 + b3, b0 - b2, b1 - b3
-    c4, c5, c6, c7 = b4 + b6, b5 + b7, b4 - b6, b5 - b7
-    v[g], v[g + 1], v[g + 2], v[g + 3] = c0 + c4, c1 + c5, c2 + c6, c3 + c7
-    v[g + 4], v[g + 5], v[g + 6], v[g + 7] = c0 - c4, c1 - c5, c2 - c6, c3 - c7
-
-
-@numba.njit(inline="always")
-def _butterfly8(v, p, q):
-    """``(v[p + i], v[q + i]) = (a + b, a - b)`` for ``i < 8``: every load before every store,
-    so the compiler can use vector operations (it cannot tell that the ranges are apart)."""
-    a0 = v[p + 0]
-    a1 = v[p + 1]
-    a2 = v[p + 2]
-    a3 = v[p + 3]
-    a4 = v[p + 4]
-    a5 = v[p + 5]
-    a6 = v[p + 6]
-    a7 = v[p + 7]
-    b0 = v[q + 0]
-    b1 = v[q + 1]
-    b2 = v[q + 2]
-    b3 = v[q + 3]
-    b4 = v[q + 4]
-    b5 = v[q + 5]
-    b6 = v[q + 6]
-    b7 = v[q + 7]
-    v[p + 0] = a0 + b0
-    v[p + 1] = a1 + b1
-    v[p + 2] = a2 + b2
-    v[p + 3] = a3 + b3
-    v[p + 4] = a4 + b4
-    v[p + 5] = a5 + b5
-    v[p + 6] = a6 + b6
-    v[p + 7] = a7 + b7
-    v[q + 0] = a0 - b0
-    v[q + 1] = a1 - b1
-    v[q + 2] = a2 - b2
-    v[q + 3] = a3 - b3
-    v[q + 4] = a4 - b4
-    v[q + 5] = a5 - b5
-    v[q + 6] = a6 - b6
-    v[q + 7] = a7 - b7
 
 
 @numba.njit(inline="always")
@@ -308,24 +323,144 @@ def _turn(x1, x2, cos1, sin1, cos2, sin2):
     return fma32(-x2, sin1, x1 * cos1), fma32(x1, sin2, x2 * cos2)
 
 
+def vector_bf16_bits(builder, values):
+    """LLVM: float32 vector ``values`` -> bfloat16 bits (an i16 vector), rounding to nearest
+    even: :func:`f32_to_bf16` lane by lane."""
+    i32 = ir.IntType(32)
+    lanes = values.type.count
+    bits = builder.bitcast(values, ir.VectorType(i32, lanes))
+    sixteen = ir.Constant(ir.VectorType(i32, lanes), [16] * lanes)
+    odd = builder.and_(builder.lshr(bits, sixteen), ir.Constant(bits.type, [1] * lanes))
+    rounded = builder.add(builder.add(bits, ir.Constant(bits.type, [0x7FFF] * lanes)), odd)
+    return builder.trunc(builder.lshr(rounded, sixteen), ir.VectorType(ir.IntType(16), lanes))
+
+
+def _store_vector(turn: bool):
+    """An intrinsic ``(v, cos, sin, t, head_dim, out, at)``: :func:`store_row` of a row of
+    ``head_dim`` values into ``out`` (C-contiguous float32, or uint16 for bfloat16 bits),
+    turned by row ``t`` of ``cos`` / ``sin`` if ``turn``, in vector registers; False (and
+    nothing done) for a head dim not in ``VECTOR_HEAD_DIMS``. The arithmetic of
+    :func:`_turn` and :func:`f32_to_bf16`, lane by lane."""
+
+    @intrinsic
+    def store_vector(typingctx, v, cos, sin, t, head_dim, out, at):
+        angles = all(
+            isinstance(a, types.Array) and (a.ndim, a.layout, a.dtype) == (2, "C", types.float32)
+            for a in (cos, sin)
+        )
+        if (
+            not _is_row(v)
+            or not angles
+            or not isinstance(out, types.Array)
+            or (out.ndim, out.layout) != (1, "C")
+            or out.dtype not in (types.float32, types.uint16)
+            or not all(isinstance(i, types.Integer) for i in (t, head_dim, at))
+        ):
+            return None
+
+        def codegen(context, builder, signature, args):
+            v_ty, cos_ty, sin_ty, _, head_dim_ty, out_ty, _ = signature.args
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+
+            def pointer(ty, value, index):
+                ary = context.make_array(ty)(context, builder, value)
+                return cgutils.get_item_pointer(context, builder, ty, ary, index, wraparound=False)
+
+            def emit(n):
+                half = n // 2
+
+                def load(ptr):
+                    return builder.load(
+                        builder.bitcast(ptr, ir.VectorType(f32, n).as_pointer()), align=4
+                    )
+
+                def part(x, first):
+                    lanes = ir.Constant(ir.VectorType(i32, half), list(range(first, first + half)))
+                    return builder.shuffle_vector(x, x, lanes)
+
+                row = load(pointer(v_ty, args[0], [ir.IntType(64)(0)]))
+                if turn:
+                    zero = context.get_constant(types.intp, 0)
+                    c = load(pointer(cos_ty, args[1], [args[3], zero]))
+                    s = load(pointer(sin_ty, args[2], [args[3], zero]))
+                    vector = ir.VectorType(f32, half)
+                    fma = cgutils.get_or_insert_function(
+                        builder.module,
+                        ir.FunctionType(vector, [vector] * 3),
+                        f"llvm.fma.v{half}f32",
+                    )
+                    x1, x2 = part(row, 0), part(row, half)
+                    y1 = builder.call(
+                        fma, [builder.fneg(x2), part(s, 0), builder.fmul(x1, part(c, 0))]
+                    )
+                    y2 = builder.call(fma, [x1, part(s, half), builder.fmul(x2, part(c, half))])
+                    whole = ir.Constant(ir.VectorType(i32, n), list(range(n)))
+                    row = builder.shuffle_vector(y1, y2, whole)
+                if out_ty.dtype == types.uint16:
+                    row = vector_bf16_bits(builder, row)
+                ptr = pointer(out_ty, args[5], [args[6]])
+                builder.store(row, builder.bitcast(ptr, row.type.as_pointer()), align=2)
+
+            return _for_head_dim(context, builder, args[4], head_dim_ty, emit)
+
+        return types.boolean(v, cos, sin, t, head_dim, out, at), codegen
+
+    return store_vector
+
+
+store_vector = _store_vector(False)
+turn_store_vector = _store_vector(True)
+
+
+def store_value(out, at, value):  # only meaningful inside kernels (see the overload)
+    raise NotImplementedError
+
+
+@overload(store_value, inline="always")
+def _store_value(out, at, value):
+    """``out[at] = value``: float32, or bfloat16 bits (:func:`f32_to_bf16`) if ``out`` is
+    uint16."""
+    if out.dtype == types.uint16:
+
+        def store_bf16(out, at, value):
+            out[at] = f32_to_bf16(value)
+
+        return store_bf16
+
+    def store_f32(out, at, value):
+        out[at] = value
+
+    return store_f32
+
+
 @numba.njit(inline="always")
 def store_row(v, cos, sin, t, rotate, head_dim, out_f32, out_bf16, o):
-    """Write float32 ``v[:head_dim]`` to ``out_bf16[o : o + head_dim]`` (bfloat16 bits) if that
-    is non-empty, else to ``out_f32``, turned by the rotary angles of row ``t`` of ``cos`` /
-    ``sin`` first if ``rotate``."""
+    """Write float32 ``v[:head_dim]`` (C-contiguous) to ``out_bf16[o : o + head_dim]``
+    (bfloat16 bits) if that is non-empty, else to ``out_f32``, turned by the rotary angles of
+    row ``t`` of ``cos`` / ``sin`` first if ``rotate``."""
+    if out_bf16.shape[0] > 0:
+        _store_row_to(v, cos, sin, t, rotate, head_dim, out_bf16, o)
+    else:
+        _store_row_to(v, cos, sin, t, rotate, head_dim, out_f32, o)
+
+
+@numba.njit(inline="always")
+def _store_row_to(v, cos, sin, t, rotate, head_dim, out, o):
+    """:func:`store_row` into ``out`` (float32, or uint16 for bfloat16 bits); the common head
+    dims in vector registers (:func:`store_vector`)."""
+    if rotate:
+        if turn_store_vector(v, cos, sin, t, head_dim, out, o):
+            return
+    elif store_vector(v, cos, sin, t, head_dim, out, o):
+        return
     half = head_dim // 2
-    to_bf16 = out_bf16.shape[0] > 0
     for d in range(half):
         x1 = v[d]
         x2 = v[d + half]
         if rotate:
             x1, x2 = _turn(x1, x2, cos[t, d], sin[t, d], cos[t, d + half], sin[t, d + half])
-        if to_bf16:
-            out_bf16[o + d] = f32_to_bf16(x1)
-            out_bf16[o + d + half] = f32_to_bf16(x2)
-        else:
-            out_f32[o + d] = x1
-            out_f32[o + d + half] = x2
+        store_value(out, o + d, x1)
+        store_value(out, o + d + half, x2)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
