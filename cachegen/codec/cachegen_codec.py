@@ -310,6 +310,10 @@ class _LevelDecoder(FrameDecoder):
         self.tables_id = tables_id
         self.S = num_segments(config)
         self.num_streams = header.num_layers * 2 * self.S
+        # per frame length: what every frame of that length shares (a bitstream's frames
+        # but its last have one length)
+        self._layouts: dict[int, tuple] = {}
+        self._stream_plans: dict[int, tuple] = {}
 
     def _frame_start(self, frame: Frame) -> int:
         """Position of the frame's first token in its sequence."""
@@ -324,6 +328,11 @@ class _LevelDecoder(FrameDecoder):
 
     def _layout(self, n: int):
         """Per (K/V, segment): token positions, scale count; plus total scale bytes."""
+        if n not in self._layouts:
+            self._layouts[n] = self._new_layout(n)
+        return self._layouts[n]
+
+    def _new_layout(self, n: int):
         h = self.header
         segs = segment_tokens(n, self.config.group_size)
         layout = []
@@ -337,7 +346,50 @@ class _LevelDecoder(FrameDecoder):
 
     def _stream_tokens(self, n: int) -> np.ndarray:
         """Tokens of each stream of a frame of ``n`` tokens, ordered (layer, K/V, segment)."""
-        return np.tile([len(t) for _, t, _ in self._layout(n)[0]], self.header.num_layers)
+        return self._stream_plan(n)[0]
+
+    def _stream_plan(self, n: int) -> tuple:
+        """Per stream of a frame of ``n`` tokens (ordered layer, K/V, segment): its token
+        count, first scale (relative to its layout entry's), scale strides, centre symbol,
+        first token in the token map, and the (K/V, layer) block it writes; per layout entry
+        the symbols' largest level per layer, and the token map's offsets."""
+        if n not in self._stream_plans:
+            self._stream_plans[n] = self._new_stream_plan(n)
+        return self._stream_plans[n]
+
+    def _new_stream_plan(self, n: int) -> tuple:
+        h = self.header
+        L, D, S = h.num_layers, h.head_dim, self.S
+        config = self.layer_config
+        layout, _ = self._layout(n)
+        lengths = [len(tokens) for _, tokens, _ in layout]
+        tm_off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        levels = [
+            np.array([max_level(b) for b in config.bins(kind)], dtype=np.float32)[:, None]
+            for kind, _, _ in layout
+        ]
+        num = self.num_streams
+        ntok = np.empty(num, dtype=np.int64)
+        scale_off = np.empty(num, dtype=np.int64)
+        entry = np.empty(num, dtype=np.int64)
+        stride = np.empty((num, 3), dtype=np.int64)
+        center = np.empty(num, dtype=np.int32)
+        token_off = np.empty(num, dtype=np.int64)
+        block = np.empty(num, dtype=np.int64)
+        for layer in range(L):
+            for k, kind in enumerate(KINDS):
+                for s in range(S):
+                    j = k * S + s  # (K/V, segment) of the layout
+                    i = (layer * 2 + k) * S + s  # stream
+                    _, tokens, count = layout[j]
+                    ntok[i] = lengths[j]
+                    entry[i] = j
+                    scale_off[i] = layer * (count // L)
+                    stride[i] = scale_strides(config.scale(kind), lengths[j], D)
+                    center[i] = max_level(config.bins(kind)[layer])
+                    token_off[i] = tm_off[j]
+                    block[i] = (k * L + layer) * h.num_kv_heads
+        return ntok, scale_off, entry, stride, center, token_off, block, levels
 
     def _layer_overheads(self, frame: Frame) -> np.ndarray:
         """Bytes of the exact tokens and the scales attributed to each (layer, K/V)."""
@@ -394,7 +446,7 @@ class _LevelDecoder(FrameDecoder):
         (``work``: their relative costs, as ``run_batches`` takes them), then ``finish()``."""
         h = self.header
         L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
-        C, S = H * D, self.S
+        C = H * D
         config = self.layer_config  # per-layer settings indexed like the stream's layers
         n = len(frame.token_ids)
         layout, scale_bytes = self._layout(n)
@@ -414,45 +466,27 @@ class _LevelDecoder(FrameDecoder):
             target, T, t0 = _scratch((2, L, H, n, D)), n, 0
 
         # scales: fp16 absolute maxima -> float32 step (amax / max_level) per layer
-        steps, scale_off_of, strides_of, token_maps = [], [], [], []
+        ntok, scale_rel, entry, stride, center, token_off, block, levels = self._stream_plan(n)
+        steps, scale_off_of, token_maps = [], [], []
         pos = exact_end = self._exact_bytes(frame)
         total = 0
-        for kind, tokens, count in layout:
+        for (_, tokens, count), m in zip(layout, levels):
             amax = (
                 np.frombuffer(frame.body[pos : pos + 2 * count], dtype="<f2")
                 .astype(np.float32)
                 .reshape(L, -1)
             )
             pos += 2 * count
-            m = np.array([max_level(b) for b in config.bins(kind)], dtype=np.float32)[:, None]
             steps.append((amax / m).reshape(-1))
             scale_off_of.append(total)
             total += count
-            strides_of.append(scale_strides(config.scale(kind), len(tokens), D))
             token_maps.append(tokens.numpy().astype(np.int64) + t0)
         scales = np.concatenate(steps) if steps else np.zeros(0, np.float32)
         token_map = np.concatenate(token_maps)
-        tm_off = np.concatenate([[0], np.cumsum([len(t) for t in token_maps])]).astype(np.int64)
+        scale_off = np.asarray(scale_off_of, dtype=np.int64)[entry] + scale_rel
+        out_base = block * T * D
 
         num = self.num_streams
-        ntok = np.empty(num, dtype=np.int64)
-        scale_off = np.empty(num, dtype=np.int64)
-        stride = np.empty((num, 3), dtype=np.int64)
-        center = np.empty(num, dtype=np.int32)
-        token_off = np.empty(num, dtype=np.int64)
-        out_base = np.empty(num, dtype=np.int64)
-        for layer in range(L):
-            for k, kind in enumerate(KINDS):
-                for s in range(S):
-                    j = k * S + s  # (K/V, segment) of the layout
-                    i = (layer * 2 + k) * S + s  # stream
-                    _, tokens, count = layout[j]
-                    ntok[i] = len(tokens)
-                    scale_off[i] = scale_off_of[j] + layer * (count // L)
-                    stride[i] = strides_of[j]
-                    center[i] = max_level(config.bins(kind)[layer])
-                    token_off[i] = tm_off[j]
-                    out_base[i] = ((k * L + layer) * H) * T * D
         status = np.zeros(num, dtype=np.uint8)
         dec_f32, dec_bf16 = _strided_views(target.view(-1))
         dequantize = (
@@ -475,7 +509,7 @@ class _LevelDecoder(FrameDecoder):
             (a, b, rotary_cos_sin(start, n, D, theta) if theta else None)
             for a, b, theta in theta_runs(config.layer_thetas)
         ]
-        row_transform = _row_transform(config.hadamard, rotary, n, S, direct and transformed)
+        row_transform = _row_transform(config.hadamard, rotary, n, self.S, direct and transformed)
         symbol_args = (*dequantize, *row_transform) if self.transforms_rows else dequantize
 
         def kernel(todo: np.ndarray) -> None:
