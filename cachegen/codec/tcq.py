@@ -86,6 +86,7 @@ class LevelCode:
     kept: list[list[np.ndarray]]  # [L][2]: component indices
     radius: list[list[np.ndarray]]  # [L][2]: int64 radius of each kept component
     step: list[list[torch.Tensor]]  # [L][2]: float32 step of each kept component
+    synthesis: list[list[torch.Tensor]]  # [L][2]: kept components' rows scaled by their steps
     table_base: np.ndarray  # [L, 2]: row of each stream's first table
     freq_cum: np.ndarray  # [tables, width] uint32
     slot_sym: np.ndarray  # [tables, PROB_SCALE] uint8
@@ -203,16 +204,19 @@ def _level_code(tcq: TcqModel, index: int) -> LevelCode:
     starts = _table_offsets(tcq.radius)[index]
     L, _, C = radius.shape
     width = max(3, 2 * int(radius.max()) + 1)
-    kept, radii, steps, rows = [], [], [], []
+    kept, radii, steps, synthesis, rows = [], [], [], [], []
     base = np.zeros((L, 2), dtype=np.int64)
     count = 0
     for layer in range(L):
-        kept.append([]), radii.append([]), steps.append([])
+        kept.append([]), radii.append([]), steps.append([]), synthesis.append([])
         for k in range(2):
             idx = np.flatnonzero(radius[layer, k])
             kept[layer].append(idx)
             radii[layer].append(radius[layer, k][idx])
-            steps[layer].append(torch.from_numpy(tcq.steps[index, layer, k][idx].copy()))
+            step = tcq.steps[index, layer, k][idx]
+            steps[layer].append(torch.from_numpy(step.copy()))
+            scaled = step[:, None].astype(np.float32) * tcq.components[layer, k][idx]
+            synthesis[layer].append(torch.from_numpy(np.ascontiguousarray(scaled)))
             base[layer, k] = count
             count += len(idx)
             for i in idx:
@@ -222,7 +226,7 @@ def _level_code(tcq: TcqModel, index: int) -> LevelCode:
                 rows.append(table)
     freq = np.stack(rows) if rows else np.zeros((1, width), dtype=np.uint16)
     slot = rans.slot_table(freq) if rows else np.zeros((1, rans.PROB_SCALE), np.uint8)
-    return LevelCode(kept, radii, steps, base, rans.pack_freq_cum(freq), slot)
+    return LevelCode(kept, radii, steps, synthesis, base, rans.pack_freq_cum(freq), slot)
 
 
 # ---- the model file -------------------------------------------------------------------------
@@ -379,12 +383,13 @@ def quantize_rows(
 def dequantize_rows(
     tcq: TcqModel, code: LevelCode, layer: int, kind: int, sym: np.ndarray
 ) -> torch.Tensor:
-    """Rows [tokens, channels] (float32) of symbols ``sym`` [tokens, kept] (float32)."""
-    kept = code.kept[layer][kind]
+    """Rows [tokens, channels] (float32) of symbols ``sym`` [tokens, kept] (float32, centred
+    in place): ``(sym - radius) * step`` over the kept components, plus the mean, in one
+    product with the step folded into the components."""
     mean = torch.from_numpy(tcq.mean[layer, kind])
     radius = torch.from_numpy(code.radius[layer][kind]).to(torch.float32)
-    y = (torch.from_numpy(sym) - radius) * code.step[layer][kind]
-    return y @ torch.from_numpy(tcq.components[layer, kind][kept]) + mean
+    centred = torch.from_numpy(sym).sub_(radius)
+    return torch.addmm(mean, centred, code.synthesis[layer][kind])
 
 
 # ---- the codec ------------------------------------------------------------------------------
@@ -540,21 +545,29 @@ class TcqDecoder(FrameDecoder):
         word_off = np.concatenate([[0], np.cumsum(words)]).astype(np.int64)
         q = torch.empty((2, L, H, m, D), dtype=torch.float32)
         status = np.zeros(2 * L, dtype=np.uint8)
+        symbols: list[np.ndarray | None] = [None] * (2 * L)
 
         def kernel(todo: np.ndarray) -> None:
             for s in todo:
-                i, k = divmod(int(s), 2)
-                layer = self.layers[i]
-                if words[s] == 0:
-                    rows = torch.from_numpy(self.tcq.mean[layer, k]).expand(m, -1)
-                else:
-                    sym = self._decode_stream(data, word_off, int(s), layer, k, m, status)
-                    rows = dequantize_rows(self.tcq, self.code, layer, k, sym)
-                q[k, i] = rows.reshape(m, H, D).permute(1, 0, 2)
+                if words[s]:
+                    i, k = divmod(int(s), 2)
+                    symbols[s] = self._decode_stream(
+                        data, word_off, int(s), self.layers[i], k, m, status
+                    )
 
+        # the entropy decoding in the codec's threads; the products after it in torch's own
+        # (they are BLAS calls that torch already spreads over the cores)
         run_batches(kernel, np.array(words, dtype=np.float64) + 1)
         if status.any():
             raise CodecError(f"frame {frame.index} is corrupt: a tcq rANS stream does not decode")
+        for s, sym in enumerate(symbols):
+            i, k = divmod(s, 2)
+            layer = self.layers[i]
+            if sym is None:
+                rows = torch.from_numpy(self.tcq.mean[layer, k]).expand(m, -1)
+            else:
+                rows = dequantize_rows(self.tcq, self.code, layer, k, sym)
+            q[k, i] = rows.reshape(m, H, D).permute(1, 0, 2)
         thetas = tuple(self.tcq.rope_thetas[i] for i in self.layers)
         if any(thetas):
             q[0] = rotate_layer_keys(q[0], self._frame_start(frame) + e, thetas)

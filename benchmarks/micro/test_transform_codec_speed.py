@@ -1,0 +1,56 @@
+"""Decode speed of the transform codecs, side by side with cachegen level 2 in one run
+(pytest-benchmark; skipped by `--benchmark-skip`).
+
+    .venv/bin/pytest benchmarks/micro/test_transform_codec_speed.py --benchmark-only
+
+Data: the same SmolLM2 KV as ``test_codec_speed.py`` (1,024 tokens of Python documentation,
+4 chunks of 256 tokens, 11.8 M elements). Each case decodes one bitstream into a fresh bf16
+tensor, as a server decodes a fetched chunk, on both cores. Target (docs/codec.md): every
+``tcq`` level >= 300 M elements/s, recorded in ``extra_info`` with the bits per element
+(timings on a shared machine are noisy, so nothing is asserted about them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachegen.codec import decode
+from cachegen.lab.bench.codec_report import text_windows
+from cachegen.profiles import codec_for
+
+TOKENS = 1024
+CHUNK = 256
+DECODE_TARGET = 300e6
+
+
+@pytest.fixture(scope="module")
+def kv():
+    (window,) = text_windows("smollm2-135m", TOKENS, 1)
+    return window
+
+
+@pytest.mark.parametrize(
+    "name,level",
+    [("cachegen", 2)] + [("tcq", level) for level in range(20, 27)],
+)
+def test_transform_decode(benchmark, kv, name, level):
+    codec = codec_for(name, "smollm2-135m", chunk_tokens=CHUNK)
+    if level not in codec.levels:
+        pytest.fail(f"{name} has no level {level}: its levels are {codec.levels}")
+    blob = codec.encode(kv, level)
+    out = benchmark(decode, blob)
+    assert out.keys.dtype == torch.bfloat16 and out.num_tokens == TOKENS
+    benchmark.extra_info.update(
+        {
+            "elements": int(kv.num_elements),
+            "what": f"{name} level {level} -> bf16, 2 thread(s)",
+            "bits_per_element": len(blob) * 8 / kv.num_elements,
+        }
+    )
+    if name == "tcq":
+        benchmark.extra_info["target_elements_per_s"] = DECODE_TARGET
+    stats = getattr(benchmark, "stats", None)
+    if stats:
+        for key, seconds in (("best", stats.stats.min), ("median", stats.stats.median)):
+            benchmark.extra_info[f"m_elements_per_s_{key}"] = kv.num_elements / seconds / 1e6
