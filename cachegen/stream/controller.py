@@ -317,8 +317,8 @@ class FastestController(LoadEstimator):
     highest rate at which this host has received that form in earlier loads (its ceiling when
     the host, not the link, bounds the transfer: the receiving thread's copies and checksums
     share the cores with the decoder, and a big form hits that ceiling first); a form's bytes
-    are predicted to arrive at the lower of the link's rate and its ceiling (for a form
-    without one, the highest ceiling of the others). Without a
+    are predicted to arrive at the lower of the link's rate and its ceiling (a form without
+    one, never host-bound so far, at the link's rate). Without a
     throughput prior (``initial_mbps``), chunk 0 goes in the smallest allowed form. A prior is
     only a guess at how fast a form decodes during this load: once the fastest option's
     decoding has been measured, an option predicted within ``explore`` (a fraction) of it
@@ -350,8 +350,6 @@ class FastestController(LoadEstimator):
             raise InputError(f"host_mbps must be positive rates: {dict(host_mbps or {})}")
         self.explore = explore
         self._host_bps = {name: rate * 1e6 / 8 for name, rate in (host_mbps or {}).items()}
-        # a form never received here arrives no faster than the fastest one that was
-        self._host_bps_unseen = max(self._host_bps.values(), default=None)
         names = [o.name for o in options]
         if len(set(names)) != len(names) or RECOMPUTE in names:
             raise InputError(f"option names must be distinct and not {RECOMPUTE!r}: {names}")
@@ -400,9 +398,8 @@ class FastestController(LoadEstimator):
         if choice in self._sampled_by_option:
             got, took = self._sampled_by_option[choice]
             bps = got / took * self.safety
-        ceiling = self._host_bps.get(choice, self._host_bps_unseen)
-        if ceiling is not None:
-            bps = min(bps, ceiling)
+        if choice in self._host_bps:
+            bps = min(bps, self._host_bps[choice])
         return self.sizes[choice][index] / bps
 
     @property

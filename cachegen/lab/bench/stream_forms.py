@@ -162,6 +162,7 @@ def forms_bench(
     rtt_ms: float,
     prefill_tps: float,
     repeat: int = 1,
+    explore: float = 0.0,
     log=None,
 ) -> dict:
     log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -190,6 +191,7 @@ def forms_bench(
                 prefill_tps=prefill_tps,
                 repeat=repeat,
                 host_mbps=host_mbps,
+                explore=explore,
             )
             column["loadavg_1min"] = [load_before, os.getloadavg()[0]]
             columns.append(column)
@@ -209,6 +211,7 @@ def forms_bench(
             "rtt_ms": rtt_ms,
             "prefill_tps": prefill_tps,
             "max_loss_pct": max_loss_pct,
+            "explore": explore,
             "within": WITHIN,
             "forms": [
                 {
@@ -239,6 +242,7 @@ def _measure_column(
     prefill_tps,
     repeat,
     host_mbps: dict[str, float],
+    explore: float,
 ) -> dict:
     """Every form loaded alone, then adaptively, ``repeat`` times in turn (so a busy moment
     hits every form alike). What the adaptive load knows is what a server learns from its
@@ -268,6 +272,7 @@ def _measure_column(
             initial_mbps=bw,
             decode_s_per_token=priors,
             host_mbps=host_mbps,
+            explore=explore,
         )
         stats, _ = run_load(
             store, anchor, shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, controller=controller

@@ -85,6 +85,14 @@ def register(subparsers) -> None:
         "coded level's loss), e.g. int8=0.1,cachegen-2=1.5",
     )
     p.add_argument(
+        "--explore",
+        type=float,
+        default=0.0,
+        help="with --forms: the adaptive load's trial margin (FastestController's explore; "
+        "default 0: its decode priors are every form's rates measured just before, on this "
+        "host at this rate, so a trial has nothing to learn)",
+    )
+    p.add_argument(
         "--prefill-tps",
         type=float,
         default=None,
@@ -126,8 +134,12 @@ def _stream_bench(args: argparse.Namespace) -> int:
     if unknown:
         raise InputError(f"unknown shaper {unknown[0]!r}; choose from {', '.join(SHAPERS)}")
     bandwidths = bench.parse_bandwidths(args.bandwidth_mbps)
-    if args.forms is None and (args.max_loss_pct is not None or args.loss_pct is not None):
-        raise InputError("--max-loss-pct and --loss-pct go with --forms")
+    if args.forms is None and (
+        args.max_loss_pct is not None or args.loss_pct is not None or args.explore
+    ):
+        raise InputError("--max-loss-pct, --loss-pct and --explore go with --forms")
+    if args.explore < 0:
+        raise InputError(f"--explore must be >= 0, got {args.explore}")
     if args.forms is not None and args.controller_eval:
         raise InputError("--controller-eval evaluates the SLO rule: give --slo-ms, not --forms")
     store = open_store(args.store)
@@ -218,6 +230,7 @@ def _forms_bench(args: argparse.Namespace, store, shapers, bandwidths) -> dict:
         rtt_ms=args.rtt_ms,
         prefill_tps=prefill_tps,
         repeat=args.repeat,
+        explore=args.explore,
     )
 
 
