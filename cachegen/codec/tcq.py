@@ -33,6 +33,7 @@ import json
 import struct
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
@@ -43,7 +44,8 @@ from cachegen.codec.bitstream import Frame, Header
 from cachegen.codec.errors import CodecError
 from cachegen.codec.parallel import run_batches
 from cachegen.codec.profile import profile_path
-from cachegen.codec.quant import rotate_layer_keys
+from cachegen.codec.qkernels import f32_to_bf16
+from cachegen.codec.quant import rotary_cos_sin, rotate_layer_keys
 from cachegen.codec.transform import ModelFiles
 from cachegen.errors import CacheGenError
 from cachegen.fileio import check_version, versioned, write_atomic
@@ -86,7 +88,7 @@ class LevelCode:
     kept: list[list[np.ndarray]]  # [L][2]: component indices
     radius: list[list[np.ndarray]]  # [L][2]: int64 radius of each kept component
     step: list[list[torch.Tensor]]  # [L][2]: float32 step of each kept component
-    synthesis: list[list[torch.Tensor]]  # [L][2]: kept components' rows scaled by their steps
+    synthesis: list[list[np.ndarray]]  # [L][2]: kept components' rows scaled by their steps
     table_base: np.ndarray  # [L, 2]: row of each stream's first table
     freq_cum: np.ndarray  # [tables, width] uint32
     slot_sym: np.ndarray  # [tables, PROB_SCALE] uint8
@@ -216,7 +218,7 @@ def _level_code(tcq: TcqModel, index: int) -> LevelCode:
             step = tcq.steps[index, layer, k][idx]
             steps[layer].append(torch.from_numpy(step.copy()))
             scaled = step[:, None].astype(np.float32) * tcq.components[layer, k][idx]
-            synthesis[layer].append(torch.from_numpy(np.ascontiguousarray(scaled)))
+            synthesis[layer].append(np.ascontiguousarray(scaled, dtype=np.float32))
             base[layer, k] = count
             count += len(idx)
             for i in idx:
@@ -380,18 +382,6 @@ def quantize_rows(
     return np.ascontiguousarray(sym.T.to(torch.uint8).numpy())
 
 
-def dequantize_rows(
-    tcq: TcqModel, code: LevelCode, layer: int, kind: int, sym: np.ndarray
-) -> torch.Tensor:
-    """Rows [tokens, channels] (float32) of symbols ``sym`` [tokens, kept] (float32, centred
-    in place): ``(sym - radius) * step`` over the kept components, plus the mean, in one
-    product with the step folded into the components."""
-    mean = torch.from_numpy(tcq.mean[layer, kind])
-    radius = torch.from_numpy(code.radius[layer][kind]).to(torch.float32)
-    centred = torch.from_numpy(sym).sub_(radius)
-    return torch.addmm(mean, centred, code.synthesis[layer][kind])
-
-
 # ---- the codec ------------------------------------------------------------------------------
 
 
@@ -541,37 +531,64 @@ class TcqDecoder(FrameDecoder):
             raw = torch.frombuffer(bytearray(frame.body[:exact]), dtype=torch.uint8)
             out[:, :, :, token_offset : token_offset + e] = raw.view(h.dtype).view(2, L, H, e, D)
         m = n - e
+        if not m:
+            return
         data = np.frombuffer(frame.body, dtype="<u2", offset=exact + 4 * len(words))
         word_off = np.concatenate([[0], np.cumsum(words)]).astype(np.int64)
-        q = torch.empty((2, L, H, m, D), dtype=torch.float32)
+        # rows go straight into a bf16 or float32 output, else through a float32 scratch
+        direct = out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous()
+        if direct:
+            target, T, t0 = out, out.shape[3], token_offset + e
+        else:
+            target, T, t0 = torch.empty((2, L, H, m, D), dtype=torch.float32), m, 0
+        flat = target.view(-1)
+        bf16 = target.dtype == torch.bfloat16
+        out16 = flat.view(torch.int16).numpy().view(np.uint16) if bf16 else _NO_BF16
+        out32 = _NO_F32 if bf16 else flat.numpy()
+        start = self._frame_start(frame) + e
+        thetas = [self.tcq.rope_thetas[layer] for layer in self.layers]
+        angles = {
+            theta: tuple(x.numpy() for x in rotary_cos_sin(start, m, D, theta))
+            for theta in set(thetas)
+            if theta
+        }
         status = np.zeros(2 * L, dtype=np.uint8)
-        symbols: list[np.ndarray | None] = [None] * (2 * L)
+        code = self.code
 
         def kernel(todo: np.ndarray) -> None:
             for s in todo:
+                i, k = divmod(int(s), 2)
+                layer = self.layers[i]
                 if words[s]:
-                    i, k = divmod(int(s), 2)
-                    symbols[s] = self._decode_stream(
-                        data, word_off, int(s), self.layers[i], k, m, status
-                    )
+                    sym = self._decode_stream(data, word_off, int(s), layer, k, m, status)
+                else:
+                    sym = np.zeros((m, 0), dtype=np.float32)
+                theta = thetas[i] if k == 0 else 0.0
+                cos, sin = angles[theta] if theta else (_NO_ANGLES, _NO_ANGLES)
+                _synthesize(
+                    sym,
+                    code.radius[layer][k].astype(np.float32),
+                    code.synthesis[layer][k],
+                    self.tcq.mean[layer, k],
+                    H,
+                    D,
+                    cos,
+                    sin,
+                    bool(theta),
+                    out16,
+                    out32,
+                    ((k * L + i) * H * T + t0) * D,
+                    T,
+                )
 
-        # the entropy decoding in the codec's threads; the products after it in torch's own
-        # (they are BLAS calls that torch already spreads over the cores)
-        run_batches(kernel, np.array(words, dtype=np.float64) + 1)
+        # per stream: entropy decoding, then one pass that multiplies the kept components,
+        # turns keys and writes the output (numba, in the codec's threads)
+        kept = np.array([len(code.kept[layer][k]) for layer in self.layers for k in range(2)])
+        run_batches(kernel, (np.asarray(words, dtype=np.float64) + kept * m + 1))
         if status.any():
             raise CodecError(f"frame {frame.index} is corrupt: a tcq rANS stream does not decode")
-        for s, sym in enumerate(symbols):
-            i, k = divmod(s, 2)
-            layer = self.layers[i]
-            if sym is None:
-                rows = torch.from_numpy(self.tcq.mean[layer, k]).expand(m, -1)
-            else:
-                rows = dequantize_rows(self.tcq, self.code, layer, k, sym)
-            q[k, i] = rows.reshape(m, H, D).permute(1, 0, 2)
-        thetas = tuple(self.tcq.rope_thetas[i] for i in self.layers)
-        if any(thetas):
-            q[0] = rotate_layer_keys(q[0], self._frame_start(frame) + e, thetas)
-        out[:, :, :, token_offset + e : token_offset + n] = q
+        if not direct:
+            out[:, :, :, token_offset + e : token_offset + n] = target
 
     def _decode_stream(
         self,
@@ -623,3 +640,48 @@ class TcqDecoder(FrameDecoder):
 
 _ONES = np.ones(1, dtype=np.float32)
 _NO_BF16 = np.zeros(0, dtype=np.uint16)
+_NO_F32 = np.zeros(0, dtype=np.float32)
+_NO_ANGLES = np.zeros((0, 0), dtype=np.float32)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, fastmath=True)
+def _synthesize(
+    sym, radius, synthesis, mean, heads, head_dim, cos, sin, rotate, out16, out32, base, tokens
+):
+    """One (layer, K/V) stream's rows: ``mean + (sym - radius) @ synthesis`` per token (zero
+    coefficients skipped: most are at low rates), keys turned by their NeoX rotary angles
+    (``cos``/``sin`` [tokens, head_dim] when ``rotate``), written as bfloat16 bits into
+    ``out16`` when it is non-empty, else as float32 into ``out32``, head ``h`` of token ``t``
+    at ``base + (h * tokens + t) * head_dim``."""
+    m, kept = sym.shape
+    width = synthesis.shape[1]
+    half = head_dim // 2
+    row = np.empty(width, dtype=np.float32)
+    turned = np.empty(width, dtype=np.float32)
+    to_bf16 = out16.shape[0] > 0
+    for t in range(m):
+        for j in range(width):
+            row[j] = mean[j]
+        for c in range(kept):
+            v = sym[t, c] - radius[c]
+            if v != 0.0:
+                for j in range(width):
+                    row[j] += v * synthesis[c, j]
+        src = row
+        if rotate:
+            for h in range(heads):
+                o = h * head_dim
+                for j in range(half):
+                    x, y = row[o + j], row[o + j + half]
+                    turned[o + j] = x * cos[t, j] - y * sin[t, j]
+                    turned[o + j + half] = y * cos[t, j + half] + x * sin[t, j + half]
+            src = turned
+        for h in range(heads):
+            at = base + (h * tokens + t) * head_dim
+            o = h * head_dim
+            if to_bf16:
+                for d in range(head_dim):
+                    out16[at + d] = f32_to_bf16(src[o + d])
+            else:
+                for d in range(head_dim):
+                    out32[at + d] = src[o + d]
