@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import struct
 from dataclasses import dataclass
 
 import numba
@@ -46,10 +45,15 @@ from cachegen.codec.parallel import run_batches
 from cachegen.codec.profile import profile_path
 from cachegen.codec.qkernels import f32_to_bf16
 from cachegen.codec.quant import rotary_cos_sin, rotate_layer_keys
-from cachegen.codec.transform import ModelFiles
+from cachegen.codec.transform import (
+    ModelFiles,
+    pack_model_file,
+    parse_model_file,
+    unpack_model_file,
+)
 from cachegen.errors import CacheGenError
 from cachegen.fileio import check_version, versioned, write_atomic
-from cachegen.kv import KVCache, KVError, ModelIdentity
+from cachegen.kv import KVCache, ModelIdentity
 
 EXACT_TOKENS = 1
 MODEL_ID_BYTES = 16
@@ -59,7 +63,6 @@ SCHEMA = "cachegen-tcq-model"
 VERSION = 1
 REF_SCHEMA = "cachegen-tcq-model-ref"
 REF_VERSION = 1
-_MAX_HEADER_JSON = 1 << 20
 # level -> bits per element its step costs on the calibration text (before the exact tokens)
 LEVELS: dict[int, float] = {20: 0.75, 21: 1.0, 22: 1.25, 23: 1.5, 24: 2.0, 25: 2.5, 26: 3.0}
 # name -> (numpy dtype, shape given (layers, channels, levels)); "freq" is variable-length
@@ -74,10 +77,6 @@ _ARRAYS = {
 
 def _exact_count(start: int, num_tokens: int) -> int:
     return max(0, min(num_tokens, EXACT_TOKENS - start))
-
-
-def _canonical(data: dict) -> bytes:
-    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
 
 @dataclass
@@ -142,10 +141,8 @@ class TcqModel:
             "levels": {str(k): list(v) for k, v in self.levels.items()},
             "arrays": {name: list(arrays[name].shape) for name in _ARRAYS},
             "freq_entries": int(self.freq.size),
-            "payload_sha256": hashlib.sha256(payload).hexdigest(),
         }
-        raw = _canonical(header)
-        return MAGIC + struct.pack("<I", len(raw)) + raw + payload
+        return pack_model_file(MAGIC, header, payload)
 
     @functools.cached_property
     def id(self) -> str:
@@ -236,33 +233,11 @@ def _level_code(tcq: TcqModel, index: int) -> LevelCode:
 
 def parse_tcq_model(data: bytes, where: str, model_id: str | None = None) -> TcqModel:
     """Read and fully validate a tcq model file (``model_id``: its content hash must match)."""
-    if model_id is not None and hashlib.sha256(data).hexdigest()[:32] != model_id:
-        raise CodecError(
-            f"tcq model {where} is corrupt (checksum does not match its id {model_id[:16]}); "
-            "delete the file and copy or refit it"
-        )
-    try:
-        return _parse(data)
-    except (ValueError, KeyError, TypeError, struct.error, KVError) as exc:
-        raise CodecError(
-            f"tcq model {where} is unreadable ({exc}); delete the file and copy or refit it"
-        ) from exc
+    return parse_model_file(data, where, model_id, "tcq model", _parse)
 
 
 def _parse(data: bytes) -> TcqModel:
-    if data[:4] != MAGIC:
-        raise ValueError("bad magic")
-    (header_len,) = struct.unpack_from("<I", data, 4)
-    if header_len > _MAX_HEADER_JSON or 8 + header_len > len(data):
-        raise ValueError("header length is out of range")
-    header = json.loads(data[8 : 8 + header_len])
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    if header.get("schema") != SCHEMA or header.get("version") != VERSION:
-        raise ValueError(f"unsupported {header.get('schema')!r} version {header.get('version')!r}")
-    payload = data[8 + header_len :]
-    if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
-        raise ValueError("checksum of the arrays does not match")
+    header, payload = unpack_model_file(data, MAGIC, SCHEMA, VERSION)
     model = ModelIdentity.from_dict(header["model"])
     levels = {
         int(k): (float(v[0]), float(v[1]))

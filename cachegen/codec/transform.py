@@ -196,6 +196,51 @@ def _canonical(data: dict) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
 
+# ---- the model-file container (a basis here, tcq's model in cachegen.codec.tcq) -------------
+
+
+def pack_model_file(magic: bytes, header: dict, payload: bytes) -> bytes:
+    """``magic``, the u32 length of the canonical JSON ``header`` (with the payload's SHA-256
+    added), the header, then ``payload``."""
+    raw = _canonical({**header, "payload_sha256": hashlib.sha256(payload).hexdigest()})
+    return magic + struct.pack("<I", len(raw)) + raw + payload
+
+
+def unpack_model_file(data: bytes, magic: bytes, schema: str, version: int) -> tuple[dict, bytes]:
+    """The header and payload of a :func:`pack_model_file` file, its framing, schema, version
+    and payload checksum checked (``ValueError`` otherwise)."""
+    if data[:4] != magic:
+        raise ValueError("bad magic")
+    (header_len,) = struct.unpack_from("<I", data, 4)
+    if header_len > _MAX_HEADER_JSON or 8 + header_len > len(data):
+        raise ValueError("header length is out of range")
+    header = json.loads(data[8 : 8 + header_len])
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    if header.get("schema") != schema or header.get("version") != version:
+        raise ValueError(f"unsupported {header.get('schema')!r} version {header.get('version')!r}")
+    payload = data[8 + header_len :]
+    if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
+        raise ValueError("checksum of the arrays does not match")
+    return header, payload
+
+
+def parse_model_file(data: bytes, where: str, file_id: str | None, what: str, parse):
+    """``parse(data)`` of a model file named ``where``, its content hash checked against
+    ``file_id`` when given; any defect becomes a :class:`CodecError` saying what to do."""
+    if file_id is not None and hashlib.sha256(data).hexdigest()[:32] != file_id:
+        raise CodecError(
+            f"{what} {where} is corrupt (checksum does not match its id {file_id[:16]}); "
+            "delete the file and copy or refit it"
+        )
+    try:
+        return parse(data)
+    except (ValueError, KeyError, TypeError, struct.error, KVError) as exc:
+        raise CodecError(
+            f"{what} {where} is unreadable ({exc}); delete the file and copy or refit it"
+        ) from exc
+
+
 @dataclass
 class TransformBasis:
     """A model's per-layer PCA bases for keys and values and their bit allocations.
@@ -237,10 +282,8 @@ class TransformBasis:
             "rope_thetas": list(self.rope_thetas),
             "levels": {str(k): v for k, v in self.levels.items()},
             "arrays": {name: list(arrays[name].shape) for name in _ARRAYS},
-            "payload_sha256": hashlib.sha256(payload).hexdigest(),
         }
-        raw = _canonical(header)
-        return MAGIC + struct.pack("<I", len(raw)) + raw + payload
+        return pack_model_file(MAGIC, header, payload)
 
     @functools.cached_property
     def id(self) -> str:
@@ -277,33 +320,11 @@ class TransformBasis:
 
 def parse_basis(data: bytes, where: str, basis_id: str | None = None) -> TransformBasis:
     """Read and fully validate a basis file (``basis_id``: its content hash must match)."""
-    if basis_id is not None and hashlib.sha256(data).hexdigest()[:32] != basis_id:
-        raise CodecError(
-            f"transform {where} is corrupt (checksum does not match its id {basis_id[:16]}); "
-            "delete the file and copy or refit it"
-        )
-    try:
-        return _parse(data)
-    except (ValueError, KeyError, TypeError, struct.error, KVError) as exc:
-        raise CodecError(
-            f"transform {where} is unreadable ({exc}); delete the file and copy or refit it"
-        ) from exc
+    return parse_model_file(data, where, basis_id, "transform", _parse)
 
 
 def _parse(data: bytes) -> TransformBasis:
-    if data[:4] != MAGIC:
-        raise ValueError("bad magic")
-    (header_len,) = struct.unpack_from("<I", data, 4)
-    if header_len > _MAX_HEADER_JSON or 8 + header_len > len(data):
-        raise ValueError("header length is out of range")
-    header = json.loads(data[8 : 8 + header_len])
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    if header.get("schema") != SCHEMA or header.get("version") != VERSION:
-        raise ValueError(f"unsupported {header.get('schema')!r} version {header.get('version')!r}")
-    payload = data[8 + header_len :]
-    if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
-        raise ValueError("checksum of the arrays does not match")
+    header, payload = unpack_model_file(data, MAGIC, SCHEMA, VERSION)
     model = ModelIdentity.from_dict(header["model"])
     levels = {
         int(k): float(v) for k, v in sorted(header["levels"].items(), key=lambda kv: int(kv[0]))
