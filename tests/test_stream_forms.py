@@ -112,6 +112,25 @@ def test_a_close_form_is_tried_once_and_its_measurement_decides():
     assert never.choose(1, 0.0) == "cachegen-4-packed"
 
 
+def test_a_chunk_keeps_its_form_unless_another_is_clearly_faster():
+    """Mixing two forms puts one's transfer and the other's decoding on the same cores, which
+    the prediction does not see: a switch must be predicted ``switch_margin`` faster."""
+    priors = {"cachegen-4-packed": 1e-4, "int8": 1.05e-4}
+
+    def after_first_chunk(decode_s: float, **kw) -> str:
+        c = make([PACKED, INT8], decode=priors, explore=0.0, **kw)
+        c.observe_throughput(1_000_000_000, 1.0)  # 1 GB/s: decoding decides
+        assert c.choose(0, 0.0) == "cachegen-4-packed"
+        c.observe_decode(0, decode_s)  # blended with the prior: (1e-4 + sample) / 2
+        return c.choose(1, 0.0)
+
+    assert after_first_chunk(0.0114) == "cachegen-4-packed"  # int8 now 3% faster: kept
+    assert after_first_chunk(0.0114, switch_margin=0.0) == "int8"
+    assert after_first_chunk(0.02) == "int8"  # int8 now 30% faster: switched
+    with pytest.raises(InputError, match="switch_margin"):
+        make([PACKED, INT8], switch_margin=-0.1)
+
+
 def test_recompute_when_loading_cannot_win():
     c = make([CODED, PACKED], prefill_tps=100_000.0)
     c.observe_throughput(10_000, 1.0)  # 10 kB/s: 1 MB takes 100 s, the text 0.01 s

@@ -39,6 +39,10 @@ RECOMPUTE = "recompute"
 DECODE_EWMA = 0.5
 DEFAULT_DROP_FACTOR = 3.0  # chosen from the trace evaluation in docs/streaming.md
 DEFAULT_EXPLORE = 0.25  # one chunk of a form this close to the fastest costs little
+# Switching forms mid-load puts two bottlenecks (one form's transfer, the other's decoding)
+# on the same cores, which the prediction does not see: a switch must be predicted this
+# much faster than keeping the form.
+DEFAULT_SWITCH_MARGIN = 0.1
 
 Choice = Hashable  # a level (AdaptiveController), an option name (FastestController)
 # A load whose goodput stayed under this fraction of its link's rate was bounded by the host.
@@ -323,7 +327,9 @@ class FastestController(LoadEstimator):
     only a guess at how fast a form decodes during this load: once the fastest option's
     decoding has been measured, an option predicted within ``explore`` (a fraction) of it
     whose decoding has not been goes once, in the first half of the load, so that its
-    measurement, not its prior alone, decides (0: never). Other arguments:
+    measurement, not its prior alone, decides (0: never). A chunk keeps the form of the
+    chunk before it unless another is predicted to finish the load at least
+    ``switch_margin`` (a fraction) sooner (0: always the fastest predicted). Other arguments:
     :class:`LoadEstimator`.
     """
 
@@ -342,13 +348,17 @@ class FastestController(LoadEstimator):
         decode_s_per_token: Mapping[str, float] | None = None,
         safety: float = 1.0,
         explore: float = DEFAULT_EXPLORE,
+        switch_margin: float = DEFAULT_SWITCH_MARGIN,
         host_mbps: Mapping[str, float] | None = None,
     ) -> None:
-        if explore < 0:
-            raise InputError("explore must be >= 0")
+        if explore < 0 or switch_margin < 0:
+            raise InputError(
+                f"explore and switch_margin must be >= 0, got {explore} and {switch_margin}"
+            )
         if any(not rate > 0 for rate in (host_mbps or {}).values()):
             raise InputError(f"host_mbps must be positive rates: {dict(host_mbps or {})}")
         self.explore = explore
+        self.switch_margin = switch_margin
         self._host_bps = {name: rate * 1e6 / 8 for name, rate in (host_mbps or {}).items()}
         names = [o.name for o in options]
         if len(set(names)) != len(names) or RECOMPUTE in names:
@@ -427,8 +437,17 @@ class FastestController(LoadEstimator):
         ]
         # a trial pays off in the chunks after it: none in the second half of the load
         trying = trials and fastest in self._observed_decode and index < self.n // 2
-        choice = trials[0] if trying else fastest
+        choice = trials[0] if trying else self._keep_or_switch(index, predicted, fastest)
         return self._decide(index, choice, elapsed_s, predicted[choice])
+
+    def _keep_or_switch(self, index: int, predicted: Mapping[str, float], fastest: str) -> str:
+        """The previous chunk's form if it is predicted within ``switch_margin`` of
+        ``fastest`` (and chunk ``index`` is stored that way), else ``fastest``."""
+        previous = self._loaded_as.get(index - 1)
+        if previous is None or self.sizes[previous][index] is None:
+            return fastest
+        keep = predicted[previous] <= (1 + self.switch_margin) * predicted[fastest]
+        return previous if keep else fastest
 
     def _worth_trying(self, option: str, predicted: Mapping[str, float], best: str) -> bool:
         """Whether ``option`` has never been decoded (nor waits to be) in this load and is

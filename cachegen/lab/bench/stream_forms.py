@@ -30,7 +30,13 @@ from cachegen.lab.bench.links import UNLIMITED
 from cachegen.lab.bench.stream_bench import Prepared, prepare, run_load, warm_up
 from cachegen.modes import CACHEGEN, KV_BASELINES, Mode
 from cachegen.store import ChunkStore
-from cachegen.stream.controller import RECOMPUTE, FastestController, Option, host_bound_mbps
+from cachegen.stream.controller import (
+    DEFAULT_SWITCH_MARGIN,
+    RECOMPUTE,
+    FastestController,
+    Option,
+    host_bound_mbps,
+)
 
 SCHEMA = "cachegen-stream-forms-bench"
 VERSION = 1
@@ -163,6 +169,7 @@ def forms_bench(
     prefill_tps: float,
     repeat: int = 1,
     explore: float = 0.0,
+    switch_margin: float = DEFAULT_SWITCH_MARGIN,
     log=None,
 ) -> dict:
     log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -192,6 +199,7 @@ def forms_bench(
                 repeat=repeat,
                 host_mbps=host_mbps,
                 explore=explore,
+                switch_margin=switch_margin,
             )
             column["loadavg_1min"] = [load_before, os.getloadavg()[0]]
             columns.append(column)
@@ -212,6 +220,7 @@ def forms_bench(
             "prefill_tps": prefill_tps,
             "max_loss_pct": max_loss_pct,
             "explore": explore,
+            "switch_margin": switch_margin,
             "within": WITHIN,
             "forms": [
                 {
@@ -243,6 +252,7 @@ def _measure_column(
     repeat,
     host_mbps: dict[str, float],
     explore: float,
+    switch_margin: float,
 ) -> dict:
     """Every form loaded alone, then adaptively, ``repeat`` times in turn (so a busy moment
     hits every form alike). What the adaptive load knows is what a server learns from its
@@ -273,6 +283,7 @@ def _measure_column(
             decode_s_per_token=priors,
             host_mbps=host_mbps,
             explore=explore,
+            switch_margin=switch_margin,
         )
         stats, _ = run_load(
             store, anchor, shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, controller=controller

@@ -12,7 +12,7 @@ from cachegen.lab import rows
 from cachegen.lab.bench import stream_bench as bench
 from cachegen.lab.bench import stream_forms as forms
 from cachegen.store import default_store_url, open_store
-from cachegen.stream.controller import DEFAULT_DROP_FACTOR
+from cachegen.stream.controller import DEFAULT_DROP_FACTOR, DEFAULT_SWITCH_MARGIN
 from cachegen.stream.link import SHAPERS
 
 
@@ -93,6 +93,14 @@ def register(subparsers) -> None:
         "host at this rate, so a trial has nothing to learn)",
     )
     p.add_argument(
+        "--switch-margin",
+        type=float,
+        default=None,
+        help="with --forms: how much sooner (a fraction) another form must be predicted to "
+        f"finish the load before a chunk leaves the previous chunk's form (default "
+        f"{DEFAULT_SWITCH_MARGIN})",
+    )
+    p.add_argument(
         "--prefill-tps",
         type=float,
         default=None,
@@ -135,11 +143,19 @@ def _stream_bench(args: argparse.Namespace) -> int:
         raise InputError(f"unknown shaper {unknown[0]!r}; choose from {', '.join(SHAPERS)}")
     bandwidths = bench.parse_bandwidths(args.bandwidth_mbps)
     if args.forms is None and (
-        args.max_loss_pct is not None or args.loss_pct is not None or args.explore
+        args.max_loss_pct is not None
+        or args.loss_pct is not None
+        or args.explore
+        or args.switch_margin is not None
     ):
-        raise InputError("--max-loss-pct, --loss-pct and --explore go with --forms")
-    if args.explore < 0:
-        raise InputError(f"--explore must be >= 0, got {args.explore}")
+        raise InputError(
+            "--max-loss-pct, --loss-pct, --explore and --switch-margin go with --forms"
+        )
+    if args.explore < 0 or (args.switch_margin or 0) < 0:
+        raise InputError(
+            f"--explore and --switch-margin must be >= 0, got {args.explore} and "
+            f"{args.switch_margin}"
+        )
     if args.forms is not None and args.controller_eval:
         raise InputError("--controller-eval evaluates the SLO rule: give --slo-ms, not --forms")
     store = open_store(args.store)
@@ -231,6 +247,7 @@ def _forms_bench(args: argparse.Namespace, store, shapers, bandwidths) -> dict:
         prefill_tps=prefill_tps,
         repeat=args.repeat,
         explore=args.explore,
+        switch_margin=(DEFAULT_SWITCH_MARGIN if args.switch_margin is None else args.switch_margin),
     )
 
 
