@@ -6,6 +6,7 @@ results and plots.
   ``int8``, ``fp8``  the quantization baselines
   ``cachegen-<L>``   the CacheGen codec at quality level L (the connector takes ``mode``
                      ``cachegen`` plus ``level`` L)
+  ``tcq-<L>``        the transform codec ``tcq`` at level L (``mode`` ``tcq`` plus ``level``)
   ``adaptive``       CacheGen with a per-chunk level choice under a load-time budget
 """
 
@@ -17,11 +18,14 @@ from cachegen.errors import InputError
 
 RECOMPUTE = "recompute"
 CACHEGEN = "cachegen"
+TCQ = "tcq"
+LEVELED = (CACHEGEN, TCQ)  # codecs whose modes name a level
 ADAPTIVE = "adaptive"
 KV_BASELINES = ("raw", "int8", "fp8")
 CONNECTOR_MODES = (
     *KV_BASELINES,
     CACHEGEN,
+    TCQ,
     ADAPTIVE,
 )  # the modes that load KV through the connector
 MODES = (RECOMPUTE, *CONNECTOR_MODES)
@@ -47,13 +51,14 @@ class Mode:
 
     @classmethod
     def parse(cls, label: str) -> Mode:
-        """``recompute``, ``raw``, ``int8``, ``fp8``, ``adaptive`` or ``cachegen-<level>``."""
-        if label in MODES and label != CACHEGEN:
+        """``recompute``, ``raw``, ``int8``, ``fp8``, ``adaptive``, ``cachegen-<level>`` or
+        ``tcq-<level>``."""
+        if label in MODES and label not in LEVELED:
             return cls(label)
         prefix, _, level = label.partition("-")
-        if prefix == CACHEGEN and level.isdigit():
-            return cls(CACHEGEN, int(level))
+        if prefix in LEVELED and level.isdigit():
+            return cls(prefix, int(level))
         raise InputError(
-            f"unknown mode {label!r}; use {', '.join(m for m in MODES if m != CACHEGEN)} "
-            "or cachegen-<level>"
+            f"unknown mode {label!r}; use {', '.join(m for m in MODES if m not in LEVELED)}, "
+            "cachegen-<level> or tcq-<level>"
         )

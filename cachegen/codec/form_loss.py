@@ -2,15 +2,17 @@
 
 A *form* is how a chunk is stored: ``cachegen-<L>`` (the cachegen codec at level L, coded),
 ``cachegen-<L>-packed`` (the same symbols in the packed form, store slot
-``record_tag(L, "packed")``), ``raw``, ``int8`` or ``fp8``. Its loss is a perplexity change in
-percent:
+``record_tag(L, "packed")``), ``tcq-<L>`` (the transform codec at level L), ``raw``, ``int8`` or
+``fp8``. Its loss is a perplexity change in percent:
 
 * a cachegen level: its calibration target (``target_ppl_pct`` in
   ``cachegen/codec/calibrated/*.json``); the packed form decodes to the same KV, so it has its
   coded level's loss; a level that is not a shipped calibrated one has no known loss;
 * ``raw``: 0 (lossless);
 * ``int8``, ``fp8``: measured per model, in ``form_loss.json`` next to this module (its
-  ``source`` says which command measured them); unknown for a model it does not list.
+  ``source`` says which command measured them); unknown for a model it does not list;
+* a tcq level: unknown (its levels are set by calibration bits, not by a loss target), so
+  a bound never allows it.
 
 Unknown is ``None``: a bound never allows such a form.
 """
@@ -27,6 +29,7 @@ from cachegen.codec.errors import CodecError
 from cachegen.codec.packed import split_record_tag
 from cachegen.codec.profile import SHIPPED_DIR, SHIPPED_SCHEMA, SHIPPED_VERSION
 from cachegen.fileio import check_version
+from cachegen.modes import TCQ
 
 LOSS_FILE = Path(__file__).with_name("form_loss.json")
 LOSS_SCHEMA = "cachegen-form-loss"
@@ -38,7 +41,9 @@ LOSSLESS = ("raw",)
 
 def form_name(codec: str, slot: int) -> str:
     """The form stored by ``codec`` at store level ``slot`` (a cachegen slot may be a packed
-    form's record tag): ``cachegen-11``, ``cachegen-11-packed``, ``int8``..."""
+    form's record tag): ``cachegen-11``, ``cachegen-11-packed``, ``tcq-21``, ``int8``..."""
+    if codec == TCQ:
+        return f"{TCQ}-{slot}"
     if codec != CACHEGEN:
         return codec
     level, form = split_record_tag(slot)

@@ -16,6 +16,9 @@ Engine-wide keys (``kv_connector_extra_config``):
                   is its record tag ``level | 32768`` (``cachegen.codec.packed.record_tag``),
                   stored and requested like a level; ``adaptive`` chooses among the coded
                   calibrated ones of them (all coded ones for a model without a calibration)
+  tcq_levels      the levels of the transform codec ``tcq`` that are stored when ``tcq`` is in
+                  ``save_modes`` (default: the codec's default level); ``adaptive`` with
+                  ``max_loss_pct`` counts them among its forms (``tcq-<L>``)
   shaper          how ``bandwidth_mbps`` is enforced: ``token-bucket`` (default) or ``netns``
   prefill_tokens_per_s  the engine's prefill rate, used by ``adaptive`` to price recomputation
                   (default: measured by the connector on this engine's own prefills)
@@ -40,12 +43,14 @@ Engine-wide keys (``kv_connector_extra_config``):
                   none; ``local`` uses this machine's own (chunks stored under another profile
                   are then not found)
 Per-request keys (also accepted engine-wide as defaults):
-  mode            raw | int8 | fp8 | cachegen | adaptive        (default cachegen)
-  level           quality level for ``cachegen`` (default: the codec's default level)
+  mode            raw | int8 | fp8 | cachegen | tcq | adaptive        (default cachegen)
+  level           quality level for ``cachegen`` or ``tcq`` (default: the codec's default
+                  level)
   slo_ms          time budget for loading the prefix in ``adaptive`` mode (required there
                   unless ``max_loss_pct`` is set)
   max_loss_pct    with ``adaptive``: load each chunk in the stored form (a cachegen level coded
-                  or packed, or another codec of ``save_modes``: int8, fp8, raw) or recompute it,
+                  or packed, or another codec of ``save_modes``: int8, fp8, raw, a tcq level) or
+                  recompute it,
                   whichever is predicted to finish soonest, among the forms whose quality loss
                   (perplexity change, %; ``cachegen.codec.form_loss``) is at most this; a bound
                   no stored form meets recomputes (default: unset, the ``slo_ms`` rule; when
@@ -93,6 +98,7 @@ ENGINE_KEYS = REQUEST_KEYS | {
     "chunk_tokens",
     "save_modes",
     "cachegen_levels",
+    "tcq_levels",
     "shaper",
     "prefill_tokens_per_s",
     "load_async",
@@ -180,6 +186,7 @@ class ConnectorConfig:
     chunk_tokens: int = CHUNK_TOKENS
     save_modes: tuple[str, ...] = ()
     cachegen_levels: tuple[int, ...] | None = None
+    tcq_levels: tuple[int, ...] | None = None
     shaper: str = "token-bucket"
     prefill_tokens_per_s: float | None = None
     load_async: bool = True
@@ -218,14 +225,13 @@ class ConnectorConfig:
         wait = self.save_wait_ms
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
             raise ConnectorError(f"save_wait_ms must be a number >= 0, got {wait!r}")
-        if self.cachegen_levels is not None and (
-            not self.cachegen_levels
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in self.cachegen_levels)
-        ):
-            raise ConnectorError(
-                "cachegen_levels must be a non-empty list of integers, "
-                f"got {self.cachegen_levels!r}"
-            )
+        for name in ("cachegen_levels", "tcq_levels"):
+            levels = getattr(self, name)
+            if levels is not None and (
+                not levels
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in levels)
+            ):
+                raise ConnectorError(f"{name} must be a non-empty list of integers, got {levels!r}")
         for name in ("load_async", "save_async"):
             if not isinstance(getattr(self, name), bool):
                 raise ConnectorError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -269,11 +275,12 @@ class ConnectorConfig:
         if isinstance(save_modes, str) or not isinstance(save_modes, (list, tuple)):
             raise ConnectorError(f"save_modes must be a list of modes, got {save_modes!r}")
         kwargs: dict[str, Any] = {"defaults": defaults, "save_modes": tuple(save_modes)}
-        levels = extra.pop("cachegen_levels", None)
-        if levels is not None:
-            if isinstance(levels, (str, int)) or not isinstance(levels, (list, tuple)):
-                raise ConnectorError(f"cachegen_levels must be a list of levels, got {levels!r}")
-            kwargs["cachegen_levels"] = tuple(levels)
+        for name in ("cachegen_levels", "tcq_levels"):
+            levels = extra.pop(name, None)
+            if levels is not None:
+                if isinstance(levels, (str, int)) or not isinstance(levels, (list, tuple)):
+                    raise ConnectorError(f"{name} must be a list of levels, got {levels!r}")
+                kwargs[name] = tuple(levels)
         for name in ("max_record_bytes", "max_load_bytes"):
             if isinstance(extra.get(name), str):
                 try:

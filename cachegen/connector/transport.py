@@ -36,7 +36,7 @@ from cachegen.connector.errors import ConnectorError
 from cachegen.errors import CacheGenError, InputError
 from cachegen.kv import KVCache, ModelIdentity
 from cachegen.models import ModelSpec, attention_windows
-from cachegen.modes import KV_BASELINES
+from cachegen.modes import KV_BASELINES, TCQ
 from cachegen.store import ChunkCorrupt, chunk_keys, longest_prefix, open_store
 from cachegen.store.keys import sliding_key
 from cachegen.store.url import without_password
@@ -51,6 +51,9 @@ from cachegen.stream import (
 
 logger = logging.getLogger(__name__)
 
+# The codecs of save_modes whose stored records are forms of adaptive with max_loss_pct, beside
+# cachegen's levels.
+OTHER_FORMS = (*KV_BASELINES, TCQ)
 # A measured goodput is remembered per link and becomes the controller's prior for the next load.
 GOODPUT_EWMA = 0.5
 # Each form's decode seconds per token, remembered across loads (a load's median per record).
@@ -191,10 +194,20 @@ class ChunkTransport:
 
     def levels(self, mode: str) -> list[int]:
         """The levels stored for ``mode``: ``cachegen_levels`` when set, else (``cachegen`` and
-        ``adaptive``) the :attr:`default_ladder`; one level for the other codecs. A cachegen
-        level's packed form is its record tag (``cachegen.codec.packed.record_tag``): a level
-        with bit 15 set, stored and requested like a level."""
+        ``adaptive``) the :attr:`default_ladder`; for ``tcq`` ``tcq_levels``, else its default
+        level; the one level of the other codecs. A cachegen level's packed form is its record
+        tag (``cachegen.codec.packed.record_tag``): a level with bit 15 set, stored and
+        requested like a level."""
         codec = self.codec(mode)
+        if mode == TCQ:
+            chosen = self.config.tcq_levels or (codec.default_level,)
+            unknown = sorted(set(chosen) - set(codec.levels))
+            if unknown:
+                raise ConnectorError(
+                    f"tcq_levels {unknown} are not levels of this model's tcq model "
+                    f"{list(codec.levels)}"
+                )
+            return list(dict.fromkeys(chosen))
         if mode not in ("cachegen", "adaptive"):
             return list(codec.levels)
         chosen = self.config.cachegen_levels
@@ -490,12 +503,12 @@ class ChunkTransport:
         salt: str | None,
     ) -> list[Option]:
         """Every form the records of ``plan`` (:meth:`load_plan`) can be loaded in: each stored
-        cachegen level, coded or packed, and each other codec of ``save_modes`` (raw, int8,
-        fp8), under its own keys, with the payload size of each record in it (None: not
-        stored) and its quality loss (:attr:`form_loss_pct`)."""
+        cachegen level, coded or packed, each stored tcq level, and each other codec of
+        ``save_modes`` (raw, int8, fp8), under its own keys, with the payload size of each
+        record in it (None: not stored) and its quality loss (:attr:`form_loss_pct`)."""
         C = self.chunk_tokens
         prefix = token_ids[: (first_chunk + num_chunks) * C]
-        codecs = ["cachegen", *(m for m in self.config.save_modes if m in KV_BASELINES)]
+        codecs = ["cachegen", *(m for m in self.config.save_modes if m in OTHER_FORMS)]
         forms = []
         for codec in dict.fromkeys(codecs):
             fetch = _plan_keys(self.keys(codec, prefix, salt)[first_chunk:], first_chunk, plan)
@@ -511,6 +524,8 @@ class ChunkTransport:
         stores (``cachegen.codec.form_loss``)."""
         names = [form_name("cachegen", lv) for lv in self.levels("cachegen")]
         names += [m for m in self.config.save_modes if m in KV_BASELINES]
+        if TCQ in self.config.save_modes:
+            names += [form_name(TCQ, lv) for lv in self.levels(TCQ)]
         calibrated = self.codec("cachegen").profile.calibrated_levels()
         return form_losses(names, self.identity.fingerprint, calibrated)
 

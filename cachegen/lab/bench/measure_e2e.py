@@ -24,7 +24,7 @@ from pathlib import Path
 from cachegen.lab.bench.engine_process import EngineError, EngineSession, RequestFailed
 from cachegen.lab.bench.prompts import Context, question
 from cachegen.lab.rows import RequestRow, Run
-from cachegen.modes import RECOMPUTE, Mode
+from cachegen.modes import RECOMPUTE, TCQ, Mode
 
 MARGIN_TOKENS = 64  # room for the question after the context
 WARM_UP_REPEAT = 999  # question number of unmeasured requests (never one of the measured repeats)
@@ -40,6 +40,9 @@ def connector_options(
     options = {"store": store_url, "chunk_tokens": chunk_tokens, "save_modes": save_modes}
     if "cachegen" in save_modes:
         options["cachegen_levels"] = list(cachegen_levels)
+    tcq_levels = sorted({m.level for m in kv_modes if m.mode == TCQ and m.level is not None})
+    if tcq_levels:  # the measured ones (the connector's default stores one)
+        options["tcq_levels"] = tcq_levels
     return options
 
 

@@ -40,7 +40,7 @@ from cachegen.errors import InputError
 from cachegen.lab.bench.engine import ConnectorEngine
 from cachegen.lab.bench.links import UNLIMITED, link_order
 from cachegen.lab.rows import RequestRow, TTFTRow
-from cachegen.modes import CACHEGEN, RECOMPUTE, Mode
+from cachegen.modes import CACHEGEN, LEVELED, RECOMPUTE, Mode
 
 SAVE_MODES = ("raw", "int8", "fp8", "cachegen")
 DEFAULT_MODES = (RECOMPUTE, "raw", "int8", "fp8", "cachegen", "adaptive")
@@ -234,16 +234,17 @@ def ttft_table(
     repeats: int = 3,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """Rows for every context x mode (x cachegen level) x bandwidth; ``recompute`` once per
-    context."""
+    """Rows for every context x mode (x stored level of ``cachegen`` and ``tcq``) x bandwidth;
+    ``recompute`` once per context."""
     rows = []
-    levels = bench.engine.transport.levels("cachegen")
+    transport = bench.engine.transport
+    levels = {m: transport.levels(m) for m in LEVELED if m in modes}
     for context in contexts:
         prompt = bench.prompt(context)
         bench.prepare(prompt)
         bench.warm_up(prompt)
         for mode in modes:
-            for level in levels if mode == "cachegen" else [None]:
+            for level in levels.get(mode, [None]):
                 for bandwidth in [None] if mode == RECOMPUTE else bandwidths:
                     row = bench.measure(
                         prompt,

@@ -7,8 +7,10 @@ import argparse
 import json
 from pathlib import Path
 
+from cachegen.errors import InputError
 from cachegen.fileio import versioned, write_atomic
 from cachegen.lab.bench.links import UNLIMITED
+from cachegen.modes import TCQ
 
 # --json documents: schema name and the row kind of rows.schema.json (placement rows are not
 # measurement rows of one request)
@@ -44,7 +46,8 @@ def register(subparsers) -> None:
         "--modes",
         nargs="+",
         default=None,
-        help="modes to measure (default: recompute raw int8 fp8 cachegen adaptive)",
+        help="modes to measure (default: recompute raw int8 fp8 cachegen adaptive; tcq measures "
+        "the transform codec's --tcq-levels)",
     )
     t.add_argument(
         "--slo-ms", type=float, default=None, help="adaptive's load budget (default: 1000)"
@@ -63,6 +66,14 @@ def register(subparsers) -> None:
         default=None,
         help="the cachegen levels stored and measured; a level's packed form is level | 32768 "
         "(default: every level of the model's profile)",
+    )
+    t.add_argument(
+        "--tcq-levels",
+        type=int,
+        nargs="+",
+        default=None,
+        help="with the mode tcq: the tcq levels stored and measured (default: every level of "
+        "the model's tcq model)",
     )
     t.add_argument("--repeats", type=int, default=3)
     t.add_argument(
@@ -125,13 +136,22 @@ def register(subparsers) -> None:
 
 
 def _table(args: argparse.Namespace) -> int:
-    from cachegen.lab.bench.ttft import TTFTBench, markdown, ttft_table
+    from cachegen.lab.bench.ttft import SAVE_MODES, TTFTBench, markdown, ttft_table
+    from cachegen.profiles import codec_for
 
     engine_args: dict = {}
+    extra: dict = {}
     if args.cachegen_levels is not None:
         engine_args["cachegen_levels"] = args.cachegen_levels
     if args.max_loss_pct is not None:  # the engine's default: every adaptive request's bound
-        engine_args["connector_extra"] = {"max_loss_pct": args.max_loss_pct}
+        extra["max_loss_pct"] = args.max_loss_pct
+    if args.modes and TCQ in args.modes:
+        engine_args["save_modes"] = (*SAVE_MODES, TCQ)
+        extra["tcq_levels"] = args.tcq_levels or codec_for(TCQ, args.model).levels
+    elif args.tcq_levels is not None:
+        raise InputError("--tcq-levels goes with the mode tcq (--modes ... tcq)")
+    if extra:
+        engine_args["connector_extra"] = extra
     with TTFTBench(args.model, shaper=args.shaper, **engine_args) as bench:
         rows = ttft_table(
             bench,
