@@ -11,8 +11,9 @@ A *form* is how a chunk is stored: ``cachegen-<L>`` (the cachegen codec at level
 * ``raw``: 0 (lossless);
 * ``int8``, ``fp8``: measured per model, in ``form_loss.json`` next to this module (its
   ``source`` says which command measured them); unknown for a model it does not list;
-* a tcq level: unknown (its levels are set by calibration bits, not by a loss target), so
-  a bound never allows it.
+* a tcq level: the perplexity target that ``cachegen calibrate --codec tcq`` found it to meet
+  on the calibration windows (``cachegen.codec.tcq_levels``); unknown when no calibration
+  chose it.
 
 Unknown is ``None``: a bound never allows such a form.
 """
@@ -85,12 +86,17 @@ def baseline_losses(fingerprint: str) -> dict[str, float]:
 
 
 def form_losses(
-    names: Iterable[str], fingerprint: str, calibrated_levels: Iterable[int] | None = None
+    names: Iterable[str],
+    fingerprint: str,
+    calibrated_levels: Iterable[int] | None = None,
+    tcq_targets: dict[int, float] | None = None,
 ) -> dict[str, float | None]:
     """Each form's loss (None: unknown; module docs) for the model with weights
     ``fingerprint``. ``calibrated_levels`` (e.g. ``Profile.calibrated_levels()``), when
     given, are the only cachegen levels whose calibration target counts: a profile whose level
-    differs from the shipped one (rebuilt, or another calibration) has no known loss there."""
+    differs from the shipped one (rebuilt, or another calibration) has no known loss there.
+    ``tcq_targets``: the calibrated targets of the model's current tcq model file
+    (``cachegen.codec.tcq_levels.read_tcq_levels``)."""
     levels = calibrated_losses(fingerprint)
     if calibrated_levels is not None:
         keep = set(calibrated_levels)
@@ -99,8 +105,11 @@ def form_losses(
     out: dict[str, float | None] = {}
     for name in names:
         level = cachegen_level(name)
+        prefix, _, rest = name.partition("-")
         if level is not None:
             out[name] = levels.get(level)
+        elif prefix == TCQ and rest.isdigit():
+            out[name] = (tcq_targets or {}).get(int(rest))
         elif name in LOSSLESS:
             out[name] = 0.0
         else:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from cachegen.codec.form_loss import form_losses, form_name
+from cachegen.codec.tcq_levels import read_tcq_levels
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
 from cachegen.errors import CacheGenError, InputError
@@ -524,10 +525,13 @@ class ChunkTransport:
         stores (``cachegen.codec.form_loss``)."""
         names = [form_name("cachegen", lv) for lv in self.levels("cachegen")]
         names += [m for m in self.config.save_modes if m in KV_BASELINES]
+        tcq_targets = None
         if TCQ in self.config.save_modes:
             names += [form_name(TCQ, lv) for lv in self.levels(TCQ)]
+            calibration = read_tcq_levels(self.identity, self.codec(TCQ).profile_id)
+            tcq_targets = calibration["targets"] if calibration else None
         calibrated = self.codec("cachegen").profile.calibrated_levels()
-        return form_losses(names, self.identity.fingerprint, calibrated)
+        return form_losses(names, self.identity.fingerprint, calibrated, tcq_targets)
 
     def _fastest(
         self,

@@ -119,3 +119,42 @@ def test_stored_tcq_levels_are_forms_of_unknown_loss(engine, levels, text_ids):
         **{f"tcq-{lv}": None for lv in levels},
     }
     assert set(report["levels"]) == {"raw"} and report["loaded_tokens"] == 2 * CHUNK
+
+
+def test_a_calibrated_tcq_level_is_a_form_a_bound_allows(tiny_llama, tmp_path, monkeypatch):
+    """Once ``cachegen calibrate --codec tcq`` recorded a target for a level, that level is a
+    form of that loss: on a slow link, with raw the other allowed form, it is loaded."""
+    import torch
+
+    from cachegen.codec import tcq, transform
+    from cachegen.codec.tcq_levels import write_tcq_levels
+    from cachegen.connector.config import RequestOptions
+    from cachegen.extract import extract_kv
+
+    monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))
+    transform.forget_cached_bases()
+    tcq.forget_cached_tcq_models()
+    config = ConnectorConfig.from_extra_config(
+        {
+            "store": (tmp_path / "store").as_uri(),
+            "chunk_tokens": CHUNK,
+            "save_modes": ["cachegen", "raw", "tcq"],
+            "prefill_tokens_per_s": 10.0,  # recomputation far slower than any load
+        }
+    )
+    t = ChunkTransport(config, tiny_llama, tiny_llama.identity())
+    try:
+        (level,) = t.levels("tcq")
+        write_tcq_levels(t.identity, t.codec("tcq").profile_id, {level: 2.0}, None, {})
+        ids = list(range(3, 3 + 2 * CHUNK))
+        t.save(ids, extract_kv(tiny_llama, token_ids=torch.tensor(ids)), config.save_modes)
+        got: list[int] = []
+        options = RequestOptions(mode="adaptive", max_loss_pct=2, bandwidth_mbps=50)
+        result = t.load(ids, 0, 2, options, lambda kv: got.append(kv.start))
+        assert result.error is None and got == [0, CHUNK]
+        assert result.stats["forms"][f"tcq-{level}"] == 2.0 and result.stats["forms"]["raw"] == 0
+        assert result.stats["levels"] == [f"tcq-{level}"] * 2  # far fewer bytes than raw
+    finally:
+        t.close()
+        transform.forget_cached_bases()
+        tcq.forget_cached_tcq_models()

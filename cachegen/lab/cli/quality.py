@@ -180,7 +180,15 @@ def register(subparsers) -> None:
         description="Measure each layer's sensitivity on the 'calibrate' split of the pydoc text, "
         "allocate bins and options for the fewest bits that keep the perplexity change within "
         "--target-ppl, verify on real runs and save the result as level --level of the model's "
-        "cachegen profile.",
+        "cachegen profile. With --codec tcq: run every level of the model's tcq model on the "
+        "same windows and record the cheapest level that meets each target (its loss for a "
+        "quality bound; --set-default makes the first the tcq codec's default).",
+    )
+    p.add_argument(
+        "--codec",
+        choices=("cachegen", "tcq"),
+        default="cachegen",
+        help="the codec whose levels are calibrated (default: %(default)s)",
     )
     p.add_argument(
         "--model",
@@ -263,7 +271,8 @@ def register(subparsers) -> None:
         "--apply",
         type=Path,
         metavar="CALIBRATION_JSON",
-        help="do not measure: save the levels of an earlier run's calibration.json (same model)",
+        help="do not measure: save the levels of an earlier run's calibration.json (same model; "
+        "with --codec tcq: record the choices of its tcq-calibration.json)",
     )
     p.add_argument(
         "--trials",
@@ -436,6 +445,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from cachegen.lab.quality import report
     from cachegen.lab.quality.calibrate import CalibrationSettings, calibrate, save_level
 
+    if args.codec == "tcq":
+        return _calibrate_tcq(args)
     if args.apply and args.trials:
         raise InputError("--apply and --trials are alternatives: give one")
     if args.apply:
@@ -512,4 +523,66 @@ def _calibrate(args: argparse.Namespace) -> int:
                 f"  saved as level {saved['level']} of {saved['profile']}"
                 + (" (the default)" if saved["default"] else "")
             )
+    return 0
+
+
+def _calibrate_tcq(args: argparse.Namespace) -> int:
+    from cachegen.lab.quality import report
+    from cachegen.lab.quality.calibrate import CalibrationSettings
+    from cachegen.lab.quality.tcq_calibrate import calibrate_tcq, read_calibration, save_choices
+
+    cachegen_only = {
+        "--trials": args.trials,
+        "--no-derotate": args.no_derotate,
+        "--level": args.level != 4,
+        "--exact-tokens": args.exact_tokens != 1,
+        "--probe-groups": args.probe_groups != 10,
+    }
+    given = [flag for flag, value in cachegen_only.items() if value]
+    if given:
+        raise InputError(
+            f"{', '.join(given)} calibrate cachegen levels; a tcq level's bits are fixed by its "
+            "model file (drop them, or use --codec cachegen)"
+        )
+    if args.apply:
+        saved = save_choices(
+            args.model, read_calibration(args.apply), make_default=args.set_default
+        )
+        print(json.dumps(saved, indent=2) if args.json else f"recorded {saved}")
+        return 0
+    for flag in ("windows", "context_tokens", "continuation_tokens"):
+        if getattr(args, flag) < 1:
+            raise InputError(f"--{flag.replace('_', '-')} must be at least 1")
+    settings = CalibrationSettings(
+        targets=tuple(args.target_ppl),
+        margin=args.margin,
+        select=args.select,
+        windows=args.windows,
+        context_tokens=args.context_tokens,
+        continuation_tokens=args.continuation_tokens,
+        seed=args.seed,
+    )
+    document = calibrate_tcq(args.model, settings, progress=not args.no_progress)
+    if not args.dry_run:
+        document["saved"] = save_choices(args.model, document, make_default=args.set_default)
+    if args.out:
+        report.write_json(args.out / "tcq-calibration.json", document)
+    if args.json:
+        print(json.dumps(document, indent=2))
+        return 0
+    print(
+        f"tcq model {document['tcq_model']}: {len(document['trials'])} levels on "
+        f"{document['windows']} calibration windows"
+    )
+    for t in document["trials"]:
+        print(
+            f"  level {t['level']}: {t['bits_per_element']:.3f} bits/element, perplexity "
+            f"{t['ppl_change_pct']:+.2f}%, KL {t['kl']:.4f}, top-1 {100 * t['top1_agreement']:.1f}%"
+        )
+    for choice in document["choices"]:
+        target = choice["target_ppl_pct"]
+        print(f"target |perplexity change| <= {target:g}%: level {choice['level']}")
+    if "saved" in document:
+        default = document["saved"]["default_level"]
+        print("recorded" + (f"; level {default} is the tcq default" if default else ""))
     return 0

@@ -171,7 +171,7 @@ class CalibrationResult:
         )
 
 
-class _Windows:
+class CalibrationWindows:
     """Calibration windows with their original KV and reference scores, kept in memory."""
 
     def __init__(self, model: str, settings: CalibrationSettings, progress: bool) -> None:
@@ -266,7 +266,7 @@ def _mse_per_layer(kv: KVCache, kind: str, decoded: torch.Tensor) -> torch.Tenso
 class _Model:
     """Per-group error and bits tables plus sensitivities: predicts KL and bits of a config."""
 
-    def __init__(self, data: _Windows, settings: CalibrationSettings) -> None:
+    def __init__(self, data: CalibrationWindows, settings: CalibrationSettings) -> None:
         self.settings = settings
         first = data.items[0][0]
         self.layers = first.num_layers
@@ -397,7 +397,7 @@ def calibrate(
         raise InputError("perplexity targets must be positive, e.g. 1.0 for 1%")
     if not 0 < settings.margin <= 1:
         raise InputError("the margin must be in (0, 1]")
-    data = _Windows(model, settings, progress)
+    data = CalibrationWindows(model, settings, progress)
     predictor = _Model(data, settings)
     # How far off the KL model is differs between option families (the probes measured one
     # kind of noise): run one allocation per family near the target and correct its scale.
@@ -426,7 +426,9 @@ def calibrate(
     return CalibrationResult(model_info, choices, ordered, sensitivity, settings)
 
 
-def _verify(data: _Windows, trials: list[Trial], desc: str, settings: CalibrationSettings) -> None:
+def _verify(
+    data: CalibrationWindows, trials: list[Trial], desc: str, settings: CalibrationSettings
+) -> None:
     """Measure KL, perplexity change and agreement of each trial on the calibration windows."""
     chunk = settings.chunk_tokens
     variants = [
@@ -437,14 +439,14 @@ def _verify(data: _Windows, trials: list[Trial], desc: str, settings: Calibratio
 
 
 def _choose(
-    data: _Windows, trials: list[Trial], target: float, settings: CalibrationSettings
+    data: CalibrationWindows, trials: list[Trial], target: float, settings: CalibrationSettings
 ) -> Choice:
-    ppl_per_kl = _ppl_per_kl(trials, target)
+    slope = ppl_per_kl(trials, target)
     if settings.select == "ppl":
         budget = None
         within = [t for t in trials if abs(t.ppl_change_pct) <= settings.margin * target]
     else:
-        budget = settings.margin * target / ppl_per_kl
+        budget = settings.margin * target / slope
         within = [t for t in trials if t.kl <= budget and abs(t.ppl_change_pct) <= target]
     if not within:
         raise InputError(
@@ -459,7 +461,7 @@ def _choose(
             f"est. {trial.est_bits_per_element:.2f} bits/element"
         ),
     )
-    return Choice(target, trial, config, budget, ppl_per_kl, _codec_bits(data, config, settings))
+    return Choice(target, trial, config, budget, slope, _codec_bits(data, config, settings))
 
 
 def choose_again(
@@ -496,12 +498,14 @@ def choose_again(
         }
     except (KeyError, TypeError, ValueError) as exc:
         raise InputError(f"{path} has a malformed entry: {exc!r}") from exc
-    data = _Windows(model, settings, progress)
+    data = CalibrationWindows(model, settings, progress)
     choices = [_choose(data, trials, target, settings) for target in settings.targets]
     return CalibrationResult(document["model"], choices, trials, sensitivity, settings)
 
 
-def _codec_bits(data: _Windows, config: QuantConfig, settings: CalibrationSettings) -> float:
+def _codec_bits(
+    data: CalibrationWindows, config: QuantConfig, settings: CalibrationSettings
+) -> float:
     """Bits/element of ``config`` through the real codec (tables, scales, headers: all of it)."""
     from cachegen.codec import inspect
 
@@ -555,7 +559,7 @@ def load_choices(path, model: str) -> list[QuantConfig]:
         raise InputError(f"{path} has a malformed choice: {exc}") from exc
 
 
-def _ppl_per_kl(trials: list[Trial], target: float) -> float:
+def ppl_per_kl(trials: list[Trial], target: float) -> float:
     """Least-squares slope (through the origin) of |perplexity change| on KL, over the trials
     within a few targets (the regime that matters). A change in either direction counts:
     decoded KV that makes the text more likely is still not the original model."""

@@ -87,9 +87,9 @@ def verify(model: str, candidates: list[dict], earlier: dict) -> dict:
     ``candidates``, measured on ``earlier``'s calibration windows."""
     from cachegen.lab.quality.calibrate import (
         CalibrationSettings,
+        CalibrationWindows,
         Trial,
         _verify,
-        _Windows,
     )
     from cachegen.lab.quality.simulate import quantize_kv
 
@@ -100,7 +100,7 @@ def verify(model: str, candidates: list[dict], earlier: dict) -> dict:
         seed=int(earlier.get("seed", 0)),
         exact_tokens=int(earlier.get("exact_tokens", 0)),
     )
-    data = _Windows(model, settings, progress=sys.stderr.isatty())
+    data = CalibrationWindows(model, settings, progress=sys.stderr.isatty())
     trials = []
     for candidate in candidates:
         config = QuantConfig.from_dict(candidate)

@@ -1,0 +1,76 @@
+"""Which tcq levels meet which quality targets: the choices of ``cachegen calibrate --codec
+tcq``, kept next to the model's cachegen profile (``tcq-levels.json``).
+
+A tcq level is a number of bits per element on the calibration text (``cachegen.codec.tcq``);
+what it costs in quality is measured on the calibration windows. A calibration records, for
+the tcq model file it measured (its id), each perplexity target with the cheapest level that
+met it, and optionally the level to use by default. They count only while that model file is
+the model's current one: a refitted model file has no known targets until it is calibrated.
+
+The targets are the levels' losses for a quality bound (``cachegen.codec.form_loss``): a
+level chosen for a target of 1% is a form of loss 1%.
+"""
+
+from __future__ import annotations
+
+import json
+
+from cachegen.codec.errors import CodecError
+from cachegen.codec.profile import profile_path
+from cachegen.errors import CacheGenError
+from cachegen.fileio import check_version, versioned, write_atomic
+from cachegen.kv import ModelIdentity
+
+SCHEMA = "cachegen-tcq-levels"
+VERSION = 1
+
+
+def tcq_levels_path(model: ModelIdentity):
+    return profile_path(model).parent / "tcq-levels.json"
+
+
+def read_tcq_levels(model: ModelIdentity, model_file: str) -> dict | None:
+    """``{"targets": {level: target_ppl_pct}, "default_level": int | None}`` calibrated for
+    the tcq model file ``model_file``, or None (never calibrated, or for another model file)."""
+    path = tcq_levels_path(model)
+    if not path.is_file():
+        return None
+    try:
+        data = check_version(json.loads(path.read_text()), SCHEMA, (VERSION,), str(path))
+        if str(data["model_file"]) != model_file:
+            return None
+        targets = {int(level): float(pct) for level, pct in data["targets"].items()}
+        default = data["default_level"]
+        default = None if default is None else int(default)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, CacheGenError) as exc:
+        raise CodecError(
+            f"tcq levels {path} are unreadable ({exc}); delete the file and calibrate again "
+            "(`cachegen calibrate --codec tcq`)"
+        ) from exc
+    if default is not None and default not in targets:
+        raise CodecError(f"tcq levels {path}: the default level {default} has no target")
+    return {"targets": targets, "default_level": default}
+
+
+def write_tcq_levels(
+    model: ModelIdentity,
+    model_file: str,
+    targets: dict[int, float],
+    default_level: int | None,
+    calibration: dict,
+) -> None:
+    """Record ``targets`` (level -> the perplexity target it met) of the tcq model file
+    ``model_file``; ``calibration`` says how they were measured."""
+    if default_level is not None and default_level not in targets:
+        raise CodecError(f"the default tcq level {default_level} is not one of {sorted(targets)}")
+    data = versioned(
+        SCHEMA,
+        VERSION,
+        {
+            "model_file": model_file,
+            "targets": {str(level): pct for level, pct in sorted(targets.items())},
+            "default_level": default_level,
+            "calibration": calibration,
+        },
+    )
+    write_atomic(tcq_levels_path(model), json.dumps(data, indent=1).encode() + b"\n")

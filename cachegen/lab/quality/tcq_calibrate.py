@@ -1,0 +1,167 @@
+"""Quality targets for the tcq levels: ``cachegen calibrate --codec tcq``.
+
+A tcq level is a number of bits per element on the calibration text (``cachegen.codec.tcq``),
+so calibrating it needs no allocation search: every level of the model's tcq model file runs
+for real on the calibration windows (the ``calibrate`` split of the pydoc text, the windows
+and the model run of ``cachegen calibrate``), and each perplexity target takes the cheapest
+level that meets it by the same rule as the cachegen levels (``select`` ``kl``: KL within the
+budget the target maps to by regressing perplexity change on KL over the levels, and
+perplexity change within the target; ``ppl``: perplexity change within margin x target).
+
+The choices are recorded for that model file (``cachegen.codec.tcq_levels``): they become
+the levels' losses for a quality bound (the connector's ``max_loss_pct``) and, with
+``set_default``, the first target's level becomes the codec's default.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cachegen.codec import decode, inspect
+from cachegen.errors import InputError
+from cachegen.fileio import check_version, versioned
+from cachegen.lab.quality.calibrate import CalibrationSettings, CalibrationWindows, ppl_per_kl
+
+SCHEMA = "cachegen-tcq-calibration"
+VERSION = 1
+
+
+@dataclass
+class LevelTrial:
+    """One tcq level measured on the calibration windows."""
+
+    level: int
+    bits_per_element: float  # through the codec, everything counted
+    kl: float = math.nan
+    ppl_change_pct: float = math.nan
+    top1_agreement: float = math.nan
+
+    def to_dict(self) -> dict:
+        return {
+            "level": self.level,
+            "bits_per_element": self.bits_per_element,
+            "kl": self.kl,
+            "ppl_change_pct": self.ppl_change_pct,
+            "top1_agreement": self.top1_agreement,
+        }
+
+
+def calibrate_tcq(
+    model: str, settings: CalibrationSettings | None = None, *, progress: bool = True
+) -> dict:
+    """Measure every tcq level of ``model`` on the calibration windows and choose one per
+    target of ``settings.targets``; the result document (schema ``cachegen-tcq-calibration``)."""
+    from cachegen.profiles import codec_for
+
+    settings = settings or CalibrationSettings()
+    if not settings.targets or min(settings.targets) <= 0:
+        raise InputError("perplexity targets must be positive, e.g. 1.0 for 1%")
+    if not 0 < settings.margin <= 1:
+        raise InputError("the margin must be in (0, 1]")
+    data = CalibrationWindows(model, settings, progress)
+    codec = codec_for("tcq", data.spec, chunk_tokens=settings.chunk_tokens)
+    trials = []
+    elements = sum(kv.num_elements for kv, _, _ in data.items)
+    for level in codec.levels:
+        bits = sum(
+            inspect(codec.encode(kv, level=level))["bits_per_element"] * kv.num_elements
+            for kv, _, _ in data.items
+        )
+        trials.append(LevelTrial(level, bits / elements))
+    variants = [
+        (lambda n, kv, level=t.level: decode(codec.encode(kv, level), out_dtype=kv.keys.dtype))
+        for t in trials
+    ]
+    for trial, (kl, ppl, agree) in zip(trials, data.score(variants, "tcq levels")):
+        trial.kl, trial.ppl_change_pct, trial.top1_agreement = kl, ppl, agree
+    choices = [choose_level(trials, target, settings) for target in settings.targets]
+    identity = data.spec.identity()
+    return versioned(
+        SCHEMA,
+        VERSION,
+        {
+            "model": {"name": identity.name, "fingerprint": identity.fingerprint},
+            "tcq_model": codec.profile_id,
+            "split": "calibrate",
+            "windows": settings.windows,
+            "context_tokens": settings.context_tokens,
+            "continuation_tokens": settings.continuation_tokens,
+            "seed": settings.seed,
+            "chunk_tokens": settings.chunk_tokens,
+            "dtype": str(settings.dtype).removeprefix("torch."),
+            "select": settings.select,
+            "margin": settings.margin,
+            "choices": choices,
+            "trials": [t.to_dict() for t in trials],
+        },
+    )
+
+
+def choose_level(trials: list[LevelTrial], target: float, settings: CalibrationSettings) -> dict:
+    """The cheapest level of ``trials`` that meets ``target`` (module docs)."""
+    slope = ppl_per_kl(trials, target)
+    if settings.select == "ppl":
+        budget = None
+        within = [t for t in trials if abs(t.ppl_change_pct) <= settings.margin * target]
+    else:
+        budget = settings.margin * target / slope
+        within = [t for t in trials if t.kl <= budget and abs(t.ppl_change_pct) <= target]
+    if not within:
+        best = min(abs(t.ppl_change_pct) for t in trials)
+        raise InputError(
+            f"no tcq level kept the perplexity change within {target}% on the calibration "
+            f"windows (best: {best:.2f}%); raise the target"
+        )
+    chosen = min(within, key=lambda t: t.bits_per_element)
+    return {
+        "target_ppl_pct": target,
+        "level": chosen.level,
+        "kl_budget": budget,
+        "ppl_pct_per_kl": slope,
+    }
+
+
+def read_calibration(path) -> dict:
+    """An earlier run's ``tcq-calibration.json``, checked."""
+    import json
+
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot read tcq calibration {path}: {exc}") from exc
+    document = check_version(document, SCHEMA, (VERSION,), str(path))
+    try:
+        for choice in document["choices"]:
+            int(choice["level"]), float(choice["target_ppl_pct"])
+        str(document["tcq_model"]), str(document["model"]["fingerprint"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{path} has a malformed entry: {exc!r}") from exc
+    return document
+
+
+def save_choices(model: str, document: dict, *, make_default: bool) -> dict:
+    """Record ``document``'s choices for its tcq model file; the first target's level is the
+    codec's default with ``make_default``. Each level keeps the strictest target it met."""
+    from cachegen.codec.tcq_levels import write_tcq_levels
+    from cachegen.models import resolve
+    from cachegen.profiles import codec_for
+
+    spec = resolve(model)
+    identity = spec.identity()
+    if identity.fingerprint != document["model"]["fingerprint"]:
+        raise InputError(f"this tcq calibration is of {document['model']['name']}, not {model}")
+    current = codec_for("tcq", spec).profile_id
+    if document["tcq_model"] != current:
+        raise InputError(
+            f"this tcq calibration measured tcq model {document['tcq_model']}, but {model}'s "
+            f"is now {current}; calibrate again"
+        )
+    targets: dict[int, float] = {}
+    for choice in document["choices"]:
+        level = int(choice["level"])
+        targets[level] = min(targets.get(level, math.inf), float(choice["target_ppl_pct"]))
+    default = int(document["choices"][0]["level"]) if make_default else None
+    settings = {k: v for k, v in document.items() if k not in ("choices", "trials")}
+    write_tcq_levels(identity, document["tcq_model"], targets, default, settings)
+    return {"targets": targets, "default_level": default}

@@ -1,0 +1,110 @@
+"""``cachegen calibrate --codec tcq``: every tcq level measured on the calibration windows, the
+cheapest one per perplexity target, recorded for its tcq model file (the levels' losses for a
+quality bound, and the codec's default)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cachegen.cli import main
+from cachegen.codec import CodecError, tcq, transform
+from cachegen.codec.form_loss import form_losses
+from cachegen.codec.tcq_levels import read_tcq_levels, tcq_levels_path
+from cachegen.errors import InputError
+from cachegen.lab.quality.calibrate import CalibrationSettings
+from cachegen.lab.quality.tcq_calibrate import (
+    LevelTrial,
+    calibrate_tcq,
+    choose_level,
+    read_calibration,
+    save_choices,
+)
+from cachegen.profiles import codec_for
+
+SMALL = CalibrationSettings(
+    targets=(1000.0,), windows=2, context_tokens=96, continuation_tokens=16, chunk_tokens=64
+)
+
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory):
+    """A profile directory of this module's own (tiny-llama's tcq model is fitted into it)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path_factory.mktemp("profiles")))
+    transform.forget_cached_bases()
+    tcq.forget_cached_tcq_models()
+    yield
+    transform.forget_cached_bases()
+    tcq.forget_cached_tcq_models()
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def document(profiles, tiny_llama):
+    return calibrate_tcq(tiny_llama.name, SMALL, progress=False)
+
+
+def test_every_level_is_measured_on_the_calibration_split(document, tiny_llama):
+    codec = codec_for("tcq", tiny_llama)
+    assert document["split"] == "calibrate" and document["tcq_model"] == codec.profile_id
+    assert [t["level"] for t in document["trials"]] == codec.levels
+    bits = [t["bits_per_element"] for t in document["trials"]]
+    assert bits == sorted(bits) and bits[0] > 0  # a finer level costs more
+    assert all(t["kl"] > 0 and 0 <= t["top1_agreement"] <= 1 for t in document["trials"])
+    # a target every level meets takes the cheapest
+    assert document["choices"] == [
+        {**document["choices"][0], "target_ppl_pct": 1000.0, "level": codec.levels[0]}
+    ]
+
+
+def test_a_target_takes_the_cheapest_level_within_it():
+    trials = [
+        LevelTrial(20, 1.0, kl=0.10, ppl_change_pct=8.0),
+        LevelTrial(21, 1.5, kl=0.02, ppl_change_pct=1.8),
+        LevelTrial(22, 2.0, kl=0.01, ppl_change_pct=0.9),
+    ]
+    by_ppl = CalibrationSettings(select="ppl", margin=0.8)
+    assert choose_level(trials, 2.5, by_ppl)["level"] == 21  # 1.8 <= 0.8 x 2.5
+    assert choose_level(trials, 2.0, by_ppl)["level"] == 22
+    chosen = choose_level(trials, 2.5, CalibrationSettings())  # by KL
+    assert chosen["level"] in (21, 22) and chosen["kl_budget"] > 0
+    with pytest.raises(InputError, match="no tcq level kept"):
+        choose_level(trials, 0.5, by_ppl)
+
+
+def test_recorded_choices_are_losses_and_the_default(document, tiny_llama, tmp_path):
+    identity = tiny_llama.identity()
+    codec = codec_for("tcq", tiny_llama)
+    saved = save_choices(tiny_llama.name, document, make_default=True)
+    cheapest = codec.levels[0]
+    assert saved == {"targets": {cheapest: 1000.0}, "default_level": cheapest}
+    assert read_tcq_levels(identity, codec.profile_id) == saved
+    assert read_tcq_levels(identity, "another-model-file") is None  # a refit: unknown
+    names = [f"tcq-{cheapest}", "tcq-26", "raw"]
+    losses = form_losses(names, identity.fingerprint, None, saved["targets"])
+    assert losses == {f"tcq-{cheapest}": 1000.0, "tcq-26": None, "raw": 0.0}
+
+    path = tmp_path / "tcq-calibration.json"
+    path.write_text(json.dumps(document))
+    assert read_calibration(path)["choices"] == document["choices"]
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps({**document, "tcq_model": "0" * 32}))
+    with pytest.raises(InputError, match="calibrate again"):
+        save_choices(tiny_llama.name, read_calibration(stale), make_default=False)
+
+
+def test_a_damaged_record_is_refused(document, tiny_llama):
+    save_choices(tiny_llama.name, document, make_default=False)
+    path = tcq_levels_path(tiny_llama.identity())
+    path.write_text(path.read_text()[:-20])
+    with pytest.raises(CodecError, match="unreadable"):
+        read_tcq_levels(tiny_llama.identity(), codec_for("tcq", tiny_llama).profile_id)
+    path.unlink()
+
+
+@pytest.mark.parametrize("flag", [["--trials", "x.json"], ["--level", "7"], ["--no-derotate"]])
+def test_cachegen_only_flags_are_refused_with_tcq(flag, capsys):
+    assert main(["calibrate", "--codec", "tcq", "--model", "tiny-llama", *flag]) != 0
+    assert "calibrate cachegen levels" in capsys.readouterr().err
