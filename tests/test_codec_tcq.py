@@ -23,6 +23,7 @@ from cachegen.codec import (
     transform,
 )
 from cachegen.codec.bitstream import pack_frame, parse_frames, parse_header
+from cachegen.codec.quant import rotate_layer_keys
 from cachegen.kv import KVCache
 from cachegen.profiles import codec_for, ensure_tcq_model, tcq_calibration_spec
 
@@ -107,6 +108,48 @@ def test_each_token_decodes_alike_in_any_chunking(kv, tiny_llama, model_file):
     assert out.start == 40
     assert torch.equal(out.keys, full.keys[:, :, 40:])
     assert torch.equal(out.values, full.values[:, :, 40:])
+
+
+def reference_decode(model: tcq.TcqModel, kv: KVCache, level: int) -> torch.Tensor:
+    """Tokens 1.. of ``kv`` through the encoder's quantizer and back by the model file's
+    arithmetic, plainly in torch: ``mean + ((sym - radius) * step) @ components[kept]``, keys
+    turned by their rotary angles; float32 [2, L, H, n - 1, D]."""
+    code = model.level_code(level)
+    x = f32(kv)[:, :, :, 1:]
+    L, H, n, D = x.shape[1:]
+    keys = rotate_layer_keys(x[0], 1, model.rope_thetas, inverse=True)
+    out = torch.empty_like(x)
+    for layer in range(L):
+        for k, source in enumerate((keys, x[1])):
+            rows = source[layer].permute(1, 0, 2).reshape(n, H * D)
+            sym = torch.from_numpy(tcq.quantize_rows(model, code, layer, k, rows).T.copy())
+            radius = torch.from_numpy(code.radius[layer][k]).float()
+            basis = torch.from_numpy(model.components[layer, k][code.kept[layer][k]])
+            coefficients = (sym.float() - radius) * code.step[layer][k]
+            synthesized = torch.from_numpy(model.mean[layer, k]) + coefficients @ basis
+            out[k, layer] = synthesized.reshape(n, H, D).permute(1, 0, 2)
+    out[0] = rotate_layer_keys(out[0], 1, model.rope_thetas)
+    return out
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decoder_matches_a_reference_synthesis(kv, tiny_llama, model_file, out_dtype):
+    # the decoder's kernels (rANS to centred coefficients, one batched product, rotary and the
+    # output dtype in one pass) against the arithmetic written plainly; only the order of the
+    # float32 sums may differ, then the output's rounding
+    assert any(model_file.rope_thetas)  # keys are turned
+    level = BY_STEP[1]
+    out = decode(codec_for("tcq", tiny_llama, chunk_tokens=64).encode(kv, level), out_dtype)
+    got = torch.stack([out.keys, out.values])[:, :, :, 1:].float()
+    ref = reference_decode(model_file, kv, level)
+    scale = float(ref.abs().max())
+    if out_dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * scale)
+    else:  # one rounding to the output dtype, half an ulp, plus the float32 differences
+        ulp = 2.0**-7 if out_dtype == torch.bfloat16 else 2.0**-10
+        torch.testing.assert_close(got, ref, rtol=ulp, atol=1e-5 * scale)
+        # rounded to nearest: the same value as the reference's rounding but near ties
+        assert float((got != ref.to(out_dtype).float()).float().mean()) < 0.01
 
 
 def test_bits_per_element_counts_every_byte(kv, tiny_llama, model_file):

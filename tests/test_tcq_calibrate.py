@@ -82,6 +82,7 @@ def test_recorded_choices_are_losses_and_the_default(document, tiny_llama, tmp_p
     assert saved == {"targets": {cheapest: 1000.0}, "default_level": cheapest}
     assert read_tcq_levels(identity, codec.profile_id) == saved
     assert read_tcq_levels(identity, "another-model-file") is None  # a refit: unknown
+    assert codec_for("tcq", tiny_llama).default_level == cheapest
     names = [f"tcq-{cheapest}", "tcq-26", "raw"]
     losses = form_losses(names, identity.fingerprint, None, saved["targets"])
     assert losses == {f"tcq-{cheapest}": 1000.0, "tcq-26": None, "raw": 0.0}
@@ -97,6 +98,8 @@ def test_recorded_choices_are_losses_and_the_default(document, tiny_llama, tmp_p
 
 def test_a_damaged_record_is_refused(document, tiny_llama):
     save_choices(tiny_llama.name, document, make_default=False)
+    codec = codec_for("tcq", tiny_llama)
+    assert codec.default_level == codec.levels[len(codec.levels) // 2]  # none chosen
     path = tcq_levels_path(tiny_llama.identity())
     path.write_text(path.read_text()[:-20])
     with pytest.raises(CodecError, match="unreadable"):

@@ -30,21 +30,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import numba
 import numpy as np
 import torch
 
 from cachegen import models
-from cachegen.codec import rans
+from cachegen.codec import rans, tcq_kernels
 from cachegen.codec.base import Codec, FrameDecoder, kv_tensor
 from cachegen.codec.bitstream import Frame, Header
 from cachegen.codec.errors import CodecError
 from cachegen.codec.parallel import run_batches
 from cachegen.codec.profile import profile_path
-from cachegen.codec.qkernels import f32_to_bf16
 from cachegen.codec.quant import rotary_cos_sin, rotate_layer_keys
+from cachegen.codec.tcq_levels import read_tcq_levels
 from cachegen.codec.transform import (
     ModelFiles,
     pack_model_file,
@@ -75,6 +74,9 @@ _ARRAYS = {
 }
 
 
+_KEPT_LAYER_SETS = 4  # decoding tables per level: the whole model and a few layer subsets
+
+
 def _exact_count(start: int, num_tokens: int) -> int:
     return max(0, min(num_tokens, EXACT_TOKENS - start))
 
@@ -91,6 +93,53 @@ class LevelCode:
     table_base: np.ndarray  # [L, 2]: row of each stream's first table
     freq_cum: np.ndarray  # [tables, width] uint32
     slot_sym: np.ndarray  # [tables, PROB_SCALE] uint8
+    decoding: dict = field(default_factory=dict, repr=False, compare=False)  # layers -> tables
+
+    def stream_tables(self, tcq: TcqModel, layers: tuple[int, ...]) -> StreamTables:
+        """The decoder's per-stream arrays for ``layers``, kept for the last few layer sets."""
+        if layers not in self.decoding:
+            while len(self.decoding) >= _KEPT_LAYER_SETS:
+                self.decoding.pop(next(iter(self.decoding)))
+            self.decoding[layers] = _stream_tables(tcq, self, layers)
+        return self.decoding[layers]
+
+
+@dataclass
+class StreamTables:
+    """A level's decoding state for a set of layers, one entry per (layer, K/V) stream in
+    stream order: kept component counts, first table rows, the kept radii (float32, one
+    stream after another from ``radius_off``), channel means [streams, 1, channels] and the
+    synthesis matrices [streams, width, channels] (kept components' rows scaled by their
+    steps, zero rows up to ``width``, the largest kept count)."""
+
+    kept: np.ndarray
+    table_base: np.ndarray
+    radius: np.ndarray
+    radius_off: np.ndarray
+    mean: torch.Tensor
+    synthesis: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return self.synthesis.shape[1]
+
+
+def _stream_tables(tcq: TcqModel, code: LevelCode, layers: tuple[int, ...]) -> StreamTables:
+    pairs = [(layer, k) for layer in layers for k in (0, 1)]
+    kept = np.array([len(code.kept[layer][k]) for layer, k in pairs], dtype=np.int64)
+    channels = tcq.mean.shape[-1]
+    synthesis = torch.zeros((len(pairs), max(1, int(kept.max(initial=0))), channels))
+    for s, (layer, k) in enumerate(pairs):
+        synthesis[s, : kept[s]] = torch.from_numpy(code.synthesis[layer][k])
+    radius = [code.radius[layer][k] for layer, k in pairs]
+    return StreamTables(
+        kept=kept,
+        table_base=np.array([code.table_base[layer, k] for layer, k in pairs], dtype=np.int64),
+        radius=np.concatenate(radius).astype(np.float32),
+        radius_off=np.concatenate([[0], np.cumsum(kept)[:-1]]).astype(np.int64),
+        mean=torch.from_numpy(tcq.mean[list(layers)].reshape(len(pairs), 1, channels).copy()),
+        synthesis=synthesis,
+    )
 
 
 @dataclass
@@ -389,6 +438,11 @@ class TcqCodec(Codec):
 
     @property
     def default_level(self) -> int:
+        """The level ``cachegen calibrate --codec tcq --set-default`` chose for this model
+        file, else the middle one."""
+        calibrated = read_tcq_levels(self.tcq.model, self.tcq.id)
+        if calibrated and calibrated["default_level"] is not None:
+            return calibrated["default_level"]
         return self.levels[len(self.levels) // 2]
 
     @property
@@ -465,6 +519,22 @@ class TcqDecoder(FrameDecoder):
         self.tcq = tcq
         self.code = code
         self.layers = list(header.layer_indices)
+        self.streams = code.stream_tables(tcq, tuple(self.layers))
+        self.thetas = [tcq.rope_thetas[layer] for layer in self.layers]
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _scratch_for(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Coefficients [streams, tokens, width] and rows [streams, tokens, channels]
+        (float32), kept for the next frame of the same length: fresh pages cost as much as
+        filling them."""
+        if self._scratch is None or self._scratch[0].shape[1] != tokens:
+            streams, channels = self.streams, self.streams.synthesis.shape[2]
+            count = len(streams.kept)
+            self._scratch = (
+                torch.empty((count, tokens, streams.width), dtype=torch.float32),
+                torch.empty((count, tokens, channels), dtype=torch.float32),
+            )
+        return self._scratch
 
     def _frame_start(self, frame: Frame) -> int:
         return self.header.start + frame.index * self.header.chunk_tokens
@@ -508,103 +578,69 @@ class TcqDecoder(FrameDecoder):
         m = n - e
         if not m:
             return
+        streams = self.streams
         data = np.frombuffer(frame.body, dtype="<u2", offset=exact + 4 * len(words))
         word_off = np.concatenate([[0], np.cumsum(words)]).astype(np.int64)
-        # rows go straight into a bf16 or float32 output, else through a float32 scratch
+        coefficients, rows = self._scratch_for(m)
+        status = np.zeros(2 * L, dtype=np.uint8)
+        code = self.code
+
+        def decode_kernel(todo: np.ndarray) -> None:
+            tcq_kernels.decode_coefficients(
+                data,
+                word_off,
+                streams.kept,
+                streams.table_base,
+                streams.radius,
+                streams.radius_off,
+                code.slot_sym,
+                code.freq_cum,
+                coefficients.numpy(),
+                todo,
+                status,
+            )
+
+        run_batches(decode_kernel, words + streams.kept * m + 1)
+        if status.any():
+            raise CodecError(f"frame {frame.index} is corrupt: a tcq rANS stream does not decode")
+        # means plus one batched GEMM for all streams (torch's BLAS, in its own threads)
+        torch.baddbmm(streams.mean, coefficients, streams.synthesis, out=rows)
+        self._write(rows.numpy(), self._frame_start(frame) + e, out, token_offset + e)
+
+    def _write(self, rows: np.ndarray, start: int, out: torch.Tensor, offset: int) -> None:
+        """Rows [streams, m, channels] (means included), keys turned, into ``out`` from token
+        ``offset`` (absolute position ``start``): bf16 or float32 in place, else through a
+        float32 scratch."""
+        h = self.header
+        L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
+        m = rows.shape[1]
         direct = out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous()
         if direct:
-            target, T, t0 = out, out.shape[3], token_offset + e
+            target, T, t0 = out, out.shape[3], offset
         else:
             target, T, t0 = torch.empty((2, L, H, m, D), dtype=torch.float32), m, 0
         flat = target.view(-1)
         bf16 = target.dtype == torch.bfloat16
         out16 = flat.view(torch.int16).numpy().view(np.uint16) if bf16 else _NO_BF16
         out32 = _NO_F32 if bf16 else flat.numpy()
-        start = self._frame_start(frame) + e
-        thetas = [self.tcq.rope_thetas[layer] for layer in self.layers]
-        angles = {
-            theta: tuple(x.numpy() for x in rotary_cos_sin(start, m, D, theta))
-            for theta in set(thetas)
-            if theta
-        }
-        status = np.zeros(2 * L, dtype=np.uint8)
-        code = self.code
-
-        def kernel(todo: np.ndarray) -> None:
-            for s in todo:
-                i, k = divmod(int(s), 2)
-                layer = self.layers[i]
-                if words[s]:
-                    sym = self._decode_stream(data, word_off, int(s), layer, k, m, status)
-                else:
-                    sym = np.zeros((m, 0), dtype=np.float32)
-                theta = thetas[i] if k == 0 else 0.0
-                cos, sin = angles[theta] if theta else (_NO_ANGLES, _NO_ANGLES)
-                _synthesize(
-                    sym,
-                    code.radius[layer][k].astype(np.float32),
-                    code.synthesis[layer][k],
-                    self.tcq.mean[layer, k],
-                    H,
-                    D,
-                    cos,
-                    sin,
-                    bool(theta),
-                    out16,
-                    out32,
-                    ((k * L + i) * H * T + t0) * D,
-                    T,
-                )
-
-        # per stream: entropy decoding, then one pass that multiplies the kept components,
-        # turns keys and writes the output (numba, in the codec's threads)
-        kept = np.array([len(code.kept[layer][k]) for layer in self.layers for k in range(2)])
-        run_batches(kernel, (np.asarray(words, dtype=np.float64) + kept * m + 1))
-        if status.any():
-            raise CodecError(f"frame {frame.index} is corrupt: a tcq rANS stream does not decode")
-        if not direct:
-            out[:, :, :, token_offset + e : token_offset + n] = target
-
-    def _decode_stream(
-        self,
-        data: np.ndarray,
-        word_off: np.ndarray,
-        s: int,
-        layer: int,
-        kind: int,
-        tokens: int,
-        status: np.ndarray,
-    ) -> np.ndarray:
-        """Symbols [tokens, kept] (float32) of stream ``s``; ``status[s]`` 1 if corrupt."""
-        code = self.code
-        C = len(code.kept[layer][kind])
-        sym = np.empty((tokens, C), dtype=np.float32)
-        one = np.zeros(1, dtype=np.int64)
-        flag = np.zeros(1, dtype=np.uint8)
-        rans.decode_streams(
-            data[word_off[s] : word_off[s + 1]],
-            np.array([0, word_off[s + 1] - word_off[s]], dtype=np.int64),
-            np.array([C], dtype=np.int64),
-            np.array([tokens], dtype=np.int64),
-            np.array([code.table_base[layer, kind]], dtype=np.int64),
-            code.slot_sym,
-            code.freq_cum,
-            _ONES,
-            one,
-            np.zeros((1, 3), dtype=np.int64),
-            np.zeros(1, dtype=np.int32),
-            C,
-            np.arange(tokens, dtype=np.int64),
-            one,
-            sym.reshape(-1),
-            _NO_BF16,
-            one,
-            tokens,
-            one,
-            flag,
+        thetas = sorted({t for t in self.thetas if t})
+        cos_sin = [rotary_cos_sin(start, m, D, theta) for theta in thetas]
+        cos = torch.cat([c for c, _ in cos_sin]).numpy() if thetas else _NO_ANGLES
+        sin = torch.cat([s for _, s in cos_sin]).numpy() if thetas else _NO_ANGLES
+        first_angle = np.array(
+            [thetas.index(t) * m if t and k == 0 else -1 for t in self.thetas for k in (0, 1)],
+            dtype=np.int64,
         )
-        status[s] = flag[0]
-        return sym
+        base = np.array(
+            [((k * L + i) * H * T + t0) * D for i in range(L) for k in (0, 1)], dtype=np.int64
+        )
+
+        def write_kernel(todo: np.ndarray) -> None:
+            tcq_kernels.write_rows(rows, first_angle, cos, sin, H, D, out16, out32, base, T, todo)
+
+        run_batches(write_kernel, np.ones(2 * L))
+        if not direct:
+            out[:, :, :, offset : offset + m] = target
 
     def layer_bytes(self, frame: Frame) -> np.ndarray:
         _, exact, words = self._layout(frame)
@@ -613,50 +649,6 @@ class TcqDecoder(FrameDecoder):
         return per_stream + (exact + 4 * len(words)) / (2 * h.num_layers)
 
 
-_ONES = np.ones(1, dtype=np.float32)
 _NO_BF16 = np.zeros(0, dtype=np.uint16)
 _NO_F32 = np.zeros(0, dtype=np.float32)
 _NO_ANGLES = np.zeros((0, 0), dtype=np.float32)
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False, fastmath=True)
-def _synthesize(
-    sym, radius, synthesis, mean, heads, head_dim, cos, sin, rotate, out16, out32, base, tokens
-):
-    """One (layer, K/V) stream's rows: ``mean + (sym - radius) @ synthesis`` per token (zero
-    coefficients skipped: most are at low rates), keys turned by their NeoX rotary angles
-    (``cos``/``sin`` [tokens, head_dim] when ``rotate``), written as bfloat16 bits into
-    ``out16`` when it is non-empty, else as float32 into ``out32``, head ``h`` of token ``t``
-    at ``base + (h * tokens + t) * head_dim``."""
-    m, kept = sym.shape
-    width = synthesis.shape[1]
-    half = head_dim // 2
-    row = np.empty(width, dtype=np.float32)
-    turned = np.empty(width, dtype=np.float32)
-    to_bf16 = out16.shape[0] > 0
-    for t in range(m):
-        for j in range(width):
-            row[j] = mean[j]
-        for c in range(kept):
-            v = sym[t, c] - radius[c]
-            if v != 0.0:
-                for j in range(width):
-                    row[j] += v * synthesis[c, j]
-        src = row
-        if rotate:
-            for h in range(heads):
-                o = h * head_dim
-                for j in range(half):
-                    x, y = row[o + j], row[o + j + half]
-                    turned[o + j] = x * cos[t, j] - y * sin[t, j]
-                    turned[o + j + half] = y * cos[t, j + half] + x * sin[t, j + half]
-            src = turned
-        for h in range(heads):
-            at = base + (h * tokens + t) * head_dim
-            o = h * head_dim
-            if to_bf16:
-                for d in range(head_dim):
-                    out16[at + d] = f32_to_bf16(src[o + d])
-            else:
-                for d in range(head_dim):
-                    out32[at + d] = src[o + d]

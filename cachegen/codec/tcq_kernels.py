@@ -1,0 +1,152 @@
+"""Numba kernels of the ``tcq`` decoder (:mod:`cachegen.codec.tcq`).
+
+A frame decodes in three passes, each over all its (layer, K/V) streams:
+
+1. :func:`decode_coefficients` (codec threads): each stream's rANS symbols, centred on their
+   component's radius, into one row per token of a ``[streams, tokens, width]`` float32
+   array (columns past the stream's kept components are zero), so that
+2. one batched product with every stream's synthesis matrix (the kept components' rows
+   scaled by their steps, padded with zero rows to ``width``) is a single dense GEMM that
+   torch hands to its BLAS (vectorized and register-blocked, far faster than a numba loop);
+3. :func:`write_rows` (codec threads) adds the channel means, turns keys by their rotary
+   angles and writes bfloat16 bits (or float32) into the output's ``[heads, tokens,
+   head_dim]`` layout.
+
+The rANS layout is :mod:`cachegen.codec.rans`'s (``LANES`` interleaved states, symbol order
+channel group, token, lane); corrupt streams are reported in ``status`` exactly as its
+``decode_streams`` does.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from cachegen.codec.qkernels import prefetch, store_row, store_vector, turn_store_vector
+from cachegen.codec.rans import LANES, PROB_SCALE, RANS_L, STATE_WORDS
+from cachegen.codec.rans import _decode_step as decode_step  # the coder's own step
+
+_U_16 = np.uint64(16)
+_U_L = np.uint64(RANS_L)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def decode_coefficients(
+    words, word_off, kept, table_base, radius, radius_off, slot_sym, freq_cum, out, todo, status
+):
+    """rANS-decode streams ``todo`` into ``out`` [streams, tokens, width] (float32).
+
+    Stream ``k`` has ``kept[k]`` components coded with table rows ``table_base[k] + c``;
+    its symbol ``s`` of component ``c`` and token ``t`` becomes ``out[k, t, c] = s - radius[
+    radius_off[k] + c]``, and ``out[k, t, c]`` is 0 for ``c >= kept[k]``. A stream without
+    components has no words. ``status[k]``: 0 when the stream decoded cleanly, 1 when it is
+    corrupt (wrong word count or final states).
+    """
+    _, T, width = out.shape
+    slot_flat = slot_sym.reshape(-1)
+    fc_flat = freq_cum.reshape(-1)
+    fc_width = freq_cum.shape[1]
+    slot_lines = LANES * PROB_SCALE // 64  # 64-byte cache lines of a group's slot tables
+    fc_lines = (LANES * fc_width * 4 + 63) // 64
+    states = np.empty(LANES, dtype=np.uint64)
+    for i in range(todo.shape[0]):
+        k = todo[i]
+        C = kept[k]
+        for t in range(T):
+            for c in range(C, width):
+                out[k, t, c] = 0.0
+        w0 = word_off[k]
+        end = word_off[k + 1]
+        if C == 0 or T == 0:
+            status[k] = 0 if end == w0 else 1
+            continue
+        if end - w0 < STATE_WORDS:
+            status[k] = 1
+            continue
+        for lane in range(LANES):
+            states[lane] = np.uint64(words[w0 + 2 * lane]) | (
+                np.uint64(words[w0 + 2 * lane + 1]) << _U_16
+            )
+        p = w0 + STATE_WORDS
+        last = end - 1
+        for g in range(0, C, LANES):
+            tb = table_base[k] + g
+            ro = radius_off[k] + g
+            if C - g >= LANES:
+                x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
+                x4, x5, x6, x7 = states[4], states[5], states[6], states[7]
+                r0, r1, r2, r3 = radius[ro], radius[ro + 1], radius[ro + 2], radius[ro + 3]
+                r4, r5, r6, r7 = radius[ro + 4], radius[ro + 5], radius[ro + 6], radius[ro + 7]
+                # prefetch the next group's tables while this one decodes (short streams
+                # stall on fetching them on demand)
+                nxt = (tb + LANES) * PROB_SCALE if g + 2 * LANES <= C else -1
+                nxt_fc = (tb + LANES) * fc_width
+                for t in range(T):
+                    if nxt >= 0:
+                        if t < slot_lines:
+                            prefetch(slot_flat, nxt + t * 64)
+                        elif t < slot_lines + fc_lines:
+                            prefetch(fc_flat, nxt_fc + (t - slot_lines) * 16)
+                    x0, p, y = decode_step(x0, tb, slot_sym, freq_cum, words, p, last)
+                    out[k, t, g] = np.float32(y) - r0
+                    x1, p, y = decode_step(x1, tb + 1, slot_sym, freq_cum, words, p, last)
+                    out[k, t, g + 1] = np.float32(y) - r1
+                    x2, p, y = decode_step(x2, tb + 2, slot_sym, freq_cum, words, p, last)
+                    out[k, t, g + 2] = np.float32(y) - r2
+                    x3, p, y = decode_step(x3, tb + 3, slot_sym, freq_cum, words, p, last)
+                    out[k, t, g + 3] = np.float32(y) - r3
+                    x4, p, y = decode_step(x4, tb + 4, slot_sym, freq_cum, words, p, last)
+                    out[k, t, g + 4] = np.float32(y) - r4
+                    x5, p, y = decode_step(x5, tb + 5, slot_sym, freq_cum, words, p, last)
+                    out[k, t, g + 5] = np.float32(y) - r5
+                    x6, p, y = decode_step(x6, tb + 6, slot_sym, freq_cum, words, p, last)
+                    out[k, t, g + 6] = np.float32(y) - r6
+                    x7, p, y = decode_step(x7, tb + 7, slot_sym, freq_cum, words, p, last)
+                    out[k, t, g + 7] = np.float32(y) - r7
+                states[0], states[1], states[2], states[3] = x0, x1, x2, x3
+                states[4], states[5], states[6], states[7] = x4, x5, x6, x7
+            else:
+                for t in range(T):
+                    for lane in range(C - g):
+                        x, p, y = decode_step(
+                            states[lane], tb + lane, slot_sym, freq_cum, words, p, last
+                        )
+                        states[lane] = x
+                        out[k, t, g + lane] = np.float32(y) - radius[ro + lane]
+        ok = p == end
+        for lane in range(LANES):
+            if states[lane] != _U_L:
+                ok = False
+        status[k] = 0 if ok else 1
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def write_rows(rows, first_angle, cos, sin, heads, head_dim, out16, out32, base, tokens, todo):
+    """Streams ``todo`` of ``rows`` [streams, m, heads * head_dim] (means included), keys
+    turned by the NeoX rotary angles of rows ``first_angle[k] + t`` of ``cos``/``sin`` (as
+    ``quant.rotary_cos_sin`` makes them; ``first_angle[k]`` -1: not turned), written as
+    bfloat16 bits into ``out16`` when it is non-empty, else as float32 into ``out32``: head
+    ``h`` of token ``t`` of stream ``k`` at ``base[k] + (h * tokens + t) * head_dim``
+    (``qkernels.store_row``'s arithmetic, in vector registers)."""
+    _, m, _ = rows.shape
+    row = np.empty(head_dim, dtype=np.float32)
+    for i in range(todo.shape[0]):
+        k = todo[i]
+        rotate = first_angle[k] >= 0
+        for h in range(heads):
+            for t in range(m):
+                for d in range(head_dim):
+                    row[d] = rows[k, t, h * head_dim + d]
+                o = base[k] + (h * tokens + t) * head_dim
+                angle = first_angle[k] + t
+                if out16.shape[0] > 0:
+                    if rotate:
+                        done = turn_store_vector(row, cos, sin, angle, head_dim, out16, o)
+                    else:
+                        done = store_vector(row, cos, sin, angle, head_dim, out16, o)
+                elif rotate:
+                    done = turn_store_vector(row, cos, sin, angle, head_dim, out32, o)
+                else:
+                    done = store_vector(row, cos, sin, angle, head_dim, out32, o)
+                if not done:
+                    store_row(row, cos, sin, angle, rotate, head_dim, out32, out16, o)
