@@ -726,9 +726,10 @@ class ChunkTransport:
 
 # ---- the default save ladder --------------------------------------------------------------------
 # Sum of the ladder's estimated bits/element: half of bf16's 16 bits, less headroom for what the
-# estimate leaves out (headers, frame token ids, the gap between the tables and real KV).
+# estimate leaves out (headers, frame token ids); the tables' estimate runs above real KV's
+# payload for the shipped defaults (docs/connector.md, "Storage cost").
 LADDER_BUDGET_BITS = 8.0
-LADDER_HEADROOM_BITS = 0.5
+LADDER_HEADROOM_BITS = 0.05
 LADDER_EXTRA_LEVELS = 2
 
 

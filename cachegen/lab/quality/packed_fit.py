@@ -4,7 +4,7 @@ The connector stores its default level twice: entropy-coded (the smallest form) 
 (the same symbols at a fixed width per layer and K/V, decoded at memory speed). Both must fit
 the storage budget together, so a default level is chosen on coded + packed bits.
 
-``python -m cachegen.lab.quality.packed_fit rank CALIBRATION_JSON [--budget 7.5] [--out F]``
+``python -m cachegen.lab.quality.packed_fit rank CALIBRATION_JSON [--budget 7.95] [--out F]``
 ranks the verified trials of a calibration (``cachegen calibrate --out``) by their
 calibration-split perplexity change (``--by kl``: KL) among those whose estimated coded + packed
 bits fit.
@@ -35,7 +35,7 @@ CANDIDATES_SCHEMA = "cachegen-packed-candidates"  # verify's input: {"candidates
 VERSION = 1
 # Coded + packed bits/element: half of bf16's 16 bits, less the connector's headroom for what
 # the estimates leave out (cachegen.connector.transport.LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS).
-BUDGET_BITS = 7.5
+BUDGET_BITS = 7.95
 SCALE_BITS = 16  # scales are stored as fp16
 
 
