@@ -622,7 +622,7 @@ def test_gemma_levels_turn_keys_back_with_each_layers_own_base(gemma3, isolated_
     from cachegen.extract import extract_kv
 
     profile = ensure_profile(gemma3)
-    assert sorted(profile.levels) == [1, 2, 3, 4, 5, 6, 8] and profile.default_level == 4
+    assert sorted(profile.levels) == [1, 2, 3, 4, 5, 6, 8, 9] and profile.default_level == 9
     thetas = profile.config(4).layer_thetas
     assert thetas[5] == 1e6 and thetas[0] == 1e4 and thetas.count(1e6) == 3
     kv = extract_kv(gemma3, text=workload.text("eval")[:3000]).slice(0, 512)
