@@ -438,9 +438,11 @@ def _verify(
         trial.kl, trial.ppl_change_pct, trial.top1_agreement = kl, ppl, agree
 
 
-def _choose(
-    data: CalibrationWindows, trials: list[Trial], target: float, settings: CalibrationSettings
-) -> Choice:
+def within_target(trials, target: float, settings: CalibrationSettings, what: str):
+    """``(ppl_pct_per_kl, kl_budget, passing)``: the measured ``trials`` (anything with ``kl``
+    and ``ppl_change_pct``) that meet ``target`` by ``settings.select`` (module docs; the budget
+    is None when selecting on perplexity alone). ``InputError`` naming ``what`` (e.g.
+    ``allocation``) when none does."""
     slope = ppl_per_kl(trials, target)
     if settings.select == "ppl":
         budget = None
@@ -450,9 +452,16 @@ def _choose(
         within = [t for t in trials if t.kl <= budget and abs(t.ppl_change_pct) <= target]
     if not within:
         raise InputError(
-            f"no allocation kept the perplexity change within {target}% on the calibration windows "
+            f"no {what} kept the perplexity change within {target}% on the calibration windows "
             f"(best: {min(abs(t.ppl_change_pct) for t in trials):.2f}%); raise the target"
         )
+    return slope, budget, within
+
+
+def _choose(
+    data: CalibrationWindows, trials: list[Trial], target: float, settings: CalibrationSettings
+) -> Choice:
+    slope, budget, within = within_target(trials, target, settings, "allocation")
     trial = min(within, key=lambda t: t.est_bits_per_element)
     config = replace(
         trial.config,

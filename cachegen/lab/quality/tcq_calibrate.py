@@ -21,7 +21,11 @@ from dataclasses import dataclass
 from cachegen.codec import decode, inspect
 from cachegen.errors import InputError
 from cachegen.fileio import check_version, versioned
-from cachegen.lab.quality.calibrate import CalibrationSettings, CalibrationWindows, ppl_per_kl
+from cachegen.lab.quality.calibrate import (
+    CalibrationSettings,
+    CalibrationWindows,
+    within_target,
+)
 
 SCHEMA = "cachegen-tcq-calibration"
 VERSION = 1
@@ -100,19 +104,7 @@ def calibrate_tcq(
 
 def choose_level(trials: list[LevelTrial], target: float, settings: CalibrationSettings) -> dict:
     """The cheapest level of ``trials`` that meets ``target`` (module docs)."""
-    slope = ppl_per_kl(trials, target)
-    if settings.select == "ppl":
-        budget = None
-        within = [t for t in trials if abs(t.ppl_change_pct) <= settings.margin * target]
-    else:
-        budget = settings.margin * target / slope
-        within = [t for t in trials if t.kl <= budget and abs(t.ppl_change_pct) <= target]
-    if not within:
-        best = min(abs(t.ppl_change_pct) for t in trials)
-        raise InputError(
-            f"no tcq level kept the perplexity change within {target}% on the calibration "
-            f"windows (best: {best:.2f}%); raise the target"
-        )
+    slope, budget, within = within_target(trials, target, settings, "tcq level")
     chosen = min(within, key=lambda t: t.bits_per_element)
     return {
         "target_ppl_pct": target,
