@@ -9,7 +9,7 @@ import json
 import pytest
 
 from cachegen.cli import main
-from cachegen.codec import CodecError, tcq, transform
+from cachegen.codec import CodecError, tcq, tcq_levels, transform
 from cachegen.codec.form_loss import form_losses
 from cachegen.codec.tcq_levels import read_tcq_levels, tcq_levels_path
 from cachegen.errors import InputError
@@ -105,6 +105,39 @@ def test_a_damaged_record_is_refused(document, tiny_llama):
     with pytest.raises(CodecError, match="unreadable"):
         read_tcq_levels(tiny_llama.identity(), codec_for("tcq", tiny_llama).profile_id)
     path.unlink()
+
+
+def test_a_shipped_calibration_is_the_default_until_one_is_recorded(
+    document, tiny_llama, tmp_path, monkeypatch
+):
+    codec = codec_for("tcq", tiny_llama)
+    identity = tiny_llama.identity()
+    tcq_levels_path(identity).unlink(missing_ok=True)
+    shipped = {
+        "schema": "cachegen-calibrated-levels",
+        "version": 1,
+        "model": {"name": tiny_llama.name, "fingerprint": identity.fingerprint},
+        "default_level": 2,
+        "levels": {},
+        "tcq": {"model_file": codec.profile_id, "targets": {"24": 2.0}, "default_level": 24},
+    }
+    (tmp_path / "tiny.json").write_text(json.dumps(shipped))
+    monkeypatch.setattr(tcq_levels, "SHIPPED_DIR", tmp_path)
+    assert read_tcq_levels(identity, codec.profile_id) == {
+        "targets": {24: 2.0},
+        "default_level": 24,
+    }
+    assert codec_for("tcq", tiny_llama).default_level == 24
+    assert read_tcq_levels(identity, "another-model-file") is None  # shipped for another fit
+
+    recorded = save_choices(tiny_llama.name, document, make_default=True)
+    assert read_tcq_levels(identity, codec.profile_id) == recorded  # this machine's wins
+    tcq_levels_path(identity).unlink()
+
+    shipped["tcq"]["default_level"] = 25  # not one of its targets
+    (tmp_path / "tiny.json").write_text(json.dumps(shipped))
+    with pytest.raises(CodecError, match="has no target"):
+        read_tcq_levels(identity, codec.profile_id)
 
 
 @pytest.mark.parametrize("flag", [["--trials", "x.json"], ["--level", "7"], ["--no-derotate"]])

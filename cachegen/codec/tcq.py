@@ -439,7 +439,7 @@ class TcqCodec(Codec):
     @property
     def default_level(self) -> int:
         """The level ``cachegen calibrate --codec tcq --set-default`` chose for this model
-        file, else the middle one."""
+        file (or shipped for it, ``cachegen.codec.tcq_levels``), else the middle one."""
         calibrated = read_tcq_levels(self.tcq.model, self.tcq.id)
         if calibrated and calibrated["default_level"] is not None:
             return calibrated["default_level"]

@@ -9,6 +9,10 @@ the model's current one: a refitted model file has no known targets until it is 
 
 The targets are the levels' losses for a quality bound (``cachegen.codec.form_loss``): a
 level chosen for a target of 1% is a form of loss 1%.
+
+A model's calibration may also ship with the package (the ``tcq`` entry of its
+``cachegen/codec/calibrated/<model>.json``, for the model file it measured), so that a fresh
+install gets a calibrated default; a calibration run on this machine takes precedence.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import json
 
 from cachegen.codec.errors import CodecError
-from cachegen.codec.profile import profile_path
+from cachegen.codec.profile import SHIPPED_DIR, SHIPPED_SCHEMA, SHIPPED_VERSION, profile_path
 from cachegen.errors import CacheGenError
 from cachegen.fileio import check_version, versioned, write_atomic
 from cachegen.kv import ModelIdentity
@@ -34,19 +38,39 @@ def read_tcq_levels(model: ModelIdentity, model_file: str) -> dict | None:
     the tcq model file ``model_file``, or None (never calibrated, or for another model file)."""
     path = tcq_levels_path(model)
     if not path.is_file():
-        return None
+        return _shipped_tcq_levels(model, model_file)
     try:
         data = check_version(json.loads(path.read_text()), SCHEMA, (VERSION,), str(path))
         if str(data["model_file"]) != model_file:
-            return None
-        targets = {int(level): float(pct) for level, pct in data["targets"].items()}
-        default = data["default_level"]
-        default = None if default is None else int(default)
+            return _shipped_tcq_levels(model, model_file)
+        return _parsed(data, path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, CacheGenError) as exc:
         raise CodecError(
             f"tcq levels {path} are unreadable ({exc}); delete the file and calibrate again "
             "(`cachegen calibrate --codec tcq`)"
         ) from exc
+
+
+def _shipped_tcq_levels(model: ModelIdentity, model_file: str) -> dict | None:
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        data = check_version(
+            json.loads(path.read_text()), SHIPPED_SCHEMA, (SHIPPED_VERSION,), str(path)
+        )
+        shipped = data.get("tcq")
+        if data["model"]["fingerprint"] == model.fingerprint and shipped:
+            if str(shipped["model_file"]) != model_file:
+                return None
+            return _parsed(shipped, path)
+    return None
+
+
+def _parsed(data: dict, path) -> dict:
+    try:
+        targets = {int(level): float(pct) for level, pct in data["targets"].items()}
+        default = data["default_level"]
+        default = None if default is None else int(default)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CodecError(f"tcq levels in {path} are unreadable ({exc})") from exc
     if default is not None and default not in targets:
         raise CodecError(f"tcq levels {path}: the default level {default} has no target")
     return {"targets": targets, "default_level": default}
