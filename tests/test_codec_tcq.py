@@ -101,13 +101,19 @@ def test_a_layer_subset_decodes_to_the_same_values(kv, tiny_llama, model_file):
 
 
 def test_each_token_decodes_alike_in_any_chunking(kv, tiny_llama, model_file):
-    # no per-chunk scales: a token's symbols depend on the token and its position only
+    """No per-chunk scales: a token's symbols depend on the token and its position only.
+
+    The projection onto the basis and the synthesis are float32 matrix products, whose
+    rounding depends on the number of rows and threads (oneDNN and MKL block differently, and
+    with AMX differently again), so a coefficient that lies on a quantizer boundary may round
+    either way: the odd token row differs. A per-chunk scale would change nearly every row."""
     full = decode(codec_for("tcq", tiny_llama, chunk_tokens=64).encode(kv, level=BY_STEP[1]))
     tail = kv.slice(40, kv.num_tokens)
     out = decode(codec_for("tcq", tiny_llama, chunk_tokens=32).encode(tail, level=BY_STEP[1]))
     assert out.start == 40
-    assert torch.equal(out.keys, full.keys[:, :, 40:])
-    assert torch.equal(out.values, full.values[:, :, 40:])
+    for got, want in ((out.keys, full.keys[:, :, 40:]), (out.values, full.values[:, :, 40:])):
+        rows_differing = (got != want).any(dim=-1).float().mean().item()  # [layer, head, token]
+        assert rows_differing <= 0.01, f"{rows_differing:.1%} of token rows differ"
 
 
 def reference_decode(model: tcq.TcqModel, kv: KVCache, level: int) -> torch.Tensor:

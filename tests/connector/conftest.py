@@ -31,3 +31,32 @@ def text_ids(doc_text):
         return ids[:tokens]
 
     return make
+
+
+# Two steps of bf16 logits at the magnitudes the real models produce (16 to 32: steps of 0.125).
+NEAR_TIE_NATS = 0.25
+
+
+@pytest.fixture(scope="session")
+def assert_answers_alike():
+    """``assert_answers_alike(hit, text)``: a request that loaded its prefix answers as the
+    recomputation did (``text``, run with ``margins=True``) token for token, up to a near-tie.
+
+    A loaded prefix has the suffix computed in a batch of another shape than a whole prefill
+    does, and vLLM's CPU kernels are not batch-invariant everywhere (with AMX its attention
+    and oneDNN's GEMMs tile by batch shape), so the logits may differ by a rounding step and a
+    greedy near-tie may go the other way; from there on the answers may part. Anything else,
+    a wrong or misplaced block above all, shows as a confident token that differs."""
+
+    def check(hit, text) -> None:
+        assert text.margins is not None, "run the recomputation with margins=True"
+        for i, (got, want) in enumerate(zip(hit.token_ids, text.token_ids, strict=True)):
+            if got != want:
+                near = min(text.margins[i], hit.margins[i] if hit.margins else float("inf"))
+                assert near <= NEAR_TIE_NATS, (
+                    f"output token {i}: {got} where the recomputation gave {want}, which led "
+                    f"its runner-up by {text.margins[i]:.3f} nats (not a near-tie)"
+                )
+                return
+
+    return check

@@ -62,7 +62,7 @@ def document(engine, text_ids):
 def _produce(engine: ConnectorEngine, ids: list[int]) -> Measurement:
     """The producer: answer ``ids`` from text with saving on, and wait until its chunks are in
     the cluster. The answer is the reference for loads of the same prompt."""
-    answer = engine.run(ids, save=True)
+    answer = engine.run(ids, save=True, margins=True)
     engine.wait_stored(ids, timeout_s=120)
     return answer
 
@@ -74,7 +74,7 @@ def _record_name(engine: ConnectorEngine, ids: list[int], chunk: int) -> str:
 
 
 def test_producer_saves_into_the_cluster_and_a_consumer_loads_every_chunk(
-    engine, cluster, document
+    engine, cluster, document, assert_answers_alike
 ):
     saved = document(0)
     assert engine.stored_chunks(saved) == 0
@@ -83,17 +83,19 @@ def test_producer_saves_into_the_cluster_and_a_consumer_loads_every_chunk(
     assert sum(per_master.values()) == DOC_CHUNKS and sum(map(bool, per_master.values())) >= 2
 
     asked = document(0, OTHER_QUESTION)  # another prompt with the same document
-    text = engine.run(asked, max_tokens=24)
-    hit = engine.run(asked, mode="raw", max_tokens=24)
+    text = engine.run(asked, max_tokens=24, margins=True)
+    hit = engine.run(asked, mode="raw", max_tokens=24, margins=True)
     report = hit.connector
     assert report["loaded_tokens"] == DOC_CHUNKS * CHUNK and hit.cached_tokens == DOC_CHUNKS * CHUNK
     assert "load_error" not in report and "error" not in report
     assert report["levels"] == [0] * DOC_CHUNKS
-    assert hit.token_ids == text.token_ids
+    assert_answers_alike(hit, text)
     assert PASSWORD not in json.dumps(report)
 
 
-def test_a_chunk_evicted_from_the_middle_loads_the_prefix_before_it(engine, cluster, document):
+def test_a_chunk_evicted_from_the_middle_loads_the_prefix_before_it(
+    engine, cluster, document, assert_answers_alike
+):
     """Real maxmemory eviction, made deterministic: only chunk 3 gets a TTL, and its master
     (the only one whose memory is capped) runs ``volatile-ttl``, which evicts only keys with a
     TTL, so when that master runs out of memory it is chunk 3, and only it, that goes."""
@@ -118,29 +120,29 @@ def test_a_chunk_evicted_from_the_middle_loads_the_prefix_before_it(engine, clus
     assert engine.transport.store.exists_many(keys, 0) == [True] * 3 + [False] + [True] * 4
     assert engine.stored_chunks(ids) == 3
 
-    hit = engine.run(ids, mode="raw")
+    hit = engine.run(ids, mode="raw", margins=True)
     report = hit.connector
     assert report["loaded_tokens"] == 3 * CHUNK and hit.cached_tokens == 3 * CHUNK
     assert "load_error" not in report and "error" not in report
-    assert hit.token_ids == text.token_ids  # the rest, from the hole on, was recomputed
+    assert_answers_alike(hit, text)  # the rest, from the hole on, was recomputed
 
 
-def _recomputed(hit: Measurement, text: Measurement) -> int:
+def _recomputed(hit: Measurement, text: Measurement, answers_alike) -> int:
     """Check a request answered during the outage: the store's failure is the reason in its
-    report, and no chunk was injected partially (the answer is the cache-less one). Returns
-    the tokens it loaded before the failure."""
+    report, and no chunk was injected partially (the answer is the cache-less one, up to a
+    near-tie where whole chunks were loaded). Returns the tokens it loaded before the failure."""
     report = hit.connector
     assert PASSWORD not in json.dumps(report)
     reason = report.get("load_error") or report.get("error")
     assert reason and "redis cluster" in reason and "unavailable" in reason, json.dumps(report)
     loaded = report.get("loaded_tokens", 0)
     assert loaded % CHUNK == 0 and loaded < DOC_CHUNKS * CHUNK
-    assert hit.token_ids == text.token_ids  # a partially injected chunk would change it
+    answers_alike(hit, text)  # a partially injected chunk would change it
     return loaded
 
 
 def test_a_master_killed_during_a_load_every_request_is_answered_and_saves_resume(
-    engine, cluster, document
+    engine, cluster, document, assert_answers_alike
 ):
     prompts = [document(60_000), document(90_000)]
     texts = [_produce(engine, ids) for ids in prompts]  # answered alone, as the faulted ones are
@@ -152,9 +154,10 @@ def test_a_master_killed_during_a_load_every_request_is_answered_and_saves_resum
     successor = cluster.replica_of(victim)
     for port in cluster.masters():
         cluster.wait_replicated(port)  # the failover must lose no chunk
-    warm = engine.run(prompts[0], mode="raw", bandwidth_mbps=SLOW_LINK_MBPS)  # starts the link
+    # starts the link
+    warm = engine.run(prompts[0], mode="raw", bandwidth_mbps=SLOW_LINK_MBPS, margins=True)
     assert warm.connector["loaded_tokens"] == DOC_CHUNKS * CHUNK
-    assert warm.token_ids == texts[0].token_ids
+    assert_answers_alike(warm, texts[0])
 
     # The replica is held (SIGSTOP) until both requests are answered, so that the outage lasts
     # through them however slow this machine is; then it takes over as after any failure.
@@ -162,7 +165,7 @@ def test_a_master_killed_during_a_load_every_request_is_answered_and_saves_resum
         node.config_set("cluster-replica-validity-factor", 0)  # however long it was held
     cluster.pause(successor)
     try:
-        loading = engine.submit(prompts[0], mode="raw", bandwidth_mbps=SLOW_LINK_MBPS)
+        loading = engine.submit(prompts[0], mode="raw", bandwidth_mbps=SLOW_LINK_MBPS, margins=True)
         steps: list[float] = []
 
         def kill_after_the_first_step() -> bool:
@@ -177,7 +180,8 @@ def test_a_master_killed_during_a_load_every_request_is_answered_and_saves_resum
         print(f"\nmaster {victim} killed {steps[1] - loading.t_submit:.2f} s after the submit")
         hit = loading.measurement()
         assert "load_error" in hit.connector
-        print(f"loaded {_recomputed(hit, texts[0])} tokens before the failure")
+        loaded = _recomputed(hit, texts[0], assert_answers_alike)
+        print(f"loaded {loaded} tokens before the failure")
         # A request that arrives while the slots are down (the cluster says so): its lookup
         # fails, and vLLM computes the whole prompt.
         live = next(p for p in cluster.alive() if p != successor)
@@ -186,7 +190,8 @@ def test_a_master_killed_during_a_load_every_request_is_answered_and_saves_resum
             assert time.monotonic() < deadline, "the cluster did not notice the dead master"
             time.sleep(0.1)
         hit = engine.run(prompts[1], mode="raw")
-        assert _recomputed(hit, texts[1]) == 0 and "lookup failed" in hit.connector["error"]
+        assert _recomputed(hit, texts[1], assert_answers_alike) == 0
+        assert "lookup failed" in hit.connector["error"]
     finally:
         cluster.resume(successor)
     failover_s = cluster.wait_promoted(successor)
@@ -199,7 +204,7 @@ def test_a_master_killed_during_a_load_every_request_is_answered_and_saves_resum
     homes = {cluster.master_of(_record_name(engine, fresh, i)) for i in range(DOC_CHUNKS)}
     assert successor in homes  # some of its chunks were written to the promoted replica
     for ids, reference in ((fresh, text), (prompts[0], texts[0])):
-        hit = engine.run(ids, mode="raw")
+        hit = engine.run(ids, mode="raw", margins=True)
         assert hit.connector["loaded_tokens"] == DOC_CHUNKS * CHUNK
         assert "load_error" not in hit.connector and "error" not in hit.connector
-        assert hit.token_ids == reference.token_ids
+        assert_answers_alike(hit, reference)

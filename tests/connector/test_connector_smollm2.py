@@ -2,7 +2,8 @@
 
 * oracle: the K/V the connector reads out of vLLM's packed CPU cache equal transformers' K/V
   for the same prompt (bf16 tolerance), so the layout translation is right on a real model;
-* raw loads give exactly the cache-less answer; int8 gives it on (almost) every prompt;
+* raw loads give the cache-less answer (up to a greedy near-tie); int8 gives its first token
+  on (almost) every prompt;
 * cachegen through vLLM behaves like the offline quality path (transformers continuing from
   the same decoded KV).
 """
@@ -61,20 +62,22 @@ def test_connector_kv_matches_transformers(engine, smollm2, text_ids):
             assert error < 0.03, f"layer {layer} {name}: relative error {error:.3f}"
 
 
-def test_raw_hit_equals_recompute_on_full_and_partial_prefix(engine, text_ids):
+def test_raw_hit_answers_as_recompute_on_full_and_partial_prefix(
+    engine, text_ids, assert_answers_alike
+):
     context = text_ids(engine, 1024, offset=30_000)
     first = context + engine.tokenize(QUESTION, bos=False)
     engine.store_prefix(first)
     second = context + engine.tokenize(" Which Python feature does the text explain?", bos=False)
     for ids in (first, second):
-        text = engine.run(ids, max_tokens=24)
-        hit = engine.run(ids, mode="raw", max_tokens=24)
+        text = engine.run(ids, max_tokens=24, margins=True)
+        hit = engine.run(ids, mode="raw", max_tokens=24, margins=True)
         assert hit.connector["loaded_tokens"] == 1024 and hit.cached_tokens == 1024
         assert (hit.connector["schema"], hit.connector["version"]) == (
             "cachegen-connector-report",
             1,
         )
-        assert hit.token_ids == text.token_ids
+        assert_answers_alike(hit, text)
 
 
 def test_int8_answers_like_recompute_on_nearly_every_prompt(engine, text_ids):

@@ -55,6 +55,9 @@ class Measurement:
     cached_tokens: int  # prompt tokens vLLM did not compute (RequestOutput.num_cached_tokens)
     token_ids: list[int]
     connector: dict[str, Any] = field(default_factory=dict)
+    # per output token, the greedy token's logprob minus the runner-up's (nats); only for
+    # requests run with margins=True
+    margins: list[float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,7 +123,20 @@ class Submitted:
             cached_tokens=int(self.final.num_cached_tokens or 0),
             token_ids=tokens,
             connector=dict((self.final.kv_transfer_params or {}).get(REPORT_KEY, {})),
+            margins=_margins(self.final.outputs[0].logprobs),
         )
+
+
+def _margins(logprobs: Any) -> list[float] | None:
+    """Per output token, the top logprob minus the second (vLLM's per-token dicts of the
+    sampled token and the top two), or None when the request asked for no logprobs."""
+    if logprobs is None:
+        return None
+    margins = []
+    for candidates in logprobs:
+        best = sorted((c.logprob for c in candidates.values()), reverse=True)
+        margins.append(best[0] - best[1] if len(best) > 1 else float("inf"))
+    return margins
 
 
 class ConnectorEngine:
@@ -213,8 +229,10 @@ class ConnectorEngine:
         max_tokens: int = 16,
         skip_out_of_window: bool | None = None,
         cache_salt: str | None = None,
+        margins: bool = False,
     ) -> Measurement:
-        """Greedily answer ``prompt_token_ids``; ``mode`` says where the prefix's KV comes from."""
+        """Greedily answer ``prompt_token_ids``; ``mode`` says where the prefix's KV comes from;
+        ``margins`` records how far each greedy token led the runner-up."""
         request = self.submit(
             prompt_token_ids,
             mode=mode,
@@ -226,6 +244,7 @@ class ConnectorEngine:
             max_tokens=max_tokens,
             skip_out_of_window=skip_out_of_window,
             cache_salt=cache_salt,
+            margins=margins,
         )
         self.step_until_done([request])
         return request.measurement()
@@ -243,6 +262,7 @@ class ConnectorEngine:
         max_tokens: int = 16,
         skip_out_of_window: bool | None = None,
         cache_salt: str | None = None,
+        margins: bool = False,
     ) -> Submitted:
         """Add a request without waiting for it; drive it with :meth:`step_until_done`."""
         from vllm import SamplingParams
@@ -270,6 +290,7 @@ class ConnectorEngine:
             temperature=0.0,
             max_tokens=max_tokens,
             ignore_eos=True,
+            logprobs=2 if margins else None,
             extra_args={"kv_transfer_params": params},
         )
         request = Submitted(
