@@ -33,11 +33,14 @@ def test_tiny_model_generates_in_vllm(request, fixture):
 
 
 def test_smollm2_answers_in_vllm(smollm2):
+    """The answer's first words are given: the first token alone is a near-tie ("The" and "L"
+    one bf16 step apart in vLLM on CPUs with AMX, which then answers "L'Étoile, ..."), while
+    " Paris" after them leads its runner-up by several nats."""
     _, tokenizer, _ = load_model(smollm2)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,
         tokenize=False,
     )
-    result = vllm_generate(smollm2.path, prompt, 12)
-    assert "Paris" in result["text"]
+    result = vllm_generate(smollm2.path, prompt + "The capital of France is", 4)
+    assert result["text"].startswith(" Paris")

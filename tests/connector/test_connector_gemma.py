@@ -480,8 +480,8 @@ def test_connector_kv_matches_transformers_past_the_window(engine, gemma3, store
             for part, span in (("first 512", slice(0, 512)), ("rest", slice(512, CONTEXT))):
                 x, y = a[:, span].float(), b[:, span].float()
                 error = (x - y).norm() / y.norm()
-                # bf16 kernels differ by ~1%; a layout error gives ~100%.
-                assert error < 0.03, f"layer {layer} {name} {part}: relative error {error:.3f}"
+                # bf16 kernels differ by 1-3% (most with AMX); a layout error gives ~100%.
+                assert error < 0.05, f"layer {layer} {name} {part}: relative error {error:.3f}"
 
 
 def test_every_save_mode_is_stored(engine, stored, level):

@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from cachegen.lab.bench.engine import ConnectorEngine
+from cachegen.stream.server import DEFAULT_PREFETCH
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +52,19 @@ def test_store_down_at_lookup_recomputes(engine, redis_up, text_ids):
 
 
 def test_store_down_during_the_load_recomputes_the_rest(engine, redis_up, text_ids):
-    ids = text_ids(engine, 800, offset=15_000)
+    ids = text_ids(engine, 1850, offset=15_000)  # 7 chunks
     engine.store_prefix(ids)
     text = engine.run(ids)
-    # At 10 Mbit/s each 0.5 MB chunk takes ~0.4 s; the store dies while chunk 0 is on the wire,
-    # before the server has read chunk 2.
+    # At 10 Mbit/s each 0.5 MB chunk takes ~0.4 s; the store dies while chunk 0 is on the wire.
+    # The chunk server reads at most DEFAULT_PREFETCH (4) chunks ahead of the one it is
+    # sending, so it asks the dead store for chunk 5 once chunk 1 goes on the wire.
+    assert DEFAULT_PREFETCH == 4
     killer = threading.Timer(0.15, redis_up.stop)
     killer.start()
     hit = engine.run(ids, mode="raw", bandwidth_mbps=10)
     killer.join()
     assert hit.connector["load_error"]
-    assert hit.connector["loaded_tokens"] < 768
+    assert hit.connector["loaded_tokens"] < 7 * 256
     assert hit.token_ids == text.token_ids
 
 

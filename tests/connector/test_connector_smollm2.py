@@ -58,8 +58,9 @@ def test_connector_kv_matches_transformers(engine, smollm2, text_ids):
             ("V", got.values[layer], ref.values[layer]),
         ):
             error = (a.float() - b.float()).norm() / b.float().norm()
-            # bf16 kernels of vLLM and transformers differ by ~1%; a layout error gives ~100%.
-            assert error < 0.03, f"layer {layer} {name}: relative error {error:.3f}"
+            # bf16 kernels of vLLM and transformers differ by 1-3% (most with AMX); a layout
+            # error gives ~100%.
+            assert error < 0.05, f"layer {layer} {name}: relative error {error:.3f}"
 
 
 def test_raw_hit_answers_as_recompute_on_full_and_partial_prefix(
