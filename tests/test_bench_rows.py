@@ -123,7 +123,11 @@ def test_committed_rows_follow_the_row_schema():
         assert report.read_document(path)["rows"]
         results += 1
     assert results >= 10
-    for name, schema, kind in (("ttft", "table", "ttft"), ("timeline", "timeline", "timeline")):
+    for name, schema, kind in (
+        ("ttft", "table", "ttft"),
+        ("ttft-forms", "table", "ttft"),
+        ("timeline", "timeline", "timeline"),
+    ):
         path = DOCS / "connector" / f"{name}.json"
         doc = json.loads(path.read_text())
         assert (doc["schema"], doc["version"]) == (f"cachegen-ttft-{schema}", 1)
