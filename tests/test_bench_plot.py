@@ -59,6 +59,34 @@ def test_plot_rejects_a_file_that_is_not_results(tmp_path, capsys):
     assert err.startswith("cachegen plot: error:") and "\n" not in err
 
 
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+@pytest.mark.parametrize(
+    "document", [DOCS / "streaming" / "forms-4000.json", DOCS / "connector" / "ttft-forms.json"]
+)
+def test_plot_draws_a_stored_forms_document(document, tmp_path, capsys):
+    """The committed stream-bench --forms and ttft table documents, each as its own figure."""
+    import matplotlib.image
+
+    assert main(["plot", str(document), "--out", str(tmp_path)]) == 0
+    png = tmp_path / f"{document.stem}.png"
+    assert capsys.readouterr().out.split() == [str(png)]
+    image = matplotlib.image.imread(png)
+    assert image.shape[1] >= 500 and image.shape[0] >= 300
+    assert image[..., :3].std() > 0.01, f"{png.name} is blank"
+
+
+def test_plot_refuses_a_stored_forms_document_of_another_version(tmp_path, capsys):
+    doc = json.loads((DOCS / "streaming" / "forms-4000.json").read_text())
+    doc["version"] = 99
+    path = tmp_path / "forms.json"
+    path.write_text(json.dumps(doc))
+    assert main(["plot", str(path), "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "version 99" in err and not (tmp_path / "forms.png").exists()
+
+
 def test_report_sets_each_claim_beside_the_measurement(tmp_path):
     out = tmp_path / "reproduction.md"
     assert main(["report", str(FIXTURE), "--out", str(out)]) == 0

@@ -3,11 +3,13 @@
 ``baseline`` = recompute raw int8 fp8; ``cachegen`` = the paper's levels 1-3 plus each
 model's default level, plus adaptive (the earlier reproduction's ``--modes baseline
 cachegen``); ``all`` = both. Other levels of a profile (calibration may add several) are
-measured when named, e.g. ``cachegen-5``.
+measured when named, e.g. ``cachegen-5``. ``mode_name`` is a mode's name in tables and
+figures.
 """
 
 from __future__ import annotations
 
+from cachegen.codec.packed import split_record_tag
 from cachegen.errors import InputError
 from cachegen.modes import KV_BASELINES, RECOMPUTE, Mode
 
@@ -48,3 +50,14 @@ def expand(labels: list[str], models: list[str] | None = None) -> list[Mode]:
     for mode in out:
         seen.setdefault(mode, None)
     return list(seen)
+
+
+def mode_name(mode: str, level: int | None) -> str:
+    """A table's name for a mode: ``int8``, ``cachegen level 11``, ``cachegen level 11 packed``."""
+    return mode if level is None else f"{mode} level {_level_name(level)}"
+
+
+def _level_name(level: int) -> str:
+    """A stored cachegen level: ``11``, or ``11 packed`` for its packed form's record tag."""
+    coded, form = split_record_tag(level)
+    return str(level) if coded == level else f"{coded} {form}"

@@ -1,4 +1,5 @@
-"""PNG figures from results.json (``cachegen plot``).
+"""PNG figures from results.json, and from the stored-forms documents of ``cachegen
+stream-bench --forms`` and ``cachegen ttft table`` (``cachegen plot``).
 
 Every figure is drawn from the medians (error bars span the repeats' min..max), names its
 units, and says so in the panel when a mode was asked for but not measured, instead of
@@ -10,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from cachegen.lab.bench.links import link_label, link_order
+from cachegen.lab.bench.modes import mode_name
 from cachegen.lab.bench.results import lookup
-from cachegen.modes import Mode
+from cachegen.modes import RECOMPUTE, Mode
 
 FIGURES = (
     "ttft_by_mode",
@@ -438,4 +440,130 @@ def _quality_vs_size(doc: dict):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     _footnote(fig, _missing_note(doc, "quality"))
+    return fig
+
+
+# ---- the stored forms: stream-bench --forms and ttft table documents ------------------------
+
+FORMS_SCHEMA = "cachegen-stream-forms-bench"
+TTFT_TABLE_SCHEMA = "cachegen-ttft-table"
+
+
+def plot_document(doc: dict, path: str | Path) -> Path:
+    """Draw the figure of a ``cachegen stream-bench --forms`` document (load time per form and
+    adaptive's vs bandwidth) or of a ``cachegen ttft table`` document (TTFT per mode vs
+    bandwidth) into the PNG ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    draw = {FORMS_SCHEMA: _forms_vs_bandwidth, TTFT_TABLE_SCHEMA: _ttft_table}[doc["schema"]]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = draw(doc)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    _close(fig)
+    return path
+
+
+def _runs_spread(median: float, runs: list[float]) -> tuple[float, float]:
+    return (median - min(runs), max(runs) - median) if runs else (0.0, 0.0)
+
+
+def _forms_vs_bandwidth(doc: dict):
+    """Load time of every stored form alone and of adaptive, per link rate (medians, bars
+    over the repeats), recomputation as a dashed line; forms over the bound drawn faint."""
+    columns = sorted(doc["columns"], key=lambda c: link_order(c["bandwidth_mbps"]))
+    links = [c["bandwidth_mbps"] for c in columns]
+    xs = [_link_x(b, links) for b in links]
+    fig, (ax,) = _panels(
+        1,
+        f"Load time per stored form and adaptive's ({doc['model']}, {doc['tokens']} tokens, "
+        f"bound {doc['max_loss_pct']:g}% perplexity)",
+        width=8.0,
+    )
+    for form in doc["forms"]:
+        name = form["name"]
+        ys = [c["load_s"][name] for c in columns]
+        err = list(
+            zip(*[_runs_spread(y, c["fixed_runs_load_s"][name]) for y, c in zip(ys, columns)])
+        )
+        label = f"{name} ({form['bytes'] / 1e6:.1f} MB)"
+        if not form["allowed"]:
+            label += ", over the bound"
+        ax.errorbar(
+            xs,
+            ys,
+            yerr=err,
+            marker="o",
+            capsize=2,
+            label=label,
+            alpha=1.0 if form["allowed"] else 0.35,
+        )
+    ys = [c["adaptive_s"] for c in columns]
+    err = list(
+        zip(
+            *[
+                _runs_spread(y, [r["completion_s"] for r in c["adaptive_runs"]])
+                for y, c in zip(ys, columns)
+            ]
+        )
+    )
+    ax.errorbar(
+        xs, ys, yerr=err, marker="s", capsize=2, color="black", linewidth=2.5, label="adaptive"
+    )
+    recompute = {c["recompute_s"] for c in columns}
+    if len(recompute) == 1:
+        ax.axhline(recompute.pop(), linestyle="--", color="0.3", label="recompute (no KV link)")
+    _log_axes(ax, links)
+    ax.set_xlabel("bandwidth of the KV link (Mbit/s)")
+    ax.set_ylabel("load time (s, log scale)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="upper right")
+    ratios = ", ".join(
+        f"{link_label(c['bandwidth_mbps'])}: {c['adaptive_vs_best']:.2f}" for c in columns
+    )
+    _footnote(fig, f"adaptive / best allowed fixed form, per link: {ratios}")
+    return fig
+
+
+def _ttft_table(doc: dict):
+    """TTFT per mode (and stored level) vs the link's rate through vLLM, one panel per
+    context (medians, bars over the repeats); recomputation as a dashed line."""
+    rows = doc["rows"]
+    contexts = sorted({r["context_tokens"] for r in rows})
+    fig, axes = _panels(
+        len(contexts), f"Time to first token vs bandwidth ({rows[0]['model']}, vLLM)"
+    )
+    for ax, context in zip(axes, contexts):
+        mine = [r for r in rows if r["context_tokens"] == context]
+        links = sorted(
+            {r["bandwidth_mbps"] for r in mine if r["mode"] != RECOMPUTE}, key=link_order
+        )
+        for mode, level in dict.fromkeys((r["mode"], r["level"]) for r in mine):
+            line = sorted(
+                (r for r in mine if (r["mode"], r["level"]) == (mode, level)),
+                key=lambda r: link_order(r["bandwidth_mbps"]),
+            )
+            if mode == RECOMPUTE:
+                ax.axhline(line[0]["ttft_s"], linestyle="--", color="0.3", label="recompute")
+                continue
+            ys = [r["ttft_s"] for r in line]
+            err = list(zip(*[_runs_spread(r["ttft_s"], r["ttft_runs_s"]) for r in line]))
+            bold = mode == "adaptive"
+            ax.errorbar(
+                [_link_x(r["bandwidth_mbps"], links) for r in line],
+                ys,
+                yerr=err,
+                marker="s" if bold else "o",
+                capsize=2,
+                color="black" if bold else None,
+                linewidth=2.5 if bold else None,
+                label=mode_name(mode, level),
+            )
+        _log_axes(ax, links)
+        ax.set_xlabel("bandwidth of the KV link (Mbit/s)")
+        ax.set_ylabel("TTFT (s, log scale)")
+        ax.set_title(f"{context}-token context")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8, loc="upper right")
     return fig

@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from cachegen import workload
-from cachegen.codec.packed import split_record_tag
 from cachegen.errors import InputError
 from cachegen.lab.bench.engine import ConnectorEngine
 from cachegen.lab.bench.links import UNLIMITED, link_order
+from cachegen.lab.bench.modes import mode_name
 from cachegen.lab.rows import RequestRow, TTFTRow
 from cachegen.modes import CACHEGEN, LEVELED, RECOMPUTE, Mode
 
@@ -324,7 +324,7 @@ def markdown(rows: Sequence[dict[str, Any]], max_loss_pct: float | None = None) 
                 if mode == "adaptive" and r.get("levels"):
                     ratios.append("levels " + _levels_text(r["levels"]))
                 cells.append(cell + (f" ({'; '.join(ratios)})" if ratios else ""))
-            name = mode if level is None else f"{mode} level {_level_name(level)}"
+            name = mode_name(mode, level)
             if mode == "adaptive" and max_loss_pct is not None:
                 name += f" (fastest form within {max_loss_pct:g}% loss)"
             elif mode == "adaptive":
@@ -337,12 +337,6 @@ def markdown(rows: Sequence[dict[str, Any]], max_loss_pct: float | None = None) 
             )
         out.append("")
     return "\n".join(out)
-
-
-def _level_name(level: int) -> str:
-    """A stored cachegen level: ``11``, or ``11 packed`` for its packed form's record tag."""
-    coded, form = split_record_tag(level)
-    return str(level) if coded == level else f"{coded} {form}"
 
 
 def _levels_text(levels: Sequence[Any]) -> str:

@@ -90,17 +90,19 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "plot",
-        help="draw the benchmark figures (PNG) from results.json",
+        help="draw the benchmark figures (PNG) from results.json or a stored-forms document",
         description="Draw TTFT by model and mode, TTFT vs bandwidth, output rate, compression "
         "ratio, transfer time vs bandwidth, decode time, and quality vs size with its Pareto "
-        "frontier.",
+        "frontier from results.json; from a `cachegen stream-bench --forms --json` document, "
+        "load time per stored form and adaptive's vs bandwidth; from a `cachegen ttft table "
+        "--json` document, TTFT per mode vs bandwidth (each as FILE's name with .png).",
     )
     p.add_argument(
         "results",
         nargs="?",
         type=Path,
         default=DEFAULT_RESULTS,
-        help="results file (default: %(default)s)",
+        help="results.json, a stream-bench --forms or a ttft table document (default: %(default)s)",
     )
     p.add_argument(
         "--out", type=Path, help="directory for the PNGs (default: the results file's directory)"
@@ -193,13 +195,32 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def _plot(args: argparse.Namespace) -> int:
+    from cachegen.fileio import check_version
     from cachegen.lab.bench import results
-    from cachegen.lab.bench.plots import plot_all
+    from cachegen.lab.bench.plots import FORMS_SCHEMA, TTFT_TABLE_SCHEMA, plot_all, plot_document
 
-    doc = results.load(args.results)
-    for png in plot_all(doc, args.out or args.results.parent):
+    out = args.out or args.results.parent
+    kinds = {FORMS_SCHEMA: 1, TTFT_TABLE_SCHEMA: 1}  # the versions these figures read
+    schema = _schema_of(args.results)
+    if schema in kinds:
+        doc = check_version(
+            json.loads(args.results.read_text()), schema, (kinds[schema],), str(args.results)
+        )
+        pngs = [plot_document(doc, Path(out) / f"{args.results.stem}.png")]
+    else:
+        pngs = plot_all(results.load(args.results), out)
+    for png in pngs:
         print(png)
     return 0
+
+
+def _schema_of(path: Path) -> str | None:
+    """The ``schema`` of a JSON document, or None (unreadable: ``results.load`` says why)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return doc.get("schema") if isinstance(doc, dict) else None
 
 
 def _report(args: argparse.Namespace) -> int:
