@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cachegen.fileio import check_version
 from cachegen.lab.bench.links import link_label, link_order
 from cachegen.lab.bench.modes import mode_name
 from cachegen.lab.bench.results import lookup
@@ -447,14 +448,17 @@ def _quality_vs_size(doc: dict):
 
 FORMS_SCHEMA = "cachegen-stream-forms-bench"
 TTFT_TABLE_SCHEMA = "cachegen-ttft-table"
+DOCUMENTS = {FORMS_SCHEMA: (1,), TTFT_TABLE_SCHEMA: (1,)}  # the versions these figures read
 
 
-def plot_document(doc: dict, path: str | Path) -> Path:
+def plot_document(doc: dict, path: str | Path, where: str) -> Path:
     """Draw the figure of a ``cachegen stream-bench --forms`` document (load time per form and
     adaptive's vs bandwidth) or of a ``cachegen ttft table`` document (TTFT per mode vs
-    bandwidth) into the PNG ``path``."""
+    bandwidth) into the PNG ``path``; a version these figures do not read is refused, naming
+    ``where`` the document came from."""
     import matplotlib
 
+    check_version(doc, doc["schema"], DOCUMENTS[doc["schema"]], where)
     matplotlib.use("Agg")
     draw = {FORMS_SCHEMA: _forms_vs_bandwidth, TTFT_TABLE_SCHEMA: _ttft_table}[doc["schema"]]
     path = Path(path)
