@@ -103,10 +103,11 @@ def test_a_layer_subset_decodes_to_the_same_values(kv, tiny_llama, model_file):
 def test_each_token_decodes_alike_in_any_chunking(kv, tiny_llama, model_file):
     """No per-chunk scales: a token's symbols depend on the token and its position only.
 
-    The projection onto the basis and the synthesis are float32 matrix products, whose
-    rounding depends on the number of rows and threads (oneDNN and MKL block differently, and
-    with AMX differently again), so a coefficient that lies on a quantizer boundary may round
-    either way: the odd token row differs. A per-chunk scale would change nearly every row."""
+    The projection onto the basis and the synthesis are matrix products (float32, or bf16
+    where the CPU synthesizes in bf16), whose rounding depends on the number of rows and
+    threads (oneDNN and MKL block differently, and with AMX differently again), so a
+    coefficient that lies on a quantizer boundary may round either way: the odd token row
+    differs. A per-chunk scale would change nearly every row."""
     full = decode(codec_for("tcq", tiny_llama, chunk_tokens=64).encode(kv, level=BY_STEP[1]))
     tail = kv.slice(40, kv.num_tokens)
     out = decode(codec_for("tcq", tiny_llama, chunk_tokens=32).encode(tail, level=BY_STEP[1]))
@@ -116,10 +117,14 @@ def test_each_token_decodes_alike_in_any_chunking(kv, tiny_llama, model_file):
         assert rows_differing <= 0.01, f"{rows_differing:.1%} of token rows differ"
 
 
-def reference_decode(model: tcq.TcqModel, kv: KVCache, level: int) -> torch.Tensor:
+def reference_decode(
+    model: tcq.TcqModel, kv: KVCache, level: int, magnitude: bool = False
+) -> torch.Tensor:
     """Tokens 1.. of ``kv`` through the encoder's quantizer and back by the model file's
     arithmetic, plainly in torch: ``mean + ((sym - radius) * step) @ components[kept]``, keys
-    turned by their rotary angles; float32 [2, L, H, n - 1, D]."""
+    turned by their rotary angles; float32 [2, L, H, n - 1, D]. With ``magnitude``: the sum
+    of the product's terms' magnitudes instead, ``|coefficients| @ |components[kept]|`` (no
+    mean, nothing turned), what bounds the rounding of the product's terms."""
     code = model.level_code(level)
     x = f32(kv)[:, :, :, 1:]
     L, H, n, D = x.shape[1:]
@@ -132,17 +137,26 @@ def reference_decode(model: tcq.TcqModel, kv: KVCache, level: int) -> torch.Tens
             radius = torch.from_numpy(code.radius[layer][k]).float()
             basis = torch.from_numpy(model.components[layer, k][code.kept[layer][k]])
             coefficients = (sym.float() - radius) * code.step[layer][k]
-            synthesized = torch.from_numpy(model.mean[layer, k]) + coefficients @ basis
+            if magnitude:
+                synthesized = coefficients.abs() @ basis.abs()
+            else:
+                synthesized = torch.from_numpy(model.mean[layer, k]) + coefficients @ basis
             out[k, layer] = synthesized.reshape(n, H, D).permute(1, 0, 2)
-    out[0] = rotate_layer_keys(out[0], 1, model.rope_thetas)
+    if not magnitude:
+        out[0] = rotate_layer_keys(out[0], 1, model.rope_thetas)
     return out
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_decoder_matches_a_reference_synthesis(kv, tiny_llama, model_file, out_dtype):
+@pytest.mark.parametrize("bf16_gemm", [False, True], ids=["f32-synthesis", "bf16-synthesis"])
+def test_decoder_matches_a_reference_synthesis(
+    kv, tiny_llama, model_file, out_dtype, bf16_gemm, monkeypatch
+):
     # the decoder's kernels (rANS to centred coefficients, one batched product, rotary and the
     # output dtype in one pass) against the arithmetic written plainly; only the order of the
-    # float32 sums may differ, then the output's rounding
+    # float32 sums may differ, then the output's rounding. Both syntheses are forced, so
+    # each is checked on any CPU (bf16 only ever applies to bf16 output).
+    monkeypatch.setattr(tcq, "bf16_synthesis", lambda: bf16_gemm)
     assert any(model_file.rope_thetas)  # keys are turned
     level = BY_STEP[1]
     out = decode(codec_for("tcq", tiny_llama, chunk_tokens=64).encode(kv, level), out_dtype)
@@ -151,6 +165,16 @@ def test_decoder_matches_a_reference_synthesis(kv, tiny_llama, model_file, out_d
     scale = float(ref.abs().max())
     if out_dtype == torch.float32:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * scale)
+    elif out_dtype == torch.bfloat16 and bf16_gemm:
+        # each synthesis entry and the product are rounded to bf16 (a unit roundoff, 2**-8,
+        # of the terms' magnitudes each), a key's pair of channels mixed by its rotation,
+        # then the output rounded (2**-8 of its magnitude)
+        terms = reference_decode(model_file, kv, level, magnitude=True)
+        half = terms.shape[-1] // 2
+        terms[0] = terms[0] + torch.cat([terms[0][..., half:], terms[0][..., :half]], dim=-1)
+        bound = 2.0**-7 * terms + 2.0**-8 * ref.abs() + 1e-5 * scale
+        excess = float(((got - ref).abs() - bound).max())
+        assert excess <= 0, f"an element is {excess:.3g} beyond the bf16 synthesis's bound"
     else:  # one rounding to the output dtype, half an ulp, plus the float32 differences
         ulp = 2.0**-7 if out_dtype == torch.bfloat16 else 2.0**-10
         torch.testing.assert_close(got, ref, rtol=ulp, atol=1e-5 * scale)

@@ -7,7 +7,9 @@ Data: the same SmolLM2 KV as ``test_codec_speed.py`` (1,024 tokens of Python doc
 4 chunks of 256 tokens, 11.8 M elements). Each case decodes one bitstream into a fresh bf16
 tensor, as a server decodes a fetched chunk, on both cores. Target (docs/codec.md): every
 ``tcq`` level >= 300 M elements/s, recorded in ``extra_info`` with the bits per element
-(timings on a shared machine are noisy, so nothing is asserted about them).
+(timings on a shared machine are noisy, so nothing is asserted about them). The tcq levels
+synthesize as this CPU does (``tcq.bf16_synthesis``: a bfloat16 GEMM where the CPU has
+bfloat16 matrix instructions); ``tcq-24-f32`` forces the float32 synthesis beside them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachegen.codec import decode
+from cachegen.codec import decode, tcq
 from cachegen.lab.bench.codec_report import text_windows
 from cachegen.profiles import codec_for
 
@@ -30,11 +32,17 @@ def kv():
     return window
 
 
-@pytest.mark.parametrize(
-    "name,level",
-    [("cachegen", 2)] + [("tcq", level) for level in range(20, 27)],
+CASES = (
+    [pytest.param("cachegen", 2, False, id="cachegen-2")]
+    + [pytest.param("tcq", level, False, id=f"tcq-{level}") for level in range(20, 27)]
+    + [pytest.param("tcq", 24, True, id="tcq-24-f32")]
 )
-def test_transform_decode(benchmark, kv, name, level):
+
+
+@pytest.mark.parametrize("name,level,f32_synthesis", CASES)
+def test_transform_decode(benchmark, kv, name, level, f32_synthesis, monkeypatch):
+    if f32_synthesis:
+        monkeypatch.setattr(tcq, "bf16_synthesis", lambda: False)
     codec = codec_for(name, "smollm2-135m", chunk_tokens=CHUNK)
     if level not in codec.levels:
         pytest.fail(f"{name} has no level {level}: its levels are {codec.levels}")
@@ -44,7 +52,8 @@ def test_transform_decode(benchmark, kv, name, level):
     benchmark.extra_info.update(
         {
             "elements": int(kv.num_elements),
-            "what": f"{name} level {level} -> bf16, 2 thread(s)",
+            "what": f"{name} level {level} -> bf16, 2 thread(s)"
+            + (", float32 synthesis" if f32_synthesis else ""),
             "bits_per_element": len(blob) * 8 / kv.num_elements,
         }
     )

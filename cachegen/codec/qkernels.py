@@ -433,6 +433,18 @@ def _store_value(out, at, value):
     return store_f32
 
 
+def load_value(array, at):  # only meaningful inside kernels (see the overload)
+    raise NotImplementedError
+
+
+@overload(load_value, inline="always")
+def _load_value(array, at):
+    """``array[at]`` as float32: float32, or bfloat16 bits if ``array`` is uint16."""
+    if array.dtype == types.uint16:
+        return lambda array, at: bits_to_f32(np.uint32(array[at]) << np.uint32(16))
+    return lambda array, at: array[at]
+
+
 @numba.njit(inline="always")
 def store_row(v, cos, sin, t, rotate, head_dim, out_f32, out_bf16, o):
     """Write float32 ``v[:head_dim]`` (C-contiguous) to ``out_bf16[o : o + head_dim]``

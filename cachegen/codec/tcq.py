@@ -108,16 +108,17 @@ class LevelCode:
 class StreamTables:
     """A level's decoding state for a set of layers, one entry per (layer, K/V) stream in
     stream order: kept component counts, first table rows, the kept radii (float32, one
-    stream after another from ``radius_off``), channel means [streams, 1, channels] and the
+    stream after another from ``radius_off``), channel means [streams, channels] and the
     synthesis matrices [streams, width, channels] (kept components' rows scaled by their
-    steps, zero rows up to ``width``, the largest kept count)."""
+    steps, zero rows up to ``width``, the largest kept count), in float32 and bfloat16."""
 
     kept: np.ndarray
     table_base: np.ndarray
     radius: np.ndarray
     radius_off: np.ndarray
-    mean: torch.Tensor
+    mean: np.ndarray
     synthesis: torch.Tensor
+    synthesis_bf16: torch.Tensor
 
     @property
     def width(self) -> int:
@@ -137,8 +138,23 @@ def _stream_tables(tcq: TcqModel, code: LevelCode, layers: tuple[int, ...]) -> S
         table_base=np.array([code.table_base[layer, k] for layer, k in pairs], dtype=np.int64),
         radius=np.concatenate(radius).astype(np.float32),
         radius_off=np.concatenate([[0], np.cumsum(kept)[:-1]]).astype(np.int64),
-        mean=torch.from_numpy(tcq.mean[list(layers)].reshape(len(pairs), 1, channels).copy()),
+        mean=np.ascontiguousarray(tcq.mean[list(layers)].reshape(len(pairs), channels)),
         synthesis=synthesis,
+        synthesis_bf16=synthesis.to(torch.bfloat16),
+    )
+
+
+@functools.cache
+def bf16_synthesis() -> bool:
+    """Whether bfloat16 output is synthesized by a bfloat16 GEMM: on CPUs with bfloat16
+    matrix instructions (AMX or AVX512-BF16), where it runs several times faster than
+    float32 and adds one rounding of the components' sum to bfloat16, far below the
+    quantizer's error (docs/codec.md, "tcq decode"). Elsewhere bfloat16 GEMMs are emulated
+    and slower, so the synthesis stays float32."""
+    cpu = torch.cpu
+    return any(
+        bool(getattr(cpu, probe, lambda: False)())
+        for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     )
 
 
@@ -523,16 +539,17 @@ class TcqDecoder(FrameDecoder):
         self.thetas = [tcq.rope_thetas[layer] for layer in self.layers]
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _scratch_for(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Coefficients [streams, tokens, width] and rows [streams, tokens, channels]
-        (float32), kept for the next frame of the same length: fresh pages cost as much as
-        filling them."""
-        if self._scratch is None or self._scratch[0].shape[1] != tokens:
+    def _scratch_for(self, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Coefficients [streams, tokens, width] and rows [streams, tokens, channels] of the
+        synthesis's ``dtype``, kept for the next frame of the same length: fresh pages cost
+        as much as filling them."""
+        scratch = self._scratch
+        if scratch is None or scratch[0].shape[1] != tokens or scratch[0].dtype != dtype:
             streams, channels = self.streams, self.streams.synthesis.shape[2]
             count = len(streams.kept)
             self._scratch = (
-                torch.empty((count, tokens, streams.width), dtype=torch.float32),
-                torch.empty((count, tokens, channels), dtype=torch.float32),
+                torch.empty((count, tokens, streams.width), dtype=dtype),
+                torch.empty((count, tokens, channels), dtype=dtype),
             )
         return self._scratch
 
@@ -581,7 +598,9 @@ class TcqDecoder(FrameDecoder):
         streams = self.streams
         data = np.frombuffer(frame.body, dtype="<u2", offset=exact + 4 * len(words))
         word_off = np.concatenate([[0], np.cumsum(words)]).astype(np.int64)
-        coefficients, rows = self._scratch_for(m)
+        bf16 = out.dtype == torch.bfloat16 and bf16_synthesis()
+        coefficients, rows = self._scratch_for(m, torch.bfloat16 if bf16 else torch.float32)
+        coefficient_array = _numpy_of(coefficients).reshape(-1)
         status = np.zeros(2 * L, dtype=np.uint8)
         code = self.code
 
@@ -595,7 +614,9 @@ class TcqDecoder(FrameDecoder):
                 streams.radius_off,
                 code.slot_sym,
                 code.freq_cum,
-                coefficients.numpy(),
+                coefficient_array,
+                m,
+                streams.width,
                 todo,
                 status,
             )
@@ -603,14 +624,14 @@ class TcqDecoder(FrameDecoder):
         run_batches(decode_kernel, words + streams.kept * m + 1)
         if status.any():
             raise CodecError(f"frame {frame.index} is corrupt: a tcq rANS stream does not decode")
-        # means plus one batched GEMM for all streams (torch's BLAS, in its own threads)
-        torch.baddbmm(streams.mean, coefficients, streams.synthesis, out=rows)
-        self._write(rows.numpy(), self._frame_start(frame) + e, out, token_offset + e)
+        # one batched GEMM for all streams (torch's BLAS, in its own threads)
+        torch.bmm(coefficients, streams.synthesis_bf16 if bf16 else streams.synthesis, out=rows)
+        self._write(_numpy_of(rows), self._frame_start(frame) + e, out, token_offset + e)
 
     def _write(self, rows: np.ndarray, start: int, out: torch.Tensor, offset: int) -> None:
-        """Rows [streams, m, channels] (means included), keys turned, into ``out`` from token
-        ``offset`` (absolute position ``start``): bf16 or float32 in place, else through a
-        float32 scratch."""
+        """Rows [streams, m, channels] (float32 or bfloat16 bits) plus the channel means, keys
+        turned, into ``out`` from token ``offset`` (absolute position ``start``): bf16 or
+        float32 in place, else through a float32 scratch."""
         h = self.header
         L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
         m = rows.shape[1]
@@ -636,7 +657,9 @@ class TcqDecoder(FrameDecoder):
         )
 
         def write_kernel(todo: np.ndarray) -> None:
-            tcq_kernels.write_rows(rows, first_angle, cos, sin, H, D, out16, out32, base, T, todo)
+            tcq_kernels.write_rows(
+                rows, self.streams.mean, first_angle, cos, sin, H, D, out16, out32, base, T, todo
+            )
 
         run_batches(write_kernel, np.ones(2 * L))
         if not direct:
@@ -647,6 +670,11 @@ class TcqDecoder(FrameDecoder):
         h = self.header
         per_stream = 2 * words.astype(np.float64).reshape(h.num_layers, 2)
         return per_stream + (exact + 4 * len(words)) / (2 * h.num_layers)
+
+
+def _numpy_of(x: torch.Tensor) -> np.ndarray:
+    """``x``'s memory as numpy: float32, or bfloat16 bits as uint16."""
+    return x.view(torch.int16).numpy().view(np.uint16) if x.dtype == torch.bfloat16 else x.numpy()
 
 
 _NO_BF16 = np.zeros(0, dtype=np.uint16)

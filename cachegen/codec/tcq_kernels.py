@@ -3,13 +3,15 @@
 A frame decodes in three passes, each over all its (layer, K/V) streams:
 
 1. :func:`decode_coefficients` (codec threads): each stream's rANS symbols, centred on their
-   component's radius, into one row per token of a ``[streams, tokens, width]`` float32
-   array (columns past the stream's kept components are zero), so that
+   component's radius, into one row per token of a ``[streams, tokens, width]`` array of
+   float32 or bfloat16 bits (small integers, exact in both; columns past the stream's kept
+   components are zero), so that
 2. one batched product with every stream's synthesis matrix (the kept components' rows
    scaled by their steps, padded with zero rows to ``width``) is a single dense GEMM that
-   torch hands to its BLAS (vectorized and register-blocked, far faster than a numba loop);
-3. :func:`write_rows` (codec threads) adds the channel means, turns keys by their rotary
-   angles and writes bfloat16 bits (or float32) into the output's ``[heads, tokens,
+   torch hands to its BLAS (vectorized and register-blocked, far faster than a numba loop;
+   in bfloat16 on CPUs with bfloat16 matrix instructions, where it is several times faster);
+3. :func:`write_rows` (codec threads) adds the channel means in float32, turns keys by their
+   rotary angles and writes bfloat16 bits (or float32) into the output's ``[heads, tokens,
    head_dim]`` layout.
 
 The rANS layout is :mod:`cachegen.codec.rans`'s (``LANES`` interleaved states, symbol order
@@ -22,7 +24,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from cachegen.codec.qkernels import prefetch, store_row, store_vector, turn_store_vector
+from cachegen.codec.qkernels import (
+    load_value,
+    prefetch,
+    store_row,
+    store_value,
+    store_vector,
+    turn_store_vector,
+)
 from cachegen.codec.rans import LANES, PROB_SCALE, RANS_L, STATE_WORDS
 from cachegen.codec.rans import _decode_step as decode_step  # the coder's own step
 
@@ -32,9 +41,22 @@ _U_L = np.uint64(RANS_L)
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def decode_coefficients(
-    words, word_off, kept, table_base, radius, radius_off, slot_sym, freq_cum, out, todo, status
+    words,
+    word_off,
+    kept,
+    table_base,
+    radius,
+    radius_off,
+    slot_sym,
+    freq_cum,
+    out,
+    T,
+    width,
+    todo,
+    status,
 ):
-    """rANS-decode streams ``todo`` into ``out`` [streams, tokens, width] (float32).
+    """rANS-decode streams ``todo`` into ``out``, flat [streams, T, width] (float32, or
+    bfloat16 bits if uint16).
 
     Stream ``k`` has ``kept[k]`` components coded with table rows ``table_base[k] + c``;
     its symbol ``s`` of component ``c`` and token ``t`` becomes ``out[k, t, c] = s - radius[
@@ -42,7 +64,6 @@ def decode_coefficients(
     components has no words. ``status[k]``: 0 when the stream decoded cleanly, 1 when it is
     corrupt (wrong word count or final states).
     """
-    _, T, width = out.shape
     slot_flat = slot_sym.reshape(-1)
     fc_flat = freq_cum.reshape(-1)
     fc_width = freq_cum.shape[1]
@@ -54,7 +75,7 @@ def decode_coefficients(
         C = kept[k]
         for t in range(T):
             for c in range(C, width):
-                out[k, t, c] = 0.0
+                out[(k * T + t) * width + c] = 0
         w0 = word_off[k]
         end = word_off[k + 1]
         if C == 0 or T == 0:
@@ -88,21 +109,21 @@ def decode_coefficients(
                         elif t < slot_lines + fc_lines:
                             prefetch(fc_flat, nxt_fc + (t - slot_lines) * 16)
                     x0, p, y = decode_step(x0, tb, slot_sym, freq_cum, words, p, last)
-                    out[k, t, g] = np.float32(y) - r0
+                    store_value(out, (k * T + t) * width + g, np.float32(y) - r0)
                     x1, p, y = decode_step(x1, tb + 1, slot_sym, freq_cum, words, p, last)
-                    out[k, t, g + 1] = np.float32(y) - r1
+                    store_value(out, (k * T + t) * width + g + 1, np.float32(y) - r1)
                     x2, p, y = decode_step(x2, tb + 2, slot_sym, freq_cum, words, p, last)
-                    out[k, t, g + 2] = np.float32(y) - r2
+                    store_value(out, (k * T + t) * width + g + 2, np.float32(y) - r2)
                     x3, p, y = decode_step(x3, tb + 3, slot_sym, freq_cum, words, p, last)
-                    out[k, t, g + 3] = np.float32(y) - r3
+                    store_value(out, (k * T + t) * width + g + 3, np.float32(y) - r3)
                     x4, p, y = decode_step(x4, tb + 4, slot_sym, freq_cum, words, p, last)
-                    out[k, t, g + 4] = np.float32(y) - r4
+                    store_value(out, (k * T + t) * width + g + 4, np.float32(y) - r4)
                     x5, p, y = decode_step(x5, tb + 5, slot_sym, freq_cum, words, p, last)
-                    out[k, t, g + 5] = np.float32(y) - r5
+                    store_value(out, (k * T + t) * width + g + 5, np.float32(y) - r5)
                     x6, p, y = decode_step(x6, tb + 6, slot_sym, freq_cum, words, p, last)
-                    out[k, t, g + 6] = np.float32(y) - r6
+                    store_value(out, (k * T + t) * width + g + 6, np.float32(y) - r6)
                     x7, p, y = decode_step(x7, tb + 7, slot_sym, freq_cum, words, p, last)
-                    out[k, t, g + 7] = np.float32(y) - r7
+                    store_value(out, (k * T + t) * width + g + 7, np.float32(y) - r7)
                 states[0], states[1], states[2], states[3] = x0, x1, x2, x3
                 states[4], states[5], states[6], states[7] = x4, x5, x6, x7
             else:
@@ -112,7 +133,8 @@ def decode_coefficients(
                             states[lane], tb + lane, slot_sym, freq_cum, words, p, last
                         )
                         states[lane] = x
-                        out[k, t, g + lane] = np.float32(y) - radius[ro + lane]
+                        at = (k * T + t) * width + g + lane
+                        store_value(out, at, np.float32(y) - radius[ro + lane])
         ok = p == end
         for lane in range(LANES):
             if states[lane] != _U_L:
@@ -121,22 +143,27 @@ def decode_coefficients(
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def write_rows(rows, first_angle, cos, sin, heads, head_dim, out16, out32, base, tokens, todo):
-    """Streams ``todo`` of ``rows`` [streams, m, heads * head_dim] (means included), keys
+def write_rows(
+    rows, mean, first_angle, cos, sin, heads, head_dim, out16, out32, base, tokens, todo
+):
+    """Streams ``todo`` of ``rows`` [streams, m, heads * head_dim] (float32, or bfloat16 bits
+    if uint16) plus their channel means ``mean`` [streams, heads * head_dim], keys
     turned by the NeoX rotary angles of rows ``first_angle[k] + t`` of ``cos``/``sin`` (as
     ``quant.rotary_cos_sin`` makes them; ``first_angle[k]`` -1: not turned), written as
     bfloat16 bits into ``out16`` when it is non-empty, else as float32 into ``out32``: head
     ``h`` of token ``t`` of stream ``k`` at ``base[k] + (h * tokens + t) * head_dim``
     (``qkernels.store_row``'s arithmetic, in vector registers)."""
     _, m, _ = rows.shape
+    rows_flat = rows.reshape(-1)
     row = np.empty(head_dim, dtype=np.float32)
     for i in range(todo.shape[0]):
         k = todo[i]
         rotate = first_angle[k] >= 0
         for h in range(heads):
             for t in range(m):
+                at = (k * m + t) * heads * head_dim + h * head_dim
                 for d in range(head_dim):
-                    row[d] = rows[k, t, h * head_dim + d]
+                    row[d] = load_value(rows_flat, at + d) + mean[k, h * head_dim + d]
                 o = base[k] + (h * tokens + t) * head_dim
                 angle = first_angle[k] + t
                 if out16.shape[0] > 0:
