@@ -11,6 +11,7 @@ import pytest
 from cachegen.cli import main
 from cachegen.codec import CodecError, tcq, tcq_levels, transform
 from cachegen.codec.form_loss import form_losses
+from cachegen.codec.profile import SHIPPED_DIR
 from cachegen.codec.tcq_levels import read_tcq_levels, tcq_levels_path
 from cachegen.errors import InputError
 from cachegen.lab.quality.calibrate import CalibrationSettings
@@ -21,7 +22,7 @@ from cachegen.lab.quality.tcq_calibrate import (
     read_calibration,
     save_choices,
 )
-from cachegen.profiles import codec_for
+from cachegen.profiles import codec_for, tcq_calibration_spec
 
 SMALL = CalibrationSettings(
     targets=(1000.0,), windows=2, context_tokens=96, continuation_tokens=16, chunk_tokens=64
@@ -138,6 +139,48 @@ def test_a_shipped_calibration_is_the_default_until_one_is_recorded(
     (tmp_path / "tiny.json").write_text(json.dumps(shipped))
     with pytest.raises(CodecError, match="has no target"):
         read_tcq_levels(identity, codec.profile_id)
+
+
+def test_a_shipped_calibration_counts_for_a_model_file_of_its_recipe(
+    tiny_llama, tmp_path, monkeypatch
+):
+    # another CPU fits the same recipe into a model file with another id (its forward pass
+    # rounds differently); the shipped choices still count for it, not for another recipe
+    codec = codec_for("tcq", tiny_llama)
+    identity = tiny_llama.identity()
+    tcq_levels_path(identity).unlink(missing_ok=True)
+    recipe = codec.tcq.calibration
+    assert recipe == tcq_calibration_spec()
+    shipped = {
+        "schema": "cachegen-calibrated-levels",
+        "version": 1,
+        "model": {"name": tiny_llama.name, "fingerprint": identity.fingerprint},
+        "default_level": 2,
+        "levels": {},
+        "tcq": {
+            "model_file": "fitted-on-another-cpu",
+            "recipe": recipe,
+            "targets": {"24": 2.0},
+            "default_level": 24,
+        },
+    }
+    (tmp_path / "tiny.json").write_text(json.dumps(shipped))
+    monkeypatch.setattr(tcq_levels, "SHIPPED_DIR", tmp_path)
+    assert codec_for("tcq", tiny_llama).default_level == 24
+    assert codec.calibrated_levels() == {"targets": {24: 2.0}, "default_level": 24}
+    other = {**recipe, "radius_margin": recipe["radius_margin"] + 1}
+    assert read_tcq_levels(identity, codec.profile_id, other) is None
+    assert read_tcq_levels(identity, codec.profile_id) is None  # no recipe given
+
+
+def test_the_shipped_tcq_calibrations_are_of_the_current_recipe():
+    # a changed recipe refits every model file, and a shipped calibration of the old recipe
+    # would then count nowhere: calibrate again and ship the new choices with the new recipe
+    shipped = [json.loads(path.read_text()) for path in sorted(SHIPPED_DIR.glob("*.json"))]
+    entries = [data["tcq"] for data in shipped if data.get("tcq")]
+    assert entries, "no shipped tcq calibration"
+    for entry in entries:
+        assert entry["recipe"] == tcq_calibration_spec()
 
 
 @pytest.mark.parametrize("flag", [["--trials", "x.json"], ["--level", "7"], ["--no-derotate"]])

@@ -452,11 +452,16 @@ class TcqCodec(Codec):
     def levels(self) -> list[int]:
         return sorted(self.tcq.levels)
 
+    def calibrated_levels(self) -> dict | None:
+        """The quality targets its levels met and the default level, as ``cachegen calibrate
+        --codec tcq`` chose them for this model file or shipped them for its recipe
+        (``cachegen.codec.tcq_levels``); None if never calibrated."""
+        return read_tcq_levels(self.tcq.model, self.tcq.id, self.tcq.calibration)
+
     @property
     def default_level(self) -> int:
-        """The level ``cachegen calibrate --codec tcq --set-default`` chose for this model
-        file (or shipped for it, ``cachegen.codec.tcq_levels``), else the middle one."""
-        calibrated = read_tcq_levels(self.tcq.model, self.tcq.id)
+        """The calibrated default level (:meth:`calibrated_levels`), else the middle one."""
+        calibrated = self.calibrated_levels()
         if calibrated and calibrated["default_level"] is not None:
             return calibrated["default_level"]
         return self.levels[len(self.levels) // 2]

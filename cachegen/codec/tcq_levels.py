@@ -11,8 +11,13 @@ The targets are the levels' losses for a quality bound (``cachegen.codec.form_lo
 level chosen for a target of 1% is a form of loss 1%.
 
 A model's calibration may also ship with the package (the ``tcq`` entry of its
-``cachegen/codec/calibrated/<model>.json``, for the model file it measured), so that a fresh
-install gets a calibrated default; a calibration run on this machine takes precedence.
+``cachegen/codec/calibrated/<model>.json``), so that a fresh install gets a calibrated
+default; a calibration run on this machine takes precedence. A shipped calibration counts for
+the model file it measured and for any model file fitted by the same recipe (the model file's
+``calibration``: text, levels, fitting settings): the fit runs the model's forward pass, whose
+float rounding differs between CPUs (bf16 kernels with and without AMX), so a model file fitted
+here from the same recipe has another id while its steps and tables differ only by that
+rounding.
 """
 
 from __future__ import annotations
@@ -33,16 +38,19 @@ def tcq_levels_path(model: ModelIdentity):
     return profile_path(model).parent / "tcq-levels.json"
 
 
-def read_tcq_levels(model: ModelIdentity, model_file: str) -> dict | None:
+def read_tcq_levels(
+    model: ModelIdentity, model_file: str, recipe: dict | None = None
+) -> dict | None:
     """``{"targets": {level: target_ppl_pct}, "default_level": int | None}`` calibrated for
-    the tcq model file ``model_file``, or None (never calibrated, or for another model file)."""
+    the tcq model file ``model_file`` (fitted by ``recipe``, its ``calibration``), or None
+    (never calibrated, or for another model file and recipe)."""
     path = tcq_levels_path(model)
     if not path.is_file():
-        return _shipped_tcq_levels(model, model_file)
+        return _shipped_tcq_levels(model, model_file, recipe)
     try:
         data = check_version(json.loads(path.read_text()), SCHEMA, (VERSION,), str(path))
         if str(data["model_file"]) != model_file:
-            return _shipped_tcq_levels(model, model_file)
+            return _shipped_tcq_levels(model, model_file, recipe)
         return _parsed(data, path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, CacheGenError) as exc:
         raise CodecError(
@@ -51,16 +59,16 @@ def read_tcq_levels(model: ModelIdentity, model_file: str) -> dict | None:
         ) from exc
 
 
-def _shipped_tcq_levels(model: ModelIdentity, model_file: str) -> dict | None:
+def _shipped_tcq_levels(model: ModelIdentity, model_file: str, recipe: dict | None) -> dict | None:
     for path in sorted(SHIPPED_DIR.glob("*.json")):
         data = check_version(
             json.loads(path.read_text()), SHIPPED_SCHEMA, (SHIPPED_VERSION,), str(path)
         )
         shipped = data.get("tcq")
         if data["model"]["fingerprint"] == model.fingerprint and shipped:
-            if str(shipped["model_file"]) != model_file:
-                return None
-            return _parsed(shipped, path)
+            same_file = str(shipped["model_file"]) == model_file
+            same_recipe = recipe is not None and shipped.get("recipe") == recipe
+            return _parsed(shipped, path) if same_file or same_recipe else None
     return None
 
 

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from cachegen.codec.form_loss import form_losses, form_name
-from cachegen.codec.tcq_levels import read_tcq_levels
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
 from cachegen.errors import CacheGenError, InputError
@@ -528,7 +527,7 @@ class ChunkTransport:
         tcq_targets = None
         if TCQ in self.config.save_modes:
             names += [form_name(TCQ, lv) for lv in self.levels(TCQ)]
-            calibration = read_tcq_levels(self.identity, self.codec(TCQ).profile_id)
+            calibration = self.codec(TCQ).calibrated_levels()
             tcq_targets = calibration["targets"] if calibration else None
         calibrated = self.codec("cachegen").profile.calibrated_levels()
         return form_losses(names, self.identity.fingerprint, calibrated, tcq_targets)

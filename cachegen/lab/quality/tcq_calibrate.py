@@ -87,6 +87,7 @@ def calibrate_tcq(
         {
             "model": {"name": identity.name, "fingerprint": identity.fingerprint},
             "tcq_model": codec.profile_id,
+            "tcq_recipe": codec.tcq.calibration,
             "split": "calibrate",
             "windows": settings.windows,
             "context_tokens": settings.context_tokens,
