@@ -13,6 +13,7 @@ from cachegen.codec.form_loss import form_name
 from cachegen.connector.config import ConnectorConfig
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.transport import ChunkTransport
+from cachegen.lab import rows as row_schema
 from cachegen.lab.bench.engine import ConnectorEngine
 from cachegen.modes import Mode
 from cachegen.profiles import codec_for
@@ -158,3 +159,12 @@ def test_a_calibrated_tcq_level_is_a_form_a_bound_allows(tiny_llama, tmp_path, m
         t.close()
         transform.forget_cached_bases()
         tcq.forget_cached_tcq_models()
+
+
+def test_the_ttft_table_measures_each_stored_tcq_level(engine, levels):
+    from cachegen.lab.bench.ttft import TTFTBench, ttft_table
+
+    rows = ttft_table(TTFTBench(engine=engine), [512], [100], modes=("tcq",), repeats=1)
+    row_schema.validate(rows, "ttft", "the tcq TTFT table")  # what --json writes
+    assert [(r["mode"], r["level"]) for r in rows] == [("tcq", level) for level in levels]
+    assert all(r["loaded_tokens"] == 512 and r["bytes"] > 0 for r in rows)
