@@ -87,7 +87,6 @@ class CalibrationSettings:
     # and perplexity within the target; "ppl": measured perplexity change within margin x target.
     select: str = "kl"
     seed: int = 0
-    batch_tokens: int = 16384
     # Calibration runs the model in float32: in bf16 *any* change to the KV, however small,
     # decorrelates the rounding of the whole forward pass and costs a floor of KL (about
     # what int8 shows) that would drown the per-group probes.
@@ -212,19 +211,17 @@ class CalibrationWindows:
             leave=False,
         )
         for n, (kv, continuation, ref) in enumerate(self.items):
-            rows = max(1, self.settings.batch_tokens // kv.num_tokens)
-            for begin in range(0, len(variants), rows):
-                batch = [variants[i](n, kv) for i in range(begin, min(begin + rows, len(variants)))]
-                logits = continuation_logits(self.hf_model, batch, continuation)[:, :-1]
-                for j in range(len(batch)):
-                    s = compare_logits(ref, logits[j])
-                    t = totals[begin + j]
-                    t[0] += s.tokens
-                    t[1] += s.kl
-                    t[2] += s.nll
-                    t[3] += s.nll_original
-                    t[4] += s.agree
-                bar.update(len(batch))
+            for variant, t in zip(variants, totals):
+                # alone, as the reference ran: a batch's size changes the rounding of oneDNN's
+                # bf16 kernels on CPUs with AMX (cachegen.lab.quality.evaluate)
+                logits = continuation_logits(self.hf_model, [variant(n, kv)], continuation)
+                s = compare_logits(ref, logits[0, :-1])
+                t[0] += s.tokens
+                t[1] += s.kl
+                t[2] += s.nll
+                t[3] += s.nll_original
+                t[4] += s.agree
+                bar.update()
         bar.close()
         return [
             (t[1] / t[0], 100.0 * math.expm1((t[2] - t[3]) / t[0]), t[4] / t[0]) for t in totals

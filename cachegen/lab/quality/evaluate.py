@@ -6,10 +6,16 @@ teacher-forced logits and greedy generation with that KV are the reference. Each
 by its decoded version and runs the very same path; :mod:`cachegen.lab.quality.metrics`
 compares the two. One pass over the windows serves every candidate, so the expensive
 prefill happens once per window.
+
+Every run (the reference and each candidate) replays one KV alone, never as a row of a batch:
+on CPUs with AMX, oneDNN's bf16 kernels round differently for every batch size, so a row's
+logits depend on how many rows run beside it (by more than half a logit on a real model),
+which would make a candidate's score depend on the other candidates.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,7 +24,7 @@ from tqdm import tqdm
 
 from cachegen.errors import InputError
 from cachegen.kv import KVCache
-from cachegen.lab.quality.metrics import Reference, Tally, compare_logits
+from cachegen.lab.quality.metrics import Reference, Tally, WindowScores, compare_logits
 from cachegen.lab.quality.replay import continuation_logits, greedy_generate
 from cachegen.workload.retrieval import ANSWER_TOKENS, answer_is_correct
 from cachegen.workload.window import Window
@@ -43,7 +49,6 @@ class EvalSettings:
     gen_tokens: int = 64  # greedy tokens per text window (retrieval uses ANSWER_TOKENS)
     gen_windows: int | None = None  # generate on the first N windows only (None: all)
     seed: int = 0  # for the bootstrap intervals
-    batch_tokens: int = 65536  # past tokens replayed together (rows x context), bounds memory
 
 
 def evaluate(
@@ -76,46 +81,31 @@ def evaluate(
     for index, window in enumerate(windows):
         generate = settings.gen_windows is None or index < settings.gen_windows
         kv = extract_kv(model, token_ids=window.context_ids, prefill_chunk_tokens=PREFILL_CHUNK)
-        rows_per_batch = max(1, settings.batch_tokens // max(1, kv.num_tokens))
-        known = _KnownRuns()
-        reference = None
-        for begin in range(0, len(candidates), rows_per_batch):
-            batch = list(range(begin, min(begin + rows_per_batch, len(candidates))))
-            decoded, bits = [], []
-            for i in batch:
-                bar.set_postfix_str(f"{candidates[i].codec}/{candidates[i].level}", refresh=False)
-                kv_i, bits_i = candidates[i].roundtrip(kv)
-                decoded.append(kv_i)
-                bits.append(bits_i)
-            # The original KV rides along in the first batch: it is the reference run. A
-            # decoded KV bit-identical to one already run (raw vs the original, int8 vs
-            # int8-zstd) reuses that run: the model is deterministic, so it would repeat it.
-            fresh = []
-            for kv_i in ([kv] if reference is None else []) + decoded:
-                if known.entry(kv_i) is None:
-                    known.add(kv_i)
-                    fresh.append(kv_i)
-            for kv_i, run in zip(fresh, replay.run(fresh, window, generate) if fresh else []):
-                known.entry(kv_i)[1] = run
-            if reference is None:
-                reference = known.entry(kv)[1]
-                scored = Reference.of(reference.logits, reference.targets)
-            runs = [known.entry(kv_i)[1] for kv_i in decoded]
-            known.keep_only(kv)
-            for i, run, bits_i in zip(batch, runs, bits):
-                tally = tallies[i]
-                tally.add_window(compare_logits(scored, run.logits), bits_i, kv.num_elements)
-                if generate:
-                    tally.add_generation(
-                        reference.generated, run.generated, reference.text, run.text
+        reference = replay.run(kv, window, generate)
+        scored = Reference.of(reference.logits, reference.targets)
+        # A decoded KV bit-identical to one already run (raw vs the original, int8 vs
+        # int8-zstd) reuses that run's outcome: the model is deterministic, so it would
+        # repeat it. Outcomes keep no logits (a vocabulary per token is big).
+        known = {_digest(kv): _Outcome.of(scored, reference)}
+        for candidate, tally in zip(candidates, tallies):
+            bar.set_postfix_str(f"{candidate.codec}/{candidate.level}", refresh=False)
+            kv_i, bits_i = candidate.roundtrip(kv)
+            digest = _digest(kv_i)
+            if digest not in known:
+                known[digest] = _Outcome.of(scored, replay.run(kv_i, window, generate))
+            outcome = known[digest]
+            tally.add_window(outcome.scores, bits_i, kv.num_elements)
+            if generate:
+                tally.add_generation(
+                    reference.generated, outcome.generated, reference.text, outcome.text
+                )
+                if window.answer is not None:
+                    tally.add_retrieval(
+                        str(window.tags["context_tokens"]),
+                        answer_is_correct(reference.text, window.answer),
+                        answer_is_correct(outcome.text, window.answer),
                     )
-                    if window.answer is not None:
-                        tally.add_retrieval(
-                            str(window.tags["context_tokens"]),
-                            answer_is_correct(reference.text, window.answer),
-                            answer_is_correct(run.text, window.answer),
-                        )
-                bar.update()
+            bar.update()
     bar.close()
     rows = []
     for candidate, tally in zip(candidates, tallies):
@@ -127,36 +117,25 @@ def evaluate(
     return rows
 
 
-class _KnownRuns:
-    """Runs of one window, found by the exact KV they were (or will be) made with."""
+def _digest(kv: KVCache) -> bytes:
+    """What tells a KV from another: its dtype and every bit of its keys and values."""
+    h = hashlib.sha256(str(kv.dtype).encode())
+    for x in (kv.keys, kv.values):
+        h.update(x.contiguous().view(torch.uint8).numpy())
+    return h.digest()
 
-    def __init__(self) -> None:
-        self._entries: dict[tuple, list[list]] = {}  # cheap fingerprint -> [[kv, run], ...]
 
-    @staticmethod
-    def _print(kv: KVCache) -> tuple:
-        return (
-            kv.dtype,
-            float(kv.keys.sum(dtype=torch.float64)),
-            float(kv.values.sum(dtype=torch.float64)),
-        )
+@dataclass
+class _Outcome:
+    """A run's scores against the reference, and its greedy answer."""
 
-    def add(self, kv: KVCache) -> None:
-        self._entries.setdefault(self._print(kv), []).append([kv, None])
+    scores: WindowScores
+    generated: list[int]
+    text: str
 
-    def entry(self, kv: KVCache) -> list | None:
-        for entry in self._entries.get(self._print(kv), []):
-            other = entry[0]
-            if other is kv or (
-                torch.equal(other.keys, kv.keys) and torch.equal(other.values, kv.values)
-            ):
-                return entry
-        return None
-
-    def keep_only(self, kv: KVCache) -> None:
-        """Forget every run but ``kv``'s (decoded KVs of long contexts are big)."""
-        entry = self.entry(kv)
-        self._entries = {self._print(kv): [entry]} if entry else {}
+    @classmethod
+    def of(cls, reference: Reference, run: _Run) -> _Outcome:
+        return cls(compare_logits(reference, run.logits), run.generated, run.text)
 
 
 @dataclass
@@ -175,22 +154,14 @@ class _Replay:
     tokenizer: object
     settings: EvalSettings
 
-    def run(self, kvs: list[KVCache], window: Window, generate: bool) -> list[_Run]:
-        """Scores and (if ``generate``) greedy answers of ``window`` after each of ``kvs``."""
-        logits = continuation_logits(self.hf_model, kvs, window.continuation_ids)[:, :-1]
-        generated: list[list[int]] = [[] for _ in kvs]
+    def run(self, kv: KVCache, window: Window, generate: bool) -> _Run:
+        """Scores and (if ``generate``) greedy answer of ``window`` after ``kv``, alone."""
+        logits = continuation_logits(self.hf_model, [kv], window.continuation_ids)[0, :-1]
+        generated: list[int] = []
         if generate:
             budget = ANSWER_TOKENS if window.answer is not None else self.settings.gen_tokens
             stop_ids = frozenset(i for i in [self.tokenizer.eos_token_id] if i is not None)
             prompt = window.continuation_ids[: window.prompt_len]
-            generated = greedy_generate(self.hf_model, kvs, prompt, budget, stop_ids)
-        targets = window.continuation_ids[1:]
-        return [
-            _Run(
-                logits[r],
-                targets,
-                generated[r],
-                self.tokenizer.decode(generated[r], skip_special_tokens=True),
-            )
-            for r in range(len(kvs))
-        ]
+            generated = greedy_generate(self.hf_model, [kv], prompt, budget, stop_ids)[0]
+        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        return _Run(logits, window.continuation_ids[1:], generated, text)

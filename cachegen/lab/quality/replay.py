@@ -6,11 +6,11 @@ instead of the original?". This module turns :class:`~cachegen.kv.KVCache` objec
 transformers ``DynamicCache`` and continues from it: teacher-forced logits for scoring and
 greedy generation for answer-level metrics.
 
-Original and decoded KV of one context go through this same path as rows of one batch
-(batching several pasts is what makes generation affordable on a CPU: a decode step reads
-the weights once for all rows). Each row is computed independently, so a row's result
-does not depend on its neighbours; the tests check that raw KV gives bit-identical logits
-to recomputing the whole sequence.
+Several pasts can go through as rows of one batch, each computed independently of its
+neighbours' values, but not of the batch's size: on CPUs with AMX, oneDNN's bf16 kernels
+block and round differently for each shape, so the evaluation replays every KV alone
+(``cachegen.lab.quality.evaluate``). The tests check that raw KV gives the logits of
+recomputing the whole sequence, to the last bit of the blocking.
 """
 
 from __future__ import annotations
