@@ -148,9 +148,10 @@ def _stream_tables(tcq: TcqModel, code: LevelCode, layers: tuple[int, ...]) -> S
 def bf16_synthesis() -> bool:
     """Whether bfloat16 output is synthesized by a bfloat16 GEMM: on CPUs with bfloat16
     matrix instructions (AMX or AVX512-BF16), where it runs several times faster than
-    float32 and adds one rounding of the components' sum to bfloat16, far below the
-    quantizer's error (docs/codec.md, "tcq decode"). Elsewhere bfloat16 GEMMs are emulated
-    and slower, so the synthesis stays float32."""
+    float32 and rounds the synthesis entries and the product to bfloat16, far below the
+    quantizer's error (docs/codec.md, tcq's "Decode speed"). Elsewhere bfloat16 GEMMs are
+    emulated and slower, so the synthesis stays float32. (torch names these CPU probes with
+    a leading underscore; a torch without them reads as neither.)"""
     cpu = torch.cpu
     return any(
         bool(getattr(cpu, probe, lambda: False)())
