@@ -299,14 +299,17 @@ def ensure_kvtc_basis(model: str | models.ModelSpec) -> TransformBasis:
 # ---- the tcq model --------------------------------------------------------------------------
 
 
-def tcq_calibration_spec(levels: dict[int, float] | None = None) -> dict:
-    """What a tcq model is fitted on; recorded in the model file and its reference."""
+def tcq_calibration_spec(
+    levels: dict[int, float] | None = None, spec: models.ModelSpec | None = None
+) -> dict:
+    """What a tcq model (of ``spec``) is fitted on; recorded in the model file and its
+    reference."""
     return {
         "basis": kvtc_calibration_spec(),
         "levels": {str(k): v for k, v in (levels or tcq.LEVELS).items()},
         "radius_margin": TCQ_RADIUS_MARGIN,
         "query_rows": TCQ_QUERY_ROWS,
-        "layer_exponent": TCQ_LAYER_EXPONENT,
+        "layer_exponent": tcq_layer_exponent(spec),
         "weights": "attention output error per unit of component error",
     }
 
@@ -316,6 +319,15 @@ TCQ_QUERY_ROWS = 256  # calibration tokens whose queries weigh the components
 # An error is weighed relative to the residual stream's energy at its layer to this power:
 # 1 treats errors as relative to the layer's input, 0 as relative to the final residual.
 TCQ_LAYER_EXPONENT = 1.0
+# ... other than 1 for these models, each chosen among 0, 0.5 and 1 by the KL of levels 23-25
+# on the calibration windows of `cachegen calibrate` (docs/codec.md, "Gemma 3's tcq calibration")
+TCQ_LAYER_EXPONENTS = {"gemma3-270m": 0.5}
+
+
+def tcq_layer_exponent(spec: models.ModelSpec | None) -> float:
+    return TCQ_LAYER_EXPONENTS.get(spec.name, TCQ_LAYER_EXPONENT) if spec else TCQ_LAYER_EXPONENT
+
+
 TCQ_STEP_SEARCH = 14  # bisection steps that find a level's step for its bits per element
 TCQ_STEP_SEARCH_STRIDE = 4  # ... on every 4th calibration token
 
@@ -424,10 +436,12 @@ def _layer_weights(
     theta: float,
     window,
     components: np.ndarray,
+    exponent: float,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Key and value component weights [C] of one layer: the expected squared error each
     unit of a component's quantization error puts into the attention output (after the
-    output projection, relative to ``stats.scale``), averaged over the sampled queries.
+    output projection, relative to ``stats.scale`` to the power ``exponent``), averaged over
+    the sampled queries.
 
     A value error at token ``t`` reaches head ``h``'s output as ``a_t W_o^h dv``; a key error
     moves logit ``t`` by ``s q . dk`` and the output by ``a_t s (q . dk) W_o^h (v_t - o)``.
@@ -468,11 +482,13 @@ def _layer_weights(
     u = components.reshape(2, -1, kv_heads, D)
     key_w = (u[0] ** 2).reshape(-1, kv_heads * D) @ key_energy.reshape(-1).numpy()
     value_w = np.einsum("igd,gde,ige->i", u[1], value_gram.numpy(), u[1])
-    scale = stats.scale**TCQ_LAYER_EXPONENT
+    scale = stats.scale**exponent
     return key_w / scale, value_w / scale
 
 
-def _component_weights(hf_model, kv: KVCache, stats, basis: TransformBasis) -> np.ndarray:
+def _component_weights(
+    hf_model, kv: KVCache, stats, basis: TransformBasis, exponent: float
+) -> np.ndarray:
     """Weights [L, 2, C], scaled together so that their variance-weighted mean is 1 (all ones
     for a model whose layers are not recognised)."""
     L, _, C = basis.variances.shape
@@ -490,6 +506,7 @@ def _component_weights(hf_model, kv: KVCache, stats, basis: TransformBasis) -> n
             basis.rope_thetas[layer],
             windows[layer],
             basis.components[layer].astype(np.float64),
+            exponent,
         )
     var = basis.variances.astype(np.float64)
     weights *= var.sum() / (weights * var).sum()
@@ -578,7 +595,7 @@ def fit_tcq_model(
     from cachegen.extract import load_model
 
     levels = dict(sorted((levels or tcq.LEVELS).items()))  # the file keeps levels in order
-    calibration = tcq_calibration_spec(levels)
+    calibration = tcq_calibration_spec(levels, spec)
     if basis is None:
         basis = ensure_kvtc_basis(spec)
     else:
@@ -593,7 +610,7 @@ def fit_tcq_model(
         weights = np.ones(basis.variances.shape, dtype=np.float32)
         calibration["weights"] = "none: every component weighs 1"
     else:
-        weights = _component_weights(hf_model, kv, stats, basis)
+        weights = _component_weights(hf_model, kv, stats, basis, calibration["layer_exponent"])
     keys = kv.keys[:, :, skip:].to(torch.float32)
     if any(basis.rope_thetas):
         keys = rotate_layer_keys(keys, skip, basis.rope_thetas, inverse=True)
@@ -636,7 +653,7 @@ def ensure_tcq_model(model: str | models.ModelSpec) -> tcq.TcqModel:
     spec = models.resolve(model) if isinstance(model, str) else model
     identity = spec.identity()
     ref = tcq.read_tcq_ref(identity)
-    if ref is not None and ref["calibration"] == tcq_calibration_spec():
+    if ref is not None and ref["calibration"] == tcq_calibration_spec(spec=spec):
         return tcq.find_tcq_model(ref["model_file"], identity)
     fitted = fit_tcq_model(spec)
     with locked(profile_path(identity).parent):

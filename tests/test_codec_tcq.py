@@ -206,7 +206,7 @@ def test_model_is_fitted_on_the_calibration_split_only(tiny_llama, profiles, mon
     monkeypatch.setattr(workload, "text", recording_text)
     fitted = profiles_mod.fit_tcq_model(tiny_llama)
     assert set(read) == {"calibrate"}
-    assert fitted.calibration == tcq_calibration_spec()
+    assert fitted.calibration == tcq_calibration_spec(spec=tiny_llama)
 
 
 def test_steps_follow_the_weights_and_never_need_clipping(model_file):
@@ -248,15 +248,17 @@ def test_component_weights_follow_the_output_projection_and_the_queries():
     values = torch.randn(1, n, D, generator=torch.Generator().manual_seed(0))
     queries = torch.tensor([[[0.0, 2.0]] * 3])  # queries read key channel 1 only
     stats = _LayerStats(queries, torch.tensor([5, 6, 7]), scale=2.0)
-    key_w, value_w = _layer_weights(
-        _one_head_layer(o_proj), stats, keys, values, 0.0, None, np.eye(D)[None].repeat(2, 0)
-    )
+    layer, basis = _one_head_layer(o_proj), np.eye(D)[None].repeat(2, 0)
+    key_w, value_w = _layer_weights(layer, stats, keys, values, 0.0, None, basis, 1.0)
     assert key_w[0] == 0 and key_w[1] > 0
     assert value_w[0] == pytest.approx(9 * value_w[1])
     # a value error reaches the output through the attention weights, squared
     rows = [(p, 1 / (p + 1)) for p in (5, 6, 7)]
     a2 = np.mean([p * w**2 for p, w in rows])  # token 0 is exact
     assert value_w[1] == pytest.approx(a2 * 1.0 / stats.scale, rel=1e-5)
+    # ... relative to the layer's scale to the layer exponent
+    _, half = _layer_weights(layer, stats, keys, values, 0.0, None, basis, 0.5)
+    assert half[1] == pytest.approx(a2 / stats.scale**0.5, rel=1e-5)
 
 
 def test_model_file_round_trips_and_is_content_addressed(model_file, profiles):

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from cachegen import models
 from cachegen.cli import main
 from cachegen.codec import CodecError, tcq, tcq_levels, transform
 from cachegen.codec.form_loss import form_losses
@@ -150,7 +151,7 @@ def test_a_shipped_calibration_counts_for_a_model_file_of_its_recipe(
     identity = tiny_llama.identity()
     tcq_levels_path(identity).unlink(missing_ok=True)
     recipe = codec.tcq.calibration
-    assert recipe == tcq_calibration_spec()
+    assert recipe == tcq_calibration_spec(spec=tiny_llama)
     shipped = {
         "schema": "cachegen-calibrated-levels",
         "version": 1,
@@ -177,10 +178,17 @@ def test_the_shipped_tcq_calibrations_are_of_the_current_recipe():
     # a changed recipe refits every model file, and a shipped calibration of the old recipe
     # would then count nowhere: calibrate again and ship the new choices with the new recipe
     shipped = [json.loads(path.read_text()) for path in sorted(SHIPPED_DIR.glob("*.json"))]
-    entries = [data["tcq"] for data in shipped if data.get("tcq")]
-    assert entries, "no shipped tcq calibration"
-    for entry in entries:
-        assert entry["recipe"] == tcq_calibration_spec()
+    entries = [(data["model"]["name"], data["tcq"]) for data in shipped if data.get("tcq")]
+    assert {name for name, _ in entries} == {"smollm2-135m", "gemma3-270m"}
+    for name, entry in entries:
+        assert entry["recipe"] == tcq_calibration_spec(spec=models.resolve(name)), name
+
+
+def test_a_models_layer_exponent_is_its_own_or_the_default():
+    gemma = tcq_calibration_spec(spec=models.resolve("gemma3-270m"))
+    smollm2 = tcq_calibration_spec(spec=models.resolve("smollm2-135m"))
+    assert gemma["layer_exponent"] == 0.5 and smollm2["layer_exponent"] == 1.0
+    assert {**gemma, "layer_exponent": 1.0} == smollm2  # nothing else differs
 
 
 @pytest.mark.parametrize("flag", [["--trials", "x.json"], ["--level", "7"], ["--no-derotate"]])
