@@ -109,22 +109,29 @@ def test_a_damaged_record_is_refused(document, tiny_llama):
     path.unlink()
 
 
+def ship(spec, tcq_entry: dict, directory, monkeypatch) -> dict:
+    """A shipped calibration of ``spec`` with ``tcq_entry``, in ``directory`` as the package's."""
+    shipped = {
+        "schema": "cachegen-calibrated-levels",
+        "version": 1,
+        "model": {"name": spec.name, "fingerprint": spec.identity().fingerprint},
+        "default_level": 2,
+        "levels": {},
+        "tcq": tcq_entry,
+    }
+    (directory / "tiny.json").write_text(json.dumps(shipped))
+    monkeypatch.setattr(tcq_levels, "SHIPPED_DIR", directory)
+    return shipped
+
+
 def test_a_shipped_calibration_is_the_default_until_one_is_recorded(
     document, tiny_llama, tmp_path, monkeypatch
 ):
     codec = codec_for("tcq", tiny_llama)
     identity = tiny_llama.identity()
     tcq_levels_path(identity).unlink(missing_ok=True)
-    shipped = {
-        "schema": "cachegen-calibrated-levels",
-        "version": 1,
-        "model": {"name": tiny_llama.name, "fingerprint": identity.fingerprint},
-        "default_level": 2,
-        "levels": {},
-        "tcq": {"model_file": codec.profile_id, "targets": {"24": 2.0}, "default_level": 24},
-    }
-    (tmp_path / "tiny.json").write_text(json.dumps(shipped))
-    monkeypatch.setattr(tcq_levels, "SHIPPED_DIR", tmp_path)
+    tcq_entry = {"model_file": codec.profile_id, "targets": {"24": 2.0}, "default_level": 24}
+    shipped = ship(tiny_llama, tcq_entry, tmp_path, monkeypatch)
     assert read_tcq_levels(identity, codec.profile_id) == {
         "targets": {24: 2.0},
         "default_level": 24,
@@ -152,21 +159,9 @@ def test_a_shipped_calibration_counts_for_a_model_file_of_its_recipe(
     tcq_levels_path(identity).unlink(missing_ok=True)
     recipe = codec.tcq.calibration
     assert recipe == tcq_calibration_spec(spec=tiny_llama)
-    shipped = {
-        "schema": "cachegen-calibrated-levels",
-        "version": 1,
-        "model": {"name": tiny_llama.name, "fingerprint": identity.fingerprint},
-        "default_level": 2,
-        "levels": {},
-        "tcq": {
-            "model_file": "fitted-on-another-cpu",
-            "recipe": recipe,
-            "targets": {"24": 2.0},
-            "default_level": 24,
-        },
-    }
-    (tmp_path / "tiny.json").write_text(json.dumps(shipped))
-    monkeypatch.setattr(tcq_levels, "SHIPPED_DIR", tmp_path)
+    choices = {"targets": {"24": 2.0}, "default_level": 24}
+    tcq_entry = {"model_file": "fitted-on-another-cpu", "recipe": recipe, **choices}
+    ship(tiny_llama, tcq_entry, tmp_path, monkeypatch)
     assert codec_for("tcq", tiny_llama).default_level == 24
     assert codec.calibrated_levels() == {"targets": {24: 2.0}, "default_level": 24}
     other = {**recipe, "radius_margin": recipe["radius_margin"] + 1}
