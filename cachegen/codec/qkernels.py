@@ -113,6 +113,8 @@ def _as_f32(x):
         return lambda x: bits_to_f32(np.uint32(x) << np.uint32(16))
     if x == types.uint32:  # float32 bits
         return lambda x: bits_to_f32(x)
+    if x == types.float32:
+        return lambda x: x
     return None
 
 
@@ -431,18 +433,6 @@ def _store_value(out, at, value):
         out[at] = value
 
     return store_f32
-
-
-def load_value(array, at):  # only meaningful inside kernels (see the overload)
-    raise NotImplementedError
-
-
-@overload(load_value, inline="always")
-def _load_value(array, at):
-    """``array[at]`` as float32: float32, or bfloat16 bits if ``array`` is uint16."""
-    if array.dtype == types.uint16:
-        return lambda array, at: bits_to_f32(np.uint32(array[at]) << np.uint32(16))
-    return lambda array, at: array[at]
 
 
 @numba.njit(inline="always")

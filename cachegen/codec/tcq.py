@@ -648,7 +648,7 @@ class TcqDecoder(FrameDecoder):
             target, T, t0 = torch.empty((2, L, H, m, D), dtype=torch.float32), m, 0
         flat = target.view(-1)
         bf16 = target.dtype == torch.bfloat16
-        out16 = flat.view(torch.int16).numpy().view(np.uint16) if bf16 else _NO_BF16
+        out16 = _numpy_of(flat) if bf16 else _NO_BF16
         out32 = _NO_F32 if bf16 else flat.numpy()
         thetas = sorted({t for t in self.thetas if t})
         cos_sin = [rotary_cos_sin(start, m, D, theta) for theta in thetas]

@@ -25,7 +25,7 @@ import numba
 import numpy as np
 
 from cachegen.codec.qkernels import (
-    load_value,
+    as_f32,
     prefetch,
     store_row,
     store_value,
@@ -163,7 +163,7 @@ def write_rows(
             for t in range(m):
                 at = (k * m + t) * heads * head_dim + h * head_dim
                 for d in range(head_dim):
-                    row[d] = load_value(rows_flat, at + d) + mean[k, h * head_dim + d]
+                    row[d] = as_f32(rows_flat[at + d]) + mean[k, h * head_dim + d]
                 o = base[k] + (h * tokens + t) * head_dim
                 angle = first_angle[k] + t
                 if out16.shape[0] > 0:

@@ -79,9 +79,9 @@ def _spread(doc: dict, row: dict, metric: str) -> tuple[float, float]:
         for r in doc["runs"]
         if all(r.get(k) == row.get(k) for k in keys) and isinstance(r.get(metric), (int, float))
     ]
-    if not values or row.get(metric) is None:
+    if row.get(metric) is None:
         return 0.0, 0.0
-    return row[metric] - min(values), max(values) - row[metric]
+    return _runs_spread(row[metric], values)
 
 
 def _missing_note(doc: dict, kind: str, model: str | None = None) -> str:
