@@ -311,6 +311,11 @@ def tcq_calibration_spec(
         "query_rows": TCQ_QUERY_ROWS,
         "layer_exponent": tcq_layer_exponent(spec),
         "weights": "attention output error per unit of component error",
+        "frame_choices": {
+            "offset_units": tcq.OFFSET_UNITS,
+            "family_shapes": list(tcq.FAMILY_SHAPES),
+            "family_scales": [tcq.FAMILY_SCALES, *tcq.FAMILY_SCALE_RANGE],
+        },
     }
 
 
@@ -644,6 +649,7 @@ def fit_tcq_model(
         np.stack(radii),
         np.stack(steps),
         freq,
+        tcq.family_weights(),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -100,45 +101,112 @@ def test_a_layer_subset_decodes_to_the_same_values(kv, tiny_llama, model_file):
     assert torch.equal(part.keys[0], full.keys[1]) and torch.equal(part.values[0], full.values[1])
 
 
-def test_each_token_decodes_alike_in_any_chunking(kv, tiny_llama, model_file):
-    """No per-chunk scales: a token's symbols depend on the token and its position only.
+@pytest.fixture(scope="module")
+def static_model(model_file, profiles) -> tcq.TcqModel:
+    """The model file as format version 1 wrote it: no table family, frames without choices."""
+    import dataclasses
+
+    old = dataclasses.replace(model_file, family=np.zeros((0, tcq.MAX_RADIUS + 1), np.uint32))
+    return tcq.save_tcq_model(old)
+
+
+def test_without_a_family_each_token_decodes_alike_in_any_chunking(kv, static_model):
+    """Frames without choices have no per-chunk state: a token's symbols depend on the token
+    and its position only.
 
     The projection onto the basis and the synthesis are matrix products (float32, or bf16
     where the CPU synthesizes in bf16), whose rounding depends on the number of rows and
     threads (oneDNN and MKL block differently, and with AMX differently again), so a
     coefficient that lies on a quantizer boundary may round either way: the odd token row
-    differs. A per-chunk scale would change nearly every row."""
-    full = decode(codec_for("tcq", tiny_llama, chunk_tokens=64).encode(kv, level=BY_STEP[1]))
+    differs. A per-chunk offset would change nearly every row."""
+    full = decode(get_codec("tcq", tcq=static_model, chunk_tokens=64).encode(kv, BY_STEP[1]))
     tail = kv.slice(40, kv.num_tokens)
-    out = decode(codec_for("tcq", tiny_llama, chunk_tokens=32).encode(tail, level=BY_STEP[1]))
+    out = decode(get_codec("tcq", tcq=static_model, chunk_tokens=32).encode(tail, BY_STEP[1]))
     assert out.start == 40
     for got, want in ((out.keys, full.keys[:, :, 40:]), (out.values, full.values[:, :, 40:])):
         rows_differing = (got != want).any(dim=-1).float().mean().item()  # [layer, head, token]
         assert rows_differing <= 0.01, f"{rows_differing:.1%} of token rows differ"
 
 
+def test_frames_without_choices_still_decode(kv, static_model, model_file):
+    """A stream written before the choices (16-byte parameters, format version 1) decodes
+    with its version 1 model file, which reads and writes back byte for byte."""
+    blob = get_codec("tcq", tcq=static_model).encode(kv, BY_STEP[1])
+    header = parse_header(blob)
+    assert (header.version, header.params.hex()) == (1, static_model.id)
+    again = tcq.parse_tcq_model(static_model.file_bytes, "test", static_model.id)
+    assert not again.adaptive and again.file_bytes == static_model.file_bytes
+    old = decode(blob, torch.float32)
+    ref = reference_decode(static_model, kv, BY_STEP[1], None)
+    got = torch.stack([old.keys, old.values])[:, :, :, 1:]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_choices_follow_a_shift_and_a_spread_the_calibration_never_saw(kv, static_model):
+    """Text unlike the calibration text moves and widens the coefficients: the offsets and
+    the family's tables code it in fewer bits than the calibrated tables, at no more error."""
+    import dataclasses
+
+    moved = dataclasses.replace(kv, keys=kv.keys * 1.5 + 0.5, values=kv.values * 1.5 - 0.5)
+    level = BY_STEP[2]
+    old = get_codec("tcq", tcq=static_model).encode(moved, level)
+    new = codec_for("tcq", static_model.model.name).encode(moved, level)
+    assert parse_header(new).version == tcq.ADAPTIVE_BITSTREAM_VERSION
+    assert len(new) < 0.9 * len(old)
+    assert relative_error(decode(new), moved) <= 1.02 * relative_error(decode(old), moved)
+
+
+def test_each_token_decodes_as_closely_in_any_chunking(kv, tiny_llama, model_file):
+    """Offsets are chosen per frame, so another chunking moves the quantizer's grid by a
+    fraction of a step: the values change, not the error."""
+    full = decode(codec_for("tcq", tiny_llama, chunk_tokens=64).encode(kv, level=BY_STEP[1]))
+    tail = kv.slice(40, kv.num_tokens)
+    out = decode(codec_for("tcq", tiny_llama, chunk_tokens=32).encode(tail, level=BY_STEP[1]))
+    assert out.start == 40
+    want = kv.slice(40, kv.num_tokens)
+    assert relative_error(out, want) == pytest.approx(
+        relative_error(full.slice(40, kv.num_tokens), want), rel=0.1
+    )
+
+
 def reference_decode(
-    model: tcq.TcqModel, kv: KVCache, level: int, magnitude: bool = False
+    model: tcq.TcqModel,
+    kv: KVCache,
+    level: int,
+    chunk_tokens: int | None,
+    magnitude: bool = False,
 ) -> torch.Tensor:
-    """Tokens 1.. of ``kv`` through the encoder's quantizer and back by the model file's
-    arithmetic, plainly in torch: ``mean + ((sym - radius) * step) @ components[kept]``, keys
-    turned by their rotary angles; float32 [2, L, H, n - 1, D]. With ``magnitude``: the sum
-    of the product's terms' magnitudes instead, ``|coefficients| @ |components[kept]|`` (no
+    """Tokens 1.. of ``kv`` through the encoder's quantizer (its offsets chosen per chunk of
+    ``chunk_tokens``; None: a model without a family, no offsets) and back by the model
+    file's arithmetic, plainly in torch: ``mean +
+    ((sym - radius + offset / 4) * step) @ components[kept]``, keys turned by their rotary
+    angles; float32 [2, L, H, n - 1, D]. With ``magnitude``: the sum of the product's terms'
+    magnitudes instead, ``(|sym - radius| + |offset / 4|) * step @ |components[kept]|`` (no
     mean, nothing turned), what bounds the rounding of the product's terms."""
     code = model.level_code(level)
     x = f32(kv)[:, :, :, 1:]
     L, H, n, D = x.shape[1:]
     keys = rotate_layer_keys(x[0], 1, model.rope_thetas, inverse=True)
     out = torch.empty_like(x)
+    step = chunk_tokens or kv.num_tokens
+    bounds = list(range(0, kv.num_tokens, step))[1:] + [kv.num_tokens]
     for layer in range(L):
         for k, source in enumerate((keys, x[1])):
             rows = source[layer].permute(1, 0, 2).reshape(n, H * D)
-            sym = torch.from_numpy(tcq.quantize_rows(model, code, layer, k, rows).T.copy())
             radius = torch.from_numpy(code.radius[layer][k]).float()
             basis = torch.from_numpy(model.components[layer, k][code.kept[layer][k]])
-            coefficients = (sym.float() - radius) * code.step[layer][k]
+            coefficients = []
+            for a, b in zip([1, *bounds[:-1]], bounds):  # token 0 is exact
+                part = rows[a - 1 : b - 1]
+                sym, offset = tcq.quantize_rows(model, code, layer, k, part, model.adaptive)
+                centred = torch.from_numpy(sym.T.copy()).float() - radius
+                shift = torch.from_numpy(offset).float() / tcq.OFFSET_UNITS
+                coefficients.append(
+                    (centred.abs() + shift.abs()) if magnitude else (centred + shift)
+                )
+            coefficients = torch.cat(coefficients) * code.step[layer][k]
             if magnitude:
-                synthesized = coefficients.abs() @ basis.abs()
+                synthesized = coefficients @ basis.abs()
             else:
                 synthesized = torch.from_numpy(model.mean[layer, k]) + coefficients @ basis
             out[k, layer] = synthesized.reshape(n, H, D).permute(1, 0, 2)
@@ -161,7 +229,7 @@ def test_decoder_matches_a_reference_synthesis(
     level = BY_STEP[1]
     out = decode(codec_for("tcq", tiny_llama, chunk_tokens=64).encode(kv, level), out_dtype)
     got = torch.stack([out.keys, out.values])[:, :, :, 1:].float()
-    ref = reference_decode(model_file, kv, level)
+    ref = reference_decode(model_file, kv, level, 64)
     scale = float(ref.abs().max())
     if out_dtype == torch.float32:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * scale)
@@ -169,7 +237,7 @@ def test_decoder_matches_a_reference_synthesis(
         # each synthesis entry and the product are rounded to bf16 (a unit roundoff, 2**-8,
         # of the terms' magnitudes each), a key's pair of channels mixed by its rotation,
         # then the output rounded (2**-8 of its magnitude)
-        terms = reference_decode(model_file, kv, level, magnitude=True)
+        terms = reference_decode(model_file, kv, level, 64, magnitude=True)
         half = terms.shape[-1] // 2
         terms[0] = terms[0] + torch.cat([terms[0][..., half:], terms[0][..., :half]], dim=-1)
         bound = 2.0**-7 * terms + 2.0**-8 * ref.abs() + 1e-5 * scale
@@ -313,12 +381,17 @@ def test_model_file_with_a_bad_table_is_refused(model_file):
     data = model_file.file_bytes
     (length,) = struct.unpack_from("<I", data, 4)
     payload = bytearray(data[8 + length :])
-    first_table = len(payload) - 2 * model_file.freq.size
+    first_table = len(payload) - 2 * model_file.freq.size - 4 * model_file.family.size
     struct.pack_into("<H", payload, first_table, model_file.freq[0] + 1)
     with pytest.raises(CodecError, match=f"does not sum to {rans.PROB_SCALE}"):
         tcq.parse_tcq_model(_rehashed(data, bytes(payload)), "test")
     with pytest.raises(CodecError, match="do not match the radii"):
         tcq.parse_tcq_model(_rehashed(data, bytes(payload[:-2])), "test")
+    payload = bytearray(data[8 + length :])
+    centre = len(payload) - 4 * model_file.family.size  # the family's first weight
+    struct.pack_into("<I", payload, centre, 0)
+    with pytest.raises(CodecError, match="each with a centre"):
+        tcq.parse_tcq_model(_rehashed(data, bytes(payload)), "test")
 
 
 def test_model_of_another_model_or_level_is_refused(kv, tiny_llama, tiny_qwen2, model_file):
@@ -338,6 +411,23 @@ def test_model_of_another_model_or_level_is_refused(kv, tiny_llama, tiny_qwen2, 
     assert header.level == BY_STEP[0]
     with pytest.raises(CodecError, match="no level"):
         get_codec("tcq", tcq=model_file).decoder(_with_level(header, 7))
+
+
+def test_a_frame_layout_the_header_cannot_hold_is_refused(kv, tiny_llama, model_file, static_model):
+    import dataclasses
+
+    header = parse_header(codec_for("tcq", tiny_llama).encode(kv, level=BY_STEP[0]))
+    assert header.version == tcq.ADAPTIVE_BITSTREAM_VERSION and header.params[16] == 1
+    cases = [
+        (dataclasses.replace(header, version=4), "frame layout"),  # choices need version 5
+        (dataclasses.replace(header, params=header.params[:16] + b"\x02"), "frame layout"),
+        (dataclasses.replace(header, params=header.params + b"\x01"), "parameters"),
+        # choices, but the model file named has no family to choose from
+        (dataclasses.replace(header, params=bytes.fromhex(static_model.id) + b"\x01"), "family"),
+    ]
+    for forged, why in cases:
+        with pytest.raises(CodecError, match=why):
+            tcq.TcqCodec.decoder(forged)
 
 
 def _with_level(header, level: int):
@@ -366,13 +456,32 @@ def test_truncated_and_flipped_frames_are_refused(kv, tiny_llama, model_file):
         with pytest.raises(CodecError):
             decode(bytes(bad))
     body = bytes(parse_frames(blob, parse_header(blob))[0].body)
+    exact = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * 2  # the first token, bf16
+    (side,) = struct.unpack_from("<I", body, exact)
+    choices = zlib.decompress(body[exact + 4 : exact + 4 + side])
     # a directory that still adds up but moves a word from one stream to the next
     shifted = bytearray(body)
-    exact = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * 2  # the first token, bf16
-    first, second = struct.unpack_from("<2I", shifted, exact)
-    struct.pack_into("<2I", shifted, exact, first + 1, second - 1)
-    for bad_body in (body[:-2], body + b"\0\0", bytes(shifted)):
-        with pytest.raises(CodecError, match="corrupt"):
+    directory = exact + 4 + side
+    first, second = struct.unpack_from("<2I", shifted, directory)
+    struct.pack_into("<2I", shifted, directory, first + 1, second - 1)
+
+    # choices that inflate but name a table past the family, or are one entry short
+    def with_choices(raw: bytes) -> bytes:
+        packed = zlib.compress(raw)
+        return body[:exact] + struct.pack("<I", len(packed)) + packed + body[directory:]
+
+    past = choices[:-1] + bytes([len(model_file.family) + 1])
+    garbage = body[:exact] + struct.pack("<I", side) + bytes(side) + body[directory:]
+    for bad_body, why in (
+        (body[:-2], "corrupt"),
+        (body + b"\0\0", "corrupt"),
+        (bytes(shifted), "corrupt"),
+        (with_choices(past), "a table the family does not have"),
+        (with_choices(choices[:-1]), "one entry per kept component"),
+        (with_choices(choices + b"\0"), "one entry per kept component"),
+        (garbage, "do not inflate"),
+    ):
+        with pytest.raises(CodecError, match=why):
             decode(_reframe(blob, bad_body))
 
 
@@ -430,9 +539,10 @@ def _documented_model_file(path, model_id: str) -> dict:
     assert set(head) == {"schema", "version", "model", "calibration", "rope_thetas", "levels"} | {
         "arrays",
         "freq_entries",
+        "family",
         "payload_sha256",
     }
-    assert (head["schema"], head["version"]) == ("cachegen-tcq-model", 1)
+    assert (head["schema"], head["version"]) == ("cachegen-tcq-model", 2)
     payload = data[8 + length :]
     assert hashlib.sha256(payload).hexdigest() == head["payload_sha256"]
     m = head["model"]
@@ -447,9 +557,18 @@ def _documented_model_file(path, model_id: str) -> dict:
         doc[name] = np.frombuffer(payload, dtype, count, pos).reshape(shape)
         pos += count * np.dtype(dtype).itemsize
     sizes = np.where(doc["radius"] > 0, 2 * doc["radius"].astype(np.int64) + 1, 0)
-    assert head["freq_entries"] == sizes.sum() and pos + 2 * sizes.sum() == len(payload)
-    assert len(data) == 8 + length + 8 * L * C * (C + 2) + 10 * N * L * C + 2 * sizes.sum()
-    freq = np.frombuffer(payload, "<u2", offset=pos)
+    J, R = head["family"]
+    assert R == 128 and head["freq_entries"] == sizes.sum()
+    assert pos + 2 * sizes.sum() + 4 * J * R == len(payload)
+    arrays = 8 * L * C * (C + 2) + 10 * N * L * C + 2 * sizes.sum() + 4 * J * R
+    assert len(data) == 8 + length + arrays
+    freq = np.frombuffer(payload, "<u2", count=int(sizes.sum()), offset=pos)
+    family = np.frombuffer(payload, "<u4", offset=pos + 2 * int(sizes.sum())).reshape(J, R)
+    # a family table of radius r: the weights at |s| for s in -r..r, made frequencies
+    # summing to 1024 with at least 1 each, as quantize_frequencies does
+    doc["family_table"] = lambda j, r: rans.quantize_frequencies(
+        family[j : j + 1, np.abs(np.arange(-r, r + 1))].astype(np.int64), np.array([2 * r + 1])
+    )[0]
     ends = np.cumsum(sizes.reshape(-1)).reshape(sizes.shape)
     doc["tables"] = lambda x, layer, k, c: freq[ends[x, layer, k, c] - sizes[x, layer, k, c] :][
         : sizes[x, layer, k, c]
@@ -467,7 +586,7 @@ def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, tiny_llam
     magic, version, codec_id, got_level, dtype, flags, L, H, D, start, tokens, chunk = fixed
     assert (magic, version, codec_id, got_level, start, tokens, chunk) == (
         b"CGKV",
-        1,
+        5,
         12,
         level,
         0,
@@ -482,12 +601,13 @@ def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, tiny_llam
     pos += 33
     (p,) = struct.unpack_from("<H", blob, pos)
     params = blob[pos + 2 : pos + 2 + p]
-    assert p == 16 and params.hex() == model_file.id and fingerprint == part.model.fingerprint
+    assert p == 17 and params[:16].hex() == model_file.id and params[16] == 1
+    assert fingerprint == part.model.fingerprint
     pos += 2 + p
     assert struct.unpack_from("<I", blob, pos)[0] == zlib.crc32(blob[:pos])
-    assert pos + 4 == 32 + 1 + len("tiny-llama") + 1 + 32 + 2 + 16 + 4
+    assert pos + 4 == 32 + 1 + len("tiny-llama") + 1 + 32 + 2 + 17 + 4
     pos += 4
-    doc = _documented_model_file(tcq.tcq_model_path(params.hex()), params.hex())
+    doc = _documented_model_file(tcq.tcq_model_path(model_file.id), model_file.id)
     x = doc["levels"].index(level)
     assert 0 < np.count_nonzero(doc["radius"][x]) < doc["radius"][x].size  # kept and dropped
     thetas = doc["head"]["rope_thetas"]
@@ -507,9 +627,17 @@ def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, tiny_llam
         exact = body[: 2 * L * H * e * D * part.keys.element_size()]
         want = original[:, :, :, offset : offset + e].contiguous().view(torch.uint8)
         assert exact == want.numpy().tobytes()
-        words = struct.unpack_from(f"<{2 * L}I", body, len(exact))
-        at = len(exact) + 8 * L
+        (side,) = struct.unpack_from("<I", body, len(exact))
+        choices = zlib.decompress(body[len(exact) + 4 : len(exact) + 4 + side])
+        kept_total = int(np.count_nonzero(doc["radius"][x]))
+        assert len(choices) == 2 * kept_total
+        offsets = np.frombuffer(choices, np.int8, kept_total)
+        tables_of = np.frombuffer(choices, np.uint8, offset=kept_total)
+        assert 0 < np.count_nonzero(tables_of) and np.count_nonzero(offsets)  # some chosen
+        words = struct.unpack_from(f"<{2 * L}I", body, len(exact) + 4 + side)
+        at = len(exact) + 4 + side + 8 * L
         assert at + 2 * sum(words) == len(body)
+        chosen = 0
         for i in range(L):
             for k in range(2):
                 stream = np.frombuffer(body, "<u2", words[2 * i + k], at)
@@ -518,10 +646,16 @@ def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, tiny_llam
                 if not len(kept) or not m:
                     assert len(stream) == 0
                     continue
-                tables = [doc["tables"](x, i, k, c) for c in kept]
-                sym = _documented_rans(stream, tables, m)
                 radius = doc["radius"][x, i, k][kept].astype(np.float32)
-                y = (sym.astype(np.float32) - radius) * doc["steps"][x, i, k][kept]
+                picks = tables_of[chosen : chosen + len(kept)]
+                shift = offsets[chosen : chosen + len(kept)].astype(np.float32) / 4
+                chosen += len(kept)
+                tables = [
+                    doc["family_table"](j - 1, int(r)) if j else doc["tables"](x, i, k, c)
+                    for c, j, r in zip(kept, picks, radius)
+                ]
+                sym = _documented_rans(stream, tables, m)
+                y = (sym.astype(np.float32) - radius + shift) * doc["steps"][x, i, k][kept]
                 rows = y @ doc["components"][i, k][kept] + doc["mean"][i, k]
                 heads = rows.reshape(m, H, D).transpose(1, 0, 2)
                 if k == 0 and thetas[i]:

@@ -1,5 +1,6 @@
-"""Decode speed of the transform codecs, side by side with cachegen level 2 in one run
-(pytest-benchmark; skipped by `--benchmark-skip`).
+"""Decode speed of the transform codecs, side by side with cachegen level 2 in one run, and
+what tcq's per-frame choices cost its encoder (pytest-benchmark; skipped by
+`--benchmark-skip`).
 
     .venv/bin/pytest benchmarks/micro/test_transform_codec_speed.py --benchmark-only
 
@@ -10,14 +11,19 @@ tensor, as a server decodes a fetched chunk, on both cores. Target (docs/codec.m
 (timings on a shared machine are noisy, so nothing is asserted about them). The tcq levels
 synthesize as this CPU does (``tcq.bf16_synthesis``: a bfloat16 GEMM where the CPU has
 bfloat16 matrix instructions); ``tcq-24-f32`` forces the float32 synthesis beside them.
+The encode cases code level 23 with and without the choices (the same model file, its table
+family left out).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import decode, tcq
+from cachegen.codec import decode, get_codec, tcq
 from cachegen.lab.bench.codec_report import text_windows
 from cachegen.profiles import codec_for
 
@@ -63,3 +69,23 @@ def test_transform_decode(benchmark, kv, name, level, f32_synthesis, monkeypatch
     if stats:
         for key, seconds in (("best", stats.stats.min), ("median", stats.stats.median)):
             benchmark.extra_info[f"m_elements_per_s_{key}"] = kv.num_elements / seconds / 1e6
+
+
+@pytest.mark.parametrize("choices", [True, False], ids=["tcq-23", "tcq-23-without-choices"])
+def test_transform_encode(benchmark, kv, choices):
+    model = codec_for("tcq", "smollm2-135m").tcq
+    if not choices:
+        model = dataclasses.replace(model, family=np.zeros((0, tcq.MAX_RADIUS + 1), np.uint32))
+    codec = get_codec("tcq", tcq=model, chunk_tokens=CHUNK)
+    blob = benchmark(codec.encode, kv, 23)
+    benchmark.extra_info.update(
+        {
+            "elements": int(kv.num_elements),
+            "what": "tcq level 23 from bf16, 2 thread(s)"
+            + ("" if choices else ", without per-frame choices"),
+            "bits_per_element": len(blob) * 8 / kv.num_elements,
+        }
+    )
+    stats = getattr(benchmark, "stats", None)
+    if stats:
+        benchmark.extra_info["m_elements_per_s_median"] = kv.num_elements / stats.stats.median / 1e6

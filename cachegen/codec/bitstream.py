@@ -11,9 +11,11 @@ Layout (all integers little-endian; full spec in ``docs/bitstream.md``)::
 A stream may hold only some of the model's layers (flag bit 2, format version 3): the header's
 ``num_layers`` stays the model's, the layer list names the layers present, and the frame
 bodies hold just those layers. A ``cachegen`` stream may hold its symbols bit-packed at a
-fixed width instead of entropy-coded (flag bit 3, format version 4: the *packed form*).
-Writers use the lowest version a stream needs (1; 2 for per-layer rotary bases; 3 for a layer
-subset; 4 for the packed form), so every other stream is what it always was.
+fixed width instead of entropy-coded (flag bit 3, format version 4: the *packed form*). A
+``tcq`` stream's frames may carry per-component offsets and table choices (a frame-layout
+byte after its model id, format version 5). Writers use the lowest version a stream needs
+(1; 2 for per-layer rotary bases; 3 for a layer subset; 4 for the packed form; 5 for tcq's
+choices), so every other stream is what it always was.
 
 Parsing checks every length against the bytes actually present and every checksum before a
 codec sees a byte of its body, so corrupt or hostile input fails fast with ``CodecError``
@@ -33,8 +35,8 @@ from cachegen.codec.errors import CodecError
 from cachegen.kv import KVCache, ModelIdentity
 
 MAGIC = b"CGKV"
-VERSION = 4  # the newest format this cachegen reads; writers use the lowest that holds a stream
-VERSIONS = (1, 2, 3, 4)
+VERSION = 5  # the newest format this cachegen reads; writers use the lowest that holds a stream
+VERSIONS = (1, 2, 3, 4, 5)
 LAYER_SUBSET_VERSION = 3  # the first version whose header may carry a layer list
 PACKED_VERSION = 4  # the first version whose frames may hold bit-packed symbols
 _FIXED = struct.Struct("<4sBBHBBHHHQII")  # 32 bytes

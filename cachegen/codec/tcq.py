@@ -12,17 +12,32 @@ calibration coefficients stay within a fraction of its step is dropped (costs no
 others get an alphabet ``[-r_i, r_i]`` (``r_i`` from the calibration range, values beyond are
 clipped) and a frequency table from the calibration histogram.
 
+Text unlike the calibration text shifts the components' means and widens or narrows their
+spreads, and calibrated tables then cost more than the symbols' entropy. So each frame also
+chooses, per kept component, an *offset* (the median of its coefficients in quarter steps:
+the quantizer's grid moves with it) and a *table*: the calibrated one or one of a fixed
+family of discretized generalized-Gaussian shapes (``family`` in the model file), whichever
+codes the frame's symbols in the fewest bits. The choices travel DEFLATE-compressed.
+
 Everything the decoder shares with the encoder (basis, weights, steps, radii, tables) is one
 file, a :class:`TcqModel` (``profiles/transforms/<id>.cgtq``; built from the model only by
 ``cachegen.profiles.ensure_tcq_model``), named by its content hash in the bitstream's
-header (16 bytes). Frame body::
+header (16 bytes; a 17th byte ``ADAPTIVE_LAYOUT`` marks frames with choices, format
+version 5). Frame body::
 
     exact      tokens at positions below EXACT_TOKENS: keys then values [L, H, e, D] in the
                KV's dtype (empty in most frames)
+    choices    (adaptive frames only) u32 byte count, then DEFLATE (zlib) of: every stream's
+               kept components' offsets (i8, quarter steps), then their tables (u8: 0 the
+               calibrated table, 1 + j family shape j), streams ordered (layer, K/V); no
+               bytes at all when the frame has no token past the exact ones
     directory  u32 word count of each rANS stream, streams ordered (layer, K/V)
     streams    little-endian u16 words (layout in rans.py): stream (l, K/V) codes the symbols
                [kept components, tokens - e] of its kept components (a stream with no kept
                component or no token has no words)
+
+A model file without a family (format version 1, written before the choices) encodes and
+decodes frames without them.
 """
 
 from __future__ import annotations
@@ -30,6 +45,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,7 +75,18 @@ MODEL_ID_BYTES = 16
 MAX_RADIUS = (rans.MAX_ALPHABET - 1) // 2
 MAGIC = b"CGTQ"
 SCHEMA = "cachegen-tcq-model"
-VERSION = 1
+VERSION = 2  # 2 added the table family; 1 files still read (and write back byte for byte)
+ADAPTIVE_LAYOUT = 1  # the header parameters' 17th byte: frames carry per-component choices
+ADAPTIVE_BITSTREAM_VERSION = 5  # the bitstream format version that holds that byte
+# The table family: discretized exp(-(|s| / scale) ** shape), for each shape every scale
+# (in steps) of a geometric grid; each table is truncated to its component's radius.
+FAMILY_SHAPES = (0.6, 0.8, 1.0, 1.4)
+FAMILY_SCALES = 16
+FAMILY_SCALE_RANGE = (0.08, 24.0)
+OFFSET_UNITS = 4  # offsets are in 1 / OFFSET_UNITS of a step
+ZLIB_LEVEL = 6  # the choices' DEFLATE level (zlib's default)
+# code length in bits of a symbol of frequency f (0 for f = 0: no symbol there to count)
+_CODE_BITS = np.concatenate([[0.0], -np.log2(np.arange(1, rans.PROB_SCALE + 1) / rans.PROB_SCALE)])
 REF_SCHEMA = "cachegen-tcq-model-ref"
 REF_VERSION = 1
 # level -> bits per element its step costs on the calibration text (before the exact tokens)
@@ -81,6 +108,22 @@ def _exact_count(start: int, num_tokens: int) -> int:
     return max(0, min(num_tokens, EXACT_TOKENS - start))
 
 
+def family_weights() -> np.ndarray:
+    """The family's one-sided integer weights [shapes * scales, MAX_RADIUS + 1] (uint32).
+    They are computed once, at fitting time, and stored in the model file: the decoder
+    derives its tables from these integers only, so it never depends on a machine's ``exp``."""
+    scales = np.exp(np.linspace(*np.log(FAMILY_SCALE_RANGE), FAMILY_SCALES))
+    a = np.arange(MAX_RADIUS + 1, dtype=np.float64)
+    rows = [np.exp(-((a / b) ** shape)) for shape in FAMILY_SHAPES for b in scales]
+    return np.round(np.array(rows) * 2.0**30).astype(np.uint32)
+
+
+def _family_tables(family: np.ndarray, r: int) -> np.ndarray:
+    """The family's frequency tables [tables, 2r + 1] for radius ``r``."""
+    counts = family[:, np.abs(np.arange(-r, r + 1))].astype(np.int64)
+    return rans.quantize_frequencies(counts, np.full(len(family), 2 * r + 1))
+
+
 @dataclass
 class LevelCode:
     """One level's coding state, derived from a :class:`TcqModel`: per (layer, K/V) the kept
@@ -93,6 +136,8 @@ class LevelCode:
     table_base: np.ndarray  # [L, 2]: row of each stream's first table
     freq_cum: np.ndarray  # [tables, width] uint32
     slot_sym: np.ndarray  # [tables, PROB_SCALE] uint8
+    family_row: np.ndarray  # [MAX_RADIUS + 1]: row of radius r's first family table, or -1
+    family_cost: dict  # radius -> bits [family tables, 2r + 1] of each symbol
     decoding: dict = field(default_factory=dict, repr=False, compare=False)  # layers -> tables
 
     def stream_tables(self, tcq: TcqModel, layers: tuple[int, ...]) -> StreamTables:
@@ -114,6 +159,8 @@ class StreamTables:
 
     kept: np.ndarray
     table_base: np.ndarray
+    table_row: np.ndarray  # calibrated table row of every kept component, from radius_off
+    radius_int: np.ndarray
     radius: np.ndarray
     radius_off: np.ndarray
     mean: np.ndarray
@@ -132,11 +179,16 @@ def _stream_tables(tcq: TcqModel, code: LevelCode, layers: tuple[int, ...]) -> S
     synthesis = torch.zeros((len(pairs), max(1, int(kept.max(initial=0))), channels))
     for s, (layer, k) in enumerate(pairs):
         synthesis[s, : kept[s]] = torch.from_numpy(code.synthesis[layer][k])
-    radius = [code.radius[layer][k] for layer, k in pairs]
+    radius = np.concatenate([code.radius[layer][k] for layer, k in pairs])
+    table_base = np.array([code.table_base[layer, k] for layer, k in pairs], dtype=np.int64)
     return StreamTables(
         kept=kept,
-        table_base=np.array([code.table_base[layer, k] for layer, k in pairs], dtype=np.int64),
-        radius=np.concatenate(radius).astype(np.float32),
+        table_base=table_base,
+        table_row=np.concatenate([b + np.arange(c) for b, c in zip(table_base, kept)]).astype(
+            np.int64
+        ),
+        radius_int=radius.astype(np.int64),
+        radius=radius.astype(np.float32),
         radius_off=np.concatenate([[0], np.cumsum(kept)[:-1]]).astype(np.int64),
         mean=np.ascontiguousarray(tcq.mean[list(layers)].reshape(len(pairs), channels)),
         synthesis=synthesis,
@@ -183,6 +235,9 @@ class TcqModel:
     radius: np.ndarray
     steps: np.ndarray
     freq: np.ndarray
+    family: np.ndarray = field(
+        default_factory=lambda: np.zeros((0, MAX_RADIUS + 1), dtype=np.uint32)
+    )
 
     def __post_init__(self) -> None:
         if list(self.levels) != sorted(self.levels):
@@ -197,10 +252,11 @@ class TcqModel:
                 for name in _ARRAYS
             )
             + np.ascontiguousarray(self.freq, dtype="<u2").tobytes()
+            + np.ascontiguousarray(self.family, dtype="<u4").tobytes()
         )
         header = {
             "schema": SCHEMA,
-            "version": VERSION,
+            "version": VERSION if self.adaptive else 1,
             "model": self.model.to_dict(),
             "calibration": self.calibration,
             "rope_thetas": list(self.rope_thetas),
@@ -208,7 +264,14 @@ class TcqModel:
             "arrays": {name: list(arrays[name].shape) for name in _ARRAYS},
             "freq_entries": int(self.freq.size),
         }
+        if self.adaptive:
+            header["family"] = list(self.family.shape)
         return pack_model_file(MAGIC, header, payload)
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether its frames carry per-component offsets and table choices."""
+        return len(self.family) > 0
 
     @functools.cached_property
     def id(self) -> str:
@@ -289,9 +352,28 @@ def _level_code(tcq: TcqModel, index: int) -> LevelCode:
                 n = 2 * int(radius[layer, k, i]) + 1
                 table[:n] = tcq.freq[starts[layer, k, i] : starts[layer, k, i] + n]
                 rows.append(table)
+    family_row = np.full(MAX_RADIUS + 1, -1, dtype=np.int64)
+    family_cost = {}
+    if tcq.adaptive:
+        for r in np.unique(radius[radius > 0]):
+            tables = _family_tables(tcq.family, int(r))
+            family_row[r] = len(rows)
+            family_cost[int(r)] = _CODE_BITS[tables]
+            for table in tables:
+                rows.append(np.pad(table, (0, width - len(table))).astype(np.uint16))
     freq = np.stack(rows) if rows else np.zeros((1, width), dtype=np.uint16)
     slot = rans.slot_table(freq) if rows else np.zeros((1, rans.PROB_SCALE), np.uint8)
-    return LevelCode(kept, radii, steps, synthesis, base, rans.pack_freq_cum(freq), slot)
+    return LevelCode(
+        kept,
+        radii,
+        steps,
+        synthesis,
+        base,
+        rans.pack_freq_cum(freq),
+        slot,
+        family_row,
+        family_cost,
+    )
 
 
 # ---- the model file -------------------------------------------------------------------------
@@ -303,7 +385,7 @@ def parse_tcq_model(data: bytes, where: str, model_id: str | None = None) -> Tcq
 
 
 def _parse(data: bytes) -> TcqModel:
-    header, payload = unpack_model_file(data, MAGIC, SCHEMA, VERSION)
+    header, payload = unpack_model_file(data, MAGIC, SCHEMA, (1, VERSION))
     model = ModelIdentity.from_dict(header["model"])
     levels = {
         int(k): (float(v[0]), float(v[1]))
@@ -326,17 +408,27 @@ def _parse(data: bytes) -> TcqModel:
         pos += size
     radius = arrays["radius"]
     entries = int(np.sum(np.where(radius > 0, 2 * radius.astype(np.int64) + 1, 0)))
-    if int(header["freq_entries"]) != entries or pos + 2 * entries != len(payload):
+    family_shape = header.get("family", [0, MAX_RADIUS + 1]) if header["version"] > 1 else [0, 0]
+    if header["version"] > 1 and (len(family_shape) != 2 or family_shape[1] != MAX_RADIUS + 1):
+        raise ValueError(f"family has shape {family_shape}, expected [tables, {MAX_RADIUS + 1}]")
+    family_bytes = 4 * int(np.prod(family_shape))
+    if int(header["freq_entries"]) != entries or pos + 2 * entries + family_bytes != len(payload):
         raise ValueError("frequency tables do not match the radii")
     freq = np.frombuffer(payload, dtype="<u2", count=entries, offset=pos).copy()
+    family = np.frombuffer(payload, dtype="<u4", offset=pos + 2 * entries).astype(np.uint32)
+    family = family.reshape(-1, MAX_RADIUS + 1)
     _check_tables(radius, freq)
+    if header["version"] > 1 and not (0 < len(family) < 256 and np.all(family[:, 0] > 0)):
+        raise ValueError("the table family must have 1 to 255 tables, each with a centre")
     for name in ("weights", "steps"):
         if not np.all(np.isfinite(arrays[name])) or np.any(arrays[name] <= 0):
             raise ValueError(f"component {name} must be positive")
     thetas = tuple(float(t) for t in header["rope_thetas"])
     if len(thetas) != L:
         raise ValueError("rope_thetas does not have one base per layer")
-    return TcqModel(model, dict(header["calibration"]), thetas, levels, **arrays, freq=freq)
+    return TcqModel(
+        model, dict(header["calibration"]), thetas, levels, **arrays, freq=freq, family=family
+    )
 
 
 def _check_tables(radius: np.ndarray, freq: np.ndarray) -> None:
@@ -410,17 +502,50 @@ def load_tcq_model(model: str | models.ModelSpec) -> TcqModel:
 
 
 def quantize_rows(
-    tcq: TcqModel, code: LevelCode, layer: int, kind: int, rows: torch.Tensor
-) -> np.ndarray:
+    tcq: TcqModel,
+    code: LevelCode,
+    layer: int,
+    kind: int,
+    rows: torch.Tensor,
+    centred: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
     """Symbols ``[kept, tokens]`` (uint8) of ``rows`` [tokens, channels] (float32, pre-RoPE
-    keys or values of layer ``layer``)."""
+    keys or values of layer ``layer``) and each kept component's offset (int8, in
+    1 / OFFSET_UNITS steps: the median of its coefficients when ``centred``, else 0: the
+    quantizer's grid moves with it)."""
     kept = code.kept[layer][kind]
     mean = torch.from_numpy(tcq.mean[layer, kind])
     basis = torch.from_numpy(tcq.components[layer, kind][kept])
-    y = (rows - mean) @ basis.T / code.step[layer][kind]
-    radius = torch.from_numpy(code.radius[layer][kind]).to(torch.float32)
-    sym = torch.round(y).clamp_(-radius, radius) + radius
-    return np.ascontiguousarray(sym.T.to(torch.uint8).numpy())
+    y = np.ascontiguousarray(((rows - mean) @ basis.T / code.step[layer][kind]).T.numpy())
+    offset = np.zeros(len(kept), dtype=np.float32)
+    if centred and y.shape[1]:
+        middle = (y.shape[1] - 1) // 2  # the lower median, as torch.median takes it
+        median = np.partition(y, middle, axis=1)[:, middle]
+        offset = np.clip(np.round(median * OFFSET_UNITS), -127, 127)
+        y -= (offset / OFFSET_UNITS)[:, None]
+    radius = code.radius[layer][kind].astype(np.float32)[:, None]
+    sym = np.clip(np.round(y), -radius, radius) + radius
+    return sym.astype(np.uint8), offset.astype(np.int8)
+
+
+def choose_tables(code: LevelCode, layer: int, kind: int, sym: np.ndarray) -> np.ndarray:
+    """Each kept component's table (uint8: 0 its calibrated table, ``1 + j`` family table
+    ``j``), the one that codes its symbols ``sym`` [kept, tokens] in the fewest bits."""
+    radius = code.radius[layer][kind]
+    width = code.freq_cum.shape[1]
+    C = len(radius)
+    flat = (np.arange(C)[:, None] * width + sym).reshape(-1)
+    counts = np.bincount(flat, minlength=C * width).reshape(C, width)
+    base = int(code.table_base[layer, kind])
+    own = (counts * _CODE_BITS[code.freq_cum[base : base + C] >> 16]).sum(axis=1)
+    choice = np.zeros(C, dtype=np.uint8)
+    for r in np.unique(radius):
+        at = np.flatnonzero(radius == r)
+        cost = counts[at, : 2 * r + 1] @ code.family_cost[int(r)].T
+        best = cost.argmin(axis=1)
+        better = cost[np.arange(len(at)), best] < own[at]
+        choice[at[better]] = 1 + best[better]
+    return choice
 
 
 # ---- the codec ------------------------------------------------------------------------------
@@ -482,7 +607,11 @@ class TcqCodec(Codec):
         return super().encode(kv, level)
 
     def params(self, kv: KVCache, level: int) -> bytes:
-        return bytes.fromhex(self.tcq.id)
+        layout = bytes([ADAPTIVE_LAYOUT]) if self.tcq.adaptive else b""
+        return bytes.fromhex(self.tcq.id) + layout
+
+    def bitstream_version(self, level: int) -> int:
+        return ADAPTIVE_BITSTREAM_VERSION if self.tcq.adaptive else 1
 
     def encode_body(self, chunk: KVCache, level: int) -> bytes:
         tcq, code = self.tcq, self.tcq.level_code(level)
@@ -496,50 +625,100 @@ class TcqCodec(Codec):
             q[0] = rotate_layer_keys(q[0], chunk.start + e, thetas, inverse=True)
         L, H, m, D = q.shape[1:]
         streams: list[np.ndarray] = [np.zeros(0, dtype=np.uint16)] * (2 * L)
+        none = np.zeros(0, dtype=np.uint8)
+        offsets, choices = [none] * (2 * L), [none] * (2 * L)
 
         def kernel(todo: np.ndarray) -> None:
             for s in todo:
                 i, k = divmod(int(s), 2)
                 layer = layers[i]
-                if not len(code.kept[layer][k]) or not m:
+                kept = len(code.kept[layer][k])
+                if not kept or not m:
                     continue
                 rows = q[k, i].permute(1, 0, 2).reshape(m, H * D)
-                sym = quantize_rows(tcq, code, layer, k, rows)
-                streams[s] = _rans_encode(sym, int(code.table_base[layer, k]), code.freq_cum)
+                sym, offset = quantize_rows(tcq, code, layer, k, rows, centred=tcq.adaptive)
+                table_row = int(code.table_base[layer, k]) + np.arange(kept)
+                if tcq.adaptive:
+                    choice = choose_tables(code, layer, k, sym)
+                    table_row = _table_rows(code, code.radius[layer][k], choice, table_row)
+                    offsets[s], choices[s] = offset.view(np.uint8), choice
+                streams[s] = _rans_encode(sym, table_row, code.freq_cum)
 
         run_batches(
             kernel, np.array([len(code.kept[lay][k]) + 1 for lay in layers for k in (0, 1)])
         )
         lengths = np.array([len(w) for w in streams], dtype="<u4")
-        return exact + lengths.tobytes() + np.concatenate(streams).astype("<u2").tobytes()
+        side = b""
+        if tcq.adaptive and m:
+            packed = zlib.compress(np.concatenate(offsets + choices).tobytes(), ZLIB_LEVEL)
+            side = np.array([len(packed)], dtype="<u4").tobytes() + packed
+        return exact + side + lengths.tobytes() + np.concatenate(streams).astype("<u2").tobytes()
 
     @classmethod
     def decoder(cls, header: Header) -> FrameDecoder:
-        if len(header.params) != MODEL_ID_BYTES:
+        params = header.params
+        adaptive = len(params) == MODEL_ID_BYTES + 1
+        if not (len(params) == MODEL_ID_BYTES or adaptive):
             raise CodecError("tcq bitstream header is corrupt (parameters)")
-        tcq = find_tcq_model(header.params.hex(), header.model)
-        return TcqDecoder(header, tcq, tcq.level_code(header.level))
+        if adaptive and (
+            params[-1] != ADAPTIVE_LAYOUT or header.version < ADAPTIVE_BITSTREAM_VERSION
+        ):
+            raise CodecError("tcq bitstream header is corrupt (frame layout)")
+        tcq = find_tcq_model(params[:MODEL_ID_BYTES].hex(), header.model)
+        if adaptive and not tcq.adaptive:
+            raise CodecError(
+                f"tcq bitstream is corrupt: its frames choose tables, but its model file "
+                f"{tcq.id[:16]} has no table family"
+            )
+        return TcqDecoder(header, tcq, tcq.level_code(header.level), adaptive)
 
 
-def _rans_encode(sym: np.ndarray, table_base: int, freq_cum: np.ndarray) -> np.ndarray:
+def _table_rows(
+    code: LevelCode, radius: np.ndarray, choice: np.ndarray, calibrated: np.ndarray
+) -> np.ndarray:
+    """Table rows of components with ``radius`` and ``choice`` (0: their ``calibrated`` rows)."""
+    family = code.family_row[radius.astype(np.int64)] + choice.astype(np.int64) - 1
+    return np.where(choice == 0, calibrated, family)
+
+
+def _rans_encode(sym: np.ndarray, table_row: np.ndarray, freq_cum: np.ndarray) -> np.ndarray:
     """rANS words of symbols ``sym`` [kept, tokens], component ``c`` coded with table row
-    ``table_base + c``."""
+    ``table_row[c]``."""
     C, n = sym.shape
     view = np.ascontiguousarray(sym.T).reshape(1, 1, n, C)
     out_off = np.array([0, C * n + rans.STATE_WORDS], dtype=np.int64)
     out = np.empty(int(out_off[-1]), dtype=np.uint16)
     start = np.empty(1, dtype=np.int64)
     rans.encode_layers(
-        view, np.array([table_base], np.int64), freq_cum, out, out_off, np.zeros(1, np.int64), start
+        view,
+        np.zeros(1, np.int64),
+        np.ascontiguousarray(freq_cum[table_row]),
+        out,
+        out_off,
+        np.zeros(1, np.int64),
+        start,
     )
     return out[int(start[0]) :]
 
 
+@dataclass
+class _Layout:
+    """Where a frame body's parts are: exact tokens, choices (adaptive frames), streams."""
+
+    exact_tokens: int
+    exact_bytes: int
+    side_bytes: int  # the choices' bytes, their length word included
+    words: np.ndarray  # word count of each stream
+    offsets: np.ndarray | None = None  # int8 per kept component (adaptive frames)
+    choices: np.ndarray | None = None  # uint8 per kept component (adaptive frames)
+
+
 class TcqDecoder(FrameDecoder):
-    def __init__(self, header: Header, tcq: TcqModel, code: LevelCode) -> None:
+    def __init__(self, header: Header, tcq: TcqModel, code: LevelCode, adaptive: bool) -> None:
         super().__init__(header)
         self.tcq = tcq
         self.code = code
+        self.adaptive = adaptive
         self.layers = list(header.layer_indices)
         self.streams = code.stream_tables(tcq, tuple(self.layers))
         self.thetas = [tcq.rope_thetas[layer] for layer in self.layers]
@@ -562,21 +741,47 @@ class TcqDecoder(FrameDecoder):
     def _frame_start(self, frame: Frame) -> int:
         return self.header.start + frame.index * self.header.chunk_tokens
 
-    def _layout(self, frame: Frame) -> tuple[int, int, np.ndarray]:
-        """(exact tokens, exact bytes, word count of each stream), checked against the body."""
+    def _choices(self, frame: Frame, at: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(bytes, offsets, table choices) of an adaptive frame's choices at byte ``at``."""
+        body, where = frame.body, f"frame {frame.index} is corrupt: tcq"
+        if len(body) < at + 4:
+            raise CodecError(f"{where} body is {len(body)} bytes, too short for its choices")
+        (size,) = np.frombuffer(body, dtype="<u4", count=1, offset=at)
+        if at + 4 + int(size) > len(body):
+            raise CodecError(f"{where} choices run past the body")
+        kept = int(self.streams.kept.sum())
+        inflate = zlib.decompressobj()
+        try:
+            raw = inflate.decompress(body[at + 4 : at + 4 + int(size)], 2 * kept + 1)
+        except zlib.error as exc:
+            raise CodecError(f"{where} choices do not inflate ({exc})") from exc
+        if len(raw) != 2 * kept or not inflate.eof or inflate.unused_data:
+            raise CodecError(f"{where} choices are not one entry per kept component")
+        offsets = np.frombuffer(raw, dtype=np.int8, count=kept)
+        choices = np.frombuffer(raw, dtype=np.uint8, offset=kept)
+        if int(choices.max(initial=0)) > len(self.tcq.family):
+            raise CodecError(f"{where} choices name a table the family does not have")
+        return 4 + int(size), offsets, choices
+
+    def _layout(self, frame: Frame) -> _Layout:
+        """Where the body's parts are, checked against the body."""
         h = self.header
         n = len(frame.token_ids)
         e = _exact_count(self._frame_start(frame), n)
         exact = 2 * h.num_layers * h.num_kv_heads * e * h.head_dim * h.dtype.itemsize
+        side, offsets, choices = 0, None, None
+        if self.adaptive and n > e:
+            side, offsets, choices = self._choices(frame, exact)
         count = 2 * h.num_layers
         body = frame.body
-        if len(body) < exact + 4 * count:
+        if len(body) < exact + side + 4 * count:
             raise CodecError(
                 f"frame {frame.index} is corrupt: tcq body is {len(body)} bytes, too short for "
                 f"its exact tokens and stream directory"
             )
-        words = np.frombuffer(body, dtype="<u4", count=count, offset=exact).astype(np.int64)
-        if exact + 4 * count + 2 * int(words.sum()) != len(body):
+        words = np.frombuffer(body, dtype="<u4", count=count, offset=exact + side)
+        words = words.astype(np.int64)
+        if exact + side + 4 * count + 2 * int(words.sum()) != len(body):
             raise CodecError(
                 f"frame {frame.index} is corrupt: tcq stream sizes do not add up to the body"
             )
@@ -585,7 +790,7 @@ class TcqDecoder(FrameDecoder):
             empty = not len(self.code.kept[layer][k]) or n == e
             if (w == 0) != empty or (not empty and w < rans.STATE_WORDS):
                 raise CodecError(f"frame {frame.index} is corrupt: tcq stream {s} has {w} words")
-        return e, exact, words
+        return _Layout(e, exact, side, words, offsets, choices)
 
     def check(self, frame: Frame) -> None:
         self._layout(frame)
@@ -593,7 +798,8 @@ class TcqDecoder(FrameDecoder):
     def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
         h = self.header
         n = len(frame.token_ids)
-        e, exact, words = self._layout(frame)
+        layout = self._layout(frame)
+        e, exact, words = layout.exact_tokens, layout.exact_bytes, layout.words
         L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
         if e:
             raw = torch.frombuffer(bytearray(frame.body[:exact]), dtype=torch.uint8)
@@ -602,7 +808,13 @@ class TcqDecoder(FrameDecoder):
         if not m:
             return
         streams = self.streams
-        data = np.frombuffer(frame.body, dtype="<u2", offset=exact + 4 * len(words))
+        table_row, mean = streams.table_row, streams.mean
+        if layout.choices is not None:
+            table_row = _table_rows(self.code, streams.radius_int, layout.choices, table_row)
+            mean = self._centred_mean(layout.offsets)
+        data = np.frombuffer(
+            frame.body, dtype="<u2", offset=exact + layout.side_bytes + 4 * len(words)
+        )
         word_off = np.concatenate([[0], np.cumsum(words)]).astype(np.int64)
         bf16 = out.dtype == torch.bfloat16 and bf16_synthesis()
         coefficients, rows = self._scratch_for(m, torch.bfloat16 if bf16 else torch.float32)
@@ -615,7 +827,7 @@ class TcqDecoder(FrameDecoder):
                 data,
                 word_off,
                 streams.kept,
-                streams.table_base,
+                table_row,
                 streams.radius,
                 streams.radius_off,
                 code.slot_sym,
@@ -632,12 +844,24 @@ class TcqDecoder(FrameDecoder):
             raise CodecError(f"frame {frame.index} is corrupt: a tcq rANS stream does not decode")
         # one batched GEMM for all streams (torch's BLAS, in its own threads)
         torch.bmm(coefficients, streams.synthesis_bf16 if bf16 else streams.synthesis, out=rows)
-        self._write(_numpy_of(rows), self._frame_start(frame) + e, out, token_offset + e)
+        self._write(_numpy_of(rows), mean, self._frame_start(frame) + e, out, token_offset + e)
 
-    def _write(self, rows: np.ndarray, start: int, out: torch.Tensor, offset: int) -> None:
-        """Rows [streams, m, channels] (float32 or bfloat16 bits) plus the channel means, keys
-        turned, into ``out`` from token ``offset`` (absolute position ``start``): bf16 or
-        float32 in place, else through a float32 scratch."""
+    def _centred_mean(self, offsets: np.ndarray) -> np.ndarray:
+        """The channel means [streams, channels] moved by the frame's component offsets
+        (their rows of the synthesis, which are already scaled by the steps)."""
+        streams = self.streams
+        moved = np.zeros((len(streams.kept), streams.width), dtype=np.float32)
+        for s, (c, at) in enumerate(zip(streams.kept, streams.radius_off)):
+            moved[s, :c] = offsets[at : at + c]
+        shift = torch.bmm(torch.from_numpy(moved)[:, None], streams.synthesis)[:, 0]
+        return streams.mean + shift.numpy() / OFFSET_UNITS
+
+    def _write(
+        self, rows: np.ndarray, mean: np.ndarray, start: int, out: torch.Tensor, offset: int
+    ) -> None:
+        """Rows [streams, m, channels] (float32 or bfloat16 bits) plus the channel means
+        ``mean``, keys turned, into ``out`` from token ``offset`` (absolute position
+        ``start``): bf16 or float32 in place, else through a float32 scratch."""
         h = self.header
         L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
         m = rows.shape[1]
@@ -664,7 +888,7 @@ class TcqDecoder(FrameDecoder):
 
         def write_kernel(todo: np.ndarray) -> None:
             tcq_kernels.write_rows(
-                rows, self.streams.mean, first_angle, cos, sin, H, D, out16, out32, base, T, todo
+                rows, mean, first_angle, cos, sin, H, D, out16, out32, base, T, todo
             )
 
         run_batches(write_kernel, np.ones(2 * L))
@@ -672,10 +896,11 @@ class TcqDecoder(FrameDecoder):
             out[:, :, :, offset : offset + m] = target
 
     def layer_bytes(self, frame: Frame) -> np.ndarray:
-        _, exact, words = self._layout(frame)
-        h = self.header
+        layout = self._layout(frame)
+        h, words = self.header, layout.words
         per_stream = 2 * words.astype(np.float64).reshape(h.num_layers, 2)
-        return per_stream + (exact + 4 * len(words)) / (2 * h.num_layers)
+        shared = layout.exact_bytes + layout.side_bytes + 4 * len(words)
+        return per_stream + shared / (2 * h.num_layers)
 
 
 def _numpy_of(x: torch.Tensor) -> np.ndarray:

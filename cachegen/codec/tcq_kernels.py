@@ -44,7 +44,7 @@ def decode_coefficients(
     words,
     word_off,
     kept,
-    table_base,
+    table_row,
     radius,
     radius_off,
     slot_sym,
@@ -58,17 +58,18 @@ def decode_coefficients(
     """rANS-decode streams ``todo`` into ``out``, flat [streams, T, width] (float32, or
     bfloat16 bits if uint16).
 
-    Stream ``k`` has ``kept[k]`` components coded with table rows ``table_base[k] + c``;
-    its symbol ``s`` of component ``c`` and token ``t`` becomes ``out[k, t, c] = s - radius[
-    radius_off[k] + c]``, and ``out[k, t, c]`` is 0 for ``c >= kept[k]``. A stream without
-    components has no words. ``status[k]``: 0 when the stream decoded cleanly, 1 when it is
-    corrupt (wrong word count or final states).
+    Stream ``k`` has ``kept[k]`` components, component ``c`` coded with table row
+    ``table_row[radius_off[k] + c]``; its symbol ``s`` of component ``c`` and token ``t``
+    becomes ``out[k, t, c] = s - radius[radius_off[k] + c]``, and ``out[k, t, c]`` is 0 for
+    ``c >= kept[k]``. A stream without components has no words. ``status[k]``: 0 when the
+    stream decoded cleanly, 1 when it is corrupt (wrong word count or final states).
     """
     slot_flat = slot_sym.reshape(-1)
     fc_flat = freq_cum.reshape(-1)
     fc_width = freq_cum.shape[1]
-    slot_lines = LANES * PROB_SCALE // 64  # 64-byte cache lines of a group's slot tables
-    fc_lines = (LANES * fc_width * 4 + 63) // 64
+    table_lines = PROB_SCALE // 64  # 64-byte cache lines of one slot table
+    slot_lines = LANES * table_lines  # ... of a group's slot tables
+    fc_table_lines = (fc_width * 4 + 63) // 64
     states = np.empty(LANES, dtype=np.uint64)
     for i in range(todo.shape[0]):
         k = todo[i]
@@ -91,38 +92,43 @@ def decode_coefficients(
         p = w0 + STATE_WORDS
         last = end - 1
         for g in range(0, C, LANES):
-            tb = table_base[k] + g
             ro = radius_off[k] + g
             if C - g >= LANES:
                 x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
                 x4, x5, x6, x7 = states[4], states[5], states[6], states[7]
                 r0, r1, r2, r3 = radius[ro], radius[ro + 1], radius[ro + 2], radius[ro + 3]
                 r4, r5, r6, r7 = radius[ro + 4], radius[ro + 5], radius[ro + 6], radius[ro + 7]
+                t0, t1 = table_row[ro], table_row[ro + 1]
+                t2, t3 = table_row[ro + 2], table_row[ro + 3]
+                t4, t5 = table_row[ro + 4], table_row[ro + 5]
+                t6, t7 = table_row[ro + 6], table_row[ro + 7]
                 # prefetch the next group's tables while this one decodes (short streams
                 # stall on fetching them on demand)
-                nxt = (tb + LANES) * PROB_SCALE if g + 2 * LANES <= C else -1
-                nxt_fc = (tb + LANES) * fc_width
+                ahead = g + 2 * LANES <= C
                 for t in range(T):
-                    if nxt >= 0:
+                    if ahead:
                         if t < slot_lines:
-                            prefetch(slot_flat, nxt + t * 64)
-                        elif t < slot_lines + fc_lines:
-                            prefetch(fc_flat, nxt_fc + (t - slot_lines) * 16)
-                    x0, p, y = decode_step(x0, tb, slot_sym, freq_cum, words, p, last)
+                            row = table_row[ro + LANES + t // table_lines]
+                            prefetch(slot_flat, row * PROB_SCALE + (t % table_lines) * 64)
+                        elif t < slot_lines + LANES * fc_table_lines:
+                            u = t - slot_lines
+                            row = table_row[ro + LANES + u // fc_table_lines]
+                            prefetch(fc_flat, row * fc_width + (u % fc_table_lines) * 16)
+                    x0, p, y = decode_step(x0, t0, slot_sym, freq_cum, words, p, last)
                     store_value(out, (k * T + t) * width + g, np.float32(y) - r0)
-                    x1, p, y = decode_step(x1, tb + 1, slot_sym, freq_cum, words, p, last)
+                    x1, p, y = decode_step(x1, t1, slot_sym, freq_cum, words, p, last)
                     store_value(out, (k * T + t) * width + g + 1, np.float32(y) - r1)
-                    x2, p, y = decode_step(x2, tb + 2, slot_sym, freq_cum, words, p, last)
+                    x2, p, y = decode_step(x2, t2, slot_sym, freq_cum, words, p, last)
                     store_value(out, (k * T + t) * width + g + 2, np.float32(y) - r2)
-                    x3, p, y = decode_step(x3, tb + 3, slot_sym, freq_cum, words, p, last)
+                    x3, p, y = decode_step(x3, t3, slot_sym, freq_cum, words, p, last)
                     store_value(out, (k * T + t) * width + g + 3, np.float32(y) - r3)
-                    x4, p, y = decode_step(x4, tb + 4, slot_sym, freq_cum, words, p, last)
+                    x4, p, y = decode_step(x4, t4, slot_sym, freq_cum, words, p, last)
                     store_value(out, (k * T + t) * width + g + 4, np.float32(y) - r4)
-                    x5, p, y = decode_step(x5, tb + 5, slot_sym, freq_cum, words, p, last)
+                    x5, p, y = decode_step(x5, t5, slot_sym, freq_cum, words, p, last)
                     store_value(out, (k * T + t) * width + g + 5, np.float32(y) - r5)
-                    x6, p, y = decode_step(x6, tb + 6, slot_sym, freq_cum, words, p, last)
+                    x6, p, y = decode_step(x6, t6, slot_sym, freq_cum, words, p, last)
                     store_value(out, (k * T + t) * width + g + 6, np.float32(y) - r6)
-                    x7, p, y = decode_step(x7, tb + 7, slot_sym, freq_cum, words, p, last)
+                    x7, p, y = decode_step(x7, t7, slot_sym, freq_cum, words, p, last)
                     store_value(out, (k * T + t) * width + g + 7, np.float32(y) - r7)
                 states[0], states[1], states[2], states[3] = x0, x1, x2, x3
                 states[4], states[5], states[6], states[7] = x4, x5, x6, x7
@@ -130,7 +136,7 @@ def decode_coefficients(
                 for t in range(T):
                     for lane in range(C - g):
                         x, p, y = decode_step(
-                            states[lane], tb + lane, slot_sym, freq_cum, words, p, last
+                            states[lane], table_row[ro + lane], slot_sym, freq_cum, words, p, last
                         )
                         states[lane] = x
                         at = (k * T + t) * width + g + lane

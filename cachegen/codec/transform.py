@@ -206,9 +206,12 @@ def pack_model_file(magic: bytes, header: dict, payload: bytes) -> bytes:
     return magic + struct.pack("<I", len(raw)) + raw + payload
 
 
-def unpack_model_file(data: bytes, magic: bytes, schema: str, version: int) -> tuple[dict, bytes]:
+def unpack_model_file(
+    data: bytes, magic: bytes, schema: str, version: int | tuple[int, ...]
+) -> tuple[dict, bytes]:
     """The header and payload of a :func:`pack_model_file` file, its framing, schema, version
-    and payload checksum checked (``ValueError`` otherwise)."""
+    (``version`` or one of them) and payload checksum checked (``ValueError`` otherwise)."""
+    versions = version if isinstance(version, tuple) else (version,)
     if data[:4] != magic:
         raise ValueError("bad magic")
     (header_len,) = struct.unpack_from("<I", data, 4)
@@ -217,7 +220,7 @@ def unpack_model_file(data: bytes, magic: bytes, schema: str, version: int) -> t
     header = json.loads(data[8 : 8 + header_len])
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
-    if header.get("schema") != schema or header.get("version") != version:
+    if header.get("schema") != schema or header.get("version") not in versions:
         raise ValueError(f"unsupported {header.get('schema')!r} version {header.get('version')!r}")
     payload = data[8 + header_len :]
     if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:

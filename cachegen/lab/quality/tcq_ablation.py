@@ -110,7 +110,7 @@ def roundtrip(model: tcq.TcqModel, level: int, tally: LayerBytes):
         blob = codec.encode(kv, level=level)
         header = parse_header(blob)
         frames = parse_frames(blob, header)
-        decoder = tcq.TcqDecoder(header, model, model.level_code(level))
+        decoder = tcq.TcqDecoder(header, model, model.level_code(level), model.adaptive)
         for frame in frames:
             tally.bytes += decoder.layer_bytes(frame)
         tally.elements += kv.num_elements / (2 * header.num_layers)
