@@ -45,6 +45,7 @@ from cachegen.codec.transform import (
     TransformBasis,
     dequantize,
     find_basis,
+    inflate_exactly,
     pack_bits,
     packed_size,
     quantize,
@@ -254,15 +255,12 @@ class KvtcDecoder(FrameDecoder):
         tokens: int,
     ) -> torch.Tensor:
         expected = _packed_bytes(kept_bits, tokens)
-        inflater = zlib.decompressobj()
-        try:
-            raw = inflater.decompress(bytes(stream), expected + 1)
-        except zlib.error as exc:
-            raise CodecError(f"frame {frame.index} is corrupt: zlib says {exc}") from exc
-        if len(raw) != expected or not inflater.eof or inflater.unused_data:
-            raise CodecError(
-                f"frame {frame.index} is corrupt: a kvtc stream inflates to the wrong size"
-            )
+        raw = inflate_exactly(
+            bytes(stream),
+            expected,
+            f"frame {frame.index} is corrupt: a kvtc stream does not inflate",
+            f"frame {frame.index} is corrupt: a kvtc stream inflates to the wrong size",
+        )
         mean = torch.from_numpy(self.basis.mean[layer, kind])
         if not expected:
             return mean.expand(tokens, -1)

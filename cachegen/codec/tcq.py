@@ -62,6 +62,7 @@ from cachegen.codec.quant import rotary_cos_sin, rotate_layer_keys
 from cachegen.codec.tcq_levels import read_tcq_levels
 from cachegen.codec.transform import (
     ModelFiles,
+    inflate_exactly,
     pack_model_file,
     parse_model_file,
     unpack_model_file,
@@ -160,6 +161,7 @@ class StreamTables:
     kept: np.ndarray
     table_base: np.ndarray
     table_row: np.ndarray  # calibrated table row of every kept component, from radius_off
+    slot: np.ndarray  # each kept component's flat index in [streams, width]
     radius_int: np.ndarray
     radius: np.ndarray
     radius_off: np.ndarray
@@ -176,7 +178,8 @@ def _stream_tables(tcq: TcqModel, code: LevelCode, layers: tuple[int, ...]) -> S
     pairs = [(layer, k) for layer in layers for k in (0, 1)]
     kept = np.array([len(code.kept[layer][k]) for layer, k in pairs], dtype=np.int64)
     channels = tcq.mean.shape[-1]
-    synthesis = torch.zeros((len(pairs), max(1, int(kept.max(initial=0))), channels))
+    width = max(1, int(kept.max(initial=0)))
+    synthesis = torch.zeros((len(pairs), width, channels))
     for s, (layer, k) in enumerate(pairs):
         synthesis[s, : kept[s]] = torch.from_numpy(code.synthesis[layer][k])
     radius = np.concatenate([code.radius[layer][k] for layer, k in pairs])
@@ -185,6 +188,9 @@ def _stream_tables(tcq: TcqModel, code: LevelCode, layers: tuple[int, ...]) -> S
         kept=kept,
         table_base=table_base,
         table_row=np.concatenate([b + np.arange(c) for b, c in zip(table_base, kept)]).astype(
+            np.int64
+        ),
+        slot=np.concatenate([s * width + np.arange(c) for s, c in enumerate(kept)]).astype(
             np.int64
         ),
         radius_int=radius.astype(np.int64),
@@ -408,8 +414,8 @@ def _parse(data: bytes) -> TcqModel:
         pos += size
     radius = arrays["radius"]
     entries = int(np.sum(np.where(radius > 0, 2 * radius.astype(np.int64) + 1, 0)))
-    family_shape = header.get("family", [0, MAX_RADIUS + 1]) if header["version"] > 1 else [0, 0]
-    if header["version"] > 1 and (len(family_shape) != 2 or family_shape[1] != MAX_RADIUS + 1):
+    family_shape = header["family"] if header["version"] > 1 else [0, MAX_RADIUS + 1]
+    if len(family_shape) != 2 or family_shape[1] != MAX_RADIUS + 1:
         raise ValueError(f"family has shape {family_shape}, expected [tables, {MAX_RADIUS + 1}]")
     family_bytes = 4 * int(np.prod(family_shape))
     if int(header["freq_entries"]) != entries or pos + 2 * entries + family_bytes != len(payload):
@@ -723,6 +729,7 @@ class TcqDecoder(FrameDecoder):
         self.streams = code.stream_tables(tcq, tuple(self.layers))
         self.thetas = [tcq.rope_thetas[layer] for layer in self.layers]
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._checked: dict[int, tuple[object, _Layout]] = {}  # frame index -> (body, layout)
 
     def _scratch_for(self, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Coefficients [streams, tokens, width] and rows [streams, tokens, channels] of the
@@ -750,13 +757,12 @@ class TcqDecoder(FrameDecoder):
         if at + 4 + int(size) > len(body):
             raise CodecError(f"{where} choices run past the body")
         kept = int(self.streams.kept.sum())
-        inflate = zlib.decompressobj()
-        try:
-            raw = inflate.decompress(body[at + 4 : at + 4 + int(size)], 2 * kept + 1)
-        except zlib.error as exc:
-            raise CodecError(f"{where} choices do not inflate ({exc})") from exc
-        if len(raw) != 2 * kept or not inflate.eof or inflate.unused_data:
-            raise CodecError(f"{where} choices are not one entry per kept component")
+        raw = inflate_exactly(
+            body[at + 4 : at + 4 + int(size)],
+            2 * kept,
+            f"{where} choices do not inflate",
+            f"{where} choices are not one entry per kept component",
+        )
         offsets = np.frombuffer(raw, dtype=np.int8, count=kept)
         choices = np.frombuffer(raw, dtype=np.uint8, offset=kept)
         if int(choices.max(initial=0)) > len(self.tcq.family):
@@ -793,12 +799,18 @@ class TcqDecoder(FrameDecoder):
         return _Layout(e, exact, side, words, offsets, choices)
 
     def check(self, frame: Frame) -> None:
-        self._layout(frame)
+        self._checked[frame.index] = (frame.body, self._layout(frame))
+
+    def _checked_layout(self, frame: Frame) -> _Layout:
+        """The layout :meth:`check` found for this frame (so its choices inflate once), else
+        the frame's layout checked now."""
+        body, layout = self._checked.pop(frame.index, (None, None))
+        return layout if body is frame.body else self._layout(frame)
 
     def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
         h = self.header
         n = len(frame.token_ids)
-        layout = self._layout(frame)
+        layout = self._checked_layout(frame)
         e, exact, words = layout.exact_tokens, layout.exact_bytes, layout.words
         L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
         if e:
@@ -851,8 +863,7 @@ class TcqDecoder(FrameDecoder):
         (their rows of the synthesis, which are already scaled by the steps)."""
         streams = self.streams
         moved = np.zeros((len(streams.kept), streams.width), dtype=np.float32)
-        for s, (c, at) in enumerate(zip(streams.kept, streams.radius_off)):
-            moved[s, :c] = offsets[at : at + c]
+        moved.reshape(-1)[streams.slot] = offsets
         shift = torch.bmm(torch.from_numpy(moved)[:, None], streams.synthesis)[:, 0]
         return streams.mean + shift.numpy() / OFFSET_UNITS
 

@@ -27,6 +27,7 @@ import json
 import math
 import struct
 import threading
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
@@ -204,6 +205,21 @@ def pack_model_file(magic: bytes, header: dict, payload: bytes) -> bytes:
     added), the header, then ``payload``."""
     raw = _canonical({**header, "payload_sha256": hashlib.sha256(payload).hexdigest()})
     return magic + struct.pack("<I", len(raw)) + raw + payload
+
+
+def inflate_exactly(data: bytes, size: int, bad: str, wrong_size: str) -> bytes:
+    """``data`` inflated by zlib, which must give exactly ``size`` bytes, end its stream and
+    leave nothing after it. At most ``size + 1`` bytes are ever inflated, so a zlib bomb costs
+    nothing. ``CodecError``: ``bad`` (with zlib's reason) for data that does not inflate,
+    ``wrong_size`` otherwise."""
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(data, size + 1)
+    except zlib.error as exc:
+        raise CodecError(f"{bad} ({exc})") from exc
+    if len(raw) != size or not inflater.eof or inflater.unused_data:
+        raise CodecError(wrong_size)
+    return raw
 
 
 def unpack_model_file(
