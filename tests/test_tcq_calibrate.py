@@ -22,6 +22,7 @@ from cachegen.lab.quality.tcq_calibrate import (
     choose_level,
     read_calibration,
     save_choices,
+    unmet,
 )
 from cachegen.profiles import codec_for, tcq_calibration_spec
 
@@ -96,6 +97,39 @@ def test_recorded_choices_are_losses_and_the_default(document, tiny_llama, tmp_p
     stale.write_text(json.dumps({**document, "tcq_model": "0" * 32}))
     with pytest.raises(InputError, match="calibrate again"):
         save_choices(tiny_llama.name, read_calibration(stale), make_default=False)
+
+
+def test_an_unmet_target_is_a_result_and_the_others_are_kept(document, tiny_llama, tmp_path):
+    codec = codec_for("tcq", tiny_llama)
+    trials = [LevelTrial(**t) for t in document["trials"]]
+    met = choose_level(trials, 1000.0, SMALL)
+    missed = {"target_ppl_pct": 1e-9, "level": None, "unmet": "no tcq level kept ..."}
+    first_met = {**document, "choices": [met, missed]}
+    assert unmet(first_met) == [missed]
+    saved = save_choices(tiny_llama.name, first_met, make_default=True)
+    assert saved == {"targets": {met["level"]: 1000.0}, "default_level": met["level"]}
+    first_missed = {**document, "choices": [missed, met]}
+    saved = save_choices(tiny_llama.name, first_missed, make_default=True)
+    assert saved["default_level"] is None  # the default's target was not met: none is set
+    assert codec_for("tcq", tiny_llama).default_level == codec.levels[len(codec.levels) // 2]
+    path = tmp_path / "tcq-calibration.json"
+    path.write_text(json.dumps(first_missed))
+    assert read_calibration(path)["choices"] == first_missed["choices"]
+
+
+def test_when_no_target_is_met_the_run_says_so_and_keeps_its_measurements(
+    document, tiny_llama, tmp_path, capsys
+):
+    save_choices(tiny_llama.name, document, make_default=True)
+    record = tcq_levels_path(tiny_llama.identity()).read_bytes()
+    argv = ["calibrate", "--codec", "tcq", "--model", "tiny-llama", "--target-ppl", "1e-9"]
+    argv += ["--windows", "2", "--context-tokens", "96", "--continuation-tokens", "16"]
+    assert main([*argv, "--out", str(tmp_path), "--no-progress"]) == 1
+    assert "no tcq level kept the perplexity change within 1e-09%" in capsys.readouterr().err
+    written = json.loads((tmp_path / "tcq-calibration.json").read_text())
+    assert [c["level"] for c in written["choices"]] == [None]
+    assert len(written["trials"]) == len(document["trials"])
+    assert tcq_levels_path(tiny_llama.identity()).read_bytes() == record  # untouched
 
 
 def test_a_damaged_record_is_refused(document, tiny_llama):

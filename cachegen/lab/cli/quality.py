@@ -529,7 +529,12 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _calibrate_tcq(args: argparse.Namespace) -> int:
     from cachegen.lab.quality import report
     from cachegen.lab.quality.calibrate import CalibrationSettings
-    from cachegen.lab.quality.tcq_calibrate import calibrate_tcq, read_calibration, save_choices
+    from cachegen.lab.quality.tcq_calibrate import (
+        calibrate_tcq,
+        read_calibration,
+        save_choices,
+        unmet,
+    )
 
     cachegen_only = {
         "--trials": args.trials,
@@ -563,13 +568,17 @@ def _calibrate_tcq(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     document = calibrate_tcq(args.model, settings, progress=not args.no_progress)
-    if not args.dry_run:
+    missed = unmet(document)
+    status = 1 if len(missed) == len(document["choices"]) else 0
+    if not args.dry_run and not status:  # nothing met: the earlier record stays as it was
         document["saved"] = save_choices(args.model, document, make_default=args.set_default)
     if args.out:
         report.write_json(args.out / "tcq-calibration.json", document)
+    for choice in missed:
+        print(f"warning: {choice['unmet']}", file=sys.stderr)
     if args.json:
         print(json.dumps(document, indent=2))
-        return 0
+        return status
     print(
         f"tcq model {document['tcq_model']}: {len(document['trials'])} levels on "
         f"{document['windows']} calibration windows"
@@ -581,8 +590,8 @@ def _calibrate_tcq(args: argparse.Namespace) -> int:
         )
     for choice in document["choices"]:
         target = choice["target_ppl_pct"]
-        print(f"target |perplexity change| <= {target:g}%: level {choice['level']}")
+        print(f"target |perplexity change| <= {target:g}%: level {choice['level'] or 'none'}")
     if "saved" in document:
         default = document["saved"]["default_level"]
         print("recorded" + (f"; level {default} is the tcq default" if default else ""))
-    return 0
+    return status

@@ -10,7 +10,9 @@ perplexity change within the target; ``ppl``: perplexity change within margin x 
 
 The choices are recorded for that model file (``cachegen.codec.tcq_levels``): they become
 the levels' losses for a quality bound (the connector's ``max_loss_pct``) and, with
-``set_default``, the first target's level becomes the codec's default.
+``set_default``, the first target's level becomes the codec's default. A target no level
+meets is a result too, not an error: its choice has no level and says why (``unmet``), and
+the measured levels and the other targets' choices are kept.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def calibrate_tcq(
     ]
     for trial, (kl, ppl, agree) in zip(trials, data.score(variants, "tcq levels")):
         trial.kl, trial.ppl_change_pct, trial.top1_agreement = kl, ppl, agree
-    choices = [choose_level(trials, target, settings) for target in settings.targets]
+    choices = [_choice_or_unmet(trials, target, settings) for target in settings.targets]
     identity = data.spec.identity()
     return versioned(
         SCHEMA,
@@ -115,6 +117,18 @@ def choose_level(trials: list[LevelTrial], target: float, settings: CalibrationS
     }
 
 
+def _choice_or_unmet(trials: list[LevelTrial], target: float, settings) -> dict:
+    try:
+        return choose_level(trials, target, settings)
+    except InputError as exc:
+        return {"target_ppl_pct": target, "level": None, "unmet": str(exc)}
+
+
+def unmet(document: dict) -> list[dict]:
+    """The choices of ``document`` whose target no level met."""
+    return [choice for choice in document["choices"] if choice["level"] is None]
+
+
 def read_calibration(path) -> dict:
     """An earlier run's ``tcq-calibration.json``, checked."""
     import json
@@ -126,7 +140,9 @@ def read_calibration(path) -> dict:
     document = check_version(document, SCHEMA, (VERSION,), str(path))
     try:
         for choice in document["choices"]:
-            int(choice["level"]), float(choice["target_ppl_pct"])
+            float(choice["target_ppl_pct"])
+            if choice["level"] is not None:
+                int(choice["level"])
         str(document["tcq_model"]), str(document["model"]["fingerprint"])
     except (KeyError, TypeError, ValueError) as exc:
         raise InputError(f"{path} has a malformed entry: {exc!r}") from exc
@@ -135,7 +151,8 @@ def read_calibration(path) -> dict:
 
 def save_choices(model: str, document: dict, *, make_default: bool) -> dict:
     """Record ``document``'s choices for its tcq model file; the first target's level is the
-    codec's default with ``make_default``. Each level keeps the strictest target it met."""
+    codec's default with ``make_default`` (none if no level met it). Each level keeps the
+    strictest target it met; unmet targets record nothing."""
     from cachegen.codec.tcq_levels import write_tcq_levels
     from cachegen.models import resolve
     from cachegen.profiles import codec_for
@@ -152,9 +169,12 @@ def save_choices(model: str, document: dict, *, make_default: bool) -> dict:
         )
     targets: dict[int, float] = {}
     for choice in document["choices"]:
+        if choice["level"] is None:
+            continue
         level = int(choice["level"])
         targets[level] = min(targets.get(level, math.inf), float(choice["target_ppl_pct"]))
-    default = int(document["choices"][0]["level"]) if make_default else None
+    first = document["choices"][0]["level"]
+    default = int(first) if make_default and first is not None else None
     settings = {k: v for k, v in document.items() if k not in ("choices", "trials")}
     write_tcq_levels(identity, document["tcq_model"], targets, default, settings)
     return {"targets": targets, "default_level": default}
