@@ -115,6 +115,9 @@ def test_an_unmet_target_is_a_result_and_the_others_are_kept(document, tiny_llam
     path = tmp_path / "tcq-calibration.json"
     path.write_text(json.dumps(first_missed))
     assert read_calibration(path)["choices"] == first_missed["choices"]
+    old = tmp_path / "version-1.json"  # written before unmet targets were kept
+    old.write_text(json.dumps({**document, "version": 1}))
+    assert read_calibration(old)["choices"] == document["choices"]
 
 
 def test_when_no_target_is_met_the_run_says_so_and_keeps_its_measurements(

@@ -30,7 +30,7 @@ from cachegen.lab.quality.calibrate import (
 )
 
 SCHEMA = "cachegen-tcq-calibration"
-VERSION = 1
+VERSION = 2  # 2: a choice may have no level (an unmet target); 1 files still read
 
 
 @dataclass
@@ -137,7 +137,7 @@ def read_calibration(path) -> dict:
         document = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"cannot read tcq calibration {path}: {exc}") from exc
-    document = check_version(document, SCHEMA, (VERSION,), str(path))
+    document = check_version(document, SCHEMA, (1, VERSION), str(path))
     try:
         for choice in document["choices"]:
             float(choice["target_ppl_pct"])
