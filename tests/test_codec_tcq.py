@@ -156,6 +156,31 @@ def test_choices_follow_a_shift_and_a_spread_the_calibration_never_saw(kv, stati
     assert relative_error(decode(new), moved) <= 1.02 * relative_error(decode(old), moved)
 
 
+def test_each_component_takes_the_table_that_codes_it_in_the_fewest_bits(model_file):
+    """The chooser against brute force: every option's bits counted from its table."""
+    code = model_file.level_code(BY_STEP[1])
+    rng = np.random.default_rng(0)
+    for layer, kind in [(0, 0), (1, 1), (len(code.kept) - 1, 0)]:
+        radius = code.radius[layer][kind]
+        # even components drawn from their calibrated table, odd ones narrower than it: each
+        # kind of table wins somewhere
+        base = int(code.table_base[layer, kind])
+        sym = np.empty((len(radius), 300), dtype=np.uint8)
+        for c, r in enumerate(radius):
+            freq = (code.freq_cum[base + c, : 2 * r + 1] >> 16).astype(np.float64)
+            if c % 2:
+                sym[c] = np.clip(np.round(rng.normal(0, 0.4, 300)), -r, r) + r
+            else:
+                sym[c] = rng.choice(2 * r + 1, size=300, p=freq / freq.sum())
+        choice = tcq.choose_tables(code, layer, kind, sym)
+        for c, r in enumerate(radius):
+            first = code.family_row[r]
+            rows = [base + c] + list(range(first, first + code.family_size))
+            bits = [code.code_bits[row][sym[c]].sum() for row in rows]
+            assert bits[choice[c]] == pytest.approx(min(bits), rel=1e-12), (layer, kind, c)
+        assert 0 < np.count_nonzero(choice) < len(choice)
+
+
 def test_each_token_decodes_as_closely_in_any_chunking(kv, tiny_llama, model_file):
     """Offsets are chosen per frame, so another chunking moves the quantizer's grid by a
     fraction of a step: the values change, not the error."""

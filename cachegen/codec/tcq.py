@@ -133,12 +133,14 @@ class LevelCode:
     kept: list[list[np.ndarray]]  # [L][2]: component indices
     radius: list[list[np.ndarray]]  # [L][2]: int64 radius of each kept component
     step: list[list[torch.Tensor]]  # [L][2]: float32 step of each kept component
+    analysis: list[list[torch.Tensor]]  # [L][2]: kept components' rows over their steps
     synthesis: list[list[np.ndarray]]  # [L][2]: kept components' rows scaled by their steps
     table_base: np.ndarray  # [L, 2]: row of each stream's first table
     freq_cum: np.ndarray  # [tables, width] uint32
     slot_sym: np.ndarray  # [tables, PROB_SCALE] uint8
     family_row: np.ndarray  # [MAX_RADIUS + 1]: row of radius r's first family table, or -1
-    family_cost: dict  # radius -> bits [family tables, 2r + 1] of each symbol
+    code_bits: np.ndarray  # [tables, width] float64: code length of each table's symbols
+    family_size: int  # tables of the family (0: the model file has none)
     decoding: dict = field(default_factory=dict, repr=False, compare=False)  # layers -> tables
 
     def stream_tables(self, tcq: TcqModel, layers: tuple[int, ...]) -> StreamTables:
@@ -338,17 +340,20 @@ def _level_code(tcq: TcqModel, index: int) -> LevelCode:
     starts = _table_offsets(tcq.radius)[index]
     L, _, C = radius.shape
     width = max(3, 2 * int(radius.max()) + 1)
-    kept, radii, steps, synthesis, rows = [], [], [], [], []
+    kept, radii, steps, analysis, synthesis, rows = [], [], [], [], [], []
     base = np.zeros((L, 2), dtype=np.int64)
     count = 0
     for layer in range(L):
-        kept.append([]), radii.append([]), steps.append([]), synthesis.append([])
+        kept.append([]), radii.append([]), steps.append([])
+        analysis.append([]), synthesis.append([])
         for k in range(2):
             idx = np.flatnonzero(radius[layer, k])
             kept[layer].append(idx)
             radii[layer].append(radius[layer, k][idx])
             step = tcq.steps[index, layer, k][idx]
             steps[layer].append(torch.from_numpy(step.copy()))
+            rows_over_steps = tcq.components[layer, k][idx] / step[:, None]
+            analysis[layer].append(torch.from_numpy(rows_over_steps.astype(np.float32)))
             scaled = step[:, None].astype(np.float32) * tcq.components[layer, k][idx]
             synthesis[layer].append(np.ascontiguousarray(scaled, dtype=np.float32))
             base[layer, k] = count
@@ -359,12 +364,10 @@ def _level_code(tcq: TcqModel, index: int) -> LevelCode:
                 table[:n] = tcq.freq[starts[layer, k, i] : starts[layer, k, i] + n]
                 rows.append(table)
     family_row = np.full(MAX_RADIUS + 1, -1, dtype=np.int64)
-    family_cost = {}
     if tcq.adaptive:
         for r in np.unique(radius[radius > 0]):
             tables = _family_tables(tcq.family, int(r))
             family_row[r] = len(rows)
-            family_cost[int(r)] = _CODE_BITS[tables]
             for table in tables:
                 rows.append(np.pad(table, (0, width - len(table))).astype(np.uint16))
     freq = np.stack(rows) if rows else np.zeros((1, width), dtype=np.uint16)
@@ -373,12 +376,14 @@ def _level_code(tcq: TcqModel, index: int) -> LevelCode:
         kept,
         radii,
         steps,
+        analysis,
         synthesis,
         base,
         rans.pack_freq_cum(freq),
         slot,
         family_row,
-        family_cost,
+        _CODE_BITS[freq],
+        len(tcq.family),
     )
 
 
@@ -521,8 +526,7 @@ def quantize_rows(
     quantizer's grid moves with it)."""
     kept = code.kept[layer][kind]
     mean = torch.from_numpy(tcq.mean[layer, kind])
-    basis = torch.from_numpy(tcq.components[layer, kind][kept])
-    y = np.ascontiguousarray(((rows - mean) @ basis.T / code.step[layer][kind]).T.numpy())
+    y = (code.analysis[layer][kind] @ (rows - mean).T).numpy()  # [kept, tokens], in steps
     offset = np.zeros(len(kept), dtype=np.float32)
     if centred and y.shape[1]:
         middle = (y.shape[1] - 1) // 2  # the lower median, as torch.median takes it
@@ -536,21 +540,19 @@ def quantize_rows(
 
 def choose_tables(code: LevelCode, layer: int, kind: int, sym: np.ndarray) -> np.ndarray:
     """Each kept component's table (uint8: 0 its calibrated table, ``1 + j`` family table
-    ``j``), the one that codes its symbols ``sym`` [kept, tokens] in the fewest bits."""
+    ``j``), the one that codes its symbols ``sym`` [kept, tokens] in the fewest bits (the
+    first of the family's cheapest, and only where it is cheaper than the calibrated one)."""
     radius = code.radius[layer][kind]
-    width = code.freq_cum.shape[1]
-    C = len(radius)
-    flat = (np.arange(C)[:, None] * width + sym).reshape(-1)
-    counts = np.bincount(flat, minlength=C * width).reshape(C, width)
-    base = int(code.table_base[layer, kind])
-    own = (counts * _CODE_BITS[code.freq_cum[base : base + C] >> 16]).sum(axis=1)
-    choice = np.zeros(C, dtype=np.uint8)
-    for r in np.unique(radius):
-        at = np.flatnonzero(radius == r)
-        cost = counts[at, : 2 * r + 1] @ code.family_cost[int(r)].T
-        best = cost.argmin(axis=1)
-        better = cost[np.arange(len(at)), best] < own[at]
-        choice[at[better]] = 1 + best[better]
+    choice = np.zeros(len(radius), dtype=np.uint8)
+    tcq_kernels.choose_tables(
+        sym,
+        radius,
+        int(code.table_base[layer, kind]),
+        code.family_row,
+        code.family_size,
+        code.code_bits,
+        choice,
+    )
     return choice
 
 

@@ -1,6 +1,6 @@
-"""Numba kernels of the ``tcq`` decoder (:mod:`cachegen.codec.tcq`).
+"""Numba kernels of the ``tcq`` codec (:mod:`cachegen.codec.tcq`).
 
-A frame decodes in three passes, each over all its (layer, K/V) streams:
+The encoder's :func:`choose_tables` picks each component's table for a frame. A frame decodes in three passes, each over all its (layer, K/V) streams:
 
 1. :func:`decode_coefficients` (codec threads): each stream's rANS symbols, centred on their
    component's radius, into one row per token of a ``[streams, tokens, width]`` array of
@@ -183,3 +183,32 @@ def write_rows(
                     done = store_vector(row, cos, sin, angle, head_dim, out32, o)
                 if not done:
                     store_row(row, cos, sin, angle, rotate, head_dim, out32, out16, o)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def choose_tables(sym, radius, base, family_row, family_size, code_bits, choice):
+    """Into ``choice`` (uint8, one per component of ``sym`` [components, tokens]): 0 where
+    the component's calibrated table (row ``base + c`` of ``code_bits``, each row the code
+    lengths of its table's symbols) codes its symbols in the fewest bits, else ``1 + j`` for
+    the first cheapest of the ``family_size`` family tables of its radius (rows from
+    ``family_row[radius[c]]``)."""
+    C, T = sym.shape
+    width = code_bits.shape[1]
+    counts = np.zeros(width, dtype=np.float64)
+    for c in range(C):
+        n = 2 * radius[c] + 1
+        counts[:n] = 0.0
+        for t in range(T):
+            counts[sym[c, t]] += 1.0
+        own = 0.0
+        for v in range(n):
+            own += counts[v] * code_bits[base + c, v]
+        best, best_cost = 0, own
+        first = family_row[radius[c]]
+        for j in range(family_size if first >= 0 else 0):
+            cost = 0.0
+            for v in range(n):
+                cost += counts[v] * code_bits[first + j, v]
+            if cost < best_cost:
+                best, best_cost = 1 + j, cost
+        choice[c] = best
