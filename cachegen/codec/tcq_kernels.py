@@ -1,6 +1,7 @@
 """Numba kernels of the ``tcq`` codec (:mod:`cachegen.codec.tcq`).
 
-The encoder's :func:`choose_tables` picks each component's table for a frame. A frame decodes in three passes, each over all its (layer, K/V) streams:
+The encoder's :func:`choose_tables` picks each component's table for a frame. A frame
+decodes in three passes, each over all its (layer, K/V) streams:
 
 1. :func:`decode_coefficients` (codec threads): each stream's rANS symbols, centred on their
    component's radius, into one row per token of a ``[streams, tokens, width]`` array of
