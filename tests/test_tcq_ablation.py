@@ -111,3 +111,21 @@ def test_default_fit_is_the_fit_with_the_kvtc_basis_and_weights(tiny_llama, ship
     assert fit_tcq_model(tiny_llama).id == shipped.id
     explicit = fit_tcq_model(tiny_llama, basis=ensure_kvtc_basis(tiny_llama))
     assert explicit.id == shipped.id
+
+
+def test_the_calibrate_split_can_be_ablated_to_choose_on(tiny_llama, variants):
+    doc = tcq_ablation.run_ablation(
+        tiny_llama.name,
+        ["pydoc"],
+        [LEVELS[0]],
+        1,
+        48,
+        8,
+        0,
+        "test",
+        progress=False,
+        split="calibrate",
+    )
+    assert [d["split"] for d in doc["data"]] == ["calibrate"]
+    assert {r["variant"] for r in doc["rows"]} == set(tcq_ablation.VARIANTS)
+    assert all(r["dataset"] == "pydoc" for r in doc["rows"])

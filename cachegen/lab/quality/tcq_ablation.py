@@ -148,13 +148,14 @@ def run_ablation(
     seed: int,
     command: str,
     progress: bool = True,
+    split: str = "eval",
 ) -> dict:
     from cachegen.extract import load_model
     from cachegen.lab.quality.datasets import DataSettings, load_windows
 
     _, tokenizer, spec = load_model(model)
     data = [
-        DataSettings(dataset, windows, context_tokens, continuation_tokens, seed=seed)
+        DataSettings(dataset, windows, context_tokens, continuation_tokens, seed=seed, split=split)
         for dataset in datasets
     ]
     # every dataset's windows before the (slow) fits: a bad name fails at once
@@ -226,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--continuation-tokens", type=int, default=128)
     p.add_argument("--levels", default="21,23,25", help="comma-separated tcq levels")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--split",
+        default="eval",
+        choices=("eval", "calibrate"),
+        help="pydoc's split: eval (held out) or calibrate (to choose a variant on)",
+    )
     p.add_argument("--json", type=Path, help="write the result document here")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -241,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             args.seed,
             command,
             progress=not args.no_progress,
+            split=args.split,
         )
     except CacheGenError as exc:
         print(f"error: {exc}", file=sys.stderr)
