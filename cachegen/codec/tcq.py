@@ -139,9 +139,14 @@ class LevelCode:
     freq_cum: np.ndarray  # [tables, width] uint32
     slot_sym: np.ndarray  # [tables, PROB_SCALE] uint8
     family_row: np.ndarray  # [MAX_RADIUS + 1]: row of radius r's first family table, or -1
-    code_bits: np.ndarray  # [tables, width] float64: code length of each table's symbols
     family_size: int  # tables of the family (0: the model file has none)
     decoding: dict = field(default_factory=dict, repr=False, compare=False)  # layers -> tables
+
+    @functools.cached_property
+    def code_bits(self) -> np.ndarray:
+        """[tables, width] float64: the code length of each table's symbols (the encoder's
+        table choice; decoders never need it)."""
+        return _CODE_BITS[self.freq_cum >> 16]
 
     def stream_tables(self, tcq: TcqModel, layers: tuple[int, ...]) -> StreamTables:
         """The decoder's per-stream arrays for ``layers``, kept for the last few layer sets."""
@@ -382,7 +387,6 @@ def _level_code(tcq: TcqModel, index: int) -> LevelCode:
         rans.pack_freq_cum(freq),
         slot,
         family_row,
-        _CODE_BITS[freq],
         len(tcq.family),
     )
 
