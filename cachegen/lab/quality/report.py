@@ -8,9 +8,11 @@ schema (``cachegen.lab.rows``).
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from cachegen.errors import InputError
+from cachegen.errors import CacheGenError, InputError
 from cachegen.fileio import check_version, versioned, write_atomic
 from cachegen.lab import rows as row_schema
 from cachegen.lab.quality import frontier
@@ -52,9 +54,26 @@ def terminal_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: Path, document) -> None:
+def write_json(path: Path, document, indent: int = 2) -> None:
     """Write ``document`` as JSON atomically (temporary file renamed into place)."""
-    write_atomic(path, (json.dumps(document, indent=2) + "\n").encode())
+    write_atomic(path, (json.dumps(document, indent=indent) + "\n").encode())
+
+
+def finish_run(
+    compute: Callable[[], dict], json_path: Path | None, table: Callable[[dict], str]
+) -> int:
+    """A lab command's ending: the document ``compute`` makes, written to ``json_path`` (if
+    given) and shown as ``table``; exit status 0, or 2 with the reason on stderr when it
+    raises a :class:`CacheGenError` (then nothing is written)."""
+    try:
+        document = compute()
+    except CacheGenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if json_path:
+        write_json(json_path, document, indent=1)
+    print(table(document))
+    return 0
 
 
 def new_document(body: dict) -> dict:

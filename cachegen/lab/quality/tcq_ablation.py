@@ -23,7 +23,6 @@ took (from the decoder's per-layer byte counts). Run::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,9 +33,10 @@ import torch
 from cachegen.codec import tcq
 from cachegen.codec.bitstream import parse_frames, parse_header
 from cachegen.codec.transform import TransformBasis
-from cachegen.errors import CacheGenError, InputError
-from cachegen.fileio import versioned, write_atomic
+from cachegen.errors import InputError
+from cachegen.fileio import versioned
 from cachegen.kv import KVCache
+from cachegen.lab.quality import report
 from cachegen.lab.quality.evaluate import Candidate, EvalSettings, evaluate
 
 PROG = "python -m cachegen.lab.quality.tcq_ablation"
@@ -237,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     command = " ".join([PROG, *(sys.argv[1:] if argv is None else argv)])
-    try:
-        doc = run_ablation(
+    return report.finish_run(
+        lambda: run_ablation(
             args.model,
             [x.strip() for x in args.dataset.split(",") if x.strip()],
             _level_ids(args.levels),
@@ -249,14 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             command,
             progress=not args.no_progress,
             split=args.split,
-        )
-    except CacheGenError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        write_atomic(args.json, json.dumps(doc, indent=1).encode() + b"\n")
-    print(table(doc))
-    return 0
+        ),
+        args.json,
+        table,
+    )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ exact in the codec and left out). Run::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -39,9 +38,10 @@ from tqdm import tqdm
 from cachegen.codec import rans, tcq
 from cachegen.codec.base import kv_tensor
 from cachegen.codec.quant import rotate_layer_keys
-from cachegen.errors import CacheGenError, InputError
-from cachegen.fileio import versioned, write_atomic
+from cachegen.errors import InputError
+from cachegen.fileio import versioned
 from cachegen.kv import KVCache
+from cachegen.lab.quality import report
 
 PROG = "python -m cachegen.lab.quality.tcq_redundancy"
 SCHEMA = "cachegen-tcq-redundancy"
@@ -194,6 +194,8 @@ def measure(
                     residual[layer, k] = np.where(kept[layer, k], q, 0)
             symbols[name].append(residual)
     bits = {name: np.zeros((L, 2)) for name in names}
+    # contexts are taken window by window: a window's first token has no previous token
+    contexts = {"previous_token": previous_token_context, "token_loudness": loudness_context}
     tokens = 0
     for name in ["independent", *names[3:]]:
         joined = np.concatenate(symbols[name], axis=2)
@@ -201,19 +203,14 @@ def measure(
         for layer in range(L):
             for k in (0, 1):
                 cols = joined[layer, k][:, kept[layer, k]]
-                if cols.size:
-                    bits[name][layer, k] = _entropy_bits(cols)
-                    if name == "independent":
-                        contexts = {
-                            "previous_token": np.concatenate(
-                                [previous_token_context(s[layer, k]) for s in symbols[name]]
-                            ),
-                            "token_loudness": np.concatenate(
-                                [loudness_context(s[layer, k]) for s in symbols[name]]
-                            ),
-                        }
-                        for ctx_name, ctx in contexts.items():
-                            bits[ctx_name][layer, k] = _entropy_bits(cols, ctx[:, kept[layer, k]])
+                if not cols.size:
+                    continue
+                bits[name][layer, k] = _entropy_bits(cols)
+                if name != "independent":
+                    continue
+                for ctx_name, context_of in contexts.items():
+                    ctx = np.concatenate([context_of(s[layer, k]) for s in symbols[name]])
+                    bits[ctx_name][layer, k] = _entropy_bits(cols, ctx[:, kept[layer, k]])
     elements = max(tokens * C, 1)
     return {
         "tokens": tokens,
@@ -319,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     command = " ".join([PROG, *(sys.argv[1:] if argv is None else argv)])
-    try:
-        doc = run(
+    return report.finish_run(
+        lambda: run(
             args.model,
             args.level,
             [x.strip() for x in args.dataset.split(",") if x.strip()],
@@ -331,14 +328,10 @@ def main(argv: list[str] | None = None) -> int:
             args.seed,
             command,
             progress=not args.no_progress,
-        )
-    except CacheGenError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        write_atomic(args.json, json.dumps(doc, indent=1).encode() + b"\n")
-    print(table(doc))
-    return 0
+        ),
+        args.json,
+        table,
+    )
 
 
 if __name__ == "__main__":
