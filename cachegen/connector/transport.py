@@ -391,9 +391,11 @@ class ChunkTransport:
         on_chunk: Callable[[KVCache], None],
         prefill_tokens_per_s: float | None = None,
         end: int | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
     ) -> LoadResult:
         """Stream chunks ``first_chunk .. first_chunk + num_chunks - 1`` of ``token_ids``,
-        decode them and hand each (in order) to ``on_chunk``: a whole chunk, or for a model
+        decode them into ``out_dtype`` (the engine's KV dtype: a float32 engine's raw chunks
+        load exactly) and hand each (in order) to ``on_chunk``: a whole chunk, or for a model
         with sliding-window layers each fetched part of it (a layer subset; the full-attention
         part first). ``end`` (default: the end of the last chunk) is where the loaded prefix
         ends; it decides which chunks' sliding parts are fetched."""
@@ -466,7 +468,8 @@ class ChunkTransport:
             return LoadResult(0, too_much, extra)
         controller = kwargs.get("controller")
         try:
-            stats = stream_load(self._link(options).source, fetch, _decode, consume, **kwargs)
+            decode = functools.partial(_decode, out_dtype=out_dtype)
+            stats = stream_load(self._link(options).source, fetch, decode, consume, **kwargs)
         except CacheGenError as exc:
             partial = getattr(exc, "stats", None)
             loaded = partial.n_loaded if partial else 0
@@ -896,10 +899,10 @@ def _publish_tables(store: Any, tables_ids: list[str]) -> None:
     publish_tables(store, tables_ids)
 
 
-def _decode(blob: bytes) -> KVCache:
+def _decode(blob: bytes, out_dtype: torch.dtype) -> KVCache:
     from cachegen.codec import decode
 
-    return decode(blob)
+    return decode(blob, out_dtype=out_dtype)
 
 
 def _damaged(exc: BaseException) -> bool:

@@ -429,6 +429,7 @@ class WorkerSide:
                 on_chunk,
                 self.prefill_tokens_per_s,
                 end=task.end,
+                out_dtype=self._caches[0].dtype,
             )
             error, done_chunks, stats = result.error, result.chunks_loaded, result.stats
         except Exception as exc:  # noqa: BLE001 - any failure of a load must become a recompute

@@ -30,6 +30,7 @@ from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.scheduler import REPORT_KEY
 from cachegen.constants import CHUNK_TOKENS
+from cachegen.cpu import engine_dtype
 from cachegen.errors import InputError
 from cachegen.models import ModelSpec, resolve
 from cachegen.modes import MODES, RECOMPUTE
@@ -191,6 +192,7 @@ class ConnectorEngine:
             kv_load_failure_policy="recompute",
         )
         engine_args.setdefault("gpu_memory_utilization", 0.3)
+        engine_args.setdefault("dtype", engine_dtype())  # float32 where bf16 is emulated
         with _llvmlite_hidden_from_vllm():
             self.llm = LLM(
                 model=str(self.spec.path),

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 
+from cachegen.cpu import engine_dtype
 from cachegen.errors import InputError
 from cachegen.fileio import check_version, versioned
 from cachegen.lab.rows import RequestRow
@@ -222,6 +223,7 @@ class _PlainEngine:
             enable_prefix_caching=False,
             disable_log_stats=False,
             seed=0,
+            dtype=engine_dtype(),
         )
 
     def run(self, prompt_token_ids, *, mode, max_tokens, **_ignored) -> dict:

@@ -8,6 +8,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+from cachegen.cpu import cpu_flags, engine_dtype
+
 PACKAGES = (
     "cachegen",
     "torch",
@@ -35,10 +37,17 @@ def capture() -> dict:
         "os": f"{platform.system()} {platform.release()} {platform.machine()}",
         "python": platform.python_version(),
         "device": "cpu",
+        "cpu_flags": vector_flags(),
+        "engine_dtype": engine_dtype(),
         "load_average": {"start": load_average(), "end": None},
         "versions": _versions(),
         "git": git_state(),
     }
+
+
+def vector_flags() -> list[str]:
+    """The CPU's AVX2, AVX-512 and AMX flags: they decide how fast bf16 and int8 work runs."""
+    return sorted(f for f in cpu_flags() if f == "avx2" or f.startswith(("avx512", "amx")))
 
 
 def load_average() -> float | None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from cachegen.connector.config import ConnectorConfig
+from cachegen.cpu import engine_dtype
 from cachegen.errors import CacheGenError
 from cachegen.models import resolve
 from cachegen.modes import RECOMPUTE
@@ -124,6 +125,8 @@ class OpenAIServer:
             "0.3",
             "--enforce-eager",
             "--no-enable-prefix-caching",
+            "--dtype",
+            engine_dtype(),
         ]
         if self.extra is not None:
             transfer = {
