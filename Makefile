@@ -29,8 +29,12 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 
 install: $(STAMP)
 
+# Preparing the embedded models converts them and builds their codec profiles, so that no first
+# request (nor test) waits for a profile build.
 models: install
 	$(VENV)/bin/cachegen models --prepare
+	$(VENV)/bin/cachegen profile build --model smollm2-135m
+	$(VENV)/bin/cachegen profile build --model gemma3-270m
 
 # Tests start their own redis-server on 127.0.0.1 and make TLS certificates with openssl; the
 # dashboard test and `make bench` open asv's pages in headless chromium. All must exist.

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cachegen import models
+from tests.support import free_cluster_port, free_port, require_tool
 
 
 @pytest.fixture
@@ -55,23 +56,11 @@ def tiny_qwen2() -> models.ModelSpec:
     return models.resolve("tiny-qwen2")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class RedisServer:
     """A real redis-server on 127.0.0.1 that tests may stop and restart."""
 
     def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail(
-                "redis-server is not installed: run `apt-get install -y redis-server` "
-                "(.ci/run does)"
-            )
-        self.binary = binary
+        self.binary = require_tool("redis-server")
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -105,6 +94,15 @@ class RedisServer:
         self.stop()
         pytest.fail(f"redis-server did not start on port {self.port}")
 
+    def fresh_url(self) -> str:
+        """The URL of this server, started if a test stopped it, with every key deleted."""
+        if self.proc is None:
+            self.start()
+        import redis
+
+        redis.Redis.from_url(self.url).flushall()
+        return self.url
+
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.terminate()
@@ -123,39 +121,15 @@ def redis_server():
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     """URL of a running redis-server, flushed before each test."""
-    if redis_server.proc is None:
-        redis_server.start()
-    import redis
-
-    redis.Redis.from_url(redis_server.url).flushall()
-    return redis_server.url
+    return redis_server.fresh_url()
 
 
 # ---- a real Redis Cluster ------------------------------------------------------------------
 
 
 def _require_redis_binaries() -> None:
-    """Fail (not skip) without Redis, as RedisServer does: .ci/run installs it."""
     for binary in ("redis-server", "redis-cli"):
-        if shutil.which(binary) is None:
-            pytest.fail(
-                f"{binary} is not installed: run `apt-get install -y redis-server` (.ci/run does)"
-            )
-
-
-def _free_cluster_port(taken: set[int]) -> int:
-    """A free port whose cluster bus port (port + 10000) is free too, and below 65536."""
-    while True:
-        port = free_port()
-        if port > 55000 or port in taken or port + 10000 in taken:
-            continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        taken.update((port, port + 10000))
-        return port
+        require_tool(binary)
 
 
 def _start_redis(args: list[str], port: int) -> subprocess.Popen:
@@ -183,7 +157,7 @@ class RedisCluster:
         self.password = password
         self.query = query  # the store options of url()
         taken: set[int] = set()
-        self.ports = [_free_cluster_port(taken) for _ in range(size)]
+        self.ports = [free_cluster_port(taken) for _ in range(size)]
         self.procs: dict[int, subprocess.Popen | None] = {p: None for p in self.ports}
 
     def url(self, port: int | None = None, query: str | None = None) -> str:
@@ -386,7 +360,7 @@ def evicting_redis(tmp_path):
     """The port of a single redis-server (not a cluster) that evicts only keys with a TTL
     (volatile-ttl) once its maxmemory is set."""
     _require_redis_binaries()
-    port = _free_cluster_port(set())
+    port = free_cluster_port()
     proc = _start_redis(
         [
             shutil.which("redis-server"),

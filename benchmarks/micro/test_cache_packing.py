@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from cachegen.connector.layouts import CpuPackedLayout, vec_packing_offsets
+from tests.support import CHUNK
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 128
-TOKENS, CHUNK = 4096, 256
+TOKENS = 4096
 
 
 @pytest.fixture(scope="module")

@@ -30,9 +30,9 @@ from cachegen.codec.cachegen_codec import encode_chunk
 from cachegen.codec.quant import quantize_chunk
 from cachegen.lab.bench.codec_report import coder_overhead, measure, text_windows
 from cachegen.profiles import codec_for, ensure_profile
+from tests.support import CHUNK
 
 TOKENS = 1024
-CHUNK = 256
 LEVEL = 2
 DECODE_TARGET = 300e6
 PACKED_DECODE_TARGET = 1000e6

@@ -11,7 +11,6 @@ measured numbers in ``extra_info`` (see the JSON from ``--benchmark-json``).
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -20,6 +19,7 @@ import pytest
 
 from cachegen.store import open_store
 from cachegen.stream import netns, open_link, stream_load
+from tests.support import free_port, require_tool
 
 RATES = (100, 500, 1000)
 CHUNK_BYTES = 1_000_000
@@ -69,12 +69,8 @@ def test_goodput(benchmark, synthetic_store, shaper, rate):
 
 @pytest.fixture(scope="module")
 def redis_url():
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    binary = require_tool("redis-server")  # fails, not skips, as the tests do
+    port = free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,

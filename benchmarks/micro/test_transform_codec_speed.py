@@ -26,9 +26,9 @@ import torch
 from cachegen.codec import decode, get_codec, tcq
 from cachegen.lab.bench.codec_report import text_windows
 from cachegen.profiles import codec_for
+from tests.support import CHUNK
 
 TOKENS = 1024
-CHUNK = 256
 DECODE_TARGET = 300e6
 
 

@@ -2,14 +2,17 @@
 
 Engines are module-scoped fixtures in the test modules and are closed at the end of their
 module, so a test run never holds two vLLM engines at once (each costs seconds to start and
-a GiB of KV cache).
+a GiB of KV cache). They run in ``tests.support.ENGINE_DTYPE``: bf16 where the CPU has bf16
+instructions, float32 where bf16 would be emulated (several times slower).
+
+vLLM is imported here, not skipped when missing: these are the product's integration tests, and
+a vLLM that fails to import must fail the run.
 """
 
 from __future__ import annotations
 
 import pytest
-
-pytest.importorskip("vllm")
+import vllm  # noqa: F401  (fail the connector suite, never skip it, without vLLM)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,105 @@
+"""Connector options from kv_connector_extra_config and per-request kv_transfer_params."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachegen.connector.config import ConnectorConfig, RequestOptions
+from cachegen.connector.errors import ConnectorError
+from cachegen.profiles import ensure_profile
+
+
+def test_defaults_and_engine_keys():
+    config = ConnectorConfig.from_extra_config(
+        {
+            "store": "redis://127.0.0.1:1/0",
+            "mode": "int8",
+            "chunk_tokens": 512,
+            "bandwidth_mbps": 100,
+        }
+    )
+    assert config.store == "redis://127.0.0.1:1/0"
+    assert config.chunk_tokens == 512
+    assert config.defaults == RequestOptions(mode="int8", bandwidth_mbps=100)
+    assert config.save_modes == ("int8",)  # saves what it loads unless told otherwise
+    assert ConnectorConfig.from_extra_config(None).store.startswith("file://")
+
+
+def test_request_overrides_engine_defaults():
+    config = ConnectorConfig.from_extra_config(
+        {"mode": "raw", "bandwidth_mbps": 100, "save_modes": ["raw", "int8"]}
+    )
+    options = config.defaults.override({"mode": "adaptive", "slo_ms": 500, "bandwidth_mbps": 1000})
+    assert (options.mode, options.slo_ms, options.bandwidth_mbps) == ("adaptive", 500, 1000)
+    assert config.defaults.override(None) is config.defaults
+    assert config.save_modes == ("raw", "int8")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"modee": "raw"}, "unknown kv_connector_extra_config keys"),
+        ({"mode": "zip"}, "unknown mode 'zip'"),
+        ({"chunk_tokens": 0}, "chunk_tokens must be a positive integer"),
+        ({"store": "/tmp/x"}, "store must be a URL"),
+        ({"save_modes": "raw"}, "save_modes must be a list"),
+        ({"save_modes": ["raw", "gzip"]}, "unknown mode 'gzip' in save_modes"),
+        ({"mode": "adaptive"}, "adaptive mode needs slo_ms"),
+        ({"bandwidth_mbps": -5}, "bandwidth_mbps must be a positive number"),
+        ({"shaper": "tc"}, "unknown shaper"),
+        ({"level": "2"}, "level must be an integer"),
+        ({"cachegen_levels": 2}, "cachegen_levels must be a list"),
+        ({"cachegen_levels": []}, "non-empty list of integers"),
+        ({"load_async": "no"}, "load_async must be true or false"),
+    ],
+)
+def test_bad_engine_config_fails_with_a_clear_message(extra, message):
+    with pytest.raises(ConnectorError, match=message):
+        ConnectorConfig.from_extra_config(extra)
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"levle": 2}, "unknown kv_transfer_params"),
+        ({"load": "yes"}, "load must be true or false"),
+        ({"rtt_ms": -1}, "rtt_ms must be a number >= 0"),
+    ],
+)
+def test_bad_request_params_fail_with_a_clear_message(params, message):
+    with pytest.raises(ConnectorError, match=message):
+        RequestOptions().override(params)
+
+
+def test_chunk_must_align_with_vllm_blocks():
+    config = ConnectorConfig.from_extra_config({"chunk_tokens": 200})
+    with pytest.raises(ConnectorError, match="multiple of vLLM's block size 128"):
+        config.check_block_size(128)
+    ConnectorConfig.from_extra_config({"chunk_tokens": 256}).check_block_size(128)
+
+
+def test_adaptive_chooses_among_the_calibrated_levels(smollm2, tiny_llama, tmp_path):
+    """With calibrated levels shipped for the model, adaptive leaves out the paper presets they
+    dominate (bytes alone would rank the presets in between), also from an explicit list; by
+    default it chooses among the stored save ladder (test_storage.py); a model without
+    a calibration offers every stored level."""
+    from cachegen.connector.transport import ChunkTransport
+
+    def levels(spec, **extra):
+        config = ConnectorConfig.from_extra_config(
+            {"store": (tmp_path / "store").as_uri(), **extra}
+        )
+        transport = ChunkTransport(config, spec, spec.identity())
+        try:
+            return transport.adaptive_levels, transport.levels("cachegen")
+        finally:
+            transport.close()
+
+    calibrated = ensure_profile(smollm2).calibrated_levels()
+    assert calibrated and not {1, 2, 3} & set(calibrated)
+    adaptive, stored = levels(smollm2)
+    coded = [lv for lv in stored if lv < 1 << 15]  # the ladder also holds a packed form
+    assert adaptive == coded and set(coded) <= set(calibrated)  # the default save ladder
+    assert levels(smollm2, cachegen_levels=[2, 4]) == ([4], [2, 4])
+    adaptive, stored = levels(tiny_llama)
+    assert adaptive == stored and set(stored) <= set(ensure_profile(tiny_llama).levels)

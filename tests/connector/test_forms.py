@@ -1,0 +1,250 @@
+"""``adaptive`` under a quality bound (``max_loss_pct``): per chunk, the stored form (a cachegen
+level coded or packed, int8, fp8, raw) or recomputation predicted to finish the load soonest,
+among the forms whose loss is within the bound.
+
+* a transport on the tiny model (no engine): the forms it offers, what its loads teach it about
+  each form (decode priors, host ceilings) reaching the controller, a bound no form meets;
+* SmolLM2 in vLLM (it has a shipped calibration and measured int8 loss): the report's choices
+  are stored forms within the bound, and the answer is that of the fixed form chosen.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachegen.codec.form_loss import form_losses, form_name
+from cachegen.codec.packed import record_tag
+from cachegen.connector.config import ConnectorConfig, RequestOptions
+from cachegen.connector.errors import ConnectorError
+from cachegen.connector.transport import ChunkTransport
+from cachegen.extract import extract_kv
+from cachegen.lab.bench.engine import ConnectorEngine
+from cachegen.profiles import codec_for
+from tests.support import CHUNK, connector_engine
+
+CHUNKS = 2
+# Recomputation priced far above any load here, so that the choice is among stored forms.
+SLOW_PREFILL_TOKENS_PER_S = 10.0
+MAX_TOKENS = 12
+
+
+# ---- options ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [-1, "1", True, float("nan"), float("inf"), None])
+def test_a_bad_max_loss_pct_is_refused_per_request_and_engine_wide(bad):
+    params = {"mode": "adaptive", "max_loss_pct": bad}
+    if bad is None:
+        with pytest.raises(ConnectorError, match="needs slo_ms .* or max_loss_pct"):
+            RequestOptions().override(params)
+        return
+    with pytest.raises(ConnectorError, match="max_loss_pct must be a number >= 0"):
+        RequestOptions().override(params)
+    with pytest.raises(ConnectorError, match="max_loss_pct must be a number >= 0"):
+        ConnectorConfig.from_extra_config(params)
+
+
+def test_a_loss_bound_stands_in_for_the_slo():
+    config = ConnectorConfig.from_extra_config({"mode": "adaptive", "max_loss_pct": 1})
+    assert (config.defaults.max_loss_pct, config.defaults.slo_ms) == (1, None)
+    options = config.defaults.override({"max_loss_pct": 0.5})
+    assert options.max_loss_pct == 0.5
+
+
+# ---- the transport, on the tiny model -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_saved(tiny_llama, tmp_path_factory):
+    """A transport storing two chunks at the default cachegen level coded and packed, int8 and
+    raw."""
+    level = codec_for("cachegen", tiny_llama).default_level
+    config = ConnectorConfig.from_extra_config(
+        {
+            "store": tmp_path_factory.mktemp("forms-store").as_uri(),
+            "chunk_tokens": CHUNK,
+            "save_modes": ["cachegen", "int8", "raw"],
+            "cachegen_levels": [level, record_tag(level, "packed")],
+            "prefill_tokens_per_s": SLOW_PREFILL_TOKENS_PER_S,
+        }
+    )
+    t = ChunkTransport(config, tiny_llama, tiny_llama.identity())
+    ids = list(range(3, 3 + CHUNKS * CHUNK))
+    t.save(ids, extract_kv(tiny_llama, token_ids=torch.tensor(ids)), config.save_modes)
+    yield t, ids
+    t.close()
+
+
+def test_the_stored_forms_are_every_level_and_codec_with_their_own_keys(tiny_saved):
+    t, ids = tiny_saved
+    forms = t.stored_forms(ids, 0, CHUNKS, t.load_plan(0, CHUNKS, CHUNKS * CHUNK, _bound(5)), None)
+    names = [form_name("cachegen", lv) for lv in t.levels("cachegen")]
+    assert any(name.endswith("-packed") for name in names)
+    assert sorted(f.name for f in forms) == sorted([*names, "int8", "raw"])
+    by_name = {f.name: f for f in forms}
+    assert by_name["int8"].keys == t.keys("int8", ids)
+    assert by_name["raw"].keys == t.keys("raw", ids) != by_name["int8"].keys
+    assert all(size and size > 0 for f in forms for size in f.sizes)
+    assert by_name["raw"].sizes[0] > by_name["int8"].sizes[0]
+    # the tiny model has no calibration and no measured int8 loss: only raw is known
+    assert {f.name: f.loss_pct for f in forms} == form_losses(by_name, t.identity.fingerprint)
+    assert {n for n, f in by_name.items() if f.loss_pct is not None} == {"raw"}
+
+
+def test_a_bound_no_stored_form_meets_recomputes_and_says_why(tiny_llama, tmp_path):
+    config = ConnectorConfig.from_extra_config(
+        {"store": tmp_path.as_uri(), "chunk_tokens": CHUNK, "save_modes": ["cachegen", "int8"]}
+    )
+    t = ChunkTransport(config, tiny_llama, tiny_llama.identity())
+    try:
+        ids = list(range(3, 3 + CHUNKS * CHUNK))
+        t.save(ids, extract_kv(tiny_llama, token_ids=torch.tensor(ids)), config.save_modes)
+        got: list[int] = []
+        result = t.load(ids, 0, CHUNKS, _bound(100), lambda kv: got.append(kv.start))
+        assert result.chunks_loaded == 0 and got == []
+        assert "max_loss_pct=100" in result.error and "no option has a loss" in result.error
+        stored = {"int8", *(form_name("cachegen", lv) for lv in t.levels("cachegen"))}
+        assert set(result.stats["forms"]) == stored
+    finally:
+        t.close()
+
+
+def test_earlier_loads_give_each_form_its_decode_prior_and_host_ceiling(tiny_saved):
+    t, ids = tiny_saved
+    got: list[int] = []
+    fixed = t.load(ids, 0, CHUNKS, RequestOptions(mode="raw"), lambda kv: got.append(kv.start))
+    assert fixed.error is None and got == [0, CHUNK]
+    decode = t._decode_s_per_token["raw"]
+    assert decode > 0
+    # an unlimited link: the load's goodput (bytes over its whole load, which outlasts its
+    # transfer) is what the host reached
+    assert 0 < t._host_mbps["raw"] <= fixed.stats["goodput_mbps"]
+    forms = t.stored_forms(ids, 0, CHUNKS, t.load_plan(0, CHUNKS, CHUNKS * CHUNK, _bound(0)), None)
+    controller = t._fastest(forms, _bound(0), SLOW_PREFILL_TOKENS_PER_S, None)
+    assert controller.allowed == ["raw"]  # the one form of known loss 0
+    assert controller.decode_spt["raw"] == decode
+    assert controller._host_bps["raw"] == t._host_mbps["raw"] * 1e6 / 8
+
+    got.clear()
+    result = t.load(ids, 0, CHUNKS, _bound(0), lambda kv: got.append(kv.start))
+    assert result.error is None and got == [0, CHUNK]
+    assert result.stats["levels"] == ["raw", "raw"]
+    assert [d["choice"] for d in result.stats["decisions"]] == ["raw", "raw"]
+    # the earlier load on this link gave the throughput prior: every choice has a prediction
+    assert all(d["predicted_s"] > 0 for d in result.stats["decisions"])
+
+
+def _bound(max_loss_pct: float, bandwidth_mbps: float | None = None) -> RequestOptions:
+    return RequestOptions(mode="adaptive", max_loss_pct=max_loss_pct, bandwidth_mbps=bandwidth_mbps)
+
+
+# ---- SmolLM2 in vLLM ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2, tmp_path_factory):
+    """SmolLM2 saving its default save ladder (the default level coded and packed) and int8."""
+    with connector_engine(
+        smollm2,
+        tmp_path_factory.mktemp("smollm2-forms").as_uri(),
+        save_modes=("cachegen", "int8"),
+        prefill_tokens_per_s=SLOW_PREFILL_TOKENS_PER_S,
+    ) as eng:
+        yield eng
+
+
+def _generate(engine: ConnectorEngine, ids: list[int], params: dict) -> tuple[list[int], dict]:
+    """The greedy answer and the connector's report of a request with ``params`` as its
+    ``kv_transfer_params`` (ConnectorEngine.run takes no max_loss_pct)."""
+    from vllm import SamplingParams
+
+    sampling = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": {"load": True, "save": False, **params}},
+    )
+    out = engine.llm.generate([{"prompt_token_ids": ids}], sampling, use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids), out.kv_transfer_params["cachegen"]
+
+
+@pytest.fixture(scope="module")
+def stored_prompt(engine, text_ids):
+    ids = text_ids(engine, CHUNKS * CHUNK + 40, offset=50_000)
+    engine.store_prefix(ids)
+    return ids
+
+
+def _choices(report: dict) -> list[str]:
+    return [d["choice"] for d in report["decisions"]]
+
+
+def test_a_bound_loads_stored_forms_within_it_and_answers_like_that_form(engine, stored_prompt):
+    ids = stored_prompt
+    default = engine.transport.codec("cachegen").default_level
+    coded, packed = f"cachegen-{default}", f"cachegen-{default}-packed"
+
+    # int8 (measured +0.11% perplexity) is the only stored form within 0.5%
+    tokens, report = _generate(engine, ids, {"mode": "adaptive", "max_loss_pct": 0.5})
+    assert "load_error" not in report and report["loaded_tokens"] == CHUNKS * CHUNK
+    assert report["forms"]["int8"] <= 0.5 < report["forms"][coded] == report["forms"][packed]
+    assert _choices(report) == report["levels"] == ["int8"] * CHUNKS
+    assert tokens == engine.run(ids, mode="int8", max_tokens=MAX_TOKENS).token_ids
+
+    # within 1%: the default level too; on a slow link its fewer bytes win
+    tokens, report = _generate(
+        engine, ids, {"mode": "adaptive", "max_loss_pct": 1, "bandwidth_mbps": 20}
+    )
+    assert "load_error" not in report and report["loaded_tokens"] == CHUNKS * CHUNK
+    allowed = {name for name, loss in report["forms"].items() if loss is not None and loss <= 1}
+    assert allowed == {coded, packed, "int8"}
+    assert set(_choices(report)) <= {coded, packed}  # both decode to the same KV
+    assert all(d["predicted_s"] > 0 for d in report["decisions"])  # the link's rate is a prior
+    cachegen = engine.run(ids, mode="cachegen", bandwidth_mbps=20, max_tokens=MAX_TOKENS)
+    assert tokens == cachegen.token_ids
+
+
+def test_a_bound_no_stored_form_meets_is_recomputed_with_the_reason(engine, stored_prompt):
+    tokens, report = _generate(engine, stored_prompt, {"mode": "adaptive", "max_loss_pct": 0})
+    assert report["loaded_tokens"] == 0
+    assert "max_loss_pct=0" in report["load_error"]
+    assert "no option has a loss" in report["load_error"]
+    assert tokens == engine.run(stored_prompt, max_tokens=MAX_TOKENS).token_ids
+
+
+def test_a_bad_bound_is_reported_and_the_prompt_computed(engine, stored_prompt):
+    tokens, report = _generate(engine, stored_prompt, {"mode": "adaptive", "max_loss_pct": -1})
+    assert "max_loss_pct must be a number >= 0" in report["error"]
+    assert "loaded_tokens" not in report
+    assert tokens == engine.run(stored_prompt, max_tokens=MAX_TOKENS).token_ids
+
+
+def test_the_ttft_table_names_the_bound_packed_levels_and_forms_chosen():
+    from cachegen.lab.bench.ttft import markdown
+
+    def row(mode, level, ttft_s, levels=None):
+        return {
+            "context_tokens": 512,
+            "prompt_tokens": 520,
+            "repeats": 1,
+            "shaper": "token-bucket",
+            "mode": mode,
+            "level": level,
+            "bandwidth_mbps": None if mode == "recompute" else 100.0,
+            "ttft_s": ttft_s,
+            "bytes": None if mode == "recompute" else 1000,
+            "levels": levels,
+            "slo_ms": 1000.0 if mode == "adaptive" else None,
+        }
+
+    rows = [
+        row("recompute", None, 2.0),
+        row("cachegen", record_tag(11, "packed"), 1.0),
+        row("adaptive", None, 0.5, ["cachegen-11", "int8", "cachegen-11"]),
+    ]
+    text = markdown(rows, max_loss_pct=1)
+    assert "| cachegen level 11 packed |" in text
+    assert "adaptive (fastest form within 1% loss)" in text and "SLO" not in text
+    assert "levels cachegen-11 x2, int8 x1" in text
+    assert "adaptive (SLO 1000 ms)" in markdown(rows)

@@ -1,0 +1,328 @@
+"""What the connector stores by default costs: its save ladder, and ``cachegen store stats``'s
+``raw_bf16_bytes`` / ``payload_to_raw`` on real KV.
+
+``pytest -rP tests/connector/test_storage.py -k cost`` prints the storage cost table of
+docs/connector.md ("Storage cost").
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cachegen.cli import main
+from cachegen.connector.config import RequestOptions
+from cachegen.connector.errors import ConnectorError
+from cachegen.connector.transport import (
+    LADDER_BUDGET_BITS,
+    LADDER_HEADROOM_BITS,
+    estimated_bits,
+    estimated_packed_bits,
+    storage_ladder,
+)
+from tests.support import CHUNK, connector_transport
+
+PACKED_TAG = 1 << 15  # cachegen.codec.packed.record_tag(level, "packed") == level | PACKED_TAG
+
+CHUNKS = 3
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3", "tiny_llama"])
+def test_default_ladder_fits_half_of_raw_bf16(model, request, tmp_path):
+    spec = request.getfixturevalue(model)
+    t = connector_transport(spec, tmp_path)
+    try:
+        codec = t.codec("cachegen")
+        ladder = t.levels("cachegen")
+        default = codec.default_level
+        coded = [lv for lv in ladder if lv < PACKED_TAG]
+        assert coded[0] == default and len(coded) <= 3 and len(set(ladder)) == len(ladder)
+        assert set(coded) <= set(codec.levels)
+        bits = {lv: estimated_bits(codec, lv, CHUNK) for lv in coded}
+        packed = estimated_packed_bits(codec, default, CHUNK)
+        assert bits[default] < packed  # the packed form is the larger one
+        budget = LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS
+        if bits[default] + packed <= budget:  # the default, coded and packed, fits: both stored
+            assert ladder[:2] == [default, default | PACKED_TAG] and len(ladder) == len(coded) + 1
+            assert sum(bits.values()) + packed <= budget
+        else:
+            assert ladder == coded and sum(bits.values()) <= budget
+        assert all(bits[lv] < bits[default] for lv in coded[1:])  # smaller forms only
+        assert t.adaptive_levels == coded  # adaptive chooses among the coded levels stored
+        calibrated = codec.profile.calibrated_levels()
+        if calibrated:
+            assert set(coded) <= set(calibrated)
+        assert t.levels("int8") == t.codec("int8").levels  # other codecs: unchanged
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_saving_adaptive_adds_cheaper_levels_after_both_forms(model, request, tmp_path):
+    """With ``adaptive`` among the save modes, the ladder is the default's two forms, then the
+    cheaper levels the ladder rule picks beside the coded default alone: adaptive's ladder."""
+    spec = request.getfixturevalue(model)
+    t = connector_transport(spec, tmp_path, save_modes=["adaptive"])
+    try:
+        codec = t.codec("cachegen")
+        default = codec.default_level
+        pool = {*codec.profile.calibrated_levels(), default}
+        coded = storage_ladder(default, {lv: estimated_bits(codec, lv, CHUNK) for lv in pool})
+        assert len(coded) > 1  # the rule finds cheaper levels for both shipped models
+        packed = estimated_packed_bits(codec, default, CHUNK)
+        both = estimated_bits(codec, default, CHUNK) + packed
+        forms = (
+            [default, default | PACKED_TAG]
+            if both <= LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS
+            else [default]
+        )
+        assert t.levels("adaptive") == [*forms, *coded[1:]]
+        assert t.adaptive_levels == coded
+    finally:
+        t.close()
+
+
+def test_ladders_of_the_shipped_models(smollm2, gemma3, tiny_llama, tmp_path):
+    """The ladders docs/connector.md quotes."""
+    got = {}
+    for spec in (smollm2, gemma3, tiny_llama):
+        t = connector_transport(spec, tmp_path)
+        try:
+            got[spec.name] = t.levels("cachegen")
+        finally:
+            t.close()
+    assert got == {
+        "smollm2-135m": [11, 11 | PACKED_TAG],
+        "gemma3-270m": [9, 9 | PACKED_TAG],
+        "tiny-llama": [2],  # nor would preset 2
+    }
+
+
+def test_storage_ladder_rule():
+    bits = {1: 1.0, 2: 1.5, 3: 2.0, 4: 3.0, 5: 4.0}
+    assert storage_ladder(4, bits) == [4, 1, 3]  # the cheapest, then the nearest the midpoint
+    assert storage_ladder(4, bits, budget=5.9) == [4, 1, 2]  # level 3 no longer fits
+    assert storage_ladder(4, bits, budget=3.5) == [4]  # not even the cheapest fits
+    assert storage_ladder(1, bits) == [1]  # nothing cheaper than the default
+    assert storage_ladder(5, {5: 4.0, 1: 1.0}) == [5, 1]
+
+
+def test_explicit_cachegen_levels_are_stored_as_given(smollm2, tmp_path):
+    """Exactly the configured levels are stored; adaptive chooses among the calibrated ones of
+    them (they dominate the paper's presets), or among all when none is calibrated."""
+    for levels, adaptive in (
+        ([2, 4], [4]),
+        ([1, 2, 3, 4, 6, 7, 8, 9, 10], [4, 6, 7, 8, 9, 10]),
+        ([1, 2, 3], [1, 2, 3]),
+        ([4 | PACKED_TAG, 4, 10], [4, 10]),  # a packed form is stored, never adaptive's choice
+    ):
+        t = connector_transport(smollm2, tmp_path, cachegen_levels=levels)
+        try:
+            assert t.levels("cachegen") == t.levels("adaptive") == levels
+            assert t.adaptive_levels == adaptive
+        finally:
+            t.close()
+
+
+def test_a_level_outside_the_ladder_is_a_clean_miss(smollm2, tmp_path):
+    """A request for a level that is not stored gets a ConnectorError from the lookup, which the
+    scheduler turns into a recomputation with the reason in the request's report."""
+    t = connector_transport(smollm2, tmp_path)
+    try:
+        assert t.load_levels(RequestOptions(mode="cachegen")) == [11]
+        packed = RequestOptions(mode="cachegen", level=11 | PACKED_TAG)
+        assert t.load_levels(packed) == [11 | PACKED_TAG]  # the packed form is a stored level
+        with pytest.raises(ConnectorError, match=r"stores levels \[11, 32779\], not 3"):
+            t.stored_chunks(list(range(CHUNKS * CHUNK)), RequestOptions(level=3))
+    finally:
+        t.close()
+
+
+# ---- measured on real KV ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_kv():
+    """``real_kv(spec)``: (token ids, KV) of CHUNKS chunks of held-out documentation text."""
+    from cachegen import workload
+    from cachegen.extract import extract_kv, load_model
+
+    cache = {}
+
+    def make(spec):
+        if spec.name not in cache:
+            _, tokenizer, _ = load_model(spec)
+            ids = tokenizer(workload.text("eval")[: 12 * CHUNKS * CHUNK])["input_ids"]
+            ids = ids[: CHUNKS * CHUNK]
+            assert len(ids) == CHUNKS * CHUNK
+            cache[spec.name] = (ids, extract_kv(spec, token_ids=ids))
+        return cache[spec.name]
+
+    return make
+
+
+def test_the_default_level_is_stored_coded_and_packed(smollm2, real_kv, tmp_path):
+    """With default settings each chunk's default level is stored twice, coded and packed (under
+    its record tag); both decode to the same KV, and a request naming the tag finds the chunks."""
+    import torch
+
+    from cachegen.codec import decode
+    from cachegen.codec.bitstream import parse_header
+
+    ids, kv = real_kv(smollm2)
+    t = connector_transport(smollm2, tmp_path)
+    try:
+        default = t.codec("cachegen").default_level
+        t.save(ids, kv, ["cachegen"])
+        key = t.keys("cachegen", ids)[0]
+        coded, packed = (t.store.get(key, lv) for lv in (default, default | PACKED_TAG))
+        assert (parse_header(coded).form, parse_header(packed).form) == ("coded", "packed")
+        assert len(coded) < len(packed)
+        a, b = decode(coded), decode(packed)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        tagged = RequestOptions(mode="cachegen", level=default | PACKED_TAG)
+        assert t.stored_chunks(ids, tagged) == CHUNKS
+    finally:
+        t.close()
+
+
+def store_stats(capsys, url: str) -> dict:
+    capsys.readouterr()
+    assert main(["store", "stats", "--store", url, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def raw_bf16(spec) -> int:
+    ident = spec.identity()
+    return 2 * 2 * ident.num_layers * ident.num_kv_heads * ident.head_dim * CHUNKS * CHUNK
+
+
+COST_CONFIGS = {
+    "default ladder": ({}, ["cachegen"]),
+    "cachegen_levels = [default]": ("default", ["cachegen"]),
+    "default + adaptive levels": ("coded ladder", ["cachegen"]),
+    "save_modes adaptive": ({"save_modes": ["adaptive"]}, ["adaptive"]),
+    "every level": ("all", ["cachegen"]),
+    "save_modes raw": ({}, ["raw"]),
+    "save_modes int8": ({}, ["int8"]),
+}
+
+
+def cost_levels(spec, config: str, tmp_path) -> list[int]:
+    """The cachegen levels of a named storage configuration: the default level alone, every
+    level, or adaptive's coded ladder (the default, then the cheaper calibrated levels that
+    :func:`storage_ladder` picks within the budget beside the coded default)."""
+    t = connector_transport(spec, tmp_path)
+    try:
+        codec = t.codec("cachegen")
+        default = codec.default_level
+        if config == "default":
+            return [default]
+        if config == "all":
+            return list(codec.levels)
+        pool = {*codec.profile.calibrated_levels(), default}
+        ladder = storage_ladder(default, {lv: estimated_bits(codec, lv, CHUNK) for lv in pool})
+        return ladder
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("name", list(COST_CONFIGS))
+def test_storage_cost(model, name, request, real_kv, tmp_path, capsys):
+    spec = request.getfixturevalue(model)
+    ids, kv = real_kv(spec)
+    extra, modes = COST_CONFIGS[name]
+    if isinstance(extra, str):
+        extra = {"cachegen_levels": cost_levels(spec, extra, tmp_path)}
+    t = connector_transport(spec, tmp_path, **extra)
+    try:
+        written = t.save(ids, kv, modes)
+        levels = t.levels(modes[0])
+    finally:
+        t.close()
+    stats = store_stats(capsys, (tmp_path / "store").as_uri())
+    assert stats["payload_bytes"] == written
+    assert stats["raw_bf16_bytes"] == raw_bf16(spec)  # one copy per chunk, parts add up
+    assert stats["payload_to_raw"] == pytest.approx(written / raw_bf16(spec), abs=1e-4)
+    ratio = written / stats["raw_bf16_bytes"]
+    with capsys.disabled():
+        print(f"\n{spec.name:14} {name:28} levels {levels}: payload/raw bf16 = {ratio:.3f}")
+    if name == "default ladder":
+        assert ratio <= 0.5
+    if name == "save_modes raw":
+        assert 1.0 <= ratio < 1.01  # the raw payload is the bf16 KV plus headers and token ids
+
+
+def test_stats_text_output_and_non_bitstream_records(tmp_path, capsys):
+    url = (tmp_path / "store").as_uri()
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(b"not a bitstream")
+    put = ["store", "put-blob", str(blob), "--key", "ns/abc", "--level", "0", "--store", url]
+    assert main(put) == 0
+    stats = store_stats(capsys, url)
+    assert stats["raw_bf16_bytes"] == 0 and stats["payload_to_raw"] is None
+    assert stats["raw_bf16_skipped_keys"] == 1
+    assert main(["store", "stats", "--store", url]) == 0
+    text = capsys.readouterr().out
+    assert "raw_bf16_bytes: 0" in text and "payload_to_raw: None" in text
+
+
+def test_serving_a_document_with_default_settings_stays_under_half_of_raw(
+    smollm2, tmp_path, capsys
+):
+    """vLLM with the connector's defaults (mode cachegen, the save ladder): after one request
+    over a document, the store holds at most half of its raw bf16 KV, and a second request over
+    the same document loads it."""
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from cachegen import workload
+    from cachegen.lab.bench.engine import ConnectorEngine
+
+    url = (tmp_path / "served").as_uri()
+    with ConnectorEngine(
+        smollm2, store=url, save_modes=("cachegen",), max_model_len=2048
+    ) as engine:
+        assert engine.config.cachegen_levels is None  # the default: the save ladder
+        document = engine.tokenize(workload.text("eval")[20_000:40_000])[:1536]
+        question = engine.tokenize("\n\nQuestion: what is this about? Answer:", bos=False)
+        engine.store_prefix(document + question)
+        again = engine.run(document + question, mode="cachegen", max_tokens=4)
+        assert again.connector["loaded_tokens"] == 1536
+    stats = store_stats(capsys, url)
+    assert stats["chunks"] == 6 and stats["payload_to_raw"] <= 0.5
+    print(f"served document: payload/raw bf16 = {stats['payload_to_raw']}")
+
+
+@pytest.mark.parametrize("engine_dtype", [torch.float32, torch.bfloat16])
+def test_raw_chunks_load_exactly_into_the_engines_dtype(tiny_llama, tmp_path, engine_dtype):
+    """A float32 engine (CPUs without bf16 instructions) stores float32 raw chunks and loads
+    them back bit for bit; a bf16 engine reading the same chunks gets them rounded once."""
+    from cachegen.kv import KVCache
+
+    ident = tiny_llama.identity()
+    shape = (ident.num_layers, ident.num_kv_heads, CHUNKS * CHUNK, ident.head_dim)
+    torch.manual_seed(0)
+    kv = KVCache(
+        keys=torch.randn(shape),
+        values=torch.randn(shape),
+        token_ids=torch.arange(7, 7 + CHUNKS * CHUNK),
+        model=ident,
+    )
+    ids = kv.token_ids.tolist()
+    t = connector_transport(tiny_llama, tmp_path)
+    try:
+        t.save(ids, kv, ["raw"])
+        got: list[KVCache] = []
+        options = RequestOptions(mode="raw")
+        result = t.load(ids, 0, CHUNKS, options, got.append, out_dtype=engine_dtype)
+        assert result.error is None and result.chunks_loaded == CHUNKS
+        loaded = KVCache.concat(got)
+        assert loaded.dtype == engine_dtype
+        assert torch.equal(loaded.keys, kv.keys.to(engine_dtype))
+        assert torch.equal(loaded.values, kv.values.to(engine_dtype))
+    finally:
+        t.close()

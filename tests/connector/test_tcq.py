@@ -1,0 +1,167 @@
+"""The transform codec ``tcq`` through the connector in a real vLLM CPU engine (tiny-llama,
+directory store): saved at the levels of ``tcq_levels``, loaded by ``mode`` ``tcq`` and
+``level``, a level that is not stored recomputed with the reason, and the stored levels among
+the forms of ``adaptive`` with a quality bound (their loss unknown, so never allowed).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cachegen.codec import decode
+from cachegen.codec.form_loss import form_name
+from cachegen.connector.config import ConnectorConfig
+from cachegen.connector.errors import ConnectorError
+from cachegen.connector.transport import ChunkTransport
+from cachegen.lab import rows as row_schema
+from cachegen.modes import Mode
+from cachegen.profiles import codec_for
+from tests.support import CHUNK, connector_engine
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def levels(tiny_llama) -> list[int]:
+    """The cheapest and the finest tcq level of tiny-llama's tcq model."""
+    stored = codec_for("tcq", tiny_llama).levels
+    return [stored[0], stored[-1]]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, levels, tmp_path_factory):
+    with connector_engine(
+        tiny_llama,
+        tmp_path_factory.mktemp("connector-tcq").as_uri(),
+        save_modes=("raw", "cachegen", "tcq"),  # adaptive finds chunks by a cachegen level
+        connector_extra={"tcq_levels": levels},
+    ) as eng:
+        yield eng
+
+
+def test_tcq_modes_parse_and_name_their_forms():
+    assert Mode.parse("tcq-21") == Mode("tcq", 21) and Mode("tcq", 21).codec_name == "tcq"
+    assert form_name("tcq", 21) == "tcq-21"
+    config = ConnectorConfig.from_extra_config({"save_modes": ["tcq"], "tcq_levels": [20, 26]})
+    assert config.tcq_levels == (20, 26)
+    with pytest.raises(ConnectorError, match="tcq_levels must be a list"):
+        ConnectorConfig.from_extra_config({"tcq_levels": 21})
+    with pytest.raises(ConnectorError, match="tcq_levels must be a non-empty list of integers"):
+        ConnectorConfig.from_extra_config({"tcq_levels": ["21"]})
+
+
+def test_the_bench_stores_the_tcq_levels_it_measures():
+    from cachegen.lab.bench.measure_e2e import connector_options
+
+    modes = [Mode("tcq", 23), Mode("int8"), Mode("tcq", 21)]
+    options = connector_options("file:///tmp/unused", CHUNK, modes, [11])
+    assert options["save_modes"] == ["int8", "tcq"] and options["tcq_levels"] == [21, 23]
+
+
+def test_a_tcq_level_the_model_lacks_is_refused(tiny_llama, tmp_path):
+    config = ConnectorConfig.from_extra_config(
+        {"store": tmp_path.as_uri(), "save_modes": ["tcq"], "tcq_levels": [99]}
+    )
+    t = ChunkTransport(config, tiny_llama, tiny_llama.identity())
+    try:
+        with pytest.raises(ConnectorError, match=r"tcq_levels \[99\] are not levels"):
+            t.levels("tcq")
+    finally:
+        t.close()
+
+
+def test_tcq_levels_are_saved_and_loaded_as_requested(engine, levels, text_ids):
+    ids = text_ids(engine, 600, offset=40_000)
+    engine.store_prefix(ids)
+    transport = engine.transport
+    for level in levels:
+        keys = transport.keys("tcq", ids)
+        assert len(keys) == 2
+        blob = transport.store.get(keys[0], level)
+        assert decode(blob).num_tokens == CHUNK  # a tcq bitstream of the whole chunk
+        hit = engine.run(ids, mode="tcq", level=level, max_tokens=MAX_TOKENS)
+        assert "load_error" not in hit.connector, hit.connector
+        assert hit.connector["loaded_tokens"] == 2 * CHUNK and hit.cached_tokens == 2 * CHUNK
+        assert hit.connector["levels"] == [level, level]
+    # the finer level moves more bytes
+    small, large = (engine.run(ids, mode="tcq", level=lv).connector["bytes"] for lv in levels)
+    assert 0 < small < large
+
+
+def test_a_tcq_level_that_is_not_stored_recomputes_and_says_why(engine, levels, text_ids):
+    ids = text_ids(engine, 600, offset=41_000)
+    engine.store_prefix(ids)
+    missing = next(lv for lv in codec_for("tcq", engine.spec).levels if lv not in levels)
+    text = engine.run(ids, max_tokens=MAX_TOKENS)
+    miss = engine.run(ids, mode="tcq", level=missing, max_tokens=MAX_TOKENS)
+    assert miss.connector.get("loaded_tokens", 0) == 0
+    assert f"not {missing}" in miss.connector["error"]
+    assert miss.token_ids == text.token_ids
+
+
+def test_stored_tcq_levels_are_forms_of_unknown_loss(engine, levels, text_ids):
+    ids = text_ids(engine, 600, offset=42_000)
+    engine.store_prefix(ids)
+    from vllm import SamplingParams
+
+    params = {"load": True, "save": False, "mode": "adaptive", "max_loss_pct": 0}
+    sampling = SamplingParams(
+        temperature=0.0, max_tokens=2, extra_args={"kv_transfer_params": params}
+    )
+    out = engine.llm.generate([{"prompt_token_ids": ids}], sampling, use_tqdm=False)[0]
+    report = out.kv_transfer_params["cachegen"]
+    # raw (lossless) is the one form a bound of 0 allows; tcq levels are offered, not allowed
+    assert report["forms"] == {
+        **{form_name("cachegen", lv): None for lv in engine.transport.levels("cachegen")},
+        "raw": 0.0,
+        **{f"tcq-{lv}": None for lv in levels},
+    }
+    assert set(report["levels"]) == {"raw"} and report["loaded_tokens"] == 2 * CHUNK
+
+
+def test_a_calibrated_tcq_level_is_a_form_a_bound_allows(tiny_llama, tmp_path, monkeypatch):
+    """Once ``cachegen calibrate --codec tcq`` recorded a target for a level, that level is a
+    form of that loss: on a slow link, with raw the other allowed form, it is loaded."""
+    import torch
+
+    from cachegen.codec import tcq, transform
+    from cachegen.codec.tcq_levels import write_tcq_levels
+    from cachegen.connector.config import RequestOptions
+    from cachegen.extract import extract_kv
+
+    monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))
+    transform.forget_cached_bases()
+    tcq.forget_cached_tcq_models()
+    config = ConnectorConfig.from_extra_config(
+        {
+            "store": (tmp_path / "store").as_uri(),
+            "chunk_tokens": CHUNK,
+            "save_modes": ["cachegen", "raw", "tcq"],
+            "prefill_tokens_per_s": 10.0,  # recomputation far slower than any load
+        }
+    )
+    t = ChunkTransport(config, tiny_llama, tiny_llama.identity())
+    try:
+        (level,) = t.levels("tcq")
+        write_tcq_levels(t.identity, t.codec("tcq").profile_id, {level: 2.0}, None, {})
+        ids = list(range(3, 3 + 2 * CHUNK))
+        t.save(ids, extract_kv(tiny_llama, token_ids=torch.tensor(ids)), config.save_modes)
+        got: list[int] = []
+        options = RequestOptions(mode="adaptive", max_loss_pct=2, bandwidth_mbps=50)
+        result = t.load(ids, 0, 2, options, lambda kv: got.append(kv.start))
+        assert result.error is None and got == [0, CHUNK]
+        assert result.stats["forms"][f"tcq-{level}"] == 2.0 and result.stats["forms"]["raw"] == 0
+        assert result.stats["levels"] == [f"tcq-{level}"] * 2  # far fewer bytes than raw
+    finally:
+        t.close()
+        transform.forget_cached_bases()
+        tcq.forget_cached_tcq_models()
+
+
+def test_the_ttft_table_measures_each_stored_tcq_level(engine, levels):
+    from cachegen.lab.bench.ttft import TTFTBench, ttft_table
+
+    rows = ttft_table(TTFTBench(engine=engine), [512], [100], modes=("tcq",), repeats=1)
+    row_schema.validate(rows, "ttft", "the tcq TTFT table")  # what --json writes
+    assert [(r["mode"], r["level"]) for r in rows] == [("tcq", level) for level in levels]
+    assert all(r["loaded_tokens"] == 512 and r["bytes"] > 0 for r in rows)

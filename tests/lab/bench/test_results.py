@@ -1,0 +1,149 @@
+"""results.json: the schema accepts what the sweep writes and rejects what it must not."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+
+import pytest
+
+from cachegen.errors import InputError
+from cachegen.lab import rows
+from cachegen.lab.bench import results
+from cachegen.lab.bench.modes import expand
+from cachegen.modes import Mode
+from tests.support import FIXTURES
+
+FIXTURE = FIXTURES / "bench_results.json"
+
+
+@pytest.fixture(scope="module")
+def doc() -> dict:
+    return json.loads(FIXTURE.read_text())
+
+
+def test_fixture_follows_the_schema(doc):
+    results.validate(doc)
+    assert {r["kind"] for r in doc["runs"]} == {"e2e", "stream"}
+    assert doc["quality"], "the fixture should exercise every part of the schema"
+
+
+def test_every_run_has_the_fields_the_issue_lists(doc):
+    required = {
+        "model",
+        "mode",
+        "level",
+        "bandwidth_mbps",
+        "context_tokens",
+        "ttft_s",
+        "e2e_s",
+        "output_tokens_per_s",
+        "bytes",
+        "ratio_vs_fp16",
+        "transfer_s",
+        "decode_s",
+    }
+    assert required <= set(rows.schema()["$defs"]["run"]["required"])
+    for run in doc["runs"]:
+        assert required <= run.keys()
+
+
+def test_medians_are_medians_of_the_runs():
+    base = {
+        "kind": "e2e",
+        "model": "m",
+        "mode": "int8",
+        "level": None,
+        "bandwidth_mbps": 100.0,
+        "context_tokens": 512,
+    }
+    runs = [dict(base, repeat=i, ttft_s=t, transfer_s=None) for i, t in enumerate([0.3, 0.1, 2.0])]
+    (row,) = results.medians(runs)
+    assert row["n"] == 3
+    assert row["ttft_s"] == 0.3
+    assert row["transfer_s"] is None  # never reported: stays unknown, not zero
+
+
+def _broken(doc, edit):
+    bad = copy.deepcopy(doc)
+    edit(bad)
+    return bad
+
+
+@pytest.mark.parametrize(
+    "edit, where",
+    [
+        (lambda d: d["runs"][0].pop("ttft_s"), "runs/0"),
+        (lambda d: d["runs"][0].update(mode="turbo"), "runs/0/mode"),
+        (lambda d: d["runs"][0].update(bytes=-1), "runs/0/bytes"),
+        (lambda d: d["runs"][0].update(level="two"), "runs/0/level"),
+        (lambda d: d.update(version=99), "version"),
+        (lambda d: d["environment"].pop("git"), "environment"),
+        (lambda d: d["config"].update(bandwidth_mbps=[0]), "config/bandwidth_mbps/0"),
+        (lambda d: d["quality"][0].update(top1_agreement=1.5), "quality/0/top1_agreement"),
+        (lambda d: d.update(extra=1), "(top level)"),
+    ],
+)
+def test_schema_rejects_malformed_documents(doc, edit, where):
+    with pytest.raises(results.ResultsError, match=re.escape(f"at {where}:")):
+        results.validate(_broken(doc, edit))
+
+
+def test_medians_must_match_the_runs(doc):
+    with pytest.raises(results.ResultsError, match="medians"):
+        results.validate(_broken(doc, lambda d: d["runs"].pop()))
+    with pytest.raises(results.ResultsError, match="medians"):
+        results.validate(_broken(doc, lambda d: d["medians"].pop()))
+
+
+def test_non_finite_numbers_are_rejected(doc):
+    run = next(i for i, r in enumerate(doc["runs"]) if r["ttft_s"] is not None)
+    with pytest.raises(results.ResultsError, match="non-finite"):
+        results.validate(_broken(doc, lambda d: d["runs"][run].update(ttft_s=math.inf)))
+
+
+def test_save_and_load_round_trip(doc, tmp_path):
+    path = results.save(doc, tmp_path / "sub" / "results.json")
+    assert results.load(path) == doc
+
+
+def test_an_invalid_document_is_never_written(doc, tmp_path):
+    target = tmp_path / "results.json"
+    with pytest.raises(results.ResultsError):
+        results.save(_broken(doc, lambda d: d.pop("runs")), target)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_says_what_to_do(tmp_path):
+    with pytest.raises(results.ResultsError, match="cachegen bench"):
+        results.load(tmp_path / "absent.json")
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    with pytest.raises(results.ResultsError, match="not readable JSON"):
+        results.load(garbage)
+
+
+def test_mode_groups_expand_like_the_earlier_reproduction():
+    modes = expand(["baseline", "cachegen"])
+    labels = [m.label for m in modes]
+    assert labels[:4] == ["recompute", "raw", "int8", "fp8"]
+    assert "adaptive" in labels and any(label.startswith("cachegen-") for label in labels)
+    assert expand(["int8", "int8", "recompute"]) == [Mode("int8"), Mode("recompute")]
+    assert Mode.parse("cachegen-2") == Mode("cachegen", 2)
+    with pytest.raises(InputError, match="unknown mode"):
+        expand(["cachegen-x"])
+
+
+def test_default_profile_sweeps_every_embedded_model_and_quick_the_default_one(monkeypatch):
+    from cachegen.lab.bench.sweep import DEFAULT_MODELS_ENV, profile
+    from cachegen.models import EMBEDDED, EMBEDDED_DEFAULT
+
+    monkeypatch.delenv(DEFAULT_MODELS_ENV, raising=False)
+    assert profile("default", modes=["raw"]).models == list(EMBEDDED)
+    assert "gemma3-270m" in EMBEDDED
+    assert profile("quick", modes=["raw"]).models == [EMBEDDED_DEFAULT]
+    monkeypatch.setenv(DEFAULT_MODELS_ENV, f"tiny-llama, {EMBEDDED_DEFAULT}")
+    assert profile("quick", modes=["raw"]).models == [EMBEDDED_DEFAULT, "tiny-llama"]
+    assert profile("default", modes=["raw"]).models == [*EMBEDDED, "tiny-llama"]

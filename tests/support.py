@@ -1,0 +1,97 @@
+"""Helpers shared by the test modules and the micro-benchmarks (``from tests.support import``;
+``pythonpath`` in pyproject.toml puts the repository on ``sys.path``)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from cachegen.constants import CHUNK_TOKENS
+from cachegen.cpu import engine_dtype
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+DOCS = REPO / "docs"
+CHUNK = CHUNK_TOKENS  # two of vLLM's 128-token CPU blocks
+ENGINE_DTYPE = engine_dtype()  # what every test engine runs in: float32 where bf16 is emulated
+
+# Where .ci/run installs each tool from (Debian package names).
+PACKAGES = {"redis-server": "redis-server", "redis-cli": "redis-server", "openssl": "openssl"}
+PACKAGES |= {"chromium": "chromium", "tc": "iproute2", "ip": "iproute2"}
+
+
+def require_tool(binary: str) -> str:
+    """The path of ``binary``; fails (never skips) without it: .ci/run and `make test` install
+    every tool the tests need."""
+    path = shutil.which(binary)
+    if path is None:
+        package = PACKAGES.get(binary, binary)
+        pytest.fail(f"{binary} is not installed: run `apt-get install -y {package}` (.ci/run does)")
+    return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def free_cluster_port(taken: set[int] | None = None) -> int:
+    """A free port whose cluster bus port (port + 10000) is free too and exists: redis-server
+    in cluster mode exits at start-up otherwise, and ephemeral ports go up to 60999. Neither
+    port is in ``taken``; both are added to it, so that the nodes of one cluster differ."""
+    taken = set() if taken is None else taken
+    for _ in range(1000):
+        port = free_port()
+        if port > 55000 or port in taken or port + 10000 in taken:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        taken.update((port, port + 10000))
+        return port
+    raise AssertionError("no free port pair for a Redis Cluster node")
+
+
+def require_cpu_kernel(isa: str, dtype, block_size: int = 32, head_dim: int = 64) -> None:
+    """Skip unless vLLM's CPU cache-writing kernel for ``isa`` runs here: its ``amx`` variant
+    needs AMX (vLLM picks it only where the CPU has it), so elsewhere the connector never meets
+    that packing, and the ``vec``/``vec16`` packings are still checked against the kernel."""
+    from cachegen.connector.errors import ConnectorError
+    from cachegen.connector.layouts import probe_cpu_packing
+
+    try:
+        probe_cpu_packing(isa, block_size, head_dim, dtype)
+    except ConnectorError as exc:
+        pytest.skip(
+            f"this CPU lacks the instructions of vLLM's {isa} kernel (AMX for 'amx'); the vec "
+            f"and vec16 packings are still checked here ({exc})"
+        )
+
+
+def connector_engine(spec, store: str, **options):
+    """A ConnectorEngine (the lab's vLLM engine with the connector) on ``store`` with this
+    suite's defaults: CHUNK-token chunks and 2,048 positions."""
+    from cachegen.lab.bench.engine import ConnectorEngine
+
+    options.setdefault("chunk_tokens", CHUNK)
+    options.setdefault("max_model_len", 2048)
+    return ConnectorEngine(spec, store=store, **options)
+
+
+def connector_transport(spec, tmp_path, **extra):
+    """The connector's ChunkTransport for ``spec`` on a directory store under ``tmp_path``
+    (no engine), with CHUNK-token chunks and ``extra`` connector options."""
+    from cachegen.connector.config import ConnectorConfig
+    from cachegen.connector.transport import ChunkTransport
+
+    config = ConnectorConfig.from_extra_config(
+        {"store": (tmp_path / "store").as_uri(), "chunk_tokens": CHUNK, **extra}
+    )
+    return ChunkTransport(config, spec, spec.identity())
