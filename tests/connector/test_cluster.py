@@ -46,10 +46,11 @@ def engine(smollm2, cluster):
 
 @pytest.fixture(scope="module")
 def document(engine, text_ids):
-    """``document(offset, question)``: a document of DOC_CHUNKS chunks and a question."""
+    """``document(offset, question, chunks)``: a document of ``chunks`` (DOC_CHUNKS) chunks and
+    a question."""
 
-    def make(offset: int, question: str = QUESTION) -> list[int]:
-        return text_ids(engine, DOC_CHUNKS * CHUNK, offset) + engine.tokenize(question, bos=False)
+    def make(offset: int, question: str = QUESTION, chunks: int = DOC_CHUNKS) -> list[int]:
+        return text_ids(engine, chunks * CHUNK, offset) + engine.tokenize(question, bos=False)
 
     return make
 
@@ -139,7 +140,8 @@ def _recomputed(hit: Measurement, text: Measurement, answers_alike) -> int:
 def test_a_master_killed_during_a_load_every_request_is_answered_and_saves_resume(
     engine, cluster, document, assert_answers_alike
 ):
-    prompts = [document(60_000), document(90_000)]
+    # The second prompt arrives during the outage; two chunks are enough to look up.
+    prompts = [document(60_000), document(90_000, chunks=2)]
     texts = [_produce(engine, ids) for ids in prompts]  # answered alone, as the faulted ones are
     # The victim holds the first prompt's last chunk. The chunk server reads records from the
     # store only a few chunks (at most its prefetch_bytes) ahead of the paced link, which

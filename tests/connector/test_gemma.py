@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -350,7 +351,7 @@ def _prompt_pair(engine, text: str, context: int, prompt: int) -> tuple[list[int
 
 
 @pytest.fixture(scope="module")
-def stored(engine, prompts):
+def stored(engine, prompts, plain):
     first, _ = prompts
     engine.store_prefix(first)  # prefill from text, store every save mode, wait for the store
     return first
@@ -388,42 +389,83 @@ print("RESULT " + json.dumps({"kv_cache_groups": groups, "runs": runs}), flush=T
 """
 
 
-def _plain_vllm(spec, prompts: list[list[int]], **engine_args) -> dict:
-    """Plain vLLM (no kv_transfer_config) in its own process answering ``prompts`` in order:
-    ``{"kv_cache_groups": n, "runs": [{"token_ids", "logprobs", "cached_tokens"}, ...]}``."""
-    job = {
-        "model": str(spec.path),
-        "prompts": prompts,
-        "max_tokens": ANSWER,
-        "engine_args": {"dtype": ENGINE_DTYPE, **engine_args},
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", PLAIN_VLLM],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and results, done.stderr[-3000:]
-    return json.loads(results[-1].removeprefix("RESULT "))
+class PlainVLLM:
+    """Plain vLLM (no kv_transfer_config) in its own process answering ``prompts`` in order,
+    started at once and read when needed, so that its start-up overlaps this module's tests:
+    ``result()`` is ``{"kv_cache_groups": n, "runs": [{"token_ids", "logprobs",
+    "cached_tokens"}, ...]}``."""
+
+    def __init__(self, spec, prompts: list[list[int]], **engine_args) -> None:
+        job = {
+            "model": str(spec.path),
+            "prompts": prompts,
+            "max_tokens": ANSWER,
+            "engine_args": {"dtype": ENGINE_DTYPE, **engine_args},
+        }
+        # Files, not pipes: vLLM logs more than a pipe holds while nobody reads it.
+        self.stdout, self.stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PLAIN_VLLM],
+            stdin=subprocess.PIPE,
+            stdout=self.stdout,
+            stderr=self.stderr,
+            text=True,
+        )
+        self.proc.stdin.write(json.dumps(job))
+        self.proc.stdin.close()
+        self._result: dict | None = None
+
+    def result(self) -> dict:
+        if self._result is None:
+            self.proc.wait(timeout=1800)
+            stdout, stderr = (_read(f) for f in (self.stdout, self.stderr))
+            results = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+            assert self.proc.returncode == 0 and results, stderr[-3000:]
+            self._result = json.loads(results[-1].removeprefix("RESULT "))
+        return self._result
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.stdout.close()
+        self.stderr.close()
+
+
+def _read(file) -> str:
+    file.seek(0)
+    return file.read()
 
 
 @pytest.fixture(scope="module")
-def plain_default(gemma3, prompts) -> dict:
-    """Plain vLLM as users run it (for Gemma on CPU with the hybrid KV cache manager on),
-    answering the second prompt from text."""
-    return _plain_vllm(gemma3, [prompts[1]])
-
-
-@pytest.fixture(scope="module")
-def plain_prefix_cache(gemma3, prompts) -> dict:
-    """Plain vLLM with the hybrid manager off (one KV cache group, as with the connector) and its
-    own prefix cache, answering the first prompt and then the second, whose 1,024 shared tokens
+def plain(gemma3, prompts):
+    """Plain vLLM twice, both started before the connector engine's first prefill: as users run
+    it (for Gemma on CPU with the hybrid KV cache manager on), answering the second prompt from
+    text; and with the manager off (one KV cache group, as with the connector) and its own
+    prefix cache, answering the first prompt and then the second, whose 1,024 shared tokens
     come from vLLM's prefix cache."""
-    return _plain_vllm(
-        gemma3, list(prompts), disable_hybrid_kv_cache_manager=True, enable_prefix_caching=True
-    )
+    runs = {
+        "default": PlainVLLM(gemma3, [prompts[1]]),
+        "prefix_cache": PlainVLLM(
+            gemma3,
+            list(prompts),
+            disable_hybrid_kv_cache_manager=True,
+            enable_prefix_caching=True,
+        ),
+    }
+    yield runs
+    for run in runs.values():
+        run.kill()
+
+
+@pytest.fixture(scope="module")
+def plain_default(plain) -> dict:
+    return plain["default"].result()
+
+
+@pytest.fixture(scope="module")
+def plain_prefix_cache(plain) -> dict:
+    return plain["prefix_cache"].result()
 
 
 def test_engine_runs_gemma_with_hma_off_and_bos_first(engine, gemma3, doc_text):

@@ -1,7 +1,9 @@
-"""Load a model in vLLM's CPU build and greedily answer one prompt; prints JSON.
+"""Load models in vLLM's CPU build, one engine after another, and greedily answer a prompt with
+each; prints one JSON line, a list of answers.
 
-Run in a subprocess by tests so every engine gets a fresh process.
-Usage: python tests/connector/vllm_generate.py MODEL_DIR PROMPT MAX_TOKENS
+Run in a subprocess by tests, so that these engines run in the model's own dtype (bf16) with
+nothing of cachegen imported: ``python tests/connector/vllm_generate.py < jobs.json`` where
+jobs.json is ``[{"model": DIR, "prompt": TEXT, "max_tokens": N}, ...]``.
 """
 
 import json
@@ -14,9 +16,14 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
 
-    model_dir, prompt, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    llm = LLM(model=model_dir, gpu_memory_utilization=0.3, max_model_len=2048, enforce_eager=True)
-    out = llm.generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False
-    )[0]
-    print(json.dumps({"text": out.outputs[0].text, "token_ids": list(out.outputs[0].token_ids)}))
+    answers = []
+    for job in json.load(sys.stdin):
+        llm = LLM(
+            model=job["model"], gpu_memory_utilization=0.3, max_model_len=2048, enforce_eager=True
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
+        out = llm.generate([job["prompt"]], params, use_tqdm=False)[0].outputs[0]
+        answers.append({"text": out.text, "token_ids": list(out.token_ids)})
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    print(json.dumps(answers))
