@@ -29,12 +29,12 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 
 install: $(STAMP)
 
-# Preparing the embedded models converts them and builds their codec profiles, so that no first
-# request (nor test) waits for a profile build.
+# Preparing the models converts them, builds their codec profiles and compiles the codec's
+# kernels (numba), so that no first request (nor test) waits minutes for either.
 models: install
 	$(VENV)/bin/cachegen models --prepare
-	$(VENV)/bin/cachegen profile build --model smollm2-135m
-	$(VENV)/bin/cachegen profile build --model gemma3-270m
+	for model in smollm2-135m gemma3-270m tiny-llama; do \
+	  $(VENV)/bin/cachegen profile build --model $$model || exit 1; done
 
 # Tests start their own redis-server on 127.0.0.1 and make TLS certificates with openssl; the
 # dashboard test and `make bench` open asv's pages in headless chromium. All must exist.

@@ -200,6 +200,23 @@ def transient_profile(spec: models.ModelSpec, levels: dict[int, QuantConfig]) ->
     return Profile(spec.identity(), dict(levels), ids, default, calibration_spec())
 
 
+def compile_kernels(model: str | models.ModelSpec, profile: Profile) -> None:
+    """Run the cachegen codec's numba kernels once at ``profile``'s default level, both forms,
+    decoded into bf16 and float32, so that their compiled code is in numba's cache (beside the
+    package) before a server's first request needs it: compiling them takes minutes on a
+    2-core CPU."""
+    from cachegen.codec import decode, get_codec
+    from cachegen.codec.bitstream import FORMS
+
+    kv = calibration_kv(models.resolve(model) if isinstance(model, str) else model)
+    kv = kv.slice(0, min(kv.num_tokens, 2 * CHUNK_TOKENS))
+    codec = get_codec("cachegen", profile=profile)
+    for form in FORMS:
+        blob = codec.encode(kv, profile.default_level, form=form)
+        for dtype in (torch.bfloat16, torch.float32):
+            decode(blob, out_dtype=dtype)
+
+
 def codec_for(name: str, model: str | models.ModelSpec, **options):
     """Codec ``name`` for ``model``, the model's profile (``kvtc``: its basis; ``tcq``: its
     model file) built first if

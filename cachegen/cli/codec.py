@@ -14,7 +14,7 @@ from cachegen.codec.bitstream import CODED, FORMS
 from cachegen.errors import InputError
 from cachegen.fileio import write_atomic
 from cachegen.kv import KVCache
-from cachegen.profiles import codec_for, ensure_profile
+from cachegen.profiles import codec_for, compile_kernels, ensure_profile
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -79,7 +79,9 @@ def register(subparsers) -> None:
         "build",
         help="build the profile now (runs the model once over the calibration text)",
         description="Build MODEL's profile (paper presets and shipped calibrated levels) and its "
-        "tables under the profiles directory; nothing is done if it exists.",
+        "tables under the profiles directory (nothing is done if it exists), then run the "
+        "codec's kernels once at its default level, so that they are compiled before a "
+        "server's first request.",
     )
     q.add_argument("--model", required=True, help="model name, hub id or directory")
     q.set_defaults(func=_profile_build)
@@ -172,6 +174,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _profile_build(args: argparse.Namespace) -> int:
     profile = ensure_profile(args.model)
+    compile_kernels(args.model, profile)
     data = profile.to_dict()
     print(
         f"profile {data['id']} for {profile.model.name}: levels {sorted(profile.levels)}, "
