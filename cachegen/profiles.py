@@ -207,9 +207,11 @@ def compile_kernels(model: str | models.ModelSpec, profile: Profile) -> None:
     2-core CPU."""
     from cachegen.codec import decode, get_codec
     from cachegen.codec.bitstream import FORMS
+    from cachegen.extract import extract_kv, load_model
 
-    kv = calibration_kv(models.resolve(model) if isinstance(model, str) else model)
-    kv = kv.slice(0, min(kv.num_tokens, 2 * CHUNK_TOKENS))
+    _, tokenizer, spec = load_model(model)
+    ids = tokenizer(workload.text("tables")[: 24 * CHUNK_TOKENS])["input_ids"][: 2 * CHUNK_TOKENS]
+    kv = extract_kv(spec, token_ids=torch.tensor(ids, dtype=torch.int64))
     codec = get_codec("cachegen", profile=profile)
     for form in FORMS:
         blob = codec.encode(kv, profile.default_level, form=form)
