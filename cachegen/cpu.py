@@ -19,17 +19,24 @@ DTYPE_ENV = "CACHEGEN_ENGINE_DTYPE"  # overrides the choice (bfloat16, float32, 
 
 
 @functools.cache
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The first processor's feature flags (empty where /proc/cpuinfo does not exist)."""
+def cpu_fields(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where it does not exist)."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return frozenset()
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
+        if not line.strip():
+            break  # the end of the first processor's block
         name, _, value = line.partition(":")
-        if name.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+        fields[name.strip()] = value.strip()
+    return fields
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The first processor's feature flags (empty where /proc/cpuinfo does not exist)."""
+    return frozenset(cpu_fields(cpuinfo).get("flags", "").split())
 
 
 def native_bf16(flags: frozenset[str] | None = None) -> bool:

@@ -16,8 +16,9 @@ def test_flags_are_read_from_the_first_processor(tmp_path):
         "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 fma\n\n"
         "processor\t: 1\nflags\t\t: fpu avx2 fma avx512f\n"
     )
-    assert cpu.cpu_flags.__wrapped__(info) == frozenset({"fpu", "avx2", "fma"})
-    assert cpu.cpu_flags.__wrapped__(tmp_path / "missing") == frozenset()
+    assert cpu.cpu_flags(info) == frozenset({"fpu", "avx2", "fma"})
+    assert cpu.cpu_fields(info)["model name"] == "AMD EPYC"
+    assert cpu.cpu_flags(tmp_path / "missing") == frozenset()
 
 
 def test_bf16_engines_only_where_bf16_is_native(monkeypatch):

@@ -8,7 +8,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from cachegen.cpu import cpu_flags, engine_dtype
+from cachegen.cpu import cpu_fields, cpu_flags, engine_dtype
 
 PACKAGES = (
     "cachegen",
@@ -59,13 +59,7 @@ def load_average() -> float | None:
 
 
 def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
+    return cpu_fields().get("model name") or platform.processor() or platform.machine() or "unknown"
 
 
 def _memory_gib() -> float | None:
