@@ -13,6 +13,7 @@ import functools
 import torch
 from tqdm import tqdm
 
+from cachegen.cpu import engine_dtype
 from cachegen.errors import InputError, ModelError
 from cachegen.kv import KVCache
 from cachegen.models import ModelSpec, attention_windows, resolve
@@ -32,10 +33,18 @@ def _load(name: str, dtype: torch.dtype):
     return model, tokenizer, spec
 
 
-def load_model(model: str | ModelSpec, dtype: torch.dtype = torch.bfloat16):
-    """``(hf_model, tokenizer, spec)`` for a model name, cached per process."""
+def model_dtype() -> torch.dtype:
+    """The dtype models run in on this CPU: the engines' (``cachegen.cpu.engine_dtype``), as
+    bf16 arithmetic without bf16 instructions is several times slower than float32."""
+    chosen = engine_dtype()
+    return torch.bfloat16 if chosen == "auto" else getattr(torch, chosen)
+
+
+def load_model(model: str | ModelSpec, dtype: torch.dtype | None = None):
+    """``(hf_model, tokenizer, spec)`` for a model name running in ``dtype`` (default
+    ``model_dtype()``), cached per process."""
     name = model.name if isinstance(model, ModelSpec) else model
-    return _load(name, dtype)
+    return _load(name, dtype or model_dtype())
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:
@@ -57,9 +66,9 @@ def extract_kv(
     """KV cache of a prefix given as ``text`` or ``token_ids`` (exactly one of them).
 
     ``prefill_chunk_tokens`` bounds activation memory for long inputs; ``None`` prefills in
-    one pass.
+    one pass. The model runs in the wider of ``dtype`` (the KV's) and ``model_dtype()``.
     """
-    hf_model, tokenizer, spec = load_model(model, dtype)
+    hf_model, tokenizer, spec = load_model(model, torch.promote_types(dtype, model_dtype()))
     if (text is None) == (token_ids is None):
         raise InputError("give exactly one of text or token_ids")
     ids = (
