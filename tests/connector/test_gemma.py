@@ -10,7 +10,7 @@ cache group, which is what vLLM does for this connector with its hybrid KV cache
   checks refuse several KV cache groups, a sliding-window-only group and an unknown
   attention kind, with the remedy, before the store is opened; the layouts move Gemma's
   K/V exactly as vLLM's kernels place them;
-* with one module-scoped engine (plus two plain vLLM runs in subprocesses): the K/V the
+* with one module-scoped engine (after two plain vLLM engines, one after the other): the K/V the
   connector stores equal transformers' on every layer over 1,024 tokens, twice the window; a
   1,280-token prompt whose first 1,024 tokens are loaded raw answers with plain vLLM's tokens,
   with log-probabilities bit-identical to vLLM reusing its own prefix cache; int8, cachegen
@@ -30,9 +30,6 @@ instructions), plain vLLM included, so the bit-for-bit comparisons compare like 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -322,7 +319,7 @@ def level(gemma3) -> int:
 
 
 @pytest.fixture(scope="module")
-def engine(gemma3, store_dir, level):
+def engine(gemma3, store_dir, level, plain_default, plain_prefix_cache):
     with connector_engine(
         gemma3,
         store_dir.as_uri(),
@@ -333,17 +330,21 @@ def engine(gemma3, store_dir, level):
 
 
 @pytest.fixture(scope="module")
-def prompts(engine, doc_text):
+def prompts(gemma3, doc_text):
     """The first request (the 1,024-token context + a question) and the second (the same
-    context continued to 1,280 tokens + the question): they share exactly 4 whole chunks."""
-    return _prompt_pair(engine, doc_text[:20_000], CONTEXT, PROMPT)
+    context continued to 1,280 tokens + the question): they share exactly 4 whole chunks.
+    Tokenized as vLLM does (test_engine_runs_gemma_with_hma_off_and_bos_first)."""
+    return _prompt_pair(gemma3, doc_text[:20_000], CONTEXT, PROMPT)
 
 
-def _prompt_pair(engine, text: str, context: int, prompt: int) -> tuple[list[int], list[int]]:
+def _prompt_pair(spec, text: str, context: int, prompt: int) -> tuple[list[int], list[int]]:
     """``context`` tokens of ``text`` + the question, and the same text continued to ``prompt``
     tokens + the question: they share exactly the context's tokens."""
-    ids = engine.tokenize(text)
-    question = engine.tokenize(QUESTION, bos=False)
+    from cachegen.extract import load_model
+
+    _, tokenizer, _ = load_model(spec)
+    ids = tokenizer(text)["input_ids"]
+    question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
     first = ids[:context] + question
     second = ids[: prompt - len(question)] + question
     assert len(second) == prompt and second[context] != first[context]
@@ -351,7 +352,7 @@ def _prompt_pair(engine, text: str, context: int, prompt: int) -> tuple[list[int
 
 
 @pytest.fixture(scope="module")
-def stored(engine, prompts, plain):
+def stored(engine, prompts):
     first, _ = prompts
     engine.store_prefix(first)  # prefill from text, store every save mode, wait for the store
     return first
@@ -364,108 +365,67 @@ def recomputed(engine, prompts):
     return engine.run(prompts[1], max_tokens=ANSWER)
 
 
-PLAIN_VLLM = """
-import json, os, sys
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-from vllm import LLM, SamplingParams
-job = json.load(sys.stdin)
-llm = LLM(model=job["model"], gpu_memory_utilization=0.3, max_model_len=2048,
-          enforce_eager=True, **job["engine_args"])
-scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
-                        logprobs=0)
-runs = []
-for prompt in job["prompts"]:
-    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-    tokens = list(out.outputs[0].token_ids)
-    runs.append({
-        "token_ids": tokens,
-        "logprobs": [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)],
-        "cached_tokens": out.num_cached_tokens,
-    })
-groups = len(scheduler.kv_cache_config.kv_cache_groups)
-print("RESULT " + json.dumps({"kv_cache_groups": groups, "runs": runs}), flush=True)
-"""
+def _plain_vllm(spec, prompts: list[list[int]], **engine_args) -> dict:
+    """Plain vLLM (no kv_transfer_config) in this process answering ``prompts`` in order:
+    ``{"kv_cache_groups": n, "runs": [{"token_ids", "logprobs", "cached_tokens"}, ...]}``."""
+    from vllm import LLM, SamplingParams
 
+    from cachegen.lab.bench.engine import llvmlite_hidden_from_vllm
 
-class PlainVLLM:
-    """Plain vLLM (no kv_transfer_config) in its own process answering ``prompts`` in order,
-    started at once and read when needed, so that its start-up overlaps this module's tests:
-    ``result()`` is ``{"kv_cache_groups": n, "runs": [{"token_ids", "logprobs",
-    "cached_tokens"}, ...]}``."""
-
-    def __init__(self, spec, prompts: list[list[int]], **engine_args) -> None:
-        job = {
-            "model": str(spec.path),
-            "prompts": prompts,
-            "max_tokens": ANSWER,
-            "engine_args": {"dtype": ENGINE_DTYPE, **engine_args},
-        }
-        # Files, not pipes: vLLM logs more than a pipe holds while nobody reads it.
-        self.stdout, self.stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", PLAIN_VLLM],
-            stdin=subprocess.PIPE,
-            stdout=self.stdout,
-            stderr=self.stderr,
-            text=True,
+    with llvmlite_hidden_from_vllm():
+        llm = LLM(
+            model=str(spec.path),
+            gpu_memory_utilization=0.3,
+            max_model_len=2048,
+            enforce_eager=True,
+            dtype=ENGINE_DTYPE,
+            **engine_args,
         )
-        self.proc.stdin.write(json.dumps(job))
-        self.proc.stdin.close()
-        self._result: dict | None = None
-
-    def result(self) -> dict:
-        if self._result is None:
-            self.proc.wait(timeout=1800)
-            stdout, stderr = (_read(f) for f in (self.stdout, self.stderr))
-            results = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-            assert self.proc.returncode == 0 and results, stderr[-3000:]
-            self._result = json.loads(results[-1].removeprefix("RESULT "))
-        return self._result
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.stdout.close()
-        self.stderr.close()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=ANSWER, ignore_eos=True, logprobs=0)
+        runs = []
+        for prompt in prompts:
+            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+            tokens = list(out.outputs[0].token_ids)
+            logprobs = [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)]
+            runs.append(
+                {"token_ids": tokens, "logprobs": logprobs, "cached_tokens": out.num_cached_tokens}
+            )
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        return {"kv_cache_groups": len(scheduler.kv_cache_config.kv_cache_groups), "runs": runs}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
-def _read(file) -> str:
-    file.seek(0)
-    return file.read()
+# Plain vLLM runs before the connector's engine starts, one engine after the other (on 2 cores,
+# an engine beside another slows both).
 
 
 @pytest.fixture(scope="module")
-def plain(gemma3, prompts):
-    """Plain vLLM twice, both started before the connector engine's first prefill: as users run
-    it (for Gemma on CPU with the hybrid KV cache manager on), answering the second prompt from
-    text; and with the manager off (one KV cache group, as with the connector) and its own
+def plain_default(gemma3, prompts) -> dict:
+    """Plain vLLM as users run it (for Gemma on CPU with the hybrid KV cache manager on),
+    answering the second prompt from text."""
+    return _plain_vllm(gemma3, [prompts[1]])
+
+
+@pytest.fixture(scope="module")
+def plain_prefix_cache(gemma3, prompts) -> dict:
+    """Plain vLLM with the manager off (one KV cache group, as with the connector) and its own
     prefix cache, answering the first prompt and then the second, whose 1,024 shared tokens
     come from vLLM's prefix cache."""
-    runs = {
-        "default": PlainVLLM(gemma3, [prompts[1]]),
-        "prefix_cache": PlainVLLM(
-            gemma3,
-            list(prompts),
-            disable_hybrid_kv_cache_manager=True,
-            enable_prefix_caching=True,
-        ),
-    }
-    yield runs
-    for run in runs.values():
-        run.kill()
+    return _plain_vllm(
+        gemma3, list(prompts), disable_hybrid_kv_cache_manager=True, enable_prefix_caching=True
+    )
 
 
-@pytest.fixture(scope="module")
-def plain_default(plain) -> dict:
-    return plain["default"].result()
+def test_plain_vllm_as_users_run_it_keeps_sliding_and_full_groups(plain_default):
+    assert plain_default["kv_cache_groups"] > 1
 
 
-@pytest.fixture(scope="module")
-def plain_prefix_cache(plain) -> dict:
-    return plain["prefix_cache"].result()
+def test_plain_vllm_with_the_manager_off_hits_its_own_prefix_cache(plain_prefix_cache):
+    assert plain_prefix_cache["kv_cache_groups"] == 1
+    assert plain_prefix_cache["runs"][0]["cached_tokens"] == 0
+    assert plain_prefix_cache["runs"][1]["cached_tokens"] == CONTEXT  # its own cache's hit
 
 
 def test_engine_runs_gemma_with_hma_off_and_bos_first(engine, gemma3, doc_text):
@@ -565,26 +525,6 @@ def test_raw_hit_reports_the_loaded_prefix(raw_hit):
     _, _, report, cached = raw_hit
     _check_report(report, cached, "raw")
     assert report["levels"] == [0] * (CONTEXT // CHUNK)
-
-
-def test_raw_hit_answers_like_recomputation_and_plain_vllm(raw_hit, recomputed, plain_default):
-    tokens = raw_hit[0]
-    assert tokens == recomputed.token_ids  # this engine computing the whole prompt
-    assert tokens == plain_default["runs"][0]["token_ids"]  # plain vLLM, as users run it
-
-
-def test_raw_hit_is_bit_exact_with_vllms_own_prefix_cache(raw_hit, plain_prefix_cache):
-    """Raw loads are exact: the log-probabilities are bit for bit those of vLLM reusing its own
-    cache of the same prefix (same KV cache grouping)."""
-    tokens, logprobs, _, _ = raw_hit
-    reused = plain_prefix_cache
-    assert reused["kv_cache_groups"] == 1
-    assert reused["runs"][1]["cached_tokens"] == CONTEXT  # vLLM's own prefix cache hit
-    assert tokens == reused["runs"][1]["token_ids"]
-    assert logprobs == reused["runs"][1]["logprobs"], (
-        "raw KV is not bit-exact: max log-probability difference "
-        f"{max(abs(a - b) for a, b in zip(logprobs, reused['runs'][1]['logprobs']))}"
-    )
 
 
 def test_a_corrupt_chunk_is_recomputed(engine, store_dir, doc_text, assert_answers_alike):
@@ -732,6 +672,35 @@ def _hit(engine, prompt: list[int], **params):
     return tokens, logprobs, out.kv_transfer_params["cachegen"], out.num_cached_tokens
 
 
+def test_window_aware_cachegen_load_fetches_less(engine, stored, prompts, level):
+    reports = {}
+    for skip in (True, False):
+        _, _, report, cached = _hit(engine, prompts[1], mode="cachegen", skip_out_of_window=skip)
+        assert cached == CONTEXT and "load_error" not in report
+        assert report["levels"] == [level] * (CONTEXT // CHUNK)
+        reports[skip] = report
+    assert reports[True]["window_skipped_chunks"] == 2
+    assert reports[True]["bytes"] < reports[False]["bytes"]
+    print("cachegen bytes on/off:", reports[True]["bytes"], reports[False]["bytes"])
+
+
+def test_window_measurement_of_the_lab(engine):
+    """``cachegen ttft window``'s rows on this engine: raw with the option on answers like
+    recompute, and on fetches fewer bytes than off, skipping the chunks behind the window."""
+    from cachegen.lab.bench.ttft import TTFTBench
+    from cachegen.lab.bench.window import window_markdown, window_rows
+
+    rows = window_rows(TTFTBench(engine=engine), CONTEXT, ("raw",), output_tokens=8)
+    on, off = rows
+    assert (on["skip_out_of_window"], off["skip_out_of_window"]) == (True, False)
+    assert on["loaded_tokens"] == off["loaded_tokens"] == CONTEXT
+    # 1,024 tokens with a 512-token window: chunks 2 and 3 bring their sliding parts.
+    assert (on["window_skipped_chunks"], off["window_skipped_chunks"]) == (2, 0)
+    assert on["bytes"] < off["bytes"]
+    assert on["tokens_equal_recompute"] == on["output_tokens"] == 8
+    assert "| raw |" in window_markdown(rows)
+
+
 def test_window_aware_raw_load_is_exact_and_fetches_less(
     engine, stored, prompts, plain_prefix_cache
 ):
@@ -773,30 +742,21 @@ def test_window_aware_raw_load_is_exact_and_fetches_less(
     )
 
 
-def test_window_aware_cachegen_load_fetches_less(engine, stored, prompts, level):
-    reports = {}
-    for skip in (True, False):
-        _, _, report, cached = _hit(engine, prompts[1], mode="cachegen", skip_out_of_window=skip)
-        assert cached == CONTEXT and "load_error" not in report
-        assert report["levels"] == [level] * (CONTEXT // CHUNK)
-        reports[skip] = report
-    assert reports[True]["window_skipped_chunks"] == 2
-    assert reports[True]["bytes"] < reports[False]["bytes"]
-    print("cachegen bytes on/off:", reports[True]["bytes"], reports[False]["bytes"])
+def test_raw_hit_answers_like_recomputation_and_plain_vllm(raw_hit, recomputed, plain_default):
+    tokens = raw_hit[0]
+    assert tokens == recomputed.token_ids  # this engine computing the whole prompt
+    assert tokens == plain_default["runs"][0]["token_ids"]  # plain vLLM, as users run it
 
 
-def test_window_measurement_of_the_lab(engine):
-    """``cachegen ttft window``'s rows on this engine: raw with the option on answers like
-    recompute, and on fetches fewer bytes than off, skipping the chunks behind the window."""
-    from cachegen.lab.bench.ttft import TTFTBench
-    from cachegen.lab.bench.window import window_markdown, window_rows
-
-    rows = window_rows(TTFTBench(engine=engine), CONTEXT, ("raw",), output_tokens=8)
-    on, off = rows
-    assert (on["skip_out_of_window"], off["skip_out_of_window"]) == (True, False)
-    assert on["loaded_tokens"] == off["loaded_tokens"] == CONTEXT
-    # 1,024 tokens with a 512-token window: chunks 2 and 3 bring their sliding parts.
-    assert (on["window_skipped_chunks"], off["window_skipped_chunks"]) == (2, 0)
-    assert on["bytes"] < off["bytes"]
-    assert on["tokens_equal_recompute"] == on["output_tokens"] == 8
-    assert "| raw |" in window_markdown(rows)
+def test_raw_hit_is_bit_exact_with_vllms_own_prefix_cache(raw_hit, plain_prefix_cache):
+    """Raw loads are exact: the log-probabilities are bit for bit those of vLLM reusing its own
+    cache of the same prefix (same KV cache grouping)."""
+    tokens, logprobs, _, _ = raw_hit
+    reused = plain_prefix_cache
+    assert reused["kv_cache_groups"] == 1
+    assert reused["runs"][1]["cached_tokens"] == CONTEXT  # vLLM's own prefix cache hit
+    assert tokens == reused["runs"][1]["token_ids"]
+    assert logprobs == reused["runs"][1]["logprobs"], (
+        "raw KV is not bit-exact: max log-probability difference "
+        f"{max(abs(a - b) for a, b in zip(logprobs, reused['runs'][1]['logprobs']))}"
+    )

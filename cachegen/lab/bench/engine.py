@@ -65,7 +65,7 @@ class Measurement:
 
 
 @contextlib.contextmanager
-def _llvmlite_hidden_from_vllm() -> Iterator[None]:
+def llvmlite_hidden_from_vllm() -> Iterator[None]:
     """Work around a vLLM 0.32 start-up crash when numba is already loaded.
 
     vLLM's CPU platform (``vllm/triton_utils/dispatcher.py``) scans the attributes of every
@@ -193,7 +193,7 @@ class ConnectorEngine:
         )
         engine_args.setdefault("gpu_memory_utilization", 0.3)
         engine_args.setdefault("dtype", engine_dtype())  # float32 where bf16 is emulated
-        with _llvmlite_hidden_from_vllm():
+        with llvmlite_hidden_from_vllm():
             self.llm = LLM(
                 model=str(self.spec.path),
                 kv_transfer_config=transfer,
