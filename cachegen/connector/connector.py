@@ -25,6 +25,7 @@ from cachegen.connector.config import ConnectorConfig
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.metadata import LoadReports, StepMetadata
 from cachegen.connector.scheduler import SchedulerSide
+from cachegen.connector.stats import CacheGenPromMetrics, CacheGenStats
 from cachegen.connector.transport import ChunkTransport
 from cachegen.connector.worker import WorkerSide
 from cachegen.models import ModelSpec
@@ -171,6 +172,22 @@ class CacheGenConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+    # ---- metrics (both sides) ------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> CacheGenStats | None:
+        side = self._worker if self._worker is not None else self._scheduler
+        return side.stats.take() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> CacheGenStats:
+        return CacheGenStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ) -> CacheGenPromMetrics:
+        return CacheGenPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side ------------------------------------------------------------------------
 

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cachegen.connector.config import ConnectorConfig, RequestOptions
+from cachegen.connector.inputs import InputsRefused, request_inputs
 from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
+from cachegen.connector.stats import StatsRecorder
 from cachegen.connector.transport import ChunkTransport
 from cachegen.errors import CacheGenError
 from cachegen.fileio import versioned
@@ -36,8 +38,9 @@ REPORT_VERSION = 1
 @dataclass
 class _Tracked:
     request: Request
-    options: RequestOptions | None  # None: the request's options were invalid
+    options: RequestOptions | None  # None: the connector neither loads nor saves it
     error: str | None = None
+    fallback: str | None = None  # why it was (partly) recomputed instead of loaded (metrics)
     lookup: tuple[int, int] | None = None  # (num_computed_tokens asked with, tokens matched)
     load: LoadTask | None = None  # granted by vLLM, not yet sent to the workers
     loading: bool = False  # an asynchronous load is running on the workers
@@ -74,6 +77,7 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._save_ids = itertools.count(1)
         self._pending_saves: dict[int, _PendingSave] = {}
+        self.stats = StatsRecorder()  # lookups and loads (the workers count saves)
 
     # ---- lookup ------------------------------------------------------------------------------
 
@@ -82,15 +86,22 @@ class SchedulerSide:
         if tracked is None:
             try:
                 options = self.config.defaults.override(request.kv_transfer_params)
-                salt = key_scope(self.config.tenant, getattr(request, "cache_salt", None))
+                salt = key_scope(
+                    self.config.tenant,
+                    getattr(request, "cache_salt", None),
+                    request_inputs(request),
+                )
                 tracked = _Tracked(request, dataclasses.replace(options, salt=salt))
                 if salt is not None:
                     tracked.report["salted"] = True
+            except InputsRefused as exc:  # KV its keys cannot name
+                logger.info("request %s: not loaded nor saved: %s", request.request_id, exc)
+                tracked = _Tracked(request, None, error=str(exc), fallback=exc.reason)
             except (CacheGenError, TypeError) as exc:  # bad options, a malformed cache_salt
                 logger.warning(
                     "request %s: ignoring the cachegen connector: %s", request.request_id, exc
                 )
-                tracked = _Tracked(request, None, error=str(exc))
+                tracked = _Tracked(request, None, error=str(exc), fallback="bad_options")
             self._tracked[request.request_id] = tracked
         return tracked
 
@@ -156,6 +167,7 @@ class SchedulerSide:
                 exc,
             )
             tracked.error = f"lookup failed: {exc}"
+            tracked.fallback = "lookup_failed"
             return 0
         return max(0, end - num_computed_tokens)
 
@@ -273,9 +285,29 @@ class SchedulerSide:
             report.setdefault("mode", tracked.options.mode)
         if tracked.error:
             report["error"] = tracked.error
+        self._count(tracked)
         # A background load still writing into the request's blocks keeps them until the
         # worker reports it finished (vLLM frees them then).
         return tracked.loading, {REPORT_KEY: report}
+
+    def _count(self, tracked: _Tracked) -> None:
+        """A finished request's part of the metrics (docs/connector.md, "Metrics")."""
+        report = tracked.report
+        if "load_error" in report:
+            tracked.fallback = tracked.fallback or "load_failed"
+        if tracked.fallback is not None:
+            self.stats.count("fallbacks", tracked.fallback)
+        if tracked.lookup is None or tracked.options is None:
+            return
+        mode = tracked.options.mode
+        self.stats.count("lookups", mode)
+        loaded = report.get("loaded_tokens", 0)
+        if loaded:
+            self.stats.count("hits", mode)
+            self.stats.count("hit_tokens", mode, loaded)
+        if "load_s" in report:
+            self.stats.count("loaded_bytes", mode, report.get("bytes", 0))
+            self.stats.observe_load(mode, report["load_s"])
 
 
 def _shared_chunks(a: list[int], b: list[int], chunk_tokens: int, limit: int) -> int:

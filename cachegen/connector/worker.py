@@ -34,6 +34,7 @@ import torch
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.layouts import CpuPackedLayout, PagedLayout, layout_for_layer
 from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
+from cachegen.connector.stats import StatsRecorder
 from cachegen.connector.transport import ChunkTransport, SaveRecord
 from cachegen.kv import KVCache, ModelIdentity
 
@@ -285,10 +286,11 @@ class WorkerSide:
         self._finished_loads: set[str] = set()
         self._failed_inline: set[str] = set()
         self._loader = _Background("cachegen-load")
+        self.stats = StatsRecorder()  # saves (the scheduler side counts lookups and loads)
         self._saver = (
             _Saver(
                 self._save_records,
-                transport.write,
+                self._write,
                 self._wait_for_loads,
                 self._first_pass_over,
                 SAVE_QUEUE_DEPTH,
@@ -517,6 +519,8 @@ class WorkerSide:
             failed, self._failed_inline = self._failed_inline, set()
             self._saving.update(task.save_id for task in meta.saves)
         for task in meta.saves:
+            for mode in task.modes:
+                self.stats.count("saves", mode)
             if task.req_id in failed:
                 self._first_pass_ended(task.save_id)  # vLLM recomputes what its cache holds
                 continue
@@ -533,6 +537,12 @@ class WorkerSide:
                 logger.warning("request %s: save queue full, not storing this prefix", task.req_id)
                 self._first_pass_ended(task.save_id)
 
+    def _write(self, record: SaveRecord) -> int:
+        written = self.transport.write(record)
+        if written:
+            self.stats.count("saved_bytes", record.mode, written)
+        return written
+
     def _save_records(self, task: SaveTask, kv: KVCache) -> list[SaveRecord]:
         return self.transport.save_records(
             task.token_ids, kv, task.modes, task.sliding_from, task.salt
@@ -542,9 +552,8 @@ class WorkerSide:
         """Store ``kv`` inside this engine step (``save_async=false``)."""
         t0 = time.perf_counter()
         try:
-            nbytes = self.transport.save(
-                task.token_ids, kv, task.modes, task.sliding_from, task.salt
-            )
+            records = self._save_records(task, kv)
+            nbytes = sum(self._write(record) for record in records)
         except Exception:  # noqa: BLE001 - a failed save is a future cache miss, never a crash
             logger.exception("request %s: storing its KV failed", task.req_id)
             nbytes = 0

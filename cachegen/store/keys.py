@@ -8,8 +8,9 @@ is ``"<namespace>/<digest>"``:
   never read each other's entries;
 * ``digest`` (40 hex) is ``h_i = sha256(h_{i-1} || int64-LE token ids of chunk i)`` with
   ``h_{-1} = sha256(namespace)``, or ``sha256(namespace || "\\0salt\\0" || salt)`` for a
-  salted (tenant-scoped) chain: it depends on every token up to the chunk's end, so the
-  stored chunks of a prompt are found by walking its keys until the first miss.
+  salted chain (``key_scope``: tenant, cache_salt, LoRA adapter, multimodal items): it depends
+  on every token up to the chunk's end, so the stored chunks of a prompt are found by walking
+  its keys until the first miss.
 """
 
 from __future__ import annotations
@@ -72,12 +73,17 @@ def check_scope_part(name: str, value: object) -> None:
         )
 
 
-def key_scope(tenant: str | None, cache_salt: str | None) -> str | None:
-    """The salt of a request's chunk keys: an operator's tenant and a request's cache_salt
-    (vLLM's), encoded so that no two different pairs give the same salt; None when neither is
-    set (the unsalted keys). A malformed part raises StoreConfigError."""
+def key_scope(tenant: str | None, cache_salt: str | None, inputs: dict | None = None) -> str | None:
+    """The salt of a request's chunk keys: an operator's tenant, a request's cache_salt
+    (vLLM's) and ``inputs``, what else makes its KV (a LoRA adapter's fingerprint, multimodal
+    items: ``cachegen.connector.inputs``), encoded so that no two different scopes give the
+    same salt; None when none is set (the unsalted keys). Without ``inputs`` the salt is what
+    it was before inputs were keyed, so those keys stay readable. A malformed tenant or
+    cache_salt raises StoreConfigError."""
     check_scope_part("tenant", tenant)
     check_scope_part("cache_salt", cache_salt)
+    if inputs:
+        return json.dumps([tenant, cache_salt, inputs], sort_keys=True)
     if tenant is None and cache_salt is None:
         return None
     return json.dumps([tenant, cache_salt])
