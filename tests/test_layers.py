@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -56,8 +57,25 @@ def test_a_server_imports_no_lab_module_and_no_plotting():
         "from cachegen.connector import config, layouts, scheduler, transport, worker"
     )
     assert not [m for m in loaded if m.startswith("cachegen.lab")]
-    assert not [m for m in loaded if m.split(".")[0] in ("matplotlib", "jsonschema", "asv")]
+    assert not [m for m in loaded if m.split(".")[0] in HARNESS_MODULES]
     assert "cachegen.extract" not in loaded  # (vLLM itself imports transformers)
+
+
+HARNESS_MODULES = ("matplotlib", "jsonschema", "rouge_score", "sacrebleu", "constriction", "asv")
+
+
+def test_a_core_install_requires_no_harness_library():
+    """``pip install cachegen`` is what a server needs; the harness's libraries come with the
+    ``lab`` extra only."""
+    from importlib.metadata import requires
+
+    harness = {"matplotlib", "jsonschema", "rouge-score", "sacrebleu", "constriction", "asv"}
+    core, lab = set(), set()
+    for requirement in requires("cachegen"):
+        name = re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower()
+        (lab if 'extra == "lab"' in requirement else core).add(name)
+    assert not harness & core
+    assert harness <= lab
 
 
 def test_decoding_imports_no_model_code():
