@@ -1,74 +1,18 @@
-"""Connector options: one dataclass, filled from ``kv_connector_extra_config`` and overridden
-per request from ``kv_transfer_params``.
+"""Connector options: one dataclass each for the engine (``kv_connector_extra_config``) and a
+request (``kv_transfer_params``, whose keys in ``kv_connector_extra_config`` set the engine's
+defaults).
 
-Engine-wide keys (``kv_connector_extra_config``):
-  store           URL of the chunk store (``file:///dir`` or ``redis://host:port/db``, see
-                  ``cachegen.store.open_store``); default: the local chunk directory
-  chunk_tokens    tokens per stored chunk; a multiple of vLLM's block size (default 256)
-  save_modes      modes whose encodings are written after a prefill (default: ``[mode]``;
-                  ``cachegen`` and ``adaptive`` write every level in ``cachegen_levels``)
-  cachegen_levels the cachegen levels that are stored (default: a save ladder,
-                  ``ChunkTransport.default_ladder``: the codec's default level, coded and, when
-                  both fit within half of the raw bf16 KV, packed; when ``adaptive`` is in
-                  ``save_modes``, then up to two cheaper levels from the model's shipped
-                  calibrated levels if it has them, costs in docs/connector.md; a request for
-                  a level that is not stored recomputes); a level's packed form
-                  is its record tag ``level | 32768`` (``cachegen.codec.packed.record_tag``),
-                  stored and requested like a level; ``adaptive`` chooses among the coded
-                  calibrated ones of them (all coded ones for a model without a calibration)
-  tcq_levels      the levels of the transform codec ``tcq`` that are stored when ``tcq`` is in
-                  ``save_modes`` (default: the codec's default level); ``adaptive`` with
-                  ``max_loss_pct`` counts them among its forms (``tcq-<L>``)
-  shaper          how ``bandwidth_mbps`` is enforced: ``token-bucket`` (default) or ``netns``
-  prefill_tokens_per_s  the engine's prefill rate, used by ``adaptive`` to price recomputation
-                  (default: measured by the connector on this engine's own prefills)
-  load_async      load in a worker thread while vLLM keeps serving other requests (default
-                  true); false loads inside the engine step that needs the KV
-  save_async      encode and store in a worker thread (default true); false does it inside
-                  the engine step that finished the prefill
-  save_wait_ms    how long a request whose leading chunks this engine is still saving (first
-                  level not stored yet) waits for them before it computes what is not stored
-                  (default 2000; 0: never waits)
-  tenant          a scope of this engine's chunks (e.g. a customer): part of every chunk key,
-                  so engines with different tenants never share a chunk (default: none)
-  store_secret    the store's MAC secret: every record written is signed and every record read
-                  must verify (default: ``$CACHEGEN_STORE_SECRET``; unset: not signed)
-  max_record_bytes  largest record a load reads (default: no cap); larger ones are refused
-                  before they are read whole, and the request recomputes
-  max_load_bytes  most bytes one request's load may fetch (default: no cap); a larger prefix is
-                  recomputed instead
-  profile_source  where the cachegen codec profile (levels, tables ids: it names the chunk
-                  keys) comes from: ``store`` (default) uses the profile the store has adopted
-                  for this model, checked, and publishes and adopts this machine's when it has
-                  none; ``local`` uses this machine's own (chunks stored under another profile
-                  are then not found)
-Per-request keys (also accepted engine-wide as defaults):
-  mode            raw | int8 | fp8 | cachegen | tcq | adaptive        (default cachegen)
-  level           quality level for ``cachegen`` or ``tcq`` (default: the codec's default
-                  level)
-  slo_ms          time budget for loading the prefix in ``adaptive`` mode (required there
-                  unless ``max_loss_pct`` is set)
-  max_loss_pct    with ``adaptive``: load each chunk in the stored form (a cachegen level coded
-                  or packed, or another codec of ``save_modes``: int8, fp8, raw, a tcq level) or
-                  recompute it,
-                  whichever is predicted to finish soonest, among the forms whose quality loss
-                  (perplexity change, %; ``cachegen.codec.form_loss``) is at most this; a bound
-                  no stored form meets recomputes (default: unset, the ``slo_ms`` rule; when
-                  set, ``slo_ms`` is not used)
-  bandwidth_mbps  rate limit of the transfer in Mbit/s for experiments (unset: unlimited)
-  rtt_ms          added round-trip time of the transfer in ms for experiments (default 0)
-  load, save      switch loading / saving off for one request (default true)
-  skip_out_of_window  for a model with both full-attention and sliding-window layers, fetch
-                  the sliding layers' part only of the chunks within the largest window
-                  before the loaded prefix's end (default true); false fetches every part
-A request's ``cache_salt`` (vLLM's per-request isolation key) is part of its chunk keys, next to
-the engine's ``tenant``: requests with different salts never share a chunk, requests with the
-same salt do, and requests without one share only with each other.
+Each option is declared once, as a field made by ``option``: its scope, default, check and a
+one-line doc; the key sets, the validation and ``describe_options()`` are read from the
+declarations, and a test checks docs/connector.md's "Options" tables against them. A request's
+``cache_salt`` (vLLM's isolation key) and the engine's ``tenant`` are part of its chunk keys
+(docs/security.md); a client cannot set the key scope through ``kv_transfer_params``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from math import inf
 from typing import Any
@@ -80,90 +24,158 @@ from cachegen.store import StoreConfigError, default_store_url, parse_size
 from cachegen.store.keys import check_scope_part
 
 PROFILE_SOURCES = ("store", "local")
-REQUEST_KEYS = frozenset(
-    {
-        "mode",
-        "level",
-        "slo_ms",
-        "max_loss_pct",
-        "bandwidth_mbps",
-        "rtt_ms",
-        "load",
-        "save",
-        "skip_out_of_window",
-    }
-)
-ENGINE_KEYS = REQUEST_KEYS | {
-    "store",
-    "chunk_tokens",
-    "save_modes",
-    "cachegen_levels",
-    "tcq_levels",
-    "shaper",
-    "prefill_tokens_per_s",
-    "load_async",
-    "save_async",
-    "save_wait_ms",
-    "tenant",
-    "store_secret",
-    "max_record_bytes",
-    "max_load_bytes",
-    "profile_source",
-}
+REQUEST, ENGINE = "request", "engine"  # request options are also the engine's defaults
+Check = Callable[[str, Any], None]
+
+
+def option(scope: str, doc: str, check: Check, default: Any = None, **kwargs: Any) -> Any:
+    """A connector option's declaration: a dataclass field that knows its scope, check and doc."""
+    metadata = {"scope": scope, "doc": doc, "check": check}
+    if "default_factory" in kwargs:
+        return field(metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata, **kwargs)
+
+
+# ---- checks: each raises ConnectorError naming the option ---------------------------------------
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_number(name: str, value: Any) -> None:
+    if value is not None and (not _is_number(value) or value <= 0):
+        raise ConnectorError(f"{name} must be a positive number, got {value!r}")
+
+
+def non_negative_number(name: str, value: Any) -> None:
+    if not _is_number(value) or value < 0:
+        raise ConnectorError(f"{name} must be a number >= 0, got {value!r}")
+
+
+def loss_bound(name: str, value: Any) -> None:
+    if value is not None and (not _is_number(value) or not 0 <= value < inf):
+        raise ConnectorError(
+            f"{name} must be a number >= 0 (the largest perplexity change in % a stored form "
+            f"may have, e.g. 1), got {value!r}"
+        )
+
+
+def boolean(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConnectorError(f"{name} must be true or false, got {value!r}")
+
+
+def integer(name: str, value: Any) -> None:
+    if value is not None and not _is_int(value):
+        raise ConnectorError(f"{name} must be an integer, got {value!r}")
+
+
+def positive_integer(name: str, value: Any) -> None:
+    if not _is_int(value) or value <= 0:
+        raise ConnectorError(f"{name} must be a positive integer, got {value!r}")
+
+
+def byte_cap(name: str, value: Any) -> None:
+    if value is not None and (not _is_int(value) or value <= 0):
+        raise ConnectorError(f"{name} must be a positive number of bytes, got {value!r}")
+
+
+def a_mode(name: str, value: Any) -> None:
+    if value not in MODES:
+        raise ConnectorError(f"unknown mode {value!r}; choose one of {', '.join(MODES)}")
+
+
+def modes(name: str, value: Sequence[str]) -> None:
+    for mode in value:
+        if mode not in MODES:
+            raise ConnectorError(f"unknown mode {mode!r} in {name}; choose from {', '.join(MODES)}")
+
+
+def one_of(*choices: str) -> Check:
+    def check(name: str, value: Any) -> None:
+        if value not in choices:
+            raise ConnectorError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+
+    return check
+
+
+def levels(name: str, value: Any) -> None:
+    if value is not None and (not value or not all(_is_int(x) for x in value)):
+        raise ConnectorError(f"{name} must be a non-empty list of integers, got {value!r}")
+
+
+def scope_part(name: str, value: Any) -> None:
+    try:
+        check_scope_part(name, value)
+    except StoreConfigError as exc:
+        raise ConnectorError(str(exc)) from None
+
+
+def secret(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise ConnectorError(f"{name} must be a string")  # never echo a secret
+
+
+def store_url(name: str, value: Any) -> None:
+    if not isinstance(value, str) or "://" not in value:
+        raise ConnectorError(
+            f"{name} must be a URL like file:///path or redis://host:port/0, got {value!r}"
+        )
+
+
+def _check_fields(options: Any) -> None:
+    for f in dataclasses.fields(options):
+        if "check" in f.metadata:
+            f.metadata["check"](f.name, getattr(options, f.name))
+
+
+# ---- the options ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class RequestOptions:
     """What one request asks of the connector."""
 
-    mode: str = "cachegen"
-    level: int | None = None
-    slo_ms: float | None = None
-    max_loss_pct: float | None = None
-    bandwidth_mbps: float | None = None
-    rtt_ms: float = 0.0
-    load: bool = True
-    save: bool = True
-    skip_out_of_window: bool = True
-    # The request's key scope (tenant and cache_salt), set by the scheduler, never by a client's
-    # kv_transfer_params (not in REQUEST_KEYS).
+    mode: str = option(REQUEST, "raw | int8 | fp8 | cachegen | tcq | adaptive", a_mode, "cachegen")
+    level: int | None = option(
+        REQUEST, "quality level of cachegen or tcq (default: the codec's default)", integer
+    )
+    slo_ms: float | None = option(
+        REQUEST, "time budget of the load in adaptive mode", positive_number
+    )
+    max_loss_pct: float | None = option(
+        REQUEST, "adaptive's quality bound: the largest perplexity change (%) of a form", loss_bound
+    )
+    bandwidth_mbps: float | None = option(
+        REQUEST, "rate limit of the transfer in Mbit/s (experiments)", positive_number
+    )
+    rtt_ms: float = option(
+        REQUEST,
+        "added round-trip time of the transfer in ms (experiments)",
+        non_negative_number,
+        0.0,
+    )
+    load: bool = option(REQUEST, "load this request's prefix from the store", boolean, True)
+    save: bool = option(REQUEST, "store this request's prefix", boolean, True)
+    skip_out_of_window: bool = option(
+        REQUEST, "fetch sliding layers' parts only within the window", boolean, True
+    )
+    # The request's key scope (tenant, cache_salt, what else makes its KV), set by the scheduler,
+    # never by a client's kv_transfer_params: not an option.
     salt: str | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConnectorError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.level is not None and (
-            isinstance(self.level, bool) or not isinstance(self.level, int)
-        ):
-            raise ConnectorError(f"level must be an integer, got {self.level!r}")
-        for name in ("slo_ms", "bandwidth_mbps"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
-            ):
-                raise ConnectorError(f"{name} must be a positive number, got {value!r}")
-        if (
-            isinstance(self.rtt_ms, bool)
-            or not isinstance(self.rtt_ms, (int, float))
-            or self.rtt_ms < 0
-        ):
-            raise ConnectorError(f"rtt_ms must be a number >= 0, got {self.rtt_ms!r}")
-        loss = self.max_loss_pct
-        if loss is not None and (
-            isinstance(loss, bool) or not isinstance(loss, (int, float)) or not 0 <= loss < inf
-        ):
-            raise ConnectorError(
-                "max_loss_pct must be a number >= 0 (the largest perplexity change in % a "
-                f"stored form may have, e.g. 1), got {loss!r}"
-            )
-        if self.mode == "adaptive" and self.slo_ms is None and loss is None:
+        _check_fields(self)
+        if self.mode == "adaptive" and self.slo_ms is None and self.max_loss_pct is None:
             raise ConnectorError(
                 "adaptive mode needs slo_ms (the time budget for loading the prefix) or "
                 "max_loss_pct (the quality bound of the fastest stored form)"
             )
-        for name in ("load", "save", "skip_out_of_window"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConnectorError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     def override(self, params: dict[str, Any] | None) -> RequestOptions:
         """These options with a request's ``kv_transfer_params`` applied on top."""
@@ -182,80 +194,59 @@ class RequestOptions:
 class ConnectorConfig:
     """Engine-wide connector configuration."""
 
-    store: str = field(default_factory=default_store_url)  # the store package's default directory
-    chunk_tokens: int = CHUNK_TOKENS
-    save_modes: tuple[str, ...] = ()
-    cachegen_levels: tuple[int, ...] | None = None
-    tcq_levels: tuple[int, ...] | None = None
-    shaper: str = "token-bucket"
-    prefill_tokens_per_s: float | None = None
-    load_async: bool = True
-    save_async: bool = True
-    save_wait_ms: float = 2000.0
-    tenant: str | None = None
-    store_secret: str | None = field(default=None, repr=False)
-    max_record_bytes: int | None = None
-    max_load_bytes: int | None = None
-    profile_source: str = "store"
+    store: str = option(
+        ENGINE,
+        "chunk store URL: file:///dir or redis://host:port/db",
+        store_url,
+        default_factory=default_store_url,
+    )
+    chunk_tokens: int = option(
+        ENGINE,
+        "tokens per stored chunk, a multiple of vLLM's block size",
+        positive_integer,
+        CHUNK_TOKENS,
+    )
+    save_modes: tuple[str, ...] = option(
+        ENGINE, "modes whose encodings are written after a prefill (default: [mode])", modes, ()
+    )
+    cachegen_levels: tuple[int, ...] | None = option(
+        ENGINE, "cachegen levels stored (default: the save ladder)", levels
+    )
+    tcq_levels: tuple[int, ...] | None = option(
+        ENGINE, "tcq levels stored when tcq is saved (default: its default level)", levels
+    )
+    shaper: str = option(
+        ENGINE, "how bandwidth_mbps is enforced", one_of(*RATE_SHAPERS), "token-bucket"
+    )
+    prefill_tokens_per_s: float | None = option(
+        ENGINE,
+        "prefill rate adaptive prices recomputation with (default: measured)",
+        positive_number,
+    )
+    load_async: bool = option(ENGINE, "load in a background thread", boolean, True)
+    save_async: bool = option(ENGINE, "encode and store in a background thread", boolean, True)
+    save_wait_ms: float = option(
+        ENGINE,
+        "how long a request waits for this engine's save of its chunks",
+        non_negative_number,
+        2000.0,
+    )
+    tenant: str | None = option(ENGINE, "a scope of every chunk key of this engine", scope_part)
+    store_secret: str | None = option(
+        ENGINE,
+        "MAC secret records are signed with (default: $CACHEGEN_STORE_SECRET)",
+        secret,
+        repr=False,
+    )
+    max_record_bytes: int | None = option(ENGINE, "largest record a load reads", byte_cap)
+    max_load_bytes: int | None = option(ENGINE, "most bytes one request's load fetches", byte_cap)
+    profile_source: str = option(
+        ENGINE, "where the cachegen codec profile comes from", one_of(*PROFILE_SOURCES), "store"
+    )
     defaults: RequestOptions = field(default_factory=RequestOptions)
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.chunk_tokens, bool)
-            or not isinstance(self.chunk_tokens, int)
-            or self.chunk_tokens <= 0
-        ):
-            raise ConnectorError(
-                f"chunk_tokens must be a positive integer, got {self.chunk_tokens!r}"
-            )
-        for mode in self.save_modes:
-            if mode not in MODES:
-                raise ConnectorError(
-                    f"unknown mode {mode!r} in save_modes; choose from {', '.join(MODES)}"
-                )
-        if self.shaper not in RATE_SHAPERS:
-            raise ConnectorError(
-                f"unknown shaper {self.shaper!r}; choose one of {', '.join(RATE_SHAPERS)}"
-            )
-        rate = self.prefill_tokens_per_s
-        if rate is not None and (
-            isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0
-        ):
-            raise ConnectorError(f"prefill_tokens_per_s must be a positive number, got {rate!r}")
-        wait = self.save_wait_ms
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
-            raise ConnectorError(f"save_wait_ms must be a number >= 0, got {wait!r}")
-        for name in ("cachegen_levels", "tcq_levels"):
-            levels = getattr(self, name)
-            if levels is not None and (
-                not levels
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in levels)
-            ):
-                raise ConnectorError(f"{name} must be a non-empty list of integers, got {levels!r}")
-        for name in ("load_async", "save_async"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConnectorError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        try:
-            check_scope_part("tenant", self.tenant)
-        except StoreConfigError as exc:
-            raise ConnectorError(str(exc)) from None
-        if self.store_secret is not None and not isinstance(self.store_secret, str):
-            raise ConnectorError("store_secret must be a string")  # never echo a secret
-        for name in ("max_record_bytes", "max_load_bytes"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value <= 0
-            ):
-                raise ConnectorError(f"{name} must be a positive number of bytes, got {value!r}")
-        if self.profile_source not in PROFILE_SOURCES:
-            raise ConnectorError(
-                f"profile_source must be one of {', '.join(PROFILE_SOURCES)}, "
-                f"got {self.profile_source!r}"
-            )
-        if not isinstance(self.store, str) or "://" not in self.store:
-            raise ConnectorError(
-                f"store must be a URL like file:///path or redis://host:port/0, got {self.store!r}"
-            )
+        _check_fields(self)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -297,3 +288,21 @@ class ConnectorConfig:
                 f"{block_size}; set kv_connector_extra_config chunk_tokens to a multiple of "
                 f"{block_size}"
             )
+
+
+def _keys(cls: type, scope: str) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("scope") == scope)
+
+
+REQUEST_KEYS = _keys(RequestOptions, REQUEST)
+ENGINE_KEYS = REQUEST_KEYS | _keys(ConnectorConfig, ENGINE)
+
+
+def describe_options() -> list[dict[str, str]]:
+    """Every option's key, scope and one-line doc, engine-wide ones first (as in the docs)."""
+    rows = []
+    for cls in (ConnectorConfig, RequestOptions):
+        for f in dataclasses.fields(cls):
+            if "scope" in f.metadata:
+                rows.append({"key": f.name, "scope": f.metadata["scope"], "doc": f.metadata["doc"]})
+    return rows

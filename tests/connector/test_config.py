@@ -103,3 +103,30 @@ def test_adaptive_chooses_among_the_calibrated_levels(smollm2, tiny_llama, tmp_p
     assert levels(smollm2, cachegen_levels=[2, 4]) == ([4], [2, 4])
     adaptive, stored = levels(tiny_llama)
     assert adaptive == stored and set(stored) <= set(ensure_profile(tiny_llama).levels)
+
+
+def _documented_keys() -> list[set[str]]:
+    """The keys of each table in docs/connector.md's "Options" section, in order."""
+    import re
+
+    from tests.support import DOCS
+
+    text = (DOCS / "connector.md").read_text()
+    section = text.split("### Options\n", 1)[1].split("\n### ", 1)[0]
+    tables: list[set[str]] = []
+    for block in re.split(r"\n(?!\|)", section):
+        rows = [line for line in block.splitlines() if line.startswith("| `")]
+        if rows:
+            tables.append({k for row in rows for k in re.findall(r"`(\w+)`", row.split(" | ")[0])})
+    return tables
+
+
+def test_the_docs_tables_list_exactly_the_declared_options():
+    from cachegen.connector.config import ENGINE, REQUEST, describe_options
+
+    declared = {
+        scope: {row["key"] for row in describe_options() if row["scope"] == scope}
+        for scope in (ENGINE, REQUEST)
+    }
+    assert _documented_keys() == [declared[ENGINE], declared[REQUEST]]
+    assert all(row["doc"] for row in describe_options())
