@@ -41,6 +41,7 @@ from cachegen.store import ChunkCorrupt, chunk_keys, longest_prefix, open_store
 from cachegen.store.keys import sliding_key
 from cachegen.store.url import without_password
 from cachegen.stream import (
+    DECODE_EWMA,
     AdaptiveController,
     FastestController,
     Option,
@@ -56,8 +57,6 @@ logger = logging.getLogger(__name__)
 OTHER_FORMS = (*KV_BASELINES, TCQ)
 # A measured goodput is remembered per link and becomes the controller's prior for the next load.
 GOODPUT_EWMA = 0.5
-# Each form's decode seconds per token, remembered across loads (a load's median per record).
-DECODE_EWMA = 0.5
 
 
 def window_chunks(end: int, chunk_tokens: int, window: int) -> range:

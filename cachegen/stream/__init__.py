@@ -15,6 +15,7 @@ See docs/streaming.md.
 """
 
 from cachegen.stream.controller import (
+    DECODE_EWMA,
     RECOMPUTE,
     AdaptiveController,
     Decision,
@@ -36,6 +37,7 @@ from cachegen.stream.source import ChunkSource, DirectSource, SocketSource
 from cachegen.stream.traces import BandwidthTrace
 
 __all__ = [
+    "DECODE_EWMA",
     "RECOMPUTE",
     "SHAPERS",
     "AdaptiveController",

@@ -34,9 +34,9 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from cachegen.errors import InputError
+from cachegen.modes import RECOMPUTE
 
-RECOMPUTE = "recompute"
-DECODE_EWMA = 0.5
+DECODE_EWMA = 0.5  # weight of a new decode-time sample (the connector's memory across loads too)
 DEFAULT_DROP_FACTOR = 3.0  # chosen from the trace evaluation in docs/streaming.md
 DEFAULT_EXPLORE = 0.25  # one chunk of a form this close to the fastest costs little
 # Switching forms mid-load puts two bottlenecks (one form's transfer, the other's decoding)

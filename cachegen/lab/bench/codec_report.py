@@ -45,7 +45,7 @@ BASELINES = ["raw", "int8", "fp8", "int8-zstd", "kivi2"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=models.EMBEDDED_DEFAULT)
     p.add_argument("--tokens", type=int, default=1024, help="tokens per text window (default 1024)")
     p.add_argument("--windows", type=int, default=2, help="text windows (default 2)")
     p.add_argument(

@@ -32,7 +32,7 @@ from cachegen.connector.scheduler import REPORT_KEY
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.cpu import engine_dtype
 from cachegen.errors import InputError
-from cachegen.models import ModelSpec, resolve
+from cachegen.models import EMBEDDED_DEFAULT, ModelSpec, resolve
 from cachegen.modes import MODES, RECOMPUTE
 from cachegen.store.keys import key_scope
 
@@ -145,7 +145,7 @@ class ConnectorEngine:
 
     def __init__(
         self,
-        model: str | ModelSpec = "smollm2-135m",
+        model: str | ModelSpec = EMBEDDED_DEFAULT,
         *,
         store: str | None = None,
         chunk_tokens: int = CHUNK_TOKENS,

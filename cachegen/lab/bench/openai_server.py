@@ -34,7 +34,7 @@ from typing import Any
 from cachegen.connector.config import ConnectorConfig
 from cachegen.cpu import engine_dtype
 from cachegen.errors import CacheGenError
-from cachegen.models import resolve
+from cachegen.models import EMBEDDED_DEFAULT, resolve
 from cachegen.modes import RECOMPUTE
 from cachegen.store.keys import key_scope
 
@@ -61,7 +61,7 @@ class OpenAIServer:
 
     def __init__(
         self,
-        model: str = "smollm2-135m",
+        model: str = EMBEDDED_DEFAULT,
         *,
         mode: str = "cachegen",
         store: str | None = None,

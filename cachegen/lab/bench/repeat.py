@@ -24,6 +24,7 @@ from cachegen import workload
 from cachegen.connector.config import RequestOptions
 from cachegen.errors import InputError
 from cachegen.lab.bench.ttft import TTFTBench
+from cachegen.models import EMBEDDED_DEFAULT
 from cachegen.modes import CACHEGEN
 
 QUESTIONS = (
@@ -34,7 +35,7 @@ DOCUMENT_STRIDE_CHARS = 15_000  # each document starts this far after the previo
 POLL_S = 0.005
 
 
-def repeat_bench(model: str = "smollm2-135m", context_tokens: int = 3072) -> TTFTBench:
+def repeat_bench(model: str = EMBEDDED_DEFAULT, context_tokens: int = 3072) -> TTFTBench:
     """An engine with the connector's default storage (``cachegen``, the default ladder)."""
     return TTFTBench(
         model,

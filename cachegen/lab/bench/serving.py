@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from cachegen import workload
 from cachegen.errors import InputError
 from cachegen.fileio import versioned
+from cachegen.models import EMBEDDED_DEFAULT
 from cachegen.modes import RECOMPUTE
 
 if TYPE_CHECKING:  # imported where used: it loads torch, and `cachegen --help` should not
@@ -43,7 +44,7 @@ if TYPE_CHECKING:  # imported where used: it loads torch, and `cachegen --help` 
 SCHEMA = "cachegen-serve-bench"
 VERSION = 1
 MODES = (RECOMPUTE, "raw", "cachegen")
-DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL = EMBEDDED_DEFAULT
 CONTEXT_TOKENS = 3072
 MAX_TOKENS = 32
 CLIENTS = 8

@@ -40,6 +40,7 @@ from cachegen.lab.bench.engine import ConnectorEngine
 from cachegen.lab.bench.links import UNLIMITED, link_order
 from cachegen.lab.bench.modes import mode_name
 from cachegen.lab.rows import RequestRow, TTFTRow
+from cachegen.models import EMBEDDED_DEFAULT
 from cachegen.modes import CACHEGEN, LEVELED, RECOMPUTE, Mode
 
 SAVE_MODES = ("raw", "int8", "fp8", "cachegen")
@@ -62,7 +63,7 @@ class TTFTBench:
 
     def __init__(
         self,
-        model: str = "smollm2-135m",
+        model: str = EMBEDDED_DEFAULT,
         *,
         store: str | None = None,
         chunk_tokens: int = 256,

@@ -10,6 +10,7 @@ from pathlib import Path
 from cachegen.errors import InputError
 from cachegen.fileio import versioned, write_atomic
 from cachegen.lab.bench.links import UNLIMITED
+from cachegen.models import EMBEDDED_DEFAULT
 from cachegen.modes import TCQ
 
 # --json documents: schema name and the row kind of rows.schema.json (placement rows are not
@@ -33,7 +34,7 @@ def register(subparsers) -> None:
     )
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     t = actions.add_parser("table", help="TTFT per mode, level and bandwidth")
-    t.add_argument("--model", default="smollm2-135m")
+    t.add_argument("--model", default=EMBEDDED_DEFAULT)
     t.add_argument("--contexts", type=int, nargs="+", default=[1536, 4096])
     t.add_argument(
         "--bandwidths",
@@ -87,7 +88,7 @@ def register(subparsers) -> None:
     tl = actions.add_parser(
         "timeline", help="split TTFT into the load and what follows it, per mode"
     )
-    tl.add_argument("--model", default="smollm2-135m")
+    tl.add_argument("--model", default=EMBEDDED_DEFAULT)
     tl.add_argument("--context", type=int, default=4096)
     tl.add_argument("--bandwidth", type=float, default=1000.0)
     tl.add_argument(
@@ -99,7 +100,7 @@ def register(subparsers) -> None:
     tl.add_argument("--repeats", type=int, default=3)
     tl.set_defaults(func=_timeline)
     pl = actions.add_parser("placement", help="inline vs background loads and saves")
-    pl.add_argument("--model", default="smollm2-135m")
+    pl.add_argument("--model", default=EMBEDDED_DEFAULT)
     pl.set_defaults(func=_placement)
     w = actions.add_parser(
         "window",
@@ -121,7 +122,7 @@ def register(subparsers) -> None:
         "every whole chunk of its prompt is loadable (and every level stored), and the TTFT "
         "of a second question sent the moment the first answer ends.",
     )
-    r.add_argument("--model", default="smollm2-135m")
+    r.add_argument("--model", default=EMBEDDED_DEFAULT)
     r.add_argument("--context", type=int, default=3072, help="document tokens")
     r.add_argument("--output-tokens", type=int, default=32, help="tokens of each answer")
     r.add_argument("--repeats", type=int, default=3)
