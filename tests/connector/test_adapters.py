@@ -81,8 +81,9 @@ def prompt(smollm2) -> list[int]:
 # ---- LLM(...) ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engine(smollm2, tmp_path_factory):
+    """An engine for one test: closed before the server's tests start."""
     store = tmp_path_factory.mktemp("adapter-store").as_uri()
     with connector_engine(
         smollm2,
@@ -158,52 +159,75 @@ def _scrape_until(url: str, name: str, want: float, **labels: str) -> str:
     return text
 
 
-def test_the_server_keys_adapters_by_weights_and_its_metrics_move(
-    smollm2, adapters, prompt, monkeypatch
-):
-    import httpx
+@pytest.fixture(scope="module")
+def server(adapters):
+    """vLLM's OpenAI server with adapter "a" served as "tuned" (swappable at run time)."""
+    import os
 
-    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # to swap "tuned"'s weights
     from cachegen.lab.bench.openai_server import OpenAIServer
 
     lora_args = ["--enable-lora", "--max-lora-rank", str(RANK)]
-    with OpenAIServer(
-        "smollm2-135m",
-        mode="raw",
-        connector_extra={"save_async": False},
-        server_args=[*lora_args, "--lora-modules", f"tuned={adapters['a']}"],
-    ) as server:
-        client = server.client(timeout=600)
-        url = f"{server.url}/metrics"
+    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # to swap "tuned"'s weights
+    try:
+        with OpenAIServer(
+            "smollm2-135m",
+            mode="raw",
+            connector_extra={"save_async": False},
+            server_args=[*lora_args, "--lora-modules", f"tuned={adapters['a']}"],
+        ) as running:
+            yield running
+    finally:
+        del os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
 
-        def complete(model: str) -> dict:
-            response = client.completions.create(
-                model=model, prompt=prompt, max_tokens=ANSWER, temperature=0
-            )
-            return response.model_extra["kv_transfer_params"]["cachegen"]
 
-        before = httpx.get(url, timeout=30).text
-        assert complete("tuned")["save_chunks"] == CONTEXT // CHUNK
-        assert complete(server.model).get("loaded_tokens", 0) == 0  # the base model
-        after = _scrape_until(url, "vllm:cachegen_lookups_total", 2, mode="raw")
-        assert complete("tuned")["loaded_tokens"] == CONTEXT
-        last = _scrape_until(url, "vllm:cachegen_hits_total", 1, mode="raw")
-        # "tuned" served with other weights: nothing of the first weights' chunks loads
-        for action, body in (
-            ("unload", {"lora_name": "tuned"}),
-            ("load", {"lora_name": "tuned", "lora_path": adapters["b"]}),
-        ):
-            httpx.post(f"{server.url}/v1/{action}_lora_adapter", json=body, timeout=120)
-        assert complete("tuned").get("loaded_tokens", 0) == 0
+def _complete(server, prompt, model: str) -> dict:
+    response = server.client(timeout=600).completions.create(
+        model=model, prompt=prompt, max_tokens=ANSWER, temperature=0
+    )
+    return response.model_extra["kv_transfer_params"]["cachegen"]
 
-    assert _metric(before, "vllm:cachegen_lookups_total") == 0
+
+def _metrics_url(server) -> str:
+    return f"{server.url}/metrics"
+
+
+def test_the_server_exports_the_connectors_metrics_before_any_request(server):
+    import httpx
+
+    text = httpx.get(_metrics_url(server), timeout=30).text
+    assert "# TYPE vllm:cachegen_lookups_total counter" in text
+    assert "# TYPE vllm:cachegen_load_seconds histogram" in text
+    assert _metric(text, "vllm:cachegen_lookups_total") == 0
+
+
+def test_through_the_server_the_base_model_loads_nothing_of_an_adapters_chunks(server, prompt):
+    assert _complete(server, prompt, "tuned")["save_chunks"] == CONTEXT // CHUNK
+    assert _complete(server, prompt, server.model).get("loaded_tokens", 0) == 0
+    after = _scrape_until(_metrics_url(server), "vllm:cachegen_lookups_total", 2, mode="raw")
     assert _metric(after, "vllm:cachegen_lookups_total", mode="raw") == 2
     assert _metric(after, "vllm:cachegen_hits_total") == 0
     assert _metric(after, "vllm:cachegen_saves_total", mode="raw") == 2  # each stored its own
     assert _metric(after, "vllm:cachegen_saved_bytes_total", mode="raw") > 0
+
+
+def test_through_the_server_an_adapter_loads_its_own_chunks(server, prompt):
+    assert _complete(server, prompt, "tuned")["loaded_tokens"] == CONTEXT
+    last = _scrape_until(_metrics_url(server), "vllm:cachegen_hits_total", 1, mode="raw")
     assert _metric(last, "vllm:cachegen_lookups_total", mode="raw") == 3
     assert _metric(last, "vllm:cachegen_hits_total", mode="raw") == 1
     assert _metric(last, "vllm:cachegen_hit_tokens_total", mode="raw") == CONTEXT
     assert _metric(last, "vllm:cachegen_loaded_bytes_total", mode="raw") > 0
     assert _metric(last, "vllm:cachegen_load_seconds_count", mode="raw") == 1
     assert _metric(last, "vllm:cachegen_fallbacks_total") == 0
+
+
+def test_through_the_server_other_weights_under_the_name_load_nothing(server, adapters, prompt):
+    import httpx
+
+    for action, body in (
+        ("unload", {"lora_name": "tuned"}),
+        ("load", {"lora_name": "tuned", "lora_path": adapters["b"]}),
+    ):
+        response = httpx.post(f"{server.url}/v1/{action}_lora_adapter", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+    assert _complete(server, prompt, "tuned").get("loaded_tokens", 0) == 0

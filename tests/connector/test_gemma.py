@@ -29,6 +29,7 @@ instructions), plain vLLM included, so the bit-for-bit comparisons compare like 
 
 from __future__ import annotations
 
+import gc
 import json
 from types import SimpleNamespace
 
@@ -340,9 +341,9 @@ def prompts(gemma3, doc_text):
 def _prompt_pair(spec, text: str, context: int, prompt: int) -> tuple[list[int], list[int]]:
     """``context`` tokens of ``text`` + the question, and the same text continued to ``prompt``
     tokens + the question: they share exactly the context's tokens."""
-    from cachegen.extract import load_model
+    from transformers import AutoTokenizer
 
-    _, tokenizer, _ = load_model(spec)
+    tokenizer = AutoTokenizer.from_pretrained(str(spec.path))  # not the model: only its tokens
     ids = tokenizer(text)["input_ids"]
     question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
     first = ids[:context] + question
@@ -395,6 +396,8 @@ def _plain_vllm(spec, prompts: list[list[int]], **engine_args) -> dict:
         return {"kv_cache_groups": len(scheduler.kv_cache_config.kv_cache_groups), "runs": runs}
     finally:
         llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()  # free it before the next engine starts (reference cycles)
 
 
 # Plain vLLM runs before the connector's engine starts, one engine after the other (on 2 cores,

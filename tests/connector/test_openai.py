@@ -58,6 +58,10 @@ def _report(response) -> dict:
     return report
 
 
+def test_the_server_serves_the_model_under_its_name(server):
+    assert [model.id for model in server.client(timeout=60).models.list()] == [server.model]
+
+
 def test_a_stored_document_is_loaded_by_a_later_question(server, document):
     text, doc_tokens = document
     client = server.client(timeout=1800)

@@ -18,6 +18,7 @@ token and to the last one are both observed in one run, next to vLLM's own
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import os
 import sys
@@ -400,6 +401,10 @@ class ConnectorEngine:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+            del llm
+            # The engine's model, KV cache and threads sit in reference cycles: freed only by a
+            # collection, they would otherwise stay beside the next engine of this process.
+            gc.collect()
 
     def __enter__(self) -> ConnectorEngine:
         return self
