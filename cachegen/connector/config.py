@@ -85,11 +85,6 @@ def byte_cap(name: str, value: Any) -> None:
         raise ConnectorError(f"{name} must be a positive number of bytes, got {value!r}")
 
 
-def a_mode(name: str, value: Any) -> None:
-    if value not in MODES:
-        raise ConnectorError(f"unknown mode {value!r}; choose one of {', '.join(MODES)}")
-
-
 def modes(name: str, value: Sequence[str]) -> None:
     for mode in value:
         if mode not in MODES:
@@ -141,7 +136,9 @@ def _check_fields(options: Any) -> None:
 class RequestOptions:
     """What one request asks of the connector."""
 
-    mode: str = option(REQUEST, "raw | int8 | fp8 | cachegen | tcq | adaptive", a_mode, "cachegen")
+    mode: str = option(
+        REQUEST, "raw | int8 | fp8 | cachegen | tcq | adaptive", one_of(*MODES), "cachegen"
+    )
     level: int | None = option(
         REQUEST, "quality level of cachegen or tcq (default: the codec's default)", integer
     )

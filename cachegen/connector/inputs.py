@@ -69,7 +69,8 @@ def adapter_fingerprint(path: str, name: str = "") -> str:
             "keyed by its weights; the connector neither loads nor saves it (give vLLM a local "
             "adapter directory)",
         )
-    state = tuple((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    stats = [(p, p.stat()) for p in files]
+    state = tuple((str(p.relative_to(root)), st.st_size, st.st_mtime_ns) for p, st in stats)
     return _fingerprint(str(root.resolve()), state)
 
 

@@ -293,10 +293,9 @@ class SchedulerSide:
     def _count(self, tracked: _Tracked) -> None:
         """A finished request's part of the metrics (docs/connector.md, "Metrics")."""
         report = tracked.report
-        if "load_error" in report:
-            tracked.fallback = tracked.fallback or "load_failed"
-        if tracked.fallback is not None:
-            self.stats.count("fallbacks", tracked.fallback)
+        fallback = tracked.fallback or ("load_failed" if "load_error" in report else None)
+        if fallback is not None:
+            self.stats.count("fallbacks", fallback)
         if tracked.lookup is None or tracked.options is None:
             return
         mode = tracked.options.mode

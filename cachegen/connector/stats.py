@@ -40,13 +40,14 @@ class StatsRecorder:
         self._data: dict[str, dict[str, Any]] = {}
 
     def count(self, name: str, label: str, amount: float = 1) -> None:
-        with self._lock:
-            by_label = self._data.setdefault(name, {})
-            by_label[label] = by_label.get(label, 0) + amount
+        self._add({name: {label: amount}})
 
     def observe_load(self, mode: str, seconds: float) -> None:
+        self._add({LOAD_SECONDS: {mode: [seconds]}})
+
+    def _add(self, data: dict[str, dict[str, Any]]) -> None:
         with self._lock:
-            self._data.setdefault(LOAD_SECONDS, {}).setdefault(mode, []).append(seconds)
+            _merge(self._data, data)
 
     def take(self) -> CacheGenStats | None:
         """The interval's stats (None when nothing happened), starting a new interval."""

@@ -519,8 +519,6 @@ class WorkerSide:
             failed, self._failed_inline = self._failed_inline, set()
             self._saving.update(task.save_id for task in meta.saves)
         for task in meta.saves:
-            for mode in task.modes:
-                self.stats.count("saves", mode)
             if task.req_id in failed:
                 self._first_pass_ended(task.save_id)  # vLLM recomputes what its cache holds
                 continue
@@ -532,10 +530,12 @@ class WorkerSide:
             )
             if self._saver is None:
                 self._save(task, kv)
-                continue
-            if not self._saver.submit(_SaveJob(task, kv)):
+            elif not self._saver.submit(_SaveJob(task, kv)):
                 logger.warning("request %s: save queue full, not storing this prefix", task.req_id)
                 self._first_pass_ended(task.save_id)
+                continue
+            for mode in task.modes:  # a save that runs (inline or queued)
+                self.stats.count("saves", mode)
 
     def _write(self, record: SaveRecord) -> int:
         written = self.transport.write(record)
