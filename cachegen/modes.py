@@ -8,10 +8,14 @@ results and plots.
                      ``cachegen`` plus ``level`` L)
   ``tcq-<L>``        the transform codec ``tcq`` at level L (``mode`` ``tcq`` plus ``level``)
   ``adaptive``       CacheGen with a per-chunk level choice under a load-time budget
+
+A fixed mode stores one :class:`Form` per chunk; a cachegen level has a second form,
+``cachegen-<L>-packed``: the same symbols bit-packed (larger, decoded at memory speed).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from cachegen.errors import InputError
@@ -29,6 +33,78 @@ CONNECTOR_MODES = (
     ADAPTIVE,
 )  # the modes that load KV through the connector
 MODES = (RECOMPUTE, *CONNECTOR_MODES)
+
+CODED, PACKED = "coded", "packed"
+FORMS = (CODED, PACKED)  # how a level's symbols are stored: entropy-coded or bit-packed
+PACKED_TAG = 1 << 15  # the store's u16 level slot: this bit marks a packed record
+FORM_LABELS = f"cachegen-<L>, cachegen-<L>-{PACKED}, tcq-<L>, {', '.join(KV_BASELINES)}"
+
+
+@dataclass(frozen=True)
+class Form:
+    """How one chunk is stored: ``codec``, its ``level`` (None for a codec of one level, the
+    baselines) and its ``packing`` (only a cachegen level has a packed form)."""
+
+    codec: str
+    level: int | None = None
+    packing: str = CODED
+
+    def __post_init__(self) -> None:
+        if self.packing not in FORMS:
+            raise InputError(f"unknown form {self.packing!r}; use {' or '.join(FORMS)}")
+        if self.packing == PACKED and self.codec != CACHEGEN:
+            raise InputError(f"{self.codec} has no {PACKED} form; only {CACHEGEN} levels do")
+        if self.level is None and self.codec in LEVELED:
+            raise InputError(f"a {self.codec} form names its level")
+        if self.level is not None and self.codec not in LEVELED:
+            raise InputError(f"{self.codec} has one level: its form names none")
+        if self.level is not None and not 0 <= self.level < PACKED_TAG:
+            raise InputError(
+                f"level {self.level} has no store slot (slots hold levels 0..{PACKED_TAG - 1})"
+            )
+
+    @classmethod
+    def parse(cls, label: str) -> Form:
+        """``cachegen-<L>``, ``cachegen-<L>-packed``, ``tcq-<L>``, ``raw``, ``int8``, ``fp8``."""
+        coded_label = label.removesuffix(f"-{PACKED}")
+        try:
+            form = Mode.parse(coded_label).form
+        except InputError:
+            form = None
+        if form is None or (coded_label != label and form.codec != CACHEGEN):
+            raise InputError(f"unknown form {label!r}; forms are {FORM_LABELS}")
+        return form if coded_label == label else dataclasses.replace(form, packing=PACKED)
+
+    @classmethod
+    def from_slot(cls, codec: str, slot: int) -> Form:
+        """The form ``codec`` stores at the store's level ``slot`` (the inverse of :attr:`slot`)."""
+        if codec not in LEVELED:
+            if slot != 0:
+                raise InputError(f"{codec} stores one level, 0, not {slot}")
+            return cls(codec)
+        if codec == CACHEGEN and slot & PACKED_TAG:
+            return cls(codec, slot & ~PACKED_TAG, PACKED)
+        return cls(codec, slot)
+
+    @property
+    def label(self) -> str:
+        if self.level is None:
+            return self.codec
+        suffix = f"-{PACKED}" if self.packing == PACKED else ""
+        return f"{self.codec}-{self.level}{suffix}"
+
+    @property
+    def slot(self) -> int:
+        """The store's u16 level of this form's records: the level, with bit 15 set when packed;
+        0 for a baseline (its codec's one level)."""
+        if self.level is None:
+            return 0
+        return self.level | PACKED_TAG if self.packing == PACKED else self.level
+
+    @property
+    def coded(self) -> Form:
+        """The coded form of the same symbols (itself when not packed)."""
+        return dataclasses.replace(self, packing=CODED)
 
 
 @dataclass(frozen=True, order=True)
@@ -48,6 +124,11 @@ class Mode:
     def codec_name(self) -> str | None:
         """The codec that encodes this mode's KV (None: recompute; adaptive mixes levels)."""
         return None if self.mode in (RECOMPUTE, ADAPTIVE) else self.mode
+
+    @property
+    def form(self) -> Form | None:
+        """The form this mode stores per chunk (None: recompute, and adaptive, which mixes)."""
+        return None if self.codec_name is None else Form(self.codec_name, self.level)
 
     @classmethod
     def parse(cls, label: str) -> Mode:

@@ -95,3 +95,26 @@ def connector_transport(spec, tmp_path, **extra):
         {"store": (tmp_path / "store").as_uri(), "chunk_tokens": CHUNK, **extra}
     )
     return ChunkTransport(config, spec, spec.identity())
+
+
+def corrupt_raw_chunk(engine, store_dir: Path, ids: list[int], index: int) -> None:
+    """Flip a byte in the middle of every stored layer record of raw chunk ``index`` of
+    ``ids`` in the directory store at ``store_dir``."""
+    key = engine.transport.keys("raw", ids)[index]
+    files = sorted(store_dir.rglob(f"*{key.split('/')[1]}*/L0*"))
+    assert files, f"chunk {index} is not in the store"
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+
+def empty_cache_env(tmp_path: Path, secret: str) -> dict[str, str]:
+    """The environment of a consumer process on a machine with an empty cache root (under
+    ``tmp_path``) that holds the store's secret and nothing else."""
+    return {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "CACHEGEN_CACHE_DIR": str(tmp_path / "empty-cache"),
+        "CACHEGEN_STORE_SECRET": secret,
+    }

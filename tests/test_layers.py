@@ -61,6 +61,21 @@ def test_a_server_imports_no_lab_module_and_no_plotting():
     assert "cachegen.extract" not in loaded  # (vLLM itself imports transformers)
 
 
+def test_the_connector_loads_link_emulation_only_when_a_request_asks_for_it():
+    """The lab's emulated links come through the ``cachegen.links`` entry point, once options
+    set a rate or an RTT: the connector's imports and its plain options load none of it."""
+    plain = _loaded_after(
+        "import cachegen.connector\n"
+        "from cachegen.connector import config, links, transport\n"
+        "config.ConnectorConfig.from_extra_config({'rtt_ms': 0})"
+    )
+    assert not [m for m in plain if m.startswith("cachegen.lab")]
+    shaped = _loaded_after(
+        "from cachegen.connector import config\nconfig.RequestOptions(bandwidth_mbps=100)"
+    )
+    assert "cachegen.lab.network.link" in shaped
+
+
 HARNESS_MODULES = ("matplotlib", "jsonschema", "rouge_score", "sacrebleu", "constriction", "asv")
 
 

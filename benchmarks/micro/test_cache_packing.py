@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachegen.connector.layouts import CpuPackedLayout, vec_packing_offsets
+from cachegen.connector.layouts import CpuPackedLayout, block_slots, vec_packing_offsets
 from tests.support import CHUNK
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 128
@@ -50,18 +50,18 @@ def test_inject_chunks(benchmark, packed):
 
     def inject():
         for chunk_blocks, kv in zip(blocks, chunks):
-            layout.scatter_blocks(caches, chunk_blocks, kv[0], kv[1])
+            layout.write(caches, block_slots(chunk_blocks, layout.block_size), (kv[0], kv[1]))
 
     _record(benchmark)
     benchmark(inject)
-    keys, values = layout.gather_blocks(caches, blocks[-1])
+    keys, values = layout.read(caches, block_slots(blocks[-1], layout.block_size))
     assert torch.equal(keys, chunks[-1][0]) and torch.equal(values, chunks[-1][1])
 
 
 def test_gather_prompt(benchmark, packed):
     layout, caches, blocks, chunks = packed
     for chunk_blocks, kv in zip(blocks, chunks):
-        layout.scatter_blocks(caches, chunk_blocks, kv[0], kv[1])
+        layout.write(caches, block_slots(chunk_blocks, layout.block_size), (kv[0], kv[1]))
     _record(benchmark)
-    keys, _ = benchmark(layout.gather_blocks, caches, blocks.flatten())
+    keys, _ = benchmark(layout.read, caches, block_slots(blocks.flatten(), layout.block_size))
     assert torch.equal(keys[:, :, :CHUNK], chunks[0][0])

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from cachegen.codec import decode, get_codec, rans
-from cachegen.codec.cachegen_codec import encode_chunk
+from cachegen.codec.cachegen_encode import encode_chunk
 from cachegen.codec.quant import quantize_chunk
 from cachegen.lab.bench.codec_report import coder_overhead, measure, text_windows
 from cachegen.profiles import codec_for, ensure_profile
@@ -281,17 +281,19 @@ def test_coder_ours_decode(benchmark, symbols):
         base,
         tables.slots,
         tables.freq_cum,
-        np.ones(1, dtype=np.float32),
-        zeros,
-        np.zeros((n, 3), np.int64),
-        np.zeros(n, np.int32),
-        64,
-        np.arange(TOKENS, dtype=np.int64),
-        zeros,
-        np.empty(0, np.float32),
-        result,
-        np.arange(n, dtype=np.int64) * C * TOKENS,
-        TOKENS,
+        (
+            np.ones(1, dtype=np.float32),
+            zeros,
+            np.zeros((n, 3), np.int64),
+            np.zeros(n, np.int32),
+            64,
+            np.arange(TOKENS, dtype=np.int64),
+            zeros,
+            np.empty(0, np.float32),
+            result,
+            np.arange(n, dtype=np.int64) * C * TOKENS,
+            TOKENS,
+        ),
         todo,
         status,
     )

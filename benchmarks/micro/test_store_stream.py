@@ -17,8 +17,9 @@ import time
 
 import pytest
 
+from cachegen.lab.network import netns, open_link
 from cachegen.store import open_store
-from cachegen.stream import netns, open_link, stream_load
+from cachegen.stream import stream_load
 from tests.support import free_port, require_tool
 
 RATES = (100, 500, 1000)

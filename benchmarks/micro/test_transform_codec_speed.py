@@ -9,7 +9,7 @@ Data: the same SmolLM2 KV as ``test_codec_speed.py`` (1,024 tokens of Python doc
 tensor, as a server decodes a fetched chunk, on both cores. Target (docs/codec.md): every
 ``tcq`` level >= 300 M elements/s, recorded in ``extra_info`` with the bits per element
 (timings on a shared machine are noisy, so nothing is asserted about them). The tcq levels
-synthesize as this CPU does (``tcq.bf16_synthesis``: a bfloat16 GEMM where the CPU has
+synthesize as this CPU does (``tcq_decode.bf16_synthesis``: a bfloat16 GEMM where the CPU has
 bfloat16 matrix instructions); ``tcq-24-f32`` forces the float32 synthesis beside them.
 The encode cases code level 23 with and without the choices (the same model file, its table
 family left out).
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import decode, get_codec, tcq
+from cachegen.codec import decode, get_codec, tcq_decode, tcq_model
 from cachegen.lab.bench.codec_report import text_windows
 from cachegen.profiles import codec_for
 from tests.support import CHUNK
@@ -48,7 +48,7 @@ CASES = (
 @pytest.mark.parametrize("name,level,f32_synthesis", CASES)
 def test_transform_decode(benchmark, kv, name, level, f32_synthesis, monkeypatch):
     if f32_synthesis:
-        monkeypatch.setattr(tcq, "bf16_synthesis", lambda: False)
+        monkeypatch.setattr(tcq_decode, "bf16_synthesis", lambda: False)
     codec = codec_for(name, "smollm2-135m", chunk_tokens=CHUNK)
     if level not in codec.levels:
         pytest.fail(f"{name} has no level {level}: its levels are {codec.levels}")
@@ -75,7 +75,8 @@ def test_transform_decode(benchmark, kv, name, level, f32_synthesis, monkeypatch
 def test_transform_encode(benchmark, kv, choices):
     model = codec_for("tcq", "smollm2-135m").tcq
     if not choices:
-        model = dataclasses.replace(model, family=np.zeros((0, tcq.MAX_RADIUS + 1), np.uint32))
+        static = np.zeros((0, tcq_model.MAX_RADIUS + 1), np.uint32)
+        model = dataclasses.replace(model, family=static)
     codec = get_codec("tcq", tcq=model, chunk_tokens=CHUNK)
     blob = benchmark(codec.encode, kv, 23)
     benchmark.extra_info.update(

@@ -17,13 +17,15 @@ from cachegen.errors import CacheGenError
 COMMAND_GROUPS = {
     "library commands": ["cachegen.cli.models", "cachegen.cli.codec", "cachegen.cli.store"],
     "lab commands (measure)": [
-        "cachegen.lab.cli.quality",
-        "cachegen.lab.cli.bench",
-        "cachegen.lab.cli.stream",
-        "cachegen.lab.cli.ttft",
-        "cachegen.lab.cli.serving",
-        "cachegen.lab.cli.codec_report",
-        "cachegen.lab.cli.dashboard",
+        "cachegen.cli.lab.quality",
+        "cachegen.cli.lab.calibrate",
+        "cachegen.cli.lab.bench",
+        "cachegen.cli.lab.stream",
+        "cachegen.cli.lab.ttft",
+        "cachegen.cli.lab.serving",
+        "cachegen.cli.lab.codec_report",
+        "cachegen.cli.lab.dashboard",
+        "cachegen.cli.lab.experiment",
     ],
 }
 

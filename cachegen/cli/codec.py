@@ -9,19 +9,22 @@ from pathlib import Path
 
 import torch
 
+from cachegen.cli import options
 from cachegen.codec import available_codecs, decode, inspect, load_profile
-from cachegen.codec.bitstream import CODED, FORMS
 from cachegen.errors import InputError
 from cachegen.fileio import write_atomic
 from cachegen.kv import KVCache
+from cachegen.modes import CODED, FORMS
 from cachegen.profiles import codec_for, compile_kernels, ensure_profile
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
+    p = options.command(
+        subparsers,
         "encode",
+        _encode,
         help="compress a saved KV cache into a bitstream",
         description="Encode the KV cache in KV_DIR (from `cachegen extract`) with a codec and "
         "write the bitstream to OUT.",
@@ -32,7 +35,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--level", type=int, default=None, help="quality level (default: the codec's default)"
     )
-    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per frame (default 256)")
+    options.chunk_tokens(p, help="tokens per frame (default 256)")
     p.add_argument(
         "--form",
         choices=FORMS,
@@ -40,11 +43,12 @@ def register(subparsers) -> None:
         help="cachegen only: entropy-coded symbols (coded, the default: smallest) or bit-packed "
         "at a fixed width (packed: larger, decodes at memory speed to the same KV)",
     )
-    p.add_argument("--json", action="store_true", help="print the inspect summary as JSON")
-    p.set_defaults(func=_encode)
+    options.json_flag(p, "print the inspect summary as JSON")
 
-    p = subparsers.add_parser(
+    p = options.command(
+        subparsers,
         "decode",
+        _decode,
         help="decode a bitstream back into a KV cache directory",
         description="Decode the bitstream IN (any codec) and save the KV cache into OUT_DIR.",
     )
@@ -56,40 +60,49 @@ def register(subparsers) -> None:
         default="bfloat16",
         help="dtype of the decoded KV (default bfloat16)",
     )
-    p.set_defaults(func=_decode)
 
-    p = subparsers.add_parser(
+    p = options.command(
+        subparsers,
         "inspect",
+        _inspect,
         help="show what a bitstream holds and what it costs",
         description="Print codec, level, token range, bits per element, ratios vs fp16 and int8 "
         "and a per-layer breakdown.",
     )
     p.add_argument("blob", metavar="IN", type=Path)
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_inspect)
+    options.json_flag(p)
+    _register_profile(subparsers)
 
-    p = subparsers.add_parser(
+
+def _register_profile(subparsers) -> None:
+    p = options.command(
+        subparsers,
         "profile",
+        None,
         help="build or show a model's codec profile (quality levels and probability tables)",
         description="A model's cachegen codec profile: its quality levels and the probability "
         "tables that encoder and decoder share.",
     )
-    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    q = actions.add_parser(
+    actions = options.actions(p)
+    q = options.command(
+        actions,
         "build",
+        _profile_build,
         help="build the profile now (runs the model once over the calibration text)",
         description="Build MODEL's profile (paper presets and shipped calibrated levels) and its "
         "tables under the profiles directory (nothing is done if it exists), then run the "
         "codec's kernels once at its default level, so that they are compiled before a "
         "server's first request.",
     )
-    q.add_argument("--model", required=True, help="model name, hub id or directory")
-    q.set_defaults(func=_profile_build)
-    q = actions.add_parser(
-        "show", help="print the profile as JSON", description="Print MODEL's profile as JSON."
+    options.model(q, default=None)
+    q = options.command(
+        actions,
+        "show",
+        _profile_show,
+        "print the profile as JSON",
+        "Print MODEL's profile as JSON.",
     )
-    q.add_argument("--model", required=True, help="model name, hub id or directory")
-    q.set_defaults(func=_profile_show)
+    options.model(q, default=None)
 
 
 def _read(path: Path) -> bytes:

@@ -8,12 +8,15 @@ import sys
 from pathlib import Path
 
 from cachegen import models
+from cachegen.cli import options
 from cachegen.errors import InputError
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
+    p = options.command(
+        subparsers,
         "models",
+        _models,
         help="list known models and where they live; optionally prepare them",
         description="List the embedded and tiny models (or resolve the given names) and show "
         "where each lives.",
@@ -21,35 +24,26 @@ def register(subparsers) -> None:
     p.add_argument(
         "names", nargs="*", help="model names, hub ids or directories (default: the known models)"
     )
-    p.add_argument("--prepare", action="store_true", help="convert/build/download the models now")
-    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    p.set_defaults(func=_models)
+    options.switch(p, "--prepare", "convert/build/download the models now")
+    options.json_flag(p, "print a JSON list instead of a table")
 
-    p = subparsers.add_parser(
+    p = options.command(
+        subparsers,
         "extract",
+        _extract,
         help="run a model over text and save its KV cache",
         description="Prefill TEXT with MODEL (transformers) and write the KV cache of every layer "
         "to DIR (kv.safetensors + kv.json).",
     )
-    p.add_argument(
-        "--model",
-        default=models.EMBEDDED_DEFAULT,
-        help="model name, hub id or directory (default: %(default)s)",
-    )
+    options.model(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", help="the text to prefill")
     source.add_argument("--text-file", type=Path, help="a UTF-8 file with the text to prefill")
     p.add_argument(
         "--out", type=Path, required=True, help="output directory (must not exist or be empty)"
     )
-    p.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=512,
-        help="tokens per prefill step, bounds memory (default: %(default)s)",
-    )
-    p.add_argument("--json", action="store_true", help="print a JSON summary")
-    p.set_defaults(func=_extract)
+    options.integer(p, "--prefill-chunk", 512, "tokens per prefill step, bounds memory")
+    options.json_flag(p, "print a JSON summary")
 
 
 def _models(args: argparse.Namespace) -> int:

@@ -7,8 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+from cachegen.cli import options
 from cachegen.errors import InputError
-from cachegen.store import chunk_keys, default_store_url, longest_prefix, open_store, parse_size
+from cachegen.store import chunk_keys, longest_prefix, open_store, parse_size
 from cachegen.store.keys import key_scope
 
 
@@ -17,24 +18,21 @@ def register(subparsers) -> None:
                               description="Manage encoded KV chunks in a store addressed by URL: "
                               "file:///dir, redis://host:port/db, valkey://..., "
                               "redis+cluster://host:port.")  # fmt: skip
-    sub = p.add_subparsers(dest="store_command", metavar="ACTION", required=True)
+    sub = options.actions(p, dest="store_command")
 
     def add(name: str, help: str, func) -> argparse.ArgumentParser:
-        q = sub.add_parser(name, help=help, description=help)
-        q.add_argument("--store", default=None, help=f"store URL (default: {default_store_url()})")
-        q.add_argument("--json", action="store_true", help="print JSON on stdout")
-        q.set_defaults(func=func)
+        q = options.command(sub, name, func, help, description=help)
+        options.store(q)
+        options.json_flag(q, "print JSON on stdout")
         return q
 
     q = add("put", "encode a KV directory chunk by chunk at every level and store it", _put)
     q.add_argument("kv_dir", type=Path, help="a KV directory written by `cachegen extract`")
-    q.add_argument("--codec", default="cachegen", help="codec name (default: %(default)s)")
+    options.codec(q)
     q.add_argument(
         "--levels", default=None, help="comma list of levels (default: all the codec's levels)"
     )
-    q.add_argument(
-        "--chunk-tokens", type=int, default=256, help="tokens per chunk (default: %(default)s)"
-    )
+    options.chunk_tokens(q)
     _scope_arguments(q)
 
     q = add("put-blob", "store one bitstream file under a key and level", _put_blob)
@@ -76,7 +74,7 @@ def register(subparsers) -> None:
         required=True,
         help="the model's weights fingerprint, or a unique start of it (see `profiles`)",
     )
-    q.add_argument("--codec", default="cachegen", help="codec name (default: %(default)s)")
+    options.codec(q)
 
     q = add("rm", "delete one chunk (one level, or all levels)", _rm)
     q.add_argument("--key", required=True)
@@ -131,10 +129,21 @@ def _codec_and_kv(args):
     return codec, kv
 
 
+# codec -> its attribute holding the model file its bitstreams name (and need to decode)
+MODEL_FILE_CODECS = {"tcq": "tcq", "kvtc": "basis"}
+
+
 def _store_codec(store, codec, kv, *, publish: bool):
     """``codec`` on the profile ``store`` adopted for the KV's model, as the connector's
     ``profile_source: store`` does (its chunk keys name the profile); ``publish``: with no
-    adopted profile, put this machine's (tables, document) into the store and adopt it."""
+    adopted profile, put this machine's (tables, document) into the store and adopt it, and a
+    transform codec's model file (tcq, kvtc) into the store."""
+    if codec.name in MODEL_FILE_CODECS:
+        if publish:
+            from cachegen.store.tables import publish_model_file
+
+            publish_model_file(store, getattr(codec, MODEL_FILE_CODECS[codec.name]))
+        return codec
     if codec.name != "cachegen":
         return codec
     from cachegen.codec import get_codec
@@ -152,7 +161,8 @@ def _put(args) -> int:
     codec, kv = _codec_and_kv(args)
     total = 0
     with open_store(args.store) as store:
-        codec = _store_codec(store, codec, kv, publish=True)  # tables first: chunks decode anywhere
+        # tables or model file first: the chunks decode anywhere
+        codec = _store_codec(store, codec, kv, publish=True)
         levels = _levels(codec, args.levels)
         keys = _keys(args, codec, kv)
         for key, chunk in zip(keys, kv.chunks(args.chunk_tokens)):

@@ -9,13 +9,15 @@
 Quality levels of the cachegen codec live in the model's :class:`Profile`
 (``load_profile(model)``), built once from the model by ``cachegen.profiles.ensure_profile``
 (or ``cachegen profile build``); decoding needs only the probability tables a bitstream
-names, from a :class:`TableProvider` (the local tables directory by default), and never runs
-a model. See docs/codec.md and docs/bitstream.md.
+names, from a :class:`TableProvider` (the local tables directory by default; one that serves
+model files too, such as ``cachegen.store.tables.StoreTables``, also provides the tcq and kvtc
+model files a bitstream names), and never runs a model. See docs/codec.md and docs/bitstream.md.
 """
 
 from cachegen.codec.api import available_codecs, decode, get_codec, inspect
 from cachegen.codec.base import Codec
 from cachegen.codec.errors import CodecError
+from cachegen.codec.model_file import ModelFileProvider, ModelFileRefused
 from cachegen.codec.profile import Profile, load_profile
 from cachegen.codec.quant import SCALE_KINDS, QuantConfig, paper_levels
 from cachegen.codec.tables import LevelTables, TableProvider, add_provider, profiles_dir
@@ -25,6 +27,8 @@ __all__ = [
     "Codec",
     "CodecError",
     "LevelTables",
+    "ModelFileProvider",
+    "ModelFileRefused",
     "Profile",
     "QuantConfig",
     "TableProvider",

@@ -1,73 +1,126 @@
-"""The codec registry and the functions that work on any bitstream: decode and inspect."""
+"""The codec registry and the functions that work on any bitstream: decode and inspect.
+
+The core codecs are built in. Other codecs (the lab's research codecs) are registered with
+:func:`register_codec`, found through the ``cachegen.codecs`` entry points the first time a
+codec name or a bitstream's codec id is not a core one.
+"""
 
 from __future__ import annotations
+
+from importlib.metadata import entry_points
+from inspect import signature
 
 import numpy as np
 import torch
 
 from cachegen import models
 from cachegen.codec.base import Codec
-from cachegen.codec.baselines import (
-    Fp8Codec,
-    Int8Codec,
-    Int8ZstdCodec,
-    Kivi2Codec,
-    RawCodec,
-    _Int8Decoder,
-)
-from cachegen.codec.bitstream import PACKED, Header, parse_frames, parse_header
-from cachegen.codec.cachegen_codec import CacheGenCodec, CacheGenDecoder, PackedDecoder
+from cachegen.codec.baselines import Fp8Codec, Int8Codec, Int8Decoder, RawCodec
+from cachegen.codec.bitstream import Header, parse_frames, parse_header
+from cachegen.codec.cachegen_codec import CacheGenCodec
 from cachegen.codec.errors import CodecError
-from cachegen.codec.kvtc import KvtcCodec, KvtcDecoder
-from cachegen.codec.tcq import TcqCodec, TcqDecoder
-from cachegen.codec.turboquant import TurboQuantCodec
+from cachegen.codec.tcq import TcqCodec
 from cachegen.kv import KVCache
+from cachegen.modes import PACKED
 
-CODECS: dict[str, type[Codec]] = {
-    cls.name: cls
-    for cls in (
-        RawCodec,
-        Int8Codec,
-        Fp8Codec,
-        Int8ZstdCodec,
-        Kivi2Codec,
-        CacheGenCodec,
-        KvtcCodec,
-        TurboQuantCodec,
-        TcqCodec,
-    )
-}
-CODECS_BY_ID: dict[int, type[Codec]] = {cls.codec_id: cls for cls in CODECS.values()}
+ENTRY_POINT_GROUP = "cachegen.codecs"
+# codec ids of the codecs outside the core, so that their old streams keep their id and a
+# stream of one that is not loaded names it
+RESERVED_IDS = {4: "int8-zstd", 5: "kivi2", 10: "kvtc", 11: "turboquant"}
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_CODECS: dict[str, type[Codec]] = {
+    cls.name: cls for cls in (RawCodec, Int8Codec, Fp8Codec, CacheGenCodec, TcqCodec)
+}
+_CODECS_BY_ID: dict[int, type[Codec]] = {cls.codec_id: cls for cls in _CODECS.values()}
+_plugin_errors: dict[str, str] = {}  # entry point name -> why it did not load
+_plugins_loaded = False
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Make ``cls`` selectable by its name and decodable by its codec id (again: no-op)."""
+    for known, what in ((_CODECS.get(cls.name), "name"), (_CODECS_BY_ID.get(cls.codec_id), "id")):
+        if known is not None and known is not cls:
+            raise CodecError(f"codec {what} of {cls.__name__} is taken by {known.__name__}")
+    reserved = RESERVED_IDS.get(cls.codec_id, cls.name)
+    if reserved != cls.name:
+        raise CodecError(f"codec id {cls.codec_id} is reserved for the {reserved} codec")
+    _CODECS[cls.name] = cls
+    _CODECS_BY_ID[cls.codec_id] = cls
+    return cls
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            register_codec(entry.load())
+        except Exception as exc:  # a broken plugin must leave the other codecs usable
+            _plugin_errors[entry.name] = f"{type(exc).__name__}: {exc}"
+
+
+def _not_loaded(name: str) -> str:
+    """Why codec ``name`` (a registered plugin's or a reserved one) is missing, and the fix."""
+    if name in _plugin_errors:
+        return f"the {name} codec did not load ({_plugin_errors[name]})"
+    return (
+        f"the {name} codec is not registered: it comes from cachegen.lab.codecs through the "
+        f"{ENTRY_POINT_GROUP!r} entry points, so reinstall cachegen (`pip install -e .` in a "
+        "checkout) or pass its class to cachegen.codec.api.register_codec"
+    )
 
 
 def available_codecs() -> list[str]:
-    return list(CODECS)
+    """Every codec's name, in codec id order."""
+    _load_plugins()
+    return [cls.name for cls in sorted(_CODECS.values(), key=lambda cls: cls.codec_id)]
+
+
+def _codec_named(name: str) -> type[Codec]:
+    if name not in _CODECS:
+        _load_plugins()
+    cls = _CODECS.get(name)
+    if cls is not None:
+        return cls
+    if name in _plugin_errors or name in RESERVED_IDS.values():
+        raise CodecError(_not_loaded(name))
+    raise CodecError(f"unknown codec {name!r}; available: {', '.join(available_codecs())}")
 
 
 def get_codec(name: str, model: models.ModelSpec | str | None = None, **options) -> Codec:
-    """A codec by name. ``cachegen``, ``kvtc`` and ``tcq`` need ``model`` (or bind to the KV's
-    model on first encode) for their profile, basis or model file; the others ignore it.
-    ``options`` go to the codec's constructor (``chunk_tokens`` for all; ``zstd_level`` for
-    int8-zstd; ``group_size`` for kivi2)."""
-    cls = CODECS.get(name)
-    if cls is None:
-        raise CodecError(f"unknown codec {name!r}; available: {', '.join(CODECS)}")
+    """A codec by name. Codecs whose constructor takes ``model`` (``cachegen``, ``kvtc``,
+    ``tcq``) need it (or bind to the KV's model on first encode) for their profile, basis or
+    model file; the others ignore it. ``options`` go to the codec's constructor
+    (``chunk_tokens`` for all; ``zstd_level`` for int8-zstd; ``group_size`` for kivi2)."""
+    cls = _codec_named(name)
+    if "model" in signature(cls).parameters:
+        options["model"] = model
     try:
-        if cls in (CacheGenCodec, KvtcCodec, TcqCodec):
-            return cls(model=model, **options)
         return cls(**options)
     except TypeError as exc:
         raise CodecError(f"bad option for codec {name}: {exc}") from exc
 
 
+def _codec_of(header: Header) -> type[Codec]:
+    if header.codec_id not in _CODECS_BY_ID:
+        _load_plugins()
+    cls = _CODECS_BY_ID.get(header.codec_id)
+    if cls is not None:
+        return cls
+    name = RESERVED_IDS.get(header.codec_id)
+    if name is not None:
+        raise CodecError(f"bitstream uses codec id {header.codec_id}: {_not_loaded(name)}")
+    raise CodecError(
+        f"bitstream uses codec id {header.codec_id}, which this cachegen does not know"
+    )
+
+
 def _open(blob: bytes | bytearray | memoryview):
     header = parse_header(blob)
-    cls = CODECS_BY_ID.get(header.codec_id)
-    if cls is None:
-        raise CodecError(
-            f"bitstream uses codec id {header.codec_id}, which this cachegen does not know"
-        )
+    cls = _codec_of(header)
     if header.form == PACKED and cls is not CacheGenCodec:
         raise CodecError(f"bitstream header is corrupt (packed symbols in a {cls.name} stream)")
     frames = parse_frames(blob, header)
@@ -100,7 +153,7 @@ def decode(
 
 def int8_size(header: Header) -> int:
     """Bytes the ``int8`` codec would produce for the same KV and chunking."""
-    dec = _Int8Decoder(header)
+    dec = Int8Decoder(header)
     frames = sum(
         8 + header.frame_tokens(i) * header.token_width + dec.body_size(header.frame_tokens(i))
         for i in range(header.num_frames)
@@ -164,14 +217,5 @@ def inspect(blob: bytes | bytearray | memoryview) -> dict:
             for i, index in enumerate(header.layer_indices)
         ],
     }
-    if isinstance(decoder, (CacheGenDecoder, PackedDecoder)):
-        info["profile_tables"] = decoder.tables_id
-        info["config"] = decoder.config.to_dict()
-    if isinstance(decoder, KvtcDecoder):
-        info["transform"] = decoder.basis.id
-        info["transform_bytes"] = decoder.basis.nbytes
-    if isinstance(decoder, TcqDecoder):
-        info["transform"] = decoder.tcq.id
-        info["transform_bytes"] = decoder.tcq.nbytes
-        info["table_bytes"] = decoder.tcq.table_bytes(header.level)
+    info.update(decoder.inspect_extras())
     return info

@@ -22,6 +22,7 @@ from cachegen.codec.bitstream import Frame, Header, pack_frame, pack_header
 from cachegen.codec.errors import CodecError
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.kv import KVCache
+from cachegen.models import ModelSpec
 
 MAX_CHUNK_TOKENS = 1 << 20
 
@@ -48,13 +49,21 @@ class FrameDecoder:
         """Bytes of the body attributed to each (layer, K/V): ``[layers, 2]`` int64."""
         raise NotImplementedError
 
-    def decode(self, frames: list[Frame], out_dtype: torch.dtype) -> torch.Tensor:
+    def inspect_extras(self) -> dict:
+        """What ``inspect`` reports beyond the common fields (e.g. a shared table or basis)."""
+        return {}
+
+    def checked_output(self, frames: list[Frame], out_dtype: torch.dtype) -> torch.Tensor:
+        """The uninitialised output of :meth:`decode`, once every frame passed :meth:`check`."""
         for frame in frames:
             self.check(frame)
         h = self.header
-        out = torch.empty(
+        return torch.empty(
             (2, h.num_layers, h.num_kv_heads, h.num_tokens, h.head_dim), dtype=out_dtype
         )
+
+    def decode(self, frames: list[Frame], out_dtype: torch.dtype) -> torch.Tensor:
+        out = self.checked_output(frames, out_dtype)
         offset = 0
         for frame in frames:
             self.decode_frame(frame, out, offset)
@@ -128,6 +137,50 @@ class Codec:
     @classmethod
     def decoder(cls, header: Header) -> FrameDecoder:
         raise NotImplementedError
+
+
+class ModelCodec(Codec):
+    """A codec whose levels live in what was fitted for one model (a profile, a basis, a
+    model file): given, loaded by the model's name, or loaded for the first KV encoded."""
+
+    fitted_kind: ClassVar[str]  # what the fitted thing is called in messages
+
+    def __init__(self, model: ModelSpec | str | None, chunk_tokens: int, fitted) -> None:
+        super().__init__(chunk_tokens)
+        if fitted is None and model is not None:
+            fitted = self.load_fitted(model)
+        self._fitted = fitted
+
+    @staticmethod
+    def load_fitted(model: ModelSpec | str):
+        """What was fitted for ``model`` (by its name or spec)."""
+        raise NotImplementedError
+
+    @property
+    def fitted(self):
+        if self._fitted is None:
+            raise CodecError(
+                f"the {self.name} codec needs a model for its {self.fitted_kind}: "
+                f"get_codec({self.name!r}, model=NAME)"
+            )
+        return self._fitted
+
+    def fit_for(self, kv: KVCache) -> None:
+        """Load what was fitted for ``kv``'s model if the codec was made without a model."""
+        if self._fitted is None:
+            self._fitted = self.load_fitted(kv.model.name)
+
+    @property
+    def levels(self) -> list[int]:
+        return sorted(self.fitted.levels)
+
+    @property
+    def profile_id(self) -> str:
+        return self.fitted.id
+
+    def __repr__(self) -> str:
+        model = self._fitted.model.name if self._fitted else None
+        return f"{type(self).__name__}(model={model!r}, chunk_tokens={self.chunk_tokens})"
 
 
 def check_size(frame: Frame, expected: int, what: str) -> None:

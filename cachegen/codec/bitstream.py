@@ -33,6 +33,7 @@ from isal.isal_zlib import crc32  # zlib's CRC-32, several times faster (the fra
 
 from cachegen.codec.errors import CodecError
 from cachegen.kv import KVCache, ModelIdentity
+from cachegen.modes import CODED, FORMS, PACKED
 
 MAGIC = b"CGKV"
 VERSION = 5  # the newest format this cachegen reads; writers use the lowest that holds a stream
@@ -47,9 +48,6 @@ FLAG_FINGERPRINT_DIGEST = 2
 FLAG_LAYER_SUBSET = 4  # a layer list follows the codec parameters (version 3)
 FLAG_PACKED = 8  # the frames hold bit-packed symbols, the packed form (version 4)
 _KNOWN_FLAGS = FLAG_TOKENS_U32 | FLAG_FINGERPRINT_DIGEST | FLAG_LAYER_SUBSET | FLAG_PACKED
-
-CODED, PACKED = "coded", "packed"
-FORMS = (CODED, PACKED)  # how a level's symbols are stored: entropy-coded or bit-packed
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -205,8 +203,10 @@ def parse_header(blob: bytes | memoryview) -> Header:
     view = memoryview(blob)
     if len(view) < _FIXED.size:
         raise CodecError(f"not a cachegen bitstream: {len(view)} bytes is shorter than a header")
+    fixed = _FIXED.unpack_from(view, 0)
+    _check_fixed_part(fixed)
     (
-        magic,
+        _,
         version,
         codec_id,
         level,
@@ -218,59 +218,10 @@ def parse_header(blob: bytes | memoryview) -> Header:
         start,
         tokens,
         chunk,
-    ) = _FIXED.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise CodecError("not a cachegen bitstream (bad magic bytes)")
-    if version not in VERSIONS:
-        raise CodecError(
-            f"bitstream format version {version} is not supported (this cachegen reads versions "
-            f"{', '.join(map(str, VERSIONS))}); upgrade cachegen to read it"
-        )
-    if dtype_code not in DTYPES or flags & ~_KNOWN_FLAGS:
-        raise CodecError("bitstream header is corrupt (unknown dtype or flags)")
-    has_subset = bool(flags & FLAG_LAYER_SUBSET)
-    if has_subset and version < LAYER_SUBSET_VERSION:
-        raise CodecError(
-            f"bitstream header is corrupt (a layer list in a format version {version} stream)"
-        )
-    if flags & FLAG_PACKED and version < PACKED_VERSION:
-        raise CodecError(
-            f"bitstream header is corrupt (packed symbols in a format version {version} stream)"
-        )
-    if not (layers and heads and head_dim) or (
-        not has_subset and layers * heads * head_dim > MAX_ELEMENTS_PER_TOKEN
-    ):
-        raise CodecError("bitstream header is corrupt (impossible KV geometry)")
-    if chunk == 0 or tokens > MAX_TOKENS or start + tokens >= 1 << 63:
-        raise CodecError("bitstream header is corrupt (impossible token range or chunk size)")
-    pos = _FIXED.size
-    try:
-        name_len = view[pos]
-        name = bytes(view[pos + 1 : pos + 1 + name_len])
-        pos += 1 + name_len
-        fp_len = view[pos]
-        fp = bytes(view[pos + 1 : pos + 1 + fp_len])
-        pos += 1 + fp_len
-        (params_len,) = struct.unpack_from("<H", view, pos)
-        params = bytes(view[pos + 2 : pos + 2 + params_len])
-        pos += 2 + params_len
-        subset: tuple[int, ...] | None = None
-        if has_subset:
-            (count,) = struct.unpack_from("<H", view, pos)
-            if not 0 < count <= layers:
-                raise CodecError(
-                    f"bitstream header is corrupt (its layer list holds {count} of the model's "
-                    f"{layers} layers)"
-                )
-            subset = struct.unpack_from(f"<{count}H", view, pos + 2)
-            pos += 2 + 2 * count
-        (crc,) = struct.unpack_from("<I", view, pos)
-    except (IndexError, struct.error) as exc:
-        raise CodecError("bitstream is truncated inside its header") from exc
-    if len(name) != name_len or len(fp) != fp_len or len(params) != params_len:
-        raise CodecError("bitstream is truncated inside its header")
-    if crc32(view[:pos]) != crc:
-        raise CodecError("bitstream header is corrupt (checksum mismatch)")
+    ) = fixed
+    name, fp, params, subset, pos = _read_variable_part(
+        view, layers, bool(flags & FLAG_LAYER_SUBSET)
+    )
     if subset is not None:
         _check_layer_list(subset, layers)
         if len(subset) * heads * head_dim > MAX_ELEMENTS_PER_TOKEN:
@@ -298,6 +249,71 @@ def parse_header(blob: bytes | memoryview) -> Header:
         layers=subset,
         form=PACKED if flags & FLAG_PACKED else CODED,
     )
+
+
+def _check_fixed_part(fixed: tuple) -> None:
+    """Raise ``CodecError`` unless the header's fixed part is one this cachegen reads."""
+    magic, version, _, _, dtype_code, flags, layers, heads, head_dim, start, tokens, chunk = fixed
+    if magic != MAGIC:
+        raise CodecError("not a cachegen bitstream (bad magic bytes)")
+    if version not in VERSIONS:
+        raise CodecError(
+            f"bitstream format version {version} is not supported (this cachegen reads versions "
+            f"{', '.join(map(str, VERSIONS))}); upgrade cachegen to read it"
+        )
+    if dtype_code not in DTYPES or flags & ~_KNOWN_FLAGS:
+        raise CodecError("bitstream header is corrupt (unknown dtype or flags)")
+    has_subset = bool(flags & FLAG_LAYER_SUBSET)
+    if has_subset and version < LAYER_SUBSET_VERSION:
+        raise CodecError(
+            f"bitstream header is corrupt (a layer list in a format version {version} stream)"
+        )
+    if flags & FLAG_PACKED and version < PACKED_VERSION:
+        raise CodecError(
+            f"bitstream header is corrupt (packed symbols in a format version {version} stream)"
+        )
+    if not (layers and heads and head_dim) or (
+        not has_subset and layers * heads * head_dim > MAX_ELEMENTS_PER_TOKEN
+    ):
+        raise CodecError("bitstream header is corrupt (impossible KV geometry)")
+    if chunk == 0 or tokens > MAX_TOKENS or start + tokens >= 1 << 63:
+        raise CodecError("bitstream header is corrupt (impossible token range or chunk size)")
+
+
+def _read_variable_part(
+    view: memoryview, num_layers: int, has_subset: bool
+) -> tuple[bytes, bytes, bytes, tuple[int, ...] | None, int]:
+    """The model name, fingerprint, codec parameters and layer list after the fixed part,
+    and where the header's CRC-32 is, once it matches."""
+    pos = _FIXED.size
+    try:
+        name_len = view[pos]
+        name = bytes(view[pos + 1 : pos + 1 + name_len])
+        pos += 1 + name_len
+        fp_len = view[pos]
+        fp = bytes(view[pos + 1 : pos + 1 + fp_len])
+        pos += 1 + fp_len
+        (params_len,) = struct.unpack_from("<H", view, pos)
+        params = bytes(view[pos + 2 : pos + 2 + params_len])
+        pos += 2 + params_len
+        subset: tuple[int, ...] | None = None
+        if has_subset:
+            (count,) = struct.unpack_from("<H", view, pos)
+            if not 0 < count <= num_layers:
+                raise CodecError(
+                    f"bitstream header is corrupt (its layer list holds {count} of the model's "
+                    f"{num_layers} layers)"
+                )
+            subset = struct.unpack_from(f"<{count}H", view, pos + 2)
+            pos += 2 + 2 * count
+        (crc,) = struct.unpack_from("<I", view, pos)
+    except (IndexError, struct.error) as exc:
+        raise CodecError("bitstream is truncated inside its header") from exc
+    if len(name) != name_len or len(fp) != fp_len or len(params) != params_len:
+        raise CodecError("bitstream is truncated inside its header")
+    if crc32(view[:pos]) != crc:
+        raise CodecError("bitstream header is corrupt (checksum mismatch)")
+    return name, fp, params, subset, pos
 
 
 def _check_layer_list(subset: tuple[int, ...], num_layers: int) -> None:

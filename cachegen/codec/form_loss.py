@@ -1,8 +1,8 @@
 """The quality loss of each stored form of a model's KV, for a bound on it (``max_loss_pct``).
 
-A *form* is how a chunk is stored: ``cachegen-<L>`` (the cachegen codec at level L, coded),
-``cachegen-<L>-packed`` (the same symbols in the packed form, store slot
-``record_tag(L, "packed")``), ``tcq-<L>`` (the transform codec at level L), ``raw``, ``int8`` or
+A *form* (``cachegen.modes.Form``, named by its label) is how a chunk is stored:
+``cachegen-<L>`` (the cachegen codec at level L, coded), ``cachegen-<L>-packed`` (the same
+symbols in the packed form), ``tcq-<L>`` (the transform codec at level L), ``raw``, ``int8`` or
 ``fp8``. Its loss is a perplexity change in percent:
 
 * a cachegen level: its calibration target (``target_ppl_pct`` in
@@ -25,40 +25,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from cachegen.codec.bitstream import PACKED
 from cachegen.codec.errors import CodecError
-from cachegen.codec.packed import split_record_tag
 from cachegen.codec.profile import SHIPPED_DIR, SHIPPED_SCHEMA, SHIPPED_VERSION
 from cachegen.fileio import check_version
-from cachegen.modes import TCQ
+from cachegen.modes import CACHEGEN, TCQ, Form
 
 LOSS_FILE = Path(__file__).with_name("form_loss.json")
 LOSS_SCHEMA = "cachegen-form-loss"
 LOSS_VERSION = 1
-CACHEGEN = "cachegen"
-PACKED_SUFFIX = "-" + PACKED
 LOSSLESS = ("raw",)
-
-
-def form_name(codec: str, slot: int) -> str:
-    """The form stored by ``codec`` at store level ``slot`` (a cachegen slot may be a packed
-    form's record tag): ``cachegen-11``, ``cachegen-11-packed``, ``tcq-21``, ``int8``..."""
-    if codec == TCQ:
-        return f"{TCQ}-{slot}"
-    if codec != CACHEGEN:
-        return codec
-    level, form = split_record_tag(slot)
-    return f"{CACHEGEN}-{level}{PACKED_SUFFIX if form == PACKED else ''}"
-
-
-def cachegen_level(name: str) -> int | None:
-    """The cachegen level a form name stores (its coded level for a packed form), or None
-    for a form of another codec."""
-    prefix, _, rest = name.partition("-")
-    rest = rest.removesuffix(PACKED_SUFFIX)
-    if prefix != CACHEGEN or not rest.isdigit():
-        return None
-    return int(rest)
 
 
 def calibrated_losses(fingerprint: str) -> dict[int, float]:
@@ -91,7 +66,7 @@ def form_losses(
     calibrated_levels: Iterable[int] | None = None,
     tcq_targets: dict[int, float] | None = None,
 ) -> dict[str, float | None]:
-    """Each form's loss (None: unknown; module docs) for the model with weights
+    """Each form's loss (None: unknown; module docs), by label, for the model with weights
     ``fingerprint``. ``calibrated_levels`` (e.g. ``Profile.calibrated_levels()``), when
     given, are the only cachegen levels whose calibration target counts: a profile whose level
     differs from the shipped one (rebuilt, or another calibration) has no known loss there.
@@ -104,12 +79,11 @@ def form_losses(
     baselines = baseline_losses(fingerprint)
     out: dict[str, float | None] = {}
     for name in names:
-        level = cachegen_level(name)
-        prefix, _, rest = name.partition("-")
-        if level is not None:
-            out[name] = levels.get(level)
-        elif prefix == TCQ and rest.isdigit():
-            out[name] = (tcq_targets or {}).get(int(rest))
+        form = Form.parse(name)
+        if form.codec == CACHEGEN:
+            out[name] = levels.get(form.level)
+        elif form.codec == TCQ:
+            out[name] = (tcq_targets or {}).get(form.level)
         elif name in LOSSLESS:
             out[name] = 0.0
         else:

@@ -22,21 +22,16 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cachegen.codec.bitstream import CODED, FORMS, PACKED
-from cachegen.codec.errors import CodecError
 from cachegen.codec.qkernels import (
     f32_to_bf16,
     hadamard_row,
     hadamard_vector,
+    item_pointer,
     store_row,
     store_value,
-    store_vector,
-    turn_store_vector,
     vector_bf16_bits,
 )
 from cachegen.codec.quant import max_level
-
-PACKED_TAG = 1 << 15  # the store's u16 level slot: this bit marks a packed record
 
 
 def symbol_width(bins: int) -> int:
@@ -47,22 +42,6 @@ def symbol_width(bins: int) -> int:
 def packed_bytes(symbols: np.ndarray | int, width: np.ndarray | int) -> np.ndarray | int:
     """Bytes of a packed stream of ``symbols`` symbols of ``width`` bits."""
     return (symbols * width + 7) // 8
-
-
-def record_tag(level: int, form: str = CODED) -> int:
-    """A level-like u16 naming ``level`` in ``form``, for stores that key records by
-    ``(key, level)``: the level itself for the coded form, the level with bit 15 set for the
-    packed form (so tagged levels must be below 32768)."""
-    if form not in FORMS:
-        raise CodecError(f"unknown form {form!r}; use {' or '.join(FORMS)}")
-    if not 0 <= level < PACKED_TAG:
-        raise CodecError(f"level {level} has no record tag (tagged levels are 0..{PACKED_TAG - 1})")
-    return level | PACKED_TAG if form == PACKED else level
-
-
-def split_record_tag(tag: int) -> tuple[int, str]:
-    """``(level, form)`` of a tag from :func:`record_tag`."""
-    return (tag & ~PACKED_TAG, PACKED) if tag & PACKED_TAG else (tag, CODED)
 
 
 @intrinsic
@@ -78,20 +57,22 @@ def load_u64le(typingctx, array, index):
         return None
 
     def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
-        word = builder.load(builder.bitcast(ptr, ir.IntType(64).as_pointer()), align=1)
-        if not np.little_endian:
-            fn = cgutils.get_or_insert_function(
-                builder.module,
-                ir.FunctionType(ir.IntType(64), [ir.IntType(64)]),
-                "llvm.bswap.i64",
-            )
-            word = builder.call(fn, [word])
-        return word
+        return _load_word(context, builder, signature.args[0], args[0], args[1])
 
     return types.uint64(array, index), codegen
+
+
+def _load_word(context, builder, array_type, array, index):
+    """LLVM: the eight bytes at ``array[index]`` as a little-endian i64, read unaligned."""
+    ptr = item_pointer(context, builder, array_type, array, index)
+    word = builder.load(builder.bitcast(ptr, ir.IntType(64).as_pointer()), align=1)
+    if not np.little_endian:
+        i64 = ir.IntType(64)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(i64, [i64]), "llvm.bswap.i64"
+        )
+        word = builder.call(fn, [word])
+    return word
 
 
 @intrinsic
@@ -116,18 +97,8 @@ def dequantize8(typingctx, stream, index, width, center, step, out, at):
 
     def codegen(context, builder, signature, args):
         stream_ty, _, width_ty, _, _, out_ty, _ = signature.args
-        stream_ary = context.make_array(stream_ty)(context, builder, args[0])
-        out_ary = context.make_array(out_ty)(context, builder, args[5])
         i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
-        src = cgutils.get_item_pointer(
-            context, builder, stream_ty, stream_ary, [args[1]], wraparound=False
-        )
-        word = builder.load(builder.bitcast(src, i64.as_pointer()), align=1)
-        if not np.little_endian:
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(i64, [i64]), "llvm.bswap.i64"
-            )
-            word = builder.call(fn, [word])
+        word = _load_word(context, builder, stream_ty, args[0], args[1])
         w = context.cast(builder, args[2], width_ty, types.uint64)
         mask = builder.sub(builder.shl(i64(1), w), i64(1))
         shifts = builder.mul(_splat(builder, w, 8), _lanes(i64, range(8)))
@@ -140,9 +111,7 @@ def dequantize8(typingctx, stream, index, width, center, step, out, at):
         values = builder.fmul(
             builder.fsub(symbols, _splat(builder, args[3], 8)), _splat(builder, args[4], 8)
         )
-        dst = cgutils.get_item_pointer(
-            context, builder, out_ty, out_ary, [args[6]], wraparound=False
-        )
+        dst = item_pointer(context, builder, out_ty, args[5], args[6])
         if out_ty.dtype == types.uint16:
             values = vector_bf16_bits(builder, values)
         builder.store(values, builder.bitcast(dst, values.type.as_pointer()), align=1)
@@ -218,6 +187,17 @@ def _field_check(width, largest):
     return even, add, carry
 
 
+@numba.njit(inline="always")
+def _field(stream, bit, mask):
+    """The symbol (``mask``: its width's bits) that starts at bit ``bit`` of ``stream``; a
+    field of at most eight bits spans at most two bytes."""
+    b = bit >> 3
+    x = np.uint64(stream[b])
+    if b + 1 < stream.shape[0]:
+        x |= np.uint64(stream[b + 1]) << np.uint64(8)
+    return np.int64((x >> np.uint64(bit & 7)) & mask)
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
 def _emit_row(stream, first, width, head_dim, lut, lb, ls, out, o, spacing, largest, check):
     """Write symbols ``first .. first + head_dim`` of ``stream`` to ``out[o + d * spacing]``,
@@ -244,12 +224,7 @@ def _emit_row(stream, first, width, head_dim, lut, lb, ls, out, o, spacing, larg
             q += width
         return bad
     for d in range(head_dim):  # any head_dim, and rows at the very end of the stream
-        bit = (first + d) * width
-        b = bit >> 3
-        x = np.uint64(stream[b])
-        if b + 1 < stream.shape[0]:
-            x |= np.uint64(stream[b + 1]) << np.uint64(8)
-        s = np.int64((x >> np.uint64(bit & 7)) & mask)
+        s = _field(stream, (first + d) * width, mask)
         bad |= np.uint64(s > largest)
         out[o + d * spacing] = lut[lb + d * ls + s]
     return bad
@@ -257,46 +232,30 @@ def _emit_row(stream, first, width, head_dim, lut, lb, ls, out, o, spacing, larg
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def decode_streams(
-    data,
-    byte_off,
-    widths,
-    num_channels,
-    num_tokens,
-    scales,
-    scale_off,
-    scale_stride,
-    center,
-    head_dim,
-    token_map,
-    token_off,
-    out_f32,
-    out_bf16,
-    out_base,
-    out_token_stride,
-    hadamard,
-    cos,
-    sin,
-    angle_row,
-    todo,
-    status,
+    data, byte_off, widths, num_channels, num_tokens, dequantize, transform, todo, status
 ):
     """Unpack and dequantize streams ``todo``; stream ``k`` is ``data[byte_off[k]:byte_off[k+1]]``
     at ``widths[k]`` bits per symbol, its sizes already checked against the header.
 
-    Dequantization and output placement are ``rans.decode_streams``'s (same arguments, same
-    float32 arithmetic, same bfloat16 rounding), so both forms write the same bits. A row of
-    one scale (per token, or per token and head) is dequantized eight symbols at a time in
-    vector registers (:func:`dequantize8`); with a scale per channel, each channel's ``2 **
-    width`` values are computed once into a table and symbols are looked up in it. ``status[k]``
-    becomes 1 when a symbol is outside the stream's alphabet, else 0.
+    Dequantization and output placement are ``rans.decode_streams``'s (the same
+    ``dequantize`` tuple, same float32 arithmetic, same bfloat16 rounding), so both forms
+    write the same bits. A row of one scale (per token, or per token and head) is dequantized
+    eight symbols at a time in vector registers (:func:`dequantize8`); with a scale per
+    channel, each channel's ``2 ** width`` values are computed once into a table and symbols
+    are looked up in it. ``status[k]`` becomes 1 when a symbol is outside the stream's
+    alphabet, else 0.
 
     A level's transforms are undone row by row while the row is in registers or cache (the
-    coded form does the same arithmetic in ``qkernels.store_transformed``): every row times the
-    Hadamard matrix if ``hadamard``, then, if ``angle_row[k] >= 0``, turned by the rotary
-    angles of rows ``angle_row[k] + t`` of ``cos`` / ``sin`` (token ``t`` of the stream), then
-    stored. Rows of a transformed stream are the tokens of the frame in order (no token
+    coded form does the same arithmetic in ``qkernels.store_transformed``); ``transform`` is
+    ``(hadamard, cos, sin, angle_row)``: every row times the Hadamard matrix if ``hadamard``,
+    then, if ``angle_row[k] >= 0``, turned by the rotary angles of rows ``angle_row[k] + t``
+    of ``cos`` / ``sin`` (token ``t`` of the stream), then stored. Rows of a transformed
+    stream are the tokens of the frame in order (no token
     locality).
     """
+    scales, scale_off, scale_stride, center, head_dim, token_map, token_off = dequantize[:7]
+    out_f32, out_bf16, out_base, out_token_stride = dequantize[7:]
+    hadamard, cos, sin, angle_row = transform
     to_bf16 = out_bf16.shape[0] > 0
     size = 1
     for i in range(todo.shape[0]):
@@ -383,12 +342,7 @@ def _emit_row_slowly(stream, k, h, t, width, head_dim, lut, steps, out, o, large
     mask = np.uint64(symbols - 1)
     bad = np.uint64(0)
     for d in range(head_dim):
-        bit = (first + d) * width
-        b = bit >> 3
-        x = np.uint64(stream[b])
-        if b + 1 < stream.shape[0]:
-            x |= np.uint64(stream[b + 1]) << np.uint64(8)
-        s = np.int64((x >> np.uint64(bit & 7)) & mask)
+        s = _field(stream, (first + d) * width, mask)
         bad |= np.uint64(s > largest)
         store_value(out, o + d, (np.float32(s) - center) * step)
     return bad
@@ -468,7 +422,6 @@ def _emit_transformed_rows(
     uw = np.uint64(width)
     row = np.empty(head_dim, dtype=np.float32)
     rotate = first_angle >= 0
-    to_bf16 = out_bf16.shape[0] > 0
     bad = np.uint64(0)
     for h in range(num_channels[k] // head_dim):
         for t in range(T):
@@ -487,16 +440,5 @@ def _emit_transformed_rows(
                     q += width
             if hadamard and not hadamard_vector(row, head_dim, inv_sqrt):
                 hadamard_row(row, head_dim, inv_sqrt)
-            angle = first_angle + t
-            if to_bf16:
-                if rotate:
-                    done = turn_store_vector(row, cos, sin, angle, head_dim, out_bf16, o)
-                else:
-                    done = store_vector(row, cos, sin, angle, head_dim, out_bf16, o)
-            elif rotate:
-                done = turn_store_vector(row, cos, sin, angle, head_dim, out_f32, o)
-            else:
-                done = store_vector(row, cos, sin, angle, head_dim, out_f32, o)
-            if not done:
-                store_row(row, cos, sin, angle, rotate, head_dim, out_f32, out_bf16, o)
+            store_row(row, cos, sin, first_angle + t, rotate, head_dim, out_f32, out_bf16, o)
     return bad

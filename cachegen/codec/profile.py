@@ -101,28 +101,31 @@ class Profile:
         """Store ``config`` (whose tables are ``tables_id``) as ``level``, replacing any."""
         if not 0 <= int(level) <= 0xFFFF:
             raise CodecError(f"level ids are 0..65535, got {level}")
-        with locked(self.path.parent):
-            self._reload()
+        with self._editing():
             self.levels[int(level)] = config
             self.tables_ids[int(level)] = tables_id
             if make_default:
                 self.default_level = int(level)
-            self.save()
 
     def set_default_level(self, level: int) -> None:
-        with locked(self.path.parent):
-            self._reload()
+        with self._editing():
             self.config(level)
             self.default_level = int(level)
-            self.save()
 
     def remove_level(self, level: int) -> None:
-        with locked(self.path.parent):
-            self._reload()
+        with self._editing():
             self.config(level)
             if level == self.default_level:
                 raise CodecError(f"level {level} is the default; set another default first")
             del self.levels[level], self.tables_ids[level]
+
+    @contextlib.contextmanager
+    def _editing(self) -> Iterator[None]:
+        """An edit of the profile as saved, under the profile directory's lock; saved unless
+        the edit raises."""
+        with locked(self.path.parent):
+            self._reload()
+            yield
             self.save()
 
     def to_dict(self) -> dict:

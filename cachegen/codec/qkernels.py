@@ -52,6 +52,14 @@ def f32_to_bits(typingctx, value):
     return types.uint32(value), codegen
 
 
+def item_pointer(context, builder, array_type, array, *index):
+    """LLVM: a pointer to element ``index`` of ``array`` (no bounds check, no wraparound)."""
+    ary = context.make_array(array_type)(context, builder, array)
+    return cgutils.get_item_pointer(
+        context, builder, array_type, ary, list(index), wraparound=False
+    )
+
+
 @intrinsic
 def prefetch(typingctx, array, index):
     """Hint the CPU to fetch ``array[index]`` (1-D) into cache; never faults."""
@@ -63,9 +71,7 @@ def prefetch(typingctx, array, index):
         return None
 
     def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        ptr = item_pointer(context, builder, signature.args[0], args[0], args[1])
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         fn = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
@@ -364,10 +370,6 @@ def _store_vector(turn: bool):
             v_ty, cos_ty, sin_ty, _, head_dim_ty, out_ty, _ = signature.args
             f32, i32 = ir.FloatType(), ir.IntType(32)
 
-            def pointer(ty, value, index):
-                ary = context.make_array(ty)(context, builder, value)
-                return cgutils.get_item_pointer(context, builder, ty, ary, index, wraparound=False)
-
             def emit(n):
                 half = n // 2
 
@@ -380,11 +382,11 @@ def _store_vector(turn: bool):
                     lanes = ir.Constant(ir.VectorType(i32, half), list(range(first, first + half)))
                     return builder.shuffle_vector(x, x, lanes)
 
-                row = load(pointer(v_ty, args[0], [ir.IntType(64)(0)]))
+                row = load(item_pointer(context, builder, v_ty, args[0], ir.IntType(64)(0)))
                 if turn:
                     zero = context.get_constant(types.intp, 0)
-                    c = load(pointer(cos_ty, args[1], [args[3], zero]))
-                    s = load(pointer(sin_ty, args[2], [args[3], zero]))
+                    c = load(item_pointer(context, builder, cos_ty, args[1], args[3], zero))
+                    s = load(item_pointer(context, builder, sin_ty, args[2], args[3], zero))
                     vector = ir.VectorType(f32, half)
                     fma = cgutils.get_or_insert_function(
                         builder.module,
@@ -400,7 +402,7 @@ def _store_vector(turn: bool):
                     row = builder.shuffle_vector(y1, y2, whole)
                 if out_ty.dtype == types.uint16:
                     row = vector_bf16_bits(builder, row)
-                ptr = pointer(out_ty, args[5], [args[6]])
+                ptr = item_pointer(context, builder, out_ty, args[5], args[6])
                 builder.store(row, builder.bitcast(ptr, row.type.as_pointer()), align=2)
 
             return _for_head_dim(context, builder, args[4], head_dim_ty, emit)

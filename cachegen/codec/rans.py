@@ -138,6 +138,13 @@ def _encode_step(x, s, tid, freq_cum, out, p):
     return (q << _U_PB) + r + (fc & _U_FFFF), p
 
 
+@numba.njit(inline="always")
+def eight(a):
+    """The first ``LANES`` (eight) elements of ``a``, as scalars: a lane group's states kept in
+    registers (about twice as fast as an array of states)."""
+    return a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def encode_layers(sym, table_base, freq_cum, out, out_off, todo, out_start):
     """Encode layers ``todo`` of the symbols ``sym`` [L, H, n, D] (uint8), one stream per layer.
@@ -166,36 +173,9 @@ def encode_layers(sym, table_base, freq_cum, out, out_off, todo, out_start):
                 lane_d[lane] = g + lane - lane_h[lane] * D
             tb = table_base[layer] + g
             if active == LANES:
-                x0, x1, x2, x3, x4, x5, x6, x7 = (
-                    states[0],
-                    states[1],
-                    states[2],
-                    states[3],
-                    states[4],
-                    states[5],
-                    states[6],
-                    states[7],
-                )
-                h0, h1, h2, h3, h4, h5, h6, h7 = (
-                    lane_h[0],
-                    lane_h[1],
-                    lane_h[2],
-                    lane_h[3],
-                    lane_h[4],
-                    lane_h[5],
-                    lane_h[6],
-                    lane_h[7],
-                )
-                d0, d1, d2, d3, d4, d5, d6, d7 = (
-                    lane_d[0],
-                    lane_d[1],
-                    lane_d[2],
-                    lane_d[3],
-                    lane_d[4],
-                    lane_d[5],
-                    lane_d[6],
-                    lane_d[7],
-                )
+                x0, x1, x2, x3, x4, x5, x6, x7 = eight(states)
+                h0, h1, h2, h3, h4, h5, h6, h7 = eight(lane_h)
+                d0, d1, d2, d3, d4, d5, d6, d7 = eight(lane_d)
                 for t in range(n - 1, -1, -1):
                     x7, p = _encode_step(x7, sym[layer, h7, t, d7], tb + 7, freq_cum, out, p)
                     x6, p = _encode_step(x6, sym[layer, h6, t, d6], tb + 6, freq_cum, out, p)
@@ -205,16 +185,8 @@ def encode_layers(sym, table_base, freq_cum, out, out_off, todo, out_start):
                     x2, p = _encode_step(x2, sym[layer, h2, t, d2], tb + 2, freq_cum, out, p)
                     x1, p = _encode_step(x1, sym[layer, h1, t, d1], tb + 1, freq_cum, out, p)
                     x0, p = _encode_step(x0, sym[layer, h0, t, d0], tb + 0, freq_cum, out, p)
-                (
-                    states[0],
-                    states[1],
-                    states[2],
-                    states[3],
-                    states[4],
-                    states[5],
-                    states[6],
-                    states[7],
-                ) = x0, x1, x2, x3, x4, x5, x6, x7
+                states[0], states[1], states[2], states[3] = x0, x1, x2, x3
+                states[4], states[5], states[6], states[7] = x4, x5, x6, x7
             else:
                 for t in range(n - 1, -1, -1):
                     for lane in range(active - 1, -1, -1):
@@ -259,6 +231,29 @@ def _emit(s, ctr, scale, pos, out_f32, out_bf16, to_bf16):
         out_f32[pos] = val
 
 
+@numba.njit(inline="always")
+def read_states(words, w0, states):
+    """Load the ``LANES`` final encoder states at the start of the stream at ``words[w0]`` into
+    ``states``; returns the position of the stream's first renormalisation word."""
+    for lane in range(LANES):
+        states[lane] = np.uint64(words[w0 + 2 * lane]) | (
+            np.uint64(words[w0 + 2 * lane + 1]) << _U_16
+        )
+    return w0 + STATE_WORDS
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _decode_emit(x, tid, p, code, ctr, scale, at, out):
+    """:func:`_decode_step` of the stream ``code`` (its tables, words and last word), then
+    :func:`_emit` of the symbol to element ``at`` of ``out`` (float32 and bfloat16 outputs,
+    and whether to write the bfloat16 one): (new state, new read position)."""
+    slot_sym, freq_cum, words, last = code
+    out_f32, out_bf16, to_bf16 = out
+    x, p, s = _decode_step(x, tid, slot_sym, freq_cum, words, p, last)
+    _emit(s, ctr, scale, at, out_f32, out_bf16, to_bf16)
+    return x, p
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def decode_streams(
     words,
@@ -268,141 +263,100 @@ def decode_streams(
     table_base,
     slot_sym,
     freq_cum,
-    scales,
-    scale_off,
-    scale_stride,
-    center,
-    head_dim,
-    token_map,
-    token_off,
-    out_f32,
-    out_bf16,
-    out_base,
-    out_token_stride,
+    dequantize,
     todo,
     status,
 ):
     """Decode and dequantize streams ``todo``.
 
-    ``freq_cum[table, symbol]`` packs ``freq << 16 | cum``. Symbol ``s`` of channel ``c`` and
-    token ``t`` of stream ``k`` becomes ``(s - center[k]) * scales[scale_off[k] + (c // head_dim)
-    * sh + t * st + c * sc]`` with ``(sh, st, sc) = scale_stride[k]``, written to element
-    ``out_base[k] + (c // head_dim) * out_token_stride * head_dim + token_map[token_off[k] + t]
-    * head_dim + c % head_dim`` of ``out_bf16`` (bfloat16 bits) if that is non-empty, else of
-    ``out_f32``. ``status[k]`` becomes 0 when the stream decoded cleanly, 1 when it is corrupt.
+    ``freq_cum[table, symbol]`` packs ``freq << 16 | cum``. ``dequantize`` is the tuple
+    ``(scales, scale_off, scale_stride, center, head_dim, token_map, token_off, out_f32,
+    out_bf16, out_base, out_token_stride)``: symbol ``s`` of channel ``c`` and token ``t`` of
+    stream ``k`` becomes ``(s - center[k]) * scales[scale_off[k] + (c // head_dim) * sh + t *
+    st + c * sc]`` with ``(sh, st, sc) = scale_stride[k]``, written to element ``out_base[k] +
+    (c // head_dim) * out_token_stride * head_dim + token_map[token_off[k] + t] * head_dim + c
+    % head_dim`` of ``out_bf16`` (bfloat16 bits) if that is non-empty, else of ``out_f32``.
+    ``status[k]`` becomes 0 when the stream decoded cleanly, 1 when it is corrupt.
+    """
+    tables = (slot_sym, freq_cum)
+    scratch = (
+        np.empty(LANES, dtype=np.uint64),  # lane states
+        np.empty(LANES, dtype=np.int64),  # each lane's first scale
+        np.empty(LANES, dtype=np.int64),  # each lane's first output element
+    )
+    for i in range(todo.shape[0]):
+        k = todo[i]
+        coded = (words, word_off[k], word_off[k + 1], num_channels[k], num_tokens[k])
+        status[k] = _decode_stream(k, coded, table_base[k], tables, dequantize, scratch)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _decode_stream(k, coded, first_table, tables, dequantize, scratch):
+    """Stream ``k`` of :func:`decode_streams` (``coded``: its words, their range, its channel
+    and token counts); 0 if it decoded cleanly, else 1.
 
     Full groups of ``LANES`` channels run with the lanes unrolled into scalar states (kept in
     registers: about twice as fast as an array of states); a last partial group, if any,
-    runs lane by lane.
-    """
-    to_bf16 = out_bf16.shape[0] > 0
-    slot_flat = slot_sym.reshape(-1)
-    fc_flat = freq_cum.reshape(-1)
-    fc_width = freq_cum.shape[1]
+    runs lane by lane."""
+    words, w0, end, C, T = coded
+    slot_sym, freq_cum = tables
+    scales, scale_off, scale_stride, center, head_dim, token_map, token_off = dequantize[:7]
+    out_f32, out_bf16, out_base, out_token_stride = dequantize[7:]
+    states, lane_scale, lane_out = scratch
+    st, ctr, to = scale_stride[k, 1], np.float32(center[k]), token_off[k]
+    if end - w0 < STATE_WORDS:
+        return 1
+    p = read_states(words, w0, states)
+    code = (slot_sym, freq_cum, words, end - 1)
+    out = (out_f32, out_bf16, out_bf16.shape[0] > 0)
+    slot_flat, fc_flat, fc_width = slot_sym.reshape(-1), freq_cum.reshape(-1), freq_cum.shape[1]
     slot_lines = LANES * PROB_SCALE // 64  # 64-byte cache lines of a group's slot tables
     fc_lines = (LANES * fc_width * 4 + 63) // 64
-    states = np.empty(LANES, dtype=np.uint64)
-    lane_scale = np.empty(LANES, dtype=np.int64)
-    lane_out = np.empty(LANES, dtype=np.int64)
-    for i in range(todo.shape[0]):
-        k = todo[i]
-        w0 = word_off[k]
-        nw = word_off[k + 1] - w0
-        C = num_channels[k]
-        T = num_tokens[k]
-        st = scale_stride[k, 1]
-        ctr = np.float32(center[k])
-        to = token_off[k]
-        if nw < STATE_WORDS:
-            status[k] = 1
-            continue
-        for lane in range(LANES):
-            states[lane] = np.uint64(words[w0 + 2 * lane]) | (
-                np.uint64(words[w0 + 2 * lane + 1]) << _U_16
-            )
-        p = w0 + STATE_WORDS
-        end = w0 + nw
-        last = end - 1
-        for g in range(0, C, LANES):
-            active = min(LANES, C - g)
-            for lane in range(active):
-                c = g + lane
-                h = c // head_dim
-                lane_scale[lane] = scale_off[k] + h * scale_stride[k, 0] + c * scale_stride[k, 2]
-                lane_out[lane] = out_base[k] + h * out_token_stride * head_dim + (c - h * head_dim)
-            tb = table_base[k] + g
-            if active == LANES:
-                x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
-                x4, x5, x6, x7 = states[4], states[5], states[6], states[7]
-                s0, s1, s2, s3, s4, s5, s6, s7 = (
-                    lane_scale[0],
-                    lane_scale[1],
-                    lane_scale[2],
-                    lane_scale[3],
-                    lane_scale[4],
-                    lane_scale[5],
-                    lane_scale[6],
-                    lane_scale[7],
-                )
-                o0, o1, o2, o3, o4, o5, o6, o7 = (
-                    lane_out[0],
-                    lane_out[1],
-                    lane_out[2],
-                    lane_out[3],
-                    lane_out[4],
-                    lane_out[5],
-                    lane_out[6],
-                    lane_out[7],
-                )
-                # While this group decodes, prefetch the next group's tables: with short
-                # streams (256 tokens) fetching them on demand stalls the decoder.
-                nxt = (tb + LANES) * PROB_SCALE if g + 2 * LANES <= C else -1
-                nxt_fc = (tb + LANES) * fc_width
-                for t in range(T):
-                    if nxt >= 0:
-                        if t < slot_lines:
-                            prefetch(slot_flat, nxt + t * 64)
-                        elif t < slot_lines + fc_lines:
-                            prefetch(fc_flat, nxt_fc + (t - slot_lines) * 16)
-                    tok = token_map[to + t] * head_dim
-                    ts = t * st
-                    x0, p, y = _decode_step(x0, tb, slot_sym, freq_cum, words, p, last)
-                    _emit(y, ctr, scales[s0 + ts], o0 + tok, out_f32, out_bf16, to_bf16)
-                    x1, p, y = _decode_step(x1, tb + 1, slot_sym, freq_cum, words, p, last)
-                    _emit(y, ctr, scales[s1 + ts], o1 + tok, out_f32, out_bf16, to_bf16)
-                    x2, p, y = _decode_step(x2, tb + 2, slot_sym, freq_cum, words, p, last)
-                    _emit(y, ctr, scales[s2 + ts], o2 + tok, out_f32, out_bf16, to_bf16)
-                    x3, p, y = _decode_step(x3, tb + 3, slot_sym, freq_cum, words, p, last)
-                    _emit(y, ctr, scales[s3 + ts], o3 + tok, out_f32, out_bf16, to_bf16)
-                    x4, p, y = _decode_step(x4, tb + 4, slot_sym, freq_cum, words, p, last)
-                    _emit(y, ctr, scales[s4 + ts], o4 + tok, out_f32, out_bf16, to_bf16)
-                    x5, p, y = _decode_step(x5, tb + 5, slot_sym, freq_cum, words, p, last)
-                    _emit(y, ctr, scales[s5 + ts], o5 + tok, out_f32, out_bf16, to_bf16)
-                    x6, p, y = _decode_step(x6, tb + 6, slot_sym, freq_cum, words, p, last)
-                    _emit(y, ctr, scales[s6 + ts], o6 + tok, out_f32, out_bf16, to_bf16)
-                    x7, p, y = _decode_step(x7, tb + 7, slot_sym, freq_cum, words, p, last)
-                    _emit(y, ctr, scales[s7 + ts], o7 + tok, out_f32, out_bf16, to_bf16)
-                states[0], states[1], states[2], states[3] = x0, x1, x2, x3
-                states[4], states[5], states[6], states[7] = x4, x5, x6, x7
-            else:
-                for t in range(T):
-                    tok = token_map[to + t] * head_dim
-                    for lane in range(active):
-                        x, p, y = _decode_step(
-                            states[lane], tb + lane, slot_sym, freq_cum, words, p, last
-                        )
-                        states[lane] = x
-                        _emit(
-                            y,
-                            ctr,
-                            scales[lane_scale[lane] + t * st],
-                            lane_out[lane] + tok,
-                            out_f32,
-                            out_bf16,
-                            to_bf16,
-                        )
-        ok = p == end
-        for lane in range(LANES):
-            if states[lane] != _U_L:
-                ok = False
-        status[k] = 0 if ok else 1
+    for g in range(0, C, LANES):
+        active = min(LANES, C - g)
+        for lane in range(active):
+            c = g + lane
+            h = c // head_dim
+            lane_scale[lane] = scale_off[k] + h * scale_stride[k, 0] + c * scale_stride[k, 2]
+            lane_out[lane] = out_base[k] + h * out_token_stride * head_dim + (c - h * head_dim)
+        tb = first_table + g
+        if active == LANES:
+            x0, x1, x2, x3, x4, x5, x6, x7 = eight(states)
+            s0, s1, s2, s3, s4, s5, s6, s7 = eight(lane_scale)
+            o0, o1, o2, o3, o4, o5, o6, o7 = eight(lane_out)
+            # While this group decodes, prefetch the next group's tables: with short
+            # streams (256 tokens) fetching them on demand stalls the decoder.
+            nxt = (tb + LANES) * PROB_SCALE if g + 2 * LANES <= C else -1
+            nxt_fc = (tb + LANES) * fc_width
+            for t in range(T):
+                if nxt >= 0:
+                    if t < slot_lines:
+                        prefetch(slot_flat, nxt + t * 64)
+                    elif t < slot_lines + fc_lines:
+                        prefetch(fc_flat, nxt_fc + (t - slot_lines) * 16)
+                tok = token_map[to + t] * head_dim
+                ts = t * st
+                x0, p = _decode_emit(x0, tb, p, code, ctr, scales[s0 + ts], o0 + tok, out)
+                x1, p = _decode_emit(x1, tb + 1, p, code, ctr, scales[s1 + ts], o1 + tok, out)
+                x2, p = _decode_emit(x2, tb + 2, p, code, ctr, scales[s2 + ts], o2 + tok, out)
+                x3, p = _decode_emit(x3, tb + 3, p, code, ctr, scales[s3 + ts], o3 + tok, out)
+                x4, p = _decode_emit(x4, tb + 4, p, code, ctr, scales[s4 + ts], o4 + tok, out)
+                x5, p = _decode_emit(x5, tb + 5, p, code, ctr, scales[s5 + ts], o5 + tok, out)
+                x6, p = _decode_emit(x6, tb + 6, p, code, ctr, scales[s6 + ts], o6 + tok, out)
+                x7, p = _decode_emit(x7, tb + 7, p, code, ctr, scales[s7 + ts], o7 + tok, out)
+            states[0], states[1], states[2], states[3] = x0, x1, x2, x3
+            states[4], states[5], states[6], states[7] = x4, x5, x6, x7
+        else:
+            for t in range(T):
+                tok = token_map[to + t] * head_dim
+                for lane in range(active):
+                    scale = scales[lane_scale[lane] + t * st]
+                    at = lane_out[lane] + tok
+                    states[lane], p = _decode_emit(
+                        states[lane], tb + lane, p, code, ctr, scale, at, out
+                    )
+    ok = p == end
+    for lane in range(LANES):
+        if states[lane] != _U_L:
+            ok = False
+    return 0 if ok else 1

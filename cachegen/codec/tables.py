@@ -10,7 +10,8 @@ what the tables were calibrated on, the packed config and the frequencies. A bit
 carries the id and the packed config; the decoder asks :func:`find_tables` for them, which
 looks in memory, then in each *table provider* in turn (a directory by default; others can
 be added with :func:`add_provider`, e.g. a chunk store that holds the tables its chunks
-need) and checks that the file's hash is its id.
+need) and checks that the file's hash is its id. A provider may serve the transform codecs'
+model files too (``cachegen.codec.model_file``): one ``add_provider`` call makes both travel.
 
 Nothing here builds tables: that runs the model and lives above the codec
 (``cachegen.profiles``). A missing table is a ``CodecError`` that says where to get it.
@@ -198,6 +199,11 @@ class TablesRefused(CodecError):
     wrong with the bitstreams that name them."""
 
 
+class TablesMissing(CodecError):
+    """No provider holds the tables a bitstream names: a decode that needs them fails with
+    this message (what to copy, or what to run). The bitstream itself is sound."""
+
+
 class TableProvider(Protocol):
     """Somewhere tables files can be read from, by id."""
 
@@ -243,10 +249,17 @@ _lock = threading.Lock()
 
 
 def add_provider(provider: TableProvider) -> None:
-    """Look for tables in ``provider`` too (after the ones added before it)."""
+    """Look for tables in ``provider`` too (after the ones added before it), and model files
+    when it serves them (``cachegen.codec.model_file.ModelFileProvider``)."""
     with _lock:
         if provider not in _providers:
             _providers.append(provider)
+
+
+def providers() -> list[TableProvider]:
+    """The providers, in the order they are asked."""
+    with _lock:
+        return list(_providers)
 
 
 def remove_provider(provider: TableProvider) -> None:
@@ -296,7 +309,7 @@ def find_tables(tables_id: str, config: QuantConfig, model: ModelIdentity) -> Le
                 break
     if tables is None:
         where = ", ".join(p.describe() for p in providers)
-        raise CodecError(
+        raise TablesMissing(
             f"profile tables {tables_id[:16]} for model {model.name!r} are not in {where}; copy "
             f"{tables_id}.cgtab from the encoding machine's profiles/tables directory into "
             f"{LOCAL.describe()}, or run `cachegen profile build --model {model.name}` where the "

@@ -30,13 +30,10 @@ from cachegen.codec.qkernels import (
     prefetch,
     store_row,
     store_value,
-    store_vector,
-    turn_store_vector,
 )
-from cachegen.codec.rans import LANES, PROB_SCALE, RANS_L, STATE_WORDS
+from cachegen.codec.rans import LANES, PROB_SCALE, RANS_L, STATE_WORDS, read_states
 from cachegen.codec.rans import _decode_step as decode_step  # the coder's own step
 
-_U_16 = np.uint64(16)
 _U_L = np.uint64(RANS_L)
 
 
@@ -57,27 +54,18 @@ def decode_coefficients(
     status,
 ):
     """rANS-decode streams ``todo`` into ``out``, flat [streams, T, width] (float32, or
-    bfloat16 bits if uint16).
-
-    Stream ``k`` has ``kept[k]`` components, component ``c`` coded with table row
-    ``table_row[radius_off[k] + c]``; its symbol ``s`` of component ``c`` and token ``t``
-    becomes ``out[k, t, c] = s - radius[radius_off[k] + c]``, and ``out[k, t, c]`` is 0 for
-    ``c >= kept[k]``. A stream without components has no words. ``status[k]``: 0 when the
-    stream decoded cleanly, 1 when it is corrupt (wrong word count or final states).
-    """
-    slot_flat = slot_sym.reshape(-1)
-    fc_flat = freq_cum.reshape(-1)
-    fc_width = freq_cum.shape[1]
-    table_lines = PROB_SCALE // 64  # 64-byte cache lines of one slot table
-    slot_lines = LANES * table_lines  # ... of a group's slot tables
-    fc_table_lines = (fc_width * 4 + 63) // 64
+    bfloat16 bits if uint16). Stream ``k`` has ``kept[k]`` components, component ``c``
+    coded with table row ``table_row[radius_off[k] + c]``; its symbol ``s`` of component
+    ``c`` and token ``t`` becomes ``out[k, t, c] = s - radius[radius_off[k] + c]``, and
+    ``out[k, t, c]`` is 0 for ``c >= kept[k]``. A stream without components has no words.
+    ``status[k]``: 0 when the stream decoded cleanly, 1 when it is corrupt (wrong word count
+    or final states)."""
     states = np.empty(LANES, dtype=np.uint64)
     for i in range(todo.shape[0]):
         k = todo[i]
         C = kept[k]
-        for t in range(T):
-            for c in range(C, width):
-                out[(k * T + t) * width + c] = 0
+        for t in range(T):  # the columns past the kept components
+            out[(k * T + t) * width + C : (k * T + t + 1) * width] = 0
         w0 = word_off[k]
         end = word_off[k + 1]
         if C == 0 or T == 0:
@@ -86,67 +74,119 @@ def decode_coefficients(
         if end - w0 < STATE_WORDS:
             status[k] = 1
             continue
-        for lane in range(LANES):
-            states[lane] = np.uint64(words[w0 + 2 * lane]) | (
-                np.uint64(words[w0 + 2 * lane + 1]) << _U_16
-            )
-        p = w0 + STATE_WORDS
+        p = read_states(words, w0, states)
         last = end - 1
         for g in range(0, C, LANES):
-            ro = radius_off[k] + g
+            ro, at = radius_off[k] + g, k * T * width + g  # at: component g of token 0
             if C - g >= LANES:
-                x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
-                x4, x5, x6, x7 = states[4], states[5], states[6], states[7]
-                r0, r1, r2, r3 = radius[ro], radius[ro + 1], radius[ro + 2], radius[ro + 3]
-                r4, r5, r6, r7 = radius[ro + 4], radius[ro + 5], radius[ro + 6], radius[ro + 7]
-                t0, t1 = table_row[ro], table_row[ro + 1]
-                t2, t3 = table_row[ro + 2], table_row[ro + 3]
-                t4, t5 = table_row[ro + 4], table_row[ro + 5]
-                t6, t7 = table_row[ro + 6], table_row[ro + 7]
-                # prefetch the next group's tables while this one decodes (short streams
-                # stall on fetching them on demand)
-                ahead = g + 2 * LANES <= C
-                for t in range(T):
-                    if ahead:
-                        if t < slot_lines:
-                            row = table_row[ro + LANES + t // table_lines]
-                            prefetch(slot_flat, row * PROB_SCALE + (t % table_lines) * 64)
-                        elif t < slot_lines + LANES * fc_table_lines:
-                            u = t - slot_lines
-                            row = table_row[ro + LANES + u // fc_table_lines]
-                            prefetch(fc_flat, row * fc_width + (u % fc_table_lines) * 16)
-                    x0, p, y = decode_step(x0, t0, slot_sym, freq_cum, words, p, last)
-                    store_value(out, (k * T + t) * width + g, np.float32(y) - r0)
-                    x1, p, y = decode_step(x1, t1, slot_sym, freq_cum, words, p, last)
-                    store_value(out, (k * T + t) * width + g + 1, np.float32(y) - r1)
-                    x2, p, y = decode_step(x2, t2, slot_sym, freq_cum, words, p, last)
-                    store_value(out, (k * T + t) * width + g + 2, np.float32(y) - r2)
-                    x3, p, y = decode_step(x3, t3, slot_sym, freq_cum, words, p, last)
-                    store_value(out, (k * T + t) * width + g + 3, np.float32(y) - r3)
-                    x4, p, y = decode_step(x4, t4, slot_sym, freq_cum, words, p, last)
-                    store_value(out, (k * T + t) * width + g + 4, np.float32(y) - r4)
-                    x5, p, y = decode_step(x5, t5, slot_sym, freq_cum, words, p, last)
-                    store_value(out, (k * T + t) * width + g + 5, np.float32(y) - r5)
-                    x6, p, y = decode_step(x6, t6, slot_sym, freq_cum, words, p, last)
-                    store_value(out, (k * T + t) * width + g + 6, np.float32(y) - r6)
-                    x7, p, y = decode_step(x7, t7, slot_sym, freq_cum, words, p, last)
-                    store_value(out, (k * T + t) * width + g + 7, np.float32(y) - r7)
-                states[0], states[1], states[2], states[3] = x0, x1, x2, x3
-                states[4], states[5], states[6], states[7] = x4, x5, x6, x7
+                p = _decode_group(
+                    states,
+                    words,
+                    p,
+                    last,
+                    ro,
+                    at,
+                    g + 2 * LANES <= C,  # another full group follows: prefetch its tables
+                    T,
+                    width,
+                    table_row,
+                    radius,
+                    slot_sym,
+                    freq_cum,
+                    out,
+                )
             else:
-                for t in range(T):
-                    for lane in range(C - g):
-                        x, p, y = decode_step(
-                            states[lane], table_row[ro + lane], slot_sym, freq_cum, words, p, last
-                        )
-                        states[lane] = x
-                        at = (k * T + t) * width + g + lane
-                        store_value(out, at, np.float32(y) - radius[ro + lane])
+                p = _decode_tail(
+                    states,
+                    words,
+                    p,
+                    last,
+                    ro,
+                    at,
+                    C - g,
+                    T,
+                    width,
+                    table_row,
+                    radius,
+                    slot_sym,
+                    freq_cum,
+                    out,
+                )
         ok = p == end
         for lane in range(LANES):
             if states[lane] != _U_L:
                 ok = False
         status[k] = 0 if ok else 1
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _decode_group(
+    states, words, p, last, ro, at, ahead, T, width, table_row, radius, slot_sym, freq_cum, out
+):
+    """``LANES`` components (kept components ``ro`` on, coefficients from ``out[at]``, rows
+    ``width`` apart), every token, each lane's state in a register; prefetches the next
+    group's tables if ``ahead``. Returns the next word's position."""
+    slot_flat = slot_sym.reshape(-1)
+    fc_flat = freq_cum.reshape(-1)
+    fc_width = freq_cum.shape[1]
+    table_lines = PROB_SCALE // 64  # 64-byte cache lines of one slot table
+    slot_lines = LANES * table_lines  # ... of a group's slot tables
+    fc_table_lines = (fc_width * 4 + 63) // 64
+    x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
+    x4, x5, x6, x7 = states[4], states[5], states[6], states[7]
+    r0, r1, r2, r3 = radius[ro], radius[ro + 1], radius[ro + 2], radius[ro + 3]
+    r4, r5, r6, r7 = radius[ro + 4], radius[ro + 5], radius[ro + 6], radius[ro + 7]
+    t0, t1 = table_row[ro], table_row[ro + 1]
+    t2, t3 = table_row[ro + 2], table_row[ro + 3]
+    t4, t5 = table_row[ro + 4], table_row[ro + 5]
+    t6, t7 = table_row[ro + 6], table_row[ro + 7]
+    # prefetch the next group's tables while this one decodes (short streams
+    # stall on fetching them on demand)
+    for t in range(T):
+        if ahead:
+            if t < slot_lines:
+                row = table_row[ro + LANES + t // table_lines]
+                prefetch(slot_flat, row * PROB_SCALE + (t % table_lines) * 64)
+            elif t < slot_lines + LANES * fc_table_lines:
+                u = t - slot_lines
+                row = table_row[ro + LANES + u // fc_table_lines]
+                prefetch(fc_flat, row * fc_width + (u % fc_table_lines) * 16)
+        row_at = at + t * width
+        x0, p, y = decode_step(x0, t0, slot_sym, freq_cum, words, p, last)
+        store_value(out, row_at, np.float32(y) - r0)
+        x1, p, y = decode_step(x1, t1, slot_sym, freq_cum, words, p, last)
+        store_value(out, row_at + 1, np.float32(y) - r1)
+        x2, p, y = decode_step(x2, t2, slot_sym, freq_cum, words, p, last)
+        store_value(out, row_at + 2, np.float32(y) - r2)
+        x3, p, y = decode_step(x3, t3, slot_sym, freq_cum, words, p, last)
+        store_value(out, row_at + 3, np.float32(y) - r3)
+        x4, p, y = decode_step(x4, t4, slot_sym, freq_cum, words, p, last)
+        store_value(out, row_at + 4, np.float32(y) - r4)
+        x5, p, y = decode_step(x5, t5, slot_sym, freq_cum, words, p, last)
+        store_value(out, row_at + 5, np.float32(y) - r5)
+        x6, p, y = decode_step(x6, t6, slot_sym, freq_cum, words, p, last)
+        store_value(out, row_at + 6, np.float32(y) - r6)
+        x7, p, y = decode_step(x7, t7, slot_sym, freq_cum, words, p, last)
+        store_value(out, row_at + 7, np.float32(y) - r7)
+    states[0], states[1], states[2], states[3] = x0, x1, x2, x3
+    states[4], states[5], states[6], states[7] = x4, x5, x6, x7
+    return p
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _decode_tail(
+    states, words, p, last, ro, at, lanes, T, width, table_row, radius, slot_sym, freq_cum, out
+):
+    """The last ``lanes`` (< LANES) components of a stream, like :func:`_decode_group`
+    without the registers; returns the next word's position."""
+    for t in range(T):
+        for lane in range(lanes):
+            x, p, y = decode_step(
+                states[lane], table_row[ro + lane], slot_sym, freq_cum, words, p, last
+            )
+            states[lane] = x
+            store_value(out, at + t * width + lane, np.float32(y) - radius[ro + lane])
+    return p
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -172,18 +212,7 @@ def write_rows(
                 for d in range(head_dim):
                     row[d] = as_f32(rows_flat[at + d]) + mean[k, h * head_dim + d]
                 o = base[k] + (h * tokens + t) * head_dim
-                angle = first_angle[k] + t
-                if out16.shape[0] > 0:
-                    if rotate:
-                        done = turn_store_vector(row, cos, sin, angle, head_dim, out16, o)
-                    else:
-                        done = store_vector(row, cos, sin, angle, head_dim, out16, o)
-                elif rotate:
-                    done = turn_store_vector(row, cos, sin, angle, head_dim, out32, o)
-                else:
-                    done = store_vector(row, cos, sin, angle, head_dim, out32, o)
-                if not done:
-                    store_row(row, cos, sin, angle, rotate, head_dim, out32, out16, o)
+                store_row(row, cos, sin, first_angle[k] + t, rotate, head_dim, out32, out16, o)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)

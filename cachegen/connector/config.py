@@ -18,6 +18,7 @@ from math import inf
 from typing import Any
 
 from cachegen.connector.errors import ConnectorError
+from cachegen.connector.link_emulation import link_opener
 from cachegen.constants import CHUNK_TOKENS, RATE_SHAPERS
 from cachegen.modes import CONNECTOR_MODES as MODES
 from cachegen.store import StoreConfigError, default_store_url, parse_size
@@ -173,6 +174,8 @@ class RequestOptions:
                 "adaptive mode needs slo_ms (the time budget for loading the prefix) or "
                 "max_loss_pct (the quality bound of the fastest stored form)"
             )
+        if self.bandwidth_mbps is not None or self.rtt_ms:
+            link_opener()  # an emulated link is the lab's: refused where it is not installed
 
     def override(self, params: dict[str, Any] | None) -> RequestOptions:
         """These options with a request's ``kv_transfer_params`` applied on top."""

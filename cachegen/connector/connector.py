@@ -16,7 +16,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from cachegen import models
@@ -24,6 +26,7 @@ from cachegen.connector.checks import check_kv_cache_config, check_model
 from cachegen.connector.config import ConnectorConfig
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.metadata import LoadReports, StepMetadata
+from cachegen.connector.paged_cache import cache_groups
 from cachegen.connector.scheduler import SchedulerSide
 from cachegen.connector.stats import CacheGenPromMetrics, CacheGenStats
 from cachegen.connector.transport import ChunkTransport
@@ -55,8 +58,15 @@ def served_model(model_path: str) -> ModelSpec:
     return models.resolve(model_path)
 
 
-class CacheGenConnector(KVConnectorBase_V1):
-    """Stores prompt prefixes' KV (compressed by the cachegen codec) and loads it back."""
+class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
+    """Stores prompt prefixes' KV (compressed by the cachegen codec) and loads it back, in one
+    KV cache group or in the several of vLLM's hybrid KV cache manager."""
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """No (vLLM 0.33 on asks): a background load may still be writing into the KV cache
+        that sleep releases."""
+        return False
 
     def __init__(
         self,
@@ -84,36 +94,26 @@ class CacheGenConnector(KVConnectorBase_V1):
             )
         # Before the store is opened: a model or configuration the connector cannot serve
         # stops start-up, and nothing is stored for it (cachegen/connector/checks.py).
-        check_kv_cache_config(
-            kv_cache_config,
-            hybrid_manager=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
-        )
+        check_kv_cache_config(kv_cache_config)
         spec = served_model(vllm_config.model_config.model)
         windows = check_model(spec.config, spec.name)
-        if role == KVConnectorRole.SCHEDULER and any(w is not None for w in windows):
-            sliding = sorted({w for w in windows if w is not None})
-            logger.info(
-                "cachegen connector: %s has %d sliding-window layers (window %s) of %d; with "
-                "one KV cache group they keep every token; each chunk is stored as two records "
-                "(full-attention and sliding layers), and loads fetch the sliding part only "
-                "within the window (skip_out_of_window)",
-                spec.name,
-                sum(w is not None for w in windows),
-                "/".join(map(str, sliding)),
-                len(windows),
-            )
-        identity = spec.identity()
         block_size = vllm_config.cache_config.block_size
+        groups = cache_groups(kv_cache_config, block_size)
+        if role == KVConnectorRole.SCHEDULER and any(w is not None for w in windows):
+            _log_windows(spec.name, windows, len(groups))
+        identity = spec.identity()
         transport = ChunkTransport(self.config, spec, identity)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.config, transport, block_size, transfer.kv_role)
+            self._scheduler = SchedulerSide(
+                self.config, transport, block_size, transfer.kv_role, groups
+            )
         else:
             self._worker = WorkerSide(
                 transport,
                 identity,
-                block_size,
+                groups,
                 self.config.chunk_tokens,
                 save_async=self.config.save_async,
                 windows=windows,
@@ -156,10 +156,14 @@ class CacheGenConnector(KVConnectorBase_V1):
         self._worker.submit_saves(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self.get_transfer_results(finished_req_ids).finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
         meta = self._connector_metadata
         idle = isinstance(meta, StepMetadata) and meta.step_tokens == 0
-        return None, self._worker.finished_loads(idle) or None
+        done, failed = self._worker.finished_loads(idle)
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
@@ -215,8 +219,27 @@ class CacheGenConnector(KVConnectorBase_V1):
             set(connector_output.finished_recving or ()),
         )
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's end of a request for a SupportsHMA connector, with one KV cache group too
+        (its ``request_finished`` is then never called)."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
+
+
+def _log_windows(model: str, windows: tuple[int | None, ...], num_groups: int) -> None:
+    sliding = sorted({w for w in windows if w is not None})
+    logger.info(
+        "cachegen connector: %s has %d sliding-window layers (window %s) of %d, in %d KV cache "
+        "groups (%s); each chunk is stored as two records (full-attention and sliding layers), "
+        "and loads fetch the sliding part only within the window (skip_out_of_window)",
+        model,
+        sum(w is not None for w in windows),
+        "/".join(map(str, sliding)),
+        len(windows),
+        num_groups,
+        "sliding layers keep only their window's blocks"
+        if num_groups > 1
+        else "every layer keeps every token",
+    )

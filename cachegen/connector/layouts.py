@@ -47,6 +47,8 @@ CPU_BACKEND = "CPU_ATTN"
 # exactly representable in bf16, fp16 and fp32.
 _DIGIT_BASE = 128
 
+Pair = tuple[torch.Tensor, torch.Tensor]  # K and V
+
 
 class PagedLayout:
     """Where each token's K and V live inside one layer's paged cache tensor."""
@@ -56,7 +58,7 @@ class PagedLayout:
     num_kv_heads: int
     head_dim: int
 
-    def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> Pair:
         """K and V ``[num_kv_heads, len(slots), head_dim]`` of the tokens at ``slots``."""
         raise NotImplementedError
 
@@ -67,58 +69,42 @@ class PagedLayout:
         raise NotImplementedError
 
     # All layers at once: the worker moves a chunk's KV of every layer in one call, so a layout
-    # can do it in one pass (the CPU vec packing: one release of the GIL per chunk).
+    # can do it in one pass (the CPU vec packing: one release of the GIL per chunk). Whole
+    # blocks are the common case (chunks and vLLM's hits are block-aligned); layouts move a
+    # block's run at once, several times faster than per-token indexing.
 
-    def gather_layers(
-        self, caches: Sequence[torch.Tensor], slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[len(caches), num_kv_heads, len(slots), head_dim]``, one cache per layer."""
-        return _stack_layers(self.gather(cache, slots) for cache in caches)
+    def read(self, caches: Sequence[torch.Tensor], slots: torch.Tensor) -> Pair:
+        """K and V ``[len(caches), num_kv_heads, len(slots), head_dim]`` of the tokens at
+        ``slots``, one cache per layer."""
+        blocks = whole_blocks(slots, self.block_size)
+        if blocks is None:
+            return _stack_layers(self.gather(cache, slots) for cache in caches)
+        return self._read_blocks(caches, blocks)
 
-    def scatter_layers(
-        self,
-        caches: Sequence[torch.Tensor],
-        slots: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
-        """Write K and V ``[len(caches), num_kv_heads, len(slots), head_dim]``."""
-        for layer, cache in enumerate(caches):
-            self.scatter(cache, slots, keys[layer], values[layer])
+    def write(self, caches: Sequence[torch.Tensor], slots: torch.Tensor, kv: Pair) -> None:
+        """Write K and V ``kv`` (each ``[len(caches), num_kv_heads, len(slots), head_dim]``)
+        into the tokens at ``slots``, one cache per layer."""
+        blocks = whole_blocks(slots, self.block_size)
+        if blocks is None:
+            for layer, cache in enumerate(caches):
+                self.scatter(cache, slots, kv[0][layer], kv[1][layer])
+        else:
+            self._write_blocks(caches, blocks, kv)
 
-    # Whole blocks are the common case (chunks and vLLM's hits are block-aligned); layouts
-    # move a block's run at once, several times faster than per-token indexing.
-
-    def gather_blocks(
-        self, caches: Sequence[torch.Tensor], blocks: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[len(caches), num_kv_heads, len(blocks) * block_size, head_dim]`` of whole
-        blocks."""
+    def _read_blocks(self, caches: Sequence[torch.Tensor], blocks: torch.Tensor) -> Pair:
         return _stack_layers(self._gather_layer_blocks(cache, blocks) for cache in caches)
 
-    def scatter_blocks(
-        self,
-        caches: Sequence[torch.Tensor],
-        blocks: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
-        """Write K and V ``[len(caches), num_kv_heads, len(blocks) * block_size, head_dim]``."""
+    def _write_blocks(self, caches: Sequence[torch.Tensor], blocks: torch.Tensor, kv: Pair) -> None:
         for layer, cache in enumerate(caches):
-            self._scatter_layer_blocks(cache, blocks, keys[layer], values[layer])
+            self._scatter_layer_blocks(cache, blocks, kv[0][layer], kv[1][layer])
 
-    def _gather_layer_blocks(
-        self, cache: torch.Tensor, blocks: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gather(cache, self._block_slots(blocks))
+    def _gather_layer_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> Pair:
+        return self.gather(cache, block_slots(blocks, self.block_size))
 
     def _scatter_layer_blocks(
         self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
-        self.scatter(cache, self._block_slots(blocks), keys, values)
-
-    def _block_slots(self, blocks: torch.Tensor) -> torch.Tensor:
-        return (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
+        self.scatter(cache, block_slots(blocks, self.block_size), keys, values)
 
     def check_cache(self, cache: torch.Tensor) -> None:
         expected = (self.num_kv_heads, self.block_size, 2 * self.head_dim)
@@ -146,7 +132,7 @@ class SplitLayout(PagedLayout):
     head_dim: int
     kind: str = "split"
 
-    def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> Pair:
         slots = slots.to(cache.device)
         rows = cache[slots // self.block_size, :, slots % self.block_size]  # [n, H, 2D]
         rows = rows.transpose(0, 1)
@@ -164,9 +150,7 @@ class SplitLayout(PagedLayout):
         )
         cache[slots // self.block_size, :, slots % self.block_size] = rows
 
-    def _gather_layer_blocks(
-        self, cache: torch.Tensor, blocks: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather_layer_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> Pair:
         runs = cache[blocks.to(cache.device)]  # [n, H, bs, 2D]
         rows = runs.transpose(0, 1).reshape(self.num_kv_heads, -1, 2 * self.head_dim)
         return rows[..., : self.head_dim], rows[..., self.head_dim :]
@@ -174,7 +158,7 @@ class SplitLayout(PagedLayout):
     def _scatter_layer_blocks(
         self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
-        self._check_kv(self._block_slots(blocks), keys, values)
+        self._check_kv(block_slots(blocks, self.block_size), keys, values)
         rows = torch.cat([keys, values], dim=-1).to(device=cache.device, dtype=cache.dtype)
         cache[blocks.to(cache.device)] = rows.view(
             self.num_kv_heads, len(blocks), self.block_size, -1
@@ -213,7 +197,7 @@ class CpuPackedLayout(PagedLayout):
             )
         return cache.view(cache.shape[0], self.num_kv_heads, 2 * self.block_size * self.head_dim)
 
-    def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> Pair:
         runs = self._runs(cache)
         blocks = (slots // self.block_size)[:, None]
         offsets = slots % self.block_size
@@ -243,11 +227,9 @@ class CpuPackedLayout(PagedLayout):
             _as_bits(self._runs(c).view(c.shape[0], self.num_kv_heads, 2, -1)) for c in caches
         )
 
-    def gather_blocks(
-        self, caches: Sequence[torch.Tensor], blocks: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_blocks(self, caches: Sequence[torch.Tensor], blocks: torch.Tensor) -> Pair:
         if not self.is_vec:
-            return super().gather_blocks(caches, blocks)
+            return super()._read_blocks(caches, blocks)
         from cachegen.connector.packing_kernels import gather_vec_blocks
 
         shape = (len(caches), self.num_kv_heads, len(blocks) * self.block_size, self.head_dim)
@@ -261,18 +243,13 @@ class CpuPackedLayout(PagedLayout):
         )
         return keys, values
 
-    def scatter_blocks(
-        self,
-        caches: Sequence[torch.Tensor],
-        blocks: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
+    def _write_blocks(self, caches: Sequence[torch.Tensor], blocks: torch.Tensor, kv: Pair) -> None:
         if not self.is_vec:
-            return super().scatter_blocks(caches, blocks, keys, values)
+            return super()._write_blocks(caches, blocks, kv)
         from cachegen.connector.packing_kernels import scatter_vec_blocks
 
-        slots = self._block_slots(blocks)
+        keys, values = kv
+        slots = block_slots(blocks, self.block_size)
         for layer in range(len(caches)):
             self._check_kv(slots, keys[layer], values[layer])
         dtype = caches[0].dtype
@@ -284,7 +261,24 @@ class CpuPackedLayout(PagedLayout):
         )
 
 
-def _stack_layers(pairs) -> tuple[torch.Tensor, torch.Tensor]:
+def whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
+    """The blocks (of ``block_size`` slots) that ``slots`` fill exactly, in order, or None if
+    they do not."""
+    n = slots.numel()
+    if n == 0 or n % block_size or int(slots[0]) % block_size:
+        return None
+    grid = slots.view(-1, block_size)
+    if not torch.equal(grid - grid[:, :1], torch.arange(block_size).expand_as(grid)):
+        return None
+    return grid[:, 0] // block_size
+
+
+def block_slots(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The slots of ``blocks``, in order."""
+    return (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
+
+
+def _stack_layers(pairs) -> Pair:
     """Per-layer (keys, values) pairs stacked into keys and values with a leading layer axis."""
     keys, values = zip(*pairs)
     return torch.stack(keys), torch.stack(values)

@@ -22,7 +22,7 @@ class LoadTask:
 
     req_id: str
     token_ids: list[int]  # prompt tokens up to the end of the last chunk that is fetched
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one list per KV cache group (several with vLLM's HMA on)
     begin: int  # first token to inject (tokens before it are already in vLLM's cache)
     end: int  # one past the last token to inject
     options: RequestOptions
@@ -35,11 +35,12 @@ class SaveTask:
 
     req_id: str
     token_ids: list[int]  # the prompt's tokens, cut to whole chunks
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one list per KV cache group (several with vLLM's HMA on)
     modes: tuple[str, ...]
     first_chunk: int = 0  # chunks before it are already stored in every mode
-    # Chunks before it get no sliding-window part: a load skipped their sliding layers' KV, so
-    # the cache holds no valid KV there (models with sliding-window layers only).
+    # Chunks before it get no sliding-window part: a load skipped their sliding layers' KV, or
+    # vLLM's HMA freed their sliding blocks, so the cache holds no valid KV there (models with
+    # sliding-window layers only).
     sliding_from: int = 0
     salt: str | None = None  # the key scope of the request (RequestOptions.salt)
     save_id: int = 0  # names the save in LoadReports.saved (unique per scheduler)

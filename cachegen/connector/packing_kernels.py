@@ -21,50 +21,41 @@ import numba
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _scatter_layer(runs, blocks, keys, values):
+def _copy(dst, src):
+    # Written in order (reads strided): faster here than the reverse or tiled orders.
+    for i in range(dst.shape[0]):
+        for j in range(dst.shape[1]):
+            dst[i, j] = src[i, j]
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _move_layer(runs, blocks, keys, values, into_runs):
+    """Copy one layer's blocks into the runs (``into_runs``) or out of them."""
     heads, tokens, head_dim = keys.shape
     # From the tokens rather than the run length: LLVM then emits a faster loop.
     block_size = tokens // blocks.shape[0]
     for j in range(blocks.shape[0]):
-        block = blocks[j]
         first = j * block_size
         for h in range(heads):
-            key_run = runs[block, h, 0]
-            value_run = runs[block, h, 1]
-            for o in range(block_size):
-                for d in range(head_dim):
-                    value_run[o * head_dim + d] = values[h, first + o, d]
-            # Written in order (reads strided): faster here than the reverse or tiled orders.
-            for d in range(head_dim):
-                for o in range(block_size):
-                    key_run[d * block_size + o] = keys[h, first + o, d]
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def _gather_layer(runs, blocks, keys, values):
-    heads, tokens, head_dim = keys.shape
-    block_size = tokens // blocks.shape[0]
-    for j in range(blocks.shape[0]):
-        block = blocks[j]
-        first = j * block_size
-        for h in range(heads):
-            key_run = runs[block, h, 0]
-            value_run = runs[block, h, 1]
-            for o in range(block_size):
-                for d in range(head_dim):
-                    values[h, first + o, d] = value_run[o * head_dim + d]
-            for o in range(block_size):
-                for d in range(head_dim):
-                    keys[h, first + o, d] = key_run[d * block_size + o]
+            key_run = runs[blocks[j], h, 0].reshape(head_dim, block_size)  # K transposed
+            value_run = runs[blocks[j], h, 1].reshape(block_size, head_dim)
+            block_keys = keys[h, first : first + block_size]
+            block_values = values[h, first : first + block_size]
+            if into_runs:
+                _copy(value_run, block_values)
+                _copy(key_run, block_keys.T)
+            else:
+                _copy(block_values, value_run)
+                _copy(block_keys, key_run.T)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def scatter_vec_blocks(runs_by_layer, blocks, keys, values):
     for layer in range(len(runs_by_layer)):
-        _scatter_layer(runs_by_layer[layer], blocks, keys[layer], values[layer])
+        _move_layer(runs_by_layer[layer], blocks, keys[layer], values[layer], True)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def gather_vec_blocks(runs_by_layer, blocks, keys, values):
     for layer in range(len(runs_by_layer)):
-        _gather_layer(runs_by_layer[layer], blocks, keys[layer], values[layer])
+        _move_layer(runs_by_layer[layer], blocks, keys[layer], values[layer], False)

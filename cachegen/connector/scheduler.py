@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.inputs import InputsRefused, request_inputs
 from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
+from cachegen.connector.paged_cache import CacheGroup, held_from
 from cachegen.connector.stats import StatsRecorder
 from cachegen.connector.transport import ChunkTransport
 from cachegen.errors import CacheGenError
@@ -66,12 +67,22 @@ def _codec(mode: str) -> str:
 
 class SchedulerSide:
     def __init__(
-        self, config: ConnectorConfig, transport: ChunkTransport, block_size: int, role: str
+        self,
+        config: ConnectorConfig,
+        transport: ChunkTransport,
+        block_size: int,
+        role: str,
+        groups: list[CacheGroup] | None = None,
     ) -> None:
+        """``groups``: vLLM's KV cache groups (None: one group of ``block_size`` blocks)."""
         config.check_block_size(block_size)
         self.config = config
         self.transport = transport
         self.block_size = block_size
+        self.groups = groups or [CacheGroup(None, block_size)]
+        # With several KV cache groups vLLM recovers a failed load only for a request waiting
+        # for its KV (block ids name no request there), so every load runs in the background.
+        self.load_async = config.load_async or len(self.groups) > 1
         self.can_load = role in ("kv_consumer", "kv_both")
         self.can_save = role in ("kv_producer", "kv_both")
         self._tracked: dict[str, _Tracked] = {}
@@ -121,7 +132,7 @@ class SchedulerSide:
         if tracked.lookup is None or tracked.lookup[0] != num_computed_tokens:
             tracked.lookup = (num_computed_tokens, self._lookup(tracked, num_computed_tokens))
         matched = tracked.lookup[1]
-        return matched, matched > 0 and self.config.load_async
+        return matched, matched > 0 and self.load_async
 
     def _held_for_save(self, tracked: _Tracked, num_computed_tokens: int) -> bool:
         """Whether to hold the request back (vLLM asks again later) because a save of this
@@ -187,11 +198,11 @@ class SchedulerSide:
         tracked.load = LoadTask(
             req_id=request.request_id,
             token_ids=list(request.prompt_token_ids[:last_chunk_end]),
-            block_ids=list(blocks.get_block_ids()[0]),  # one KV cache group (checked at start-up)
+            block_ids=[list(ids) for ids in blocks.get_block_ids()],
             begin=begin,
             end=end,
             options=tracked.options,
-            in_background=self.config.load_async,
+            in_background=self.load_async,
         )
 
     # ---- per-step metadata ----------------------------------------------------------------------
@@ -252,12 +263,21 @@ class SchedulerSide:
         return SaveTask(
             request.request_id,
             list(prompt[:full]),
-            list(groups[0]),
+            [list(ids) for ids in groups],
             self.config.save_modes,
             first_chunk=stored,
-            sliding_from=tracked.sliding_from,
+            sliding_from=max(tracked.sliding_from, self._held_chunks(groups)),
             salt=options.salt,
             save_id=save_id,
+        )
+
+    def _held_chunks(self, block_ids: tuple[list[int], ...]) -> int:
+        """The first chunk all of whose tokens every KV cache group keeps (vLLM's HMA frees a
+        sliding-window group's blocks behind its window)."""
+        C = self.config.chunk_tokens
+        return max(
+            -(-held_from(list(ids), group.block_size) // C)
+            for ids, group in zip(block_ids, self.groups, strict=True)
         )
 
     # ---- worker feedback and completion ---------------------------------------------------------

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from cachegen.connector.errors import ConnectorError
-from cachegen.connector.layouts import CpuPackedLayout, PagedLayout, layout_for_layer
 from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
+from cachegen.connector.paged_cache import CacheGroup, PagedCache
+from cachegen.connector.save_plan import SavePrefix, SaveRecord
 from cachegen.connector.stats import StatsRecorder
-from cachegen.connector.transport import ChunkTransport, SaveRecord
+from cachegen.connector.transport import ChunkTransport
 from cachegen.kv import KVCache, ModelIdentity
 
 logger = logging.getLogger(__name__)
@@ -46,17 +46,6 @@ SAVE_IDLE_WAIT_S = 0.02  # longest wait of an idle engine step for a save's firs
 RATE_MIN_TOKENS = 256  # steps with fewer tokens say little about the prefill rate
 RATE_EWMA = 0.5
 IDLE_WAIT_S = 0.005  # longest wait of an idle engine step for a background load to finish
-
-
-def _whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
-    """The kernel blocks that ``slots`` fill exactly (in order), or None if they do not."""
-    n = slots.numel()
-    if n == 0 or n % block_size or int(slots[0]) % block_size:
-        return None
-    grid = slots.view(-1, block_size)
-    if not torch.equal(grid - grid[:, :1], torch.arange(block_size).expand_as(grid)):
-        return None
-    return grid[:, 0] // block_size
 
 
 class _Background:
@@ -260,28 +249,22 @@ class WorkerSide:
         self,
         transport: ChunkTransport,
         model: ModelIdentity,
-        block_size: int,
+        groups: list[CacheGroup],
         chunk_tokens: int,
         *,
         save_async: bool,
         windows: tuple[int | None, ...] | None = None,
     ) -> None:
         self.transport = transport
-        self.model = model
-        # Each layer's attention window (None: full), recorded on the KV read out for saving.
-        # Sliding-window layers hold every token too: the connector runs only with one KV
-        # cache group of full-attention slots (checks.check_kv_cache_config).
-        self.windows = windows
-        self.block_size = block_size  # the scheduler's block size (block ids refer to it)
+        self.cache = PagedCache(model, groups, windows)
         self.chunk_tokens = chunk_tokens
-        self._caches: list[torch.Tensor] = []  # one per layer, in layer order
-        self._layout: PagedLayout | None = None  # the same for every layer
         self._lock = threading.Lock()  # guards the collections below (loader thread)
         self._progress = threading.Condition(self._lock)  # a load or a save's first pass ended
         self._in_flight = 0  # loads submitted and not finished (background or inline)
         self._saving: set[int] = set()  # save ids whose first pass is not stored yet
         self._saved: list[int] = []  # save ids whose first pass ended, not reported yet
         self._invalid_blocks: set[int] = set()
+        self._failed_loads: set[str] = set()  # loads that failed (several KV cache groups)
         self._reports: dict[str, dict[str, Any]] = {}
         self._finished_loads: set[str] = set()
         self._failed_inline: set[str] = set()
@@ -301,100 +284,8 @@ class WorkerSide:
         self._step_started = 0.0
         self.prefill_tokens_per_s: float | None = None  # measured on this engine's prefill steps
 
-    # ---- start-up ------------------------------------------------------------------------------
-
     def register(self, kv_caches: dict[str, torch.Tensor], layers: dict[str, Any]) -> None:
-        """Order the per-layer caches by layer index and learn each one's layout."""
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        indexed = sorted((extract_layer_index(name), name) for name in kv_caches)
-        if [i for i, _ in indexed] != list(range(self.model.num_layers)):
-            raise ConnectorError(
-                f"vLLM has attention caches for layers {[i for i, _ in indexed]}, "
-                f"but {self.model.name} has {self.model.num_layers} layers; "
-                "cross-layer or shared KV caches are not supported"
-            )
-        caches, layouts = [], []
-        for _, name in indexed:
-            cache = kv_caches[name]
-            layout = layout_for_layer(layers[name], cache)
-            layout.check_cache(cache)
-            if (layout.num_kv_heads, layout.head_dim) != (
-                self.model.num_kv_heads,
-                self.model.head_dim,
-            ):
-                raise ConnectorError(
-                    f"layer {name}: vLLM holds {layout.num_kv_heads} KV heads x "
-                    f"{layout.head_dim}, the model has "
-                    f"{self.model.num_kv_heads} x {self.model.head_dim} "
-                    "(tensor parallelism is not supported)"
-                )
-            if self.block_size % layout.block_size:
-                raise ConnectorError(
-                    f"kernel block size {layout.block_size} does not divide block size "
-                    f"{self.block_size}"
-                )
-            if layouts and (layout != layouts[0] or cache.dtype != caches[0].dtype):
-                raise ConnectorError(
-                    f"layer {name} has another KV layout or dtype than layer 0; "
-                    "mixed layouts are not supported"
-                )
-            caches.append(cache)
-            layouts.append(layout)
-        self._caches, self._layout = caches, layouts[0]
-        extra = (
-            f", isa {self._layout.isa}, vec packing {self._layout.is_vec}"
-            if isinstance(self._layout, CpuPackedLayout)
-            else ""
-        )
-        logger.info(
-            "cachegen connector: %d layers, %s layout (kernel block %d%s)",
-            len(caches),
-            self._layout.kind,
-            self._layout.block_size,
-            extra,
-        )
-
-    # ---- moving KV between the paged cache and KVCache -----------------------------------------
-
-    def _slots(self, block_ids: list[int], begin: int, end: int) -> torch.Tensor:
-        positions = torch.arange(begin, end)
-        blocks = torch.as_tensor(block_ids, dtype=torch.int64)[positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
-
-    def gather(self, block_ids: list[int], token_ids: list[int], begin: int, end: int) -> KVCache:
-        """Logical KV of prompt tokens ``[begin, end)`` read from the paged cache (a copy)."""
-        slots = self._slots(block_ids, begin, end)
-        layout = self._layout
-        blocks = _whole_blocks(slots, layout.block_size)
-        if blocks is None:
-            keys, values = layout.gather_layers(self._caches, slots)
-        else:
-            keys, values = layout.gather_blocks(self._caches, blocks)
-        return KVCache(
-            keys=keys.cpu(),
-            values=values.cpu(),
-            token_ids=torch.as_tensor(token_ids[begin:end], dtype=torch.int64),
-            model=self.model,
-            start=begin,
-            windows=self.windows,
-        )
-
-    def inject(self, block_ids: list[int], kv: KVCache, begin: int, end: int) -> int:
-        """Write the part of ``kv`` inside tokens ``[begin, end)`` into the paged cache (into
-        the layers ``kv`` holds; a layer subset leaves the other layers' slots untouched)."""
-        lo, hi = max(begin, kv.start), min(end, kv.start + kv.num_tokens)
-        if lo >= hi:
-            return 0
-        slots = self._slots(block_ids, lo, hi)
-        part = kv.slice(lo - kv.start, hi - kv.start)
-        caches = self._caches if kv.layers is None else [self._caches[i] for i in kv.layers]
-        blocks = _whole_blocks(slots, self._layout.block_size)
-        if blocks is None:
-            self._layout.scatter_layers(caches, slots, part.keys, part.values)
-        else:
-            self._layout.scatter_blocks(caches, blocks, part.keys, part.values)
-        return hi - lo
+        self.cache.register(kv_caches, layers)
 
     # ---- loads ---------------------------------------------------------------------------------
 
@@ -419,7 +310,7 @@ class WorkerSide:
         def on_chunk(kv: KVCache) -> None:
             nonlocal inject_s
             t = time.perf_counter()
-            self.inject(task.block_ids, kv, task.begin, task.end)
+            self.cache.inject(task.block_ids, kv, task.begin, task.end)
             inject_s += time.perf_counter() - t
 
         try:
@@ -431,7 +322,7 @@ class WorkerSide:
                 on_chunk,
                 self.prefill_tokens_per_s,
                 end=task.end,
-                out_dtype=self._caches[0].dtype,
+                out_dtype=self.cache.dtype,
             )
             error, done_chunks, stats = result.error, result.chunks_loaded, result.stats
         except Exception as exc:  # noqa: BLE001 - any failure of a load must become a recompute
@@ -450,11 +341,7 @@ class WorkerSide:
         with self._lock:
             if error is not None:
                 report["load_error"] = error
-                # vLLM recomputes from the first block that failed
-                # (kv_load_failure_policy="recompute").
-                self._invalid_blocks.update(
-                    task.block_ids[loaded_end // self.block_size : -(-task.end // self.block_size)]
-                )
+                self._mark_failed(task, loaded_end)
                 if not task.in_background:
                     self._failed_inline.add(task.req_id)
             self._reports[task.req_id] = report
@@ -464,15 +351,28 @@ class WorkerSide:
             self._progress.notify_all()
         if error is not None:
             logger.warning(
-                "request %s: loaded %d of %d tokens, recomputing the rest: %s",
+                "request %s: loaded %d of %d tokens; vLLM recomputes the rest (all of the "
+                "request with several KV cache groups): %s",
                 task.req_id,
                 loaded_end - task.begin,
                 task.end - task.begin,
                 error,
             )
 
-    def finished_loads(self, idle: bool) -> set[str]:
-        """Background loads done since the last call (their failed blocks are reported with them).
+    def _mark_failed(self, task: LoadTask, loaded_end: int) -> None:
+        """Tell vLLM (kv_load_failure_policy="recompute") what to recompute: with one KV cache
+        group, from the first block that failed; with several, the whole request (block ids
+        are per group there, and vLLM cannot map them back to requests)."""
+        groups = self.cache.groups
+        if len(groups) > 1:
+            self._failed_loads.add(task.req_id)
+            return
+        size = groups[0].block_size
+        self._invalid_blocks.update(task.block_ids[0][loaded_end // size : -(-task.end // size)])
+
+    def finished_loads(self, idle: bool) -> tuple[set[str], set[str]]:
+        """Background loads done since the last call, and those of them that failed with
+        several KV cache groups (with one, their failed blocks are reported with them).
 
         ``idle``: vLLM had nothing to compute this step. It then steps again at once, only to
         ask whether a load finished (or, for a request the scheduler holds back, whether a
@@ -486,7 +386,9 @@ class WorkerSide:
                 elif self._saving:
                     self._progress.wait(timeout=SAVE_IDLE_WAIT_S)
             done, self._finished_loads = self._finished_loads, set()
-        return done
+            failed = self._failed_loads & done
+            self._failed_loads -= failed
+        return done, failed
 
     def block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -522,7 +424,7 @@ class WorkerSide:
             if task.req_id in failed:
                 self._first_pass_ended(task.save_id)  # vLLM recomputes what its cache holds
                 continue
-            kv = self.gather(
+            kv = self.cache.gather(
                 task.block_ids,
                 task.token_ids,
                 task.first_chunk * self.chunk_tokens,
@@ -544,9 +446,8 @@ class WorkerSide:
         return written
 
     def _save_records(self, task: SaveTask, kv: KVCache) -> list[SaveRecord]:
-        return self.transport.save_records(
-            task.token_ids, kv, task.modes, task.sliding_from, task.salt
-        )
+        prefix = SavePrefix(task.token_ids, task.modes, task.sliding_from, task.salt)
+        return self.transport.save_records(prefix, kv)
 
     def _save(self, task: SaveTask, kv: KVCache) -> None:
         """Store ``kv`` inside this engine step (``save_async=false``)."""

@@ -30,6 +30,22 @@ if TYPE_CHECKING:
 SCHEMA_PATH = Path(__file__).parent / "bench" / "rows.schema.json"
 # What a row is about comes first in its JSON (then the measurements, in field order).
 LEADING = ("kind", "model", "mode", "codec", "level", "bandwidth_mbps", "context_tokens", "repeat")
+# What a loader measures of one load (its LoadStats, or the connector's report of it).
+LOAD_MEASURES = ("bytes", "levels", "transfer_s", "decode_s", "load_s", "goodput_mbps")
+# What a request row takes from the engine's Measurement of the request, by the same names.
+REQUEST_MEASURES = (
+    "mode",
+    "level",
+    "bandwidth_mbps",
+    "slo_ms",
+    "prompt_tokens",
+    "output_tokens",
+    "cached_tokens",
+    "ttft_s",
+    "ttft_wall_s",
+    "e2e_s",
+    "output_tokens_per_s",
+)
 
 
 @dataclass(kw_only=True)
@@ -50,6 +66,11 @@ class LoadRow:
     def to_dict(self) -> dict:
         row = asdict(self)
         return {**{k: row[k] for k in LEADING if k in row}, **row}
+
+    @staticmethod
+    def measures(report: dict) -> dict:
+        """The fields of ``LOAD_MEASURES`` from a loader's report (None where it has none)."""
+        return {k: report.get(k) for k in LOAD_MEASURES}
 
 
 @dataclass(kw_only=True)
@@ -76,25 +97,10 @@ class RequestRow(LoadRow):
         report = m.connector
         return cls(
             model=model,
-            mode=m.mode,
-            level=m.level,
-            bandwidth_mbps=m.bandwidth_mbps,
-            slo_ms=m.slo_ms,
-            prompt_tokens=m.prompt_tokens,
-            output_tokens=m.output_tokens,
-            cached_tokens=m.cached_tokens,
+            **{k: getattr(m, k) for k in REQUEST_MEASURES},
             loaded_tokens=report.get("loaded_tokens", 0 if m.mode == RECOMPUTE else None),
-            ttft_s=m.ttft_s,
-            ttft_wall_s=m.ttft_wall_s,
-            e2e_s=m.e2e_s,
-            output_tokens_per_s=m.output_tokens_per_s,
-            bytes=report.get("bytes"),
-            levels=report.get("levels"),
-            transfer_s=report.get("transfer_s"),
-            decode_s=report.get("decode_s"),
+            **cls.measures(report),
             inject_s=report.get("inject_s"),
-            load_s=report.get("load_s"),
-            goodput_mbps=report.get("goodput_mbps"),
             # "error": the request's options were refused, so nothing was loaded either
             load_error=report.get("load_error") or report.get("error"),
         )

@@ -5,6 +5,7 @@ Layout under the root directory::
     cachegen-store.json               marker: format name and version
     chunks/<namespace>/<digest>/L<level>.cgc   one record (see record.py) per (key, level)
     tables/<tables id>.cgc            profile tables the chunks need (one record each)
+    model-files/<file id>.cgc         model files the chunks need (tcq models, kvtc bases)
     profiles/<profile id>.cgc         codec profile documents (one record each)
     adopted/<fingerprint>-<codec>.cgc the profile adopted for a model and codec (written once)
     tmp/                              records being written
@@ -32,9 +33,10 @@ from pathlib import Path
 from cachegen.errors import InputError
 from cachegen.fileio import check_version, versioned
 from cachegen.store import record
-from cachegen.store.base import ChunkInfo, ChunkStore, meta_too_large, tables_too_large
+from cachegen.store.base import ChunkInfo, ChunkStore, lru_victims
 from cachegen.store.errors import ChunkMissing, StoreConfigError, StoreError
 from cachegen.store.keys import validate_key, validate_level
+from cachegen.store.profile_records import describe, record_too_large
 
 MARKER = "cachegen-store.json"
 SCHEMA = "cachegen-chunk-store"
@@ -215,38 +217,7 @@ class LocalStore(ChunkStore):
                     level = int(entry.name[1 : -len(SUFFIX)])
                     yield ChunkInfo(key, level, *found)
 
-    # ---- profile tables --------------------------------------------------------------
-
-    def _tables_path(self, tables_id: str) -> Path:
-        return self.root / "tables" / f"{tables_id}{SUFFIX}"
-
-    def _read_tables_record(self, tables_id: str, cap: int) -> bytes | None:
-        try:
-            with open(self._tables_path(tables_id), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size > cap:
-                    raise tables_too_large(tables_id, size)
-                return f.read(cap + 1)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise StoreError(f"cannot read profile tables {tables_id[:16]}: {exc}") from exc
-
-    def _write_tables_record(self, tables_id: str, data: bytes) -> None:
-        path = self._tables_path(tables_id)
-        tmp = self._tmp / f"{uuid.uuid4().hex}{SUFFIX}"
-        try:
-            path.parent.mkdir(exist_ok=True)
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise StoreError(
-                f"cannot write profile tables {tables_id[:16]} under {self.root}: {exc}"
-            ) from exc
-
-    # ---- codec profiles and adopted-profile pointers ---------------------------------
+    # ---- profile tables, model files, codec profiles and adopted pointers -----------
 
     def _meta_path(self, kind: str, name: str) -> Path:
         return self.root / kind / f"{name}{SUFFIX}"
@@ -256,12 +227,12 @@ class LocalStore(ChunkStore):
             with open(self._meta_path(kind, name), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size > cap:
-                    raise meta_too_large(kind, name, size)
+                    raise record_too_large(kind, name, size, cap)
                 return f.read(cap + 1)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise StoreError(f"cannot read {kind} record {name[:16]}: {exc}") from exc
+            raise StoreError(f"cannot read {describe(kind, name)}: {exc}") from exc
 
     def _write_meta(self, kind: str, name: str, data: bytes, *, exclusive: bool) -> bool:
         path = self._meta_path(kind, name)
@@ -279,7 +250,7 @@ class LocalStore(ChunkStore):
             return True
         except OSError as exc:
             raise StoreError(
-                f"cannot write {kind} record {name[:16]} under {self.root}: {exc}"
+                f"cannot write {describe(kind, name)} under {self.root}: {exc}"
             ) from exc
         finally:
             with contextlib.suppress(OSError):
@@ -291,7 +262,7 @@ class LocalStore(ChunkStore):
         except FileNotFoundError:
             return False
         except OSError as exc:
-            raise StoreError(f"cannot delete {kind} record {name[:16]}: {exc}") from exc
+            raise StoreError(f"cannot delete {describe(kind, name)}: {exc}") from exc
         return True
 
     def _list_meta(self, kind: str) -> list[str]:
@@ -316,22 +287,16 @@ class LocalStore(ChunkStore):
         return removed
 
     def evict(self, max_bytes: int) -> int:
-        if max_bytes < 0:
-            raise StoreConfigError(f"max_bytes must be >= 0, got {max_bytes}")
         with _file_lock(self.root / ".lock"):
-            entries = sorted(self.list(), key=lambda e: e.last_used or 0.0)
-            total = sum(e.size for e in entries)
+            victims, remaining = lru_victims(self.list(), max_bytes)
             removed = 0
-            for entry in entries:
-                if total <= max_bytes:
-                    break
+            for entry in victims:
                 with contextlib.suppress(FileNotFoundError):
                     self._path(entry.key, entry.level).unlink()
                     removed += 1
-                total -= entry.size
                 _prune_empty(self._chunks / entry.key, self._chunks)
             with self._lock:
-                self._approx_bytes = total
+                self._approx_bytes = remaining
         return removed
 
     @property

@@ -1,13 +1,15 @@
-"""A chunk store as a source of profile tables, so that tables travel with the chunks.
+"""A chunk store as a source of profile tables and model files, so that they travel with the
+chunks.
 
 A producer puts the tables its chunks name into the store (:func:`publish_tables`, once per
-tables id: the store keeps the first valid copy). A consumer adds the store as a table provider
-(:class:`StoreTables`, ``cachegen.codec.tables.add_provider``) and decodes with an empty cache
-directory and no model weights: ``find_tables`` asks the store for tables it does not have.
-What the store returns is verified (record checksum, the MAC when the store has a secret, the
-content hash against the id, the tables file's own checks); tables that fail are refused with
-``TablesRefused``. The bitstream's model and level are checked against the tables by
-``find_tables`` as for tables from any provider.
+tables id: the store keeps the first valid copy), and the model file of a transform codec
+(:func:`publish_model_file`: a tcq model, a kvtc basis) likewise. A consumer adds the store as
+a table provider (:class:`StoreTables`, ``cachegen.codec.tables.add_provider``; the one call
+provides both) and decodes with an empty cache directory and no model weights: ``find_tables``
+and ``ModelFiles.find`` ask the store for what they do not have. What the store returns is
+verified (record checksum, the MAC when the store has a secret, the content hash against the
+id, the file's own checks, and the bitstream's model); what fails is refused with
+``TablesRefused`` (``ModelFileRefused`` for a model file).
 
 The profile travels too (:func:`resolve_profile`): the store keeps profile documents by id
 and, per model and codec, a pointer to the profile its chunks use, written once by the first
@@ -26,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from cachegen.codec.errors import CodecError
+from cachegen.codec.model_file import ModelFile, ModelFileRefused, same_model
 from cachegen.codec.profile import Profile, profile_document, profile_from_document
 from cachegen.codec.tables import LOCAL, TablesRefused, add_provider, parse_tables, remove_provider
 from cachegen.kv import ModelIdentity
@@ -34,29 +37,39 @@ from cachegen.store.errors import ChunkCorrupt, ChunkTooLarge, StoreError
 
 
 class StoreTables:
-    """A ``TableProvider`` that reads profile tables from ``store`` and keeps a copy of each
-    in the local tables directory (so later processes need not ask again)."""
+    """A ``TableProvider`` that reads profile tables and model files from ``store``; each
+    table file is kept in the local tables directory (so later processes need not ask again),
+    each model file in the transforms directory (by ``ModelFiles.find``, once checked)."""
 
     def __init__(self, store: ChunkStore) -> None:
         self.store = store
 
     def read_tables(self, tables_id: str) -> bytes | None:
-        try:
-            data = self.store.get_tables(tables_id)
-        except (ChunkCorrupt, ChunkTooLarge) as exc:
-            raise TablesRefused(
-                f"profile tables {tables_id[:16]} in {self.describe()} are refused ({exc}); the "
-                "chunks that need them are recomputed until a producer that has the tables "
-                "stores them again (a damaged copy is replaced on its next save)"
-            ) from exc
-        except StoreError:
-            return None  # unreachable: the decode fails as for tables nobody has
+        data = self._read(self.store.get_tables, tables_id, "profile tables", TablesRefused)
         if data is None:
             return None
         parse_tables(data, tables_id, f"{tables_id[:16]} in {self.describe()}")
         with contextlib.suppress(OSError):  # a read-only cache directory is no reason to fail
             LOCAL.write_tables(tables_id, data)
         return data
+
+    def read_model_file(self, file_id: str) -> bytes | None:
+        return self._read(self.store.get_model_file, file_id, "model file", ModelFileRefused)
+
+    def _read(self, get: Callable, file_id: str, what: str, refused: type) -> bytes | None:
+        """``get(file_id)``: the store's verified copy, None when it has none or cannot be
+        reached (the decode then fails as for a file nobody has); ``refused`` when it fails a
+        check."""
+        try:
+            return get(file_id)
+        except (ChunkCorrupt, ChunkTooLarge) as exc:
+            raise refused(
+                f"{what} {file_id[:16]} in {self.describe()}: refused ({exc}); the chunks that "
+                "need it are recomputed until a producer that has it stores it again (a "
+                "damaged copy is replaced on its next save)"
+            ) from exc
+        except StoreError:
+            return None
 
     def describe(self) -> str:
         return f"the store {self.store.label}"
@@ -72,6 +85,12 @@ def publish_tables(store: ChunkStore, tables_ids: Iterable[str]) -> int:
         if data is not None and store.put_tables(tables_id, data):
             written += len(data)
     return written
+
+
+def publish_model_file(store: ChunkStore, model_file: ModelFile) -> int:
+    """Put ``model_file`` (a tcq model, a kvtc basis) into ``store`` unless it holds a valid
+    copy; returns the bytes written."""
+    return model_file.nbytes if store.put_model_file(model_file.id, model_file.file_bytes) else 0
 
 
 # ---- the profile --------------------------------------------------------------------------
@@ -123,12 +142,7 @@ def load_stored_profile(store: ChunkStore, profile_id: str, model: ModelIdentity
             raise
         raise ProfileRefused(f"the store's adopted profile {where} is refused ({exc})") from exc
     theirs, ours = profile.model, model
-    if (theirs.fingerprint, theirs.num_layers, theirs.num_kv_heads, theirs.head_dim) != (
-        ours.fingerprint,
-        ours.num_layers,
-        ours.num_kv_heads,
-        ours.head_dim,
-    ):
+    if not same_model(theirs, ours):
         raise ProfileRefused(
             f"the store's profile {where} belongs to model {theirs.name} "
             f"({theirs.fingerprint[:12]}), not {ours.name} ({ours.fingerprint[:12]})"

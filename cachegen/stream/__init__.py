@@ -1,13 +1,13 @@
-"""Moving encoded chunks over a bandwidth-limited link, pipelined with decoding.
+"""Loading encoded chunks pipelined with decoding, at levels a controller picks per chunk.
 
     from cachegen.store import open_store, chunk_keys, longest_prefix
-    from cachegen.stream import open_link, stream_load, AdaptiveController, RECOMPUTE
+    from cachegen.stream import DirectSource, stream_load, AdaptiveController, RECOMPUTE
 
-    with open_link(store, bandwidth_mbps=100, rtt_ms=0, shaper="token-bucket") as link:
-        stats = stream_load(link.source, keys, decode, consume, level=2)
-        # or: controller=AdaptiveController(slo_s, sizes, chunk_tokens, prefill_tokens_per_s=...)
-        # or: controller=FastestController(options, chunk_tokens, max_loss_pct=..., ...)
+    stats = stream_load(DirectSource(store), keys, decode, consume, level=2)
+    # or: controller=AdaptiveController(slo_s, sizes, chunk_tokens, prefill_tokens_per_s=...)
+    # or: controller=FastestController(options, chunk_tokens, max_loss_pct=..., ...)
 
+A source over an emulated link (a rate, an RTT) comes from the lab: ``cachegen.lab.network``.
 Errors are ``cachegen.store.StoreError`` (ChunkMissing, ChunkCorrupt, StoreUnavailable) or
 ``StreamError`` (StreamTimeout, StreamProtocolError); both derive from CacheGenError and
 carry ``.stats`` (``stats.n_loaded`` chunks were consumed before the failure).
@@ -24,41 +24,25 @@ from cachegen.stream.controller import (
     Option,
     host_bound_mbps,
 )
-from cachegen.stream.errors import (
-    ShaperUnavailable,
-    StreamError,
-    StreamProtocolError,
-    StreamTimeout,
-)
-from cachegen.stream.link import SHAPERS, Link, open_link
+from cachegen.stream.errors import StreamError, StreamProtocolError, StreamTimeout
 from cachegen.stream.loader import ChunkStat, LoadStats, stream_load
-from cachegen.stream.server import ChunkServer, ChunkServerProcess
-from cachegen.stream.source import ChunkSource, DirectSource, SocketSource
-from cachegen.stream.traces import BandwidthTrace
+from cachegen.stream.source import ChunkSource, DirectSource
 
 __all__ = [
     "DECODE_EWMA",
     "RECOMPUTE",
-    "SHAPERS",
     "AdaptiveController",
-    "BandwidthTrace",
-    "ChunkServer",
-    "ChunkServerProcess",
     "ChunkSource",
     "ChunkStat",
     "Decision",
     "DirectSource",
     "FastestController",
     "host_bound_mbps",
-    "Link",
     "LoadEstimator",
     "LoadStats",
     "Option",
-    "ShaperUnavailable",
-    "SocketSource",
     "StreamError",
     "StreamProtocolError",
     "StreamTimeout",
-    "open_link",
     "stream_load",
 ]

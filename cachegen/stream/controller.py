@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from cachegen.errors import InputError
 from cachegen.modes import RECOMPUTE
@@ -254,22 +255,12 @@ class AdaptiveController(LoadEstimator):
         sizes: Mapping[int, Sequence[int | None]],
         chunk_tokens: Sequence[int],
         *,
-        prefill_tokens_per_s: float,
-        initial_mbps: float | None = None,
-        decode_s_per_token: Mapping[int, float] | None = None,
-        safety: float = 1.0,
         drop_factor: float = DEFAULT_DROP_FACTOR,
+        **estimator: Any,
     ) -> None:
         if slo_s <= 0 or drop_factor < 1:
             raise InputError("slo_s must be positive and drop_factor >= 1")
-        super().__init__(
-            sizes,
-            chunk_tokens,
-            prefill_tokens_per_s=prefill_tokens_per_s,
-            initial_mbps=initial_mbps,
-            decode_s_per_token=decode_s_per_token,
-            safety=safety,
-        )
+        super().__init__(sizes, chunk_tokens, **estimator)
         self.slo_s = slo_s
         self.drop_factor = drop_factor
 
@@ -343,13 +334,10 @@ class FastestController(LoadEstimator):
         chunk_tokens: Sequence[int],
         *,
         max_loss_pct: float,
-        prefill_tokens_per_s: float,
-        initial_mbps: float | None = None,
-        decode_s_per_token: Mapping[str, float] | None = None,
-        safety: float = 1.0,
         explore: float = DEFAULT_EXPLORE,
         switch_margin: float = DEFAULT_SWITCH_MARGIN,
         host_mbps: Mapping[str, float] | None = None,
+        **estimator: Any,
     ) -> None:
         if explore < 0 or switch_margin < 0:
             raise InputError(
@@ -375,14 +363,7 @@ class FastestController(LoadEstimator):
                 f"no option has a loss of at most {max_loss_pct}% (losses: {known}); raise the "
                 "bound or give the options' losses"
             )
-        super().__init__(
-            {o.name: o.sizes for o in allowed},
-            chunk_tokens,
-            prefill_tokens_per_s=prefill_tokens_per_s,
-            initial_mbps=initial_mbps,
-            decode_s_per_token=decode_s_per_token,
-            safety=safety,
-        )
+        super().__init__({o.name: o.sizes for o in allowed}, chunk_tokens, **estimator)
         self._sampled_bytes = 0
         self._sampled_s = 0.0
         self._sampled_by_option: dict[Choice, tuple[int, float]] = {}

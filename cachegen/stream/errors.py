@@ -13,7 +13,3 @@ class StreamTimeout(StreamError):
 
 class StreamProtocolError(StreamError):
     """The peer sent bytes that are not a valid frame of the chunk protocol."""
-
-
-class ShaperUnavailable(StreamError):
-    """The requested traffic shaper cannot run here (e.g. netns mode without root or tc)."""

@@ -48,8 +48,8 @@ def small_fits(small_fits_dir, monkeypatch):
     """For tests that need *a* kvtc basis or tcq model file of a real model, not a good one:
     fitting those of Gemma 3 by the recipe takes minutes on 2 cores without bf16
     instructions. The user's profile directory is left alone."""
-    from cachegen import profiles
+    from cachegen.fitting import kvtc
 
-    monkeypatch.setattr(profiles, "KVTC_CALIBRATION_TOKENS", SMALL_FIT_TOKENS)
+    monkeypatch.setattr(kvtc, "KVTC_CALIBRATION_TOKENS", SMALL_FIT_TOKENS)
     with own_profile_dir(small_fits_dir):
         yield small_fits_dir

@@ -21,7 +21,6 @@ from cachegen.codec import (
     quant,
 )
 from cachegen.codec import tables as tables_mod
-from cachegen.codec.api import CODECS
 from cachegen.codec.bitstream import parse_header
 from cachegen.errors import CacheGenError
 from cachegen.kv import KVCache
@@ -48,7 +47,7 @@ def tiny_profile(tiny_llama):
 
 def codec_levels():
     levels = {"cachegen": [1, 2, 3], "kvtc": [10, 40], "turboquant": [25, 35], "tcq": [20, 26]}
-    for name in CODECS:
+    for name in available_codecs():
         for level in levels.get(name, [0]):
             yield name, level
 
@@ -98,35 +97,6 @@ def test_fp8_error_is_within_e4m3_precision(tiny_kv):
     scale = x.abs().amax(dim=(2, 3, 4), keepdim=True) / 448
     # e4m3: 3 mantissa bits (relative error <= 2^-4), subnormal step 2^-9 of the scale
     assert torch.all((x - y).abs() <= x.abs() * 2**-4 + scale * 2**-9 + 1e-6)
-
-
-def test_int8_zstd_decodes_to_the_same_values_as_int8(tiny_kv):
-    a = decode(get_codec("int8").encode(tiny_kv), out_dtype=torch.float32)
-    b = decode(get_codec("int8-zstd").encode(tiny_kv), out_dtype=torch.float32)
-    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-
-
-def test_kivi2_error_is_within_half_a_step(tiny_kv):
-    x = f32(tiny_kv)
-    y = f32(decode(get_codec("kivi2", group_size=32).encode(tiny_kv), out_dtype=torch.float32))
-    L, H, n, D = tiny_kv.keys.shape
-    k, v = x[0], x[1]
-    ng = -(-n // 32)
-    kp = torch.cat([k, k[:, :, -1:].expand(L, H, ng * 32 - n, D)], 2).view(L, H, ng, 32, D)
-    kstep = (
-        ((kp.amax(3, keepdim=True) - kp.amin(3, keepdim=True)) / 3)
-        .expand(L, H, ng, 32, D)
-        .reshape(L, H, ng * 32, D)[:, :, :n]
-    )
-    vg = v.view(L, H, n, D // 32, 32)
-    vstep = (
-        ((vg.amax(4, keepdim=True) - vg.amin(4, keepdim=True)) / 3)
-        .expand_as(vg)
-        .reshape(L, H, n, D)
-    )
-    # half a step, plus the fp16 rounding of the group's minimum and step
-    assert torch.all((k - y[0]).abs() <= kstep * 0.51 + k.abs() * 2e-3 + 1e-3)
-    assert torch.all((v - y[1]).abs() <= vstep * 0.51 + v.abs() * 2e-3 + 1e-3)
 
 
 def _step_bound(x: torch.Tensor, cfg: QuantConfig, kind: str) -> torch.Tensor:

@@ -7,19 +7,8 @@ import json
 import pytest
 
 from cachegen.codec import form_loss
-from cachegen.codec.packed import record_tag
 from cachegen.codec.profile import SHIPPED_DIR
 from cachegen.errors import InputError
-
-
-def test_form_names_follow_the_store_slot():
-    assert form_loss.form_name("cachegen", 11) == "cachegen-11"
-    assert form_loss.form_name("cachegen", record_tag(11, "packed")) == "cachegen-11-packed"
-    assert form_loss.form_name("int8", 0) == "int8"
-    assert form_loss.cachegen_level("cachegen-11-packed") == 11
-    assert form_loss.cachegen_level("cachegen-4") == 4
-    assert form_loss.cachegen_level("int8") is None
-    assert form_loss.cachegen_level("cachegen-x") is None
 
 
 def test_smollm2_losses_come_from_its_calibration_and_the_measured_baselines(smollm2):
@@ -50,6 +39,8 @@ def test_a_model_without_data_has_only_raw_known(tiny_llama):
         ["cachegen-2", "int8", "fp8", "raw"], tiny_llama.identity().fingerprint
     )
     assert losses == {"cachegen-2": None, "int8": None, "fp8": None, "raw": 0.0}
+    with pytest.raises(InputError, match="unknown form 'cachegen-x'"):
+        form_loss.form_losses(["cachegen-x"], tiny_llama.identity().fingerprint)
 
 
 def test_the_loss_file_is_a_versioned_document_with_its_source():

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from cachegen.codec import CodecError, QuantConfig, decode, inspect, tables
-from cachegen.codec.bitstream import CODED, FLAG_PACKED, PACKED, parse_header
+from cachegen.codec.bitstream import FLAG_PACKED, parse_header
 from cachegen.codec.cachegen_codec import CacheGenCodec
-from cachegen.codec.packed import record_tag, split_record_tag, symbol_width
+from cachegen.codec.packed import symbol_width
 from cachegen.kv import KVCache, ModelIdentity
+from cachegen.modes import CODED, PACKED
 from cachegen.profiles import add_level, codec_for, ensure_profile
 from tests.support import FIXTURES
 
@@ -269,18 +270,6 @@ def test_old_bitstream_still_decodes(tiny_llama, fixture_tables):
     packed = codec.encode(out, 3, form=PACKED)
     assert packed[9] & FLAG_PACKED and parse_header(packed).version == 4
     assert_same_decode(codec.encode(out, 3), packed)
-
-
-def test_record_tags_name_the_form_beside_the_level():
-    assert record_tag(4) == 4 and record_tag(4, PACKED) == 0x8004
-    for level in (0, 4, 32767):
-        for form in (CODED, PACKED):
-            assert split_record_tag(record_tag(level, form)) == (level, form)
-    for form in (CODED, PACKED):  # a tag is unambiguous only below bit 15
-        with pytest.raises(CodecError):
-            record_tag(40000, form)
-    with pytest.raises(CodecError):
-        record_tag(4, "zipped")
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])

@@ -20,20 +20,26 @@ from cachegen.codec import (
     inspect,
     rans,
     tcq,
+    tcq_code,
+    tcq_decode,
+    tcq_encode,
+    tcq_model,
 )
 from cachegen.codec.bitstream import parse_frames, parse_header
 from cachegen.codec.quant import rotate_layer_keys
+from cachegen.fitting.attention import LayerStats, attention_probabilities, layer_weights
+from cachegen.fitting.tcq import ensure_tcq_model, fit_tcq_model, tcq_calibration_spec
 from cachegen.kv import KVCache
-from cachegen.profiles import codec_for, ensure_tcq_model, tcq_calibration_spec
+from cachegen.profiles import codec_for
 from tests.codec import transform_support as shared
 from tests.codec.transform_support import f32, relative_error
 
 # levels from the most bits per element (the finest step) to the fewest
-BY_STEP = sorted(tcq.LEVELS, key=lambda level: -tcq.LEVELS[level])
+BY_STEP = sorted(tcq_model.LEVELS, key=lambda level: -tcq_model.LEVELS[level])
 
 
 @pytest.fixture(scope="module")
-def model_file(tiny_llama, profiles) -> tcq.TcqModel:
+def model_file(tiny_llama, profiles) -> tcq_model.TcqModel:
     return ensure_tcq_model(tiny_llama)
 
 
@@ -70,12 +76,12 @@ def test_a_layer_subset_decodes_to_the_same_values(kv, tiny_llama, model_file):
 
 
 @pytest.fixture(scope="module")
-def static_model(model_file, profiles) -> tcq.TcqModel:
+def static_model(model_file, profiles) -> tcq_model.TcqModel:
     """The model file as format version 1 wrote it: no table family, frames without choices."""
     import dataclasses
 
-    old = dataclasses.replace(model_file, family=np.zeros((0, tcq.MAX_RADIUS + 1), np.uint32))
-    return tcq.save_tcq_model(old)
+    old = dataclasses.replace(model_file, family=np.zeros((0, tcq_model.MAX_RADIUS + 1), np.uint32))
+    return tcq_model.save_tcq_model(old)
 
 
 def test_without_a_family_each_token_decodes_alike_in_any_chunking(kv, static_model):
@@ -102,7 +108,7 @@ def test_frames_without_choices_still_decode(kv, static_model, model_file):
     blob = get_codec("tcq", tcq=static_model).encode(kv, BY_STEP[1])
     header = parse_header(blob)
     assert (header.version, header.params.hex()) == (1, static_model.id)
-    again = tcq.parse_tcq_model(static_model.file_bytes, "test", static_model.id)
+    again = tcq_model.parse_tcq_model(static_model.file_bytes, "test", static_model.id)
     assert not again.adaptive and again.file_bytes == static_model.file_bytes
     old = decode(blob, torch.float32)
     ref = reference_decode(static_model, kv, BY_STEP[1], None)
@@ -126,7 +132,7 @@ def test_choices_follow_a_shift_and_a_spread_the_calibration_never_saw(kv, stati
 
 def test_each_component_takes_the_table_that_codes_it_in_the_fewest_bits(model_file):
     """The chooser against brute force: every option's bits counted from its table."""
-    code = model_file.level_code(BY_STEP[1])
+    code = tcq_code.level_code(model_file, BY_STEP[1])
     rng = np.random.default_rng(0)
     for layer, kind in [(0, 0), (1, 1), (len(code.kept) - 1, 0)]:
         radius = code.radius[layer][kind]
@@ -140,7 +146,7 @@ def test_each_component_takes_the_table_that_codes_it_in_the_fewest_bits(model_f
                 sym[c] = np.clip(np.round(rng.normal(0, 0.4, 300)), -r, r) + r
             else:
                 sym[c] = rng.choice(2 * r + 1, size=300, p=freq / freq.sum())
-        choice = tcq.choose_tables(code, layer, kind, sym)
+        choice = tcq_encode.choose_tables(code, layer, kind, sym)
         for c, r in enumerate(radius):
             first = code.family_row[r]
             rows = [base + c] + list(range(first, first + code.family_size))
@@ -163,7 +169,7 @@ def test_each_token_decodes_as_closely_in_any_chunking(kv, tiny_llama, model_fil
 
 
 def reference_decode(
-    model: tcq.TcqModel,
+    model: tcq_model.TcqModel,
     kv: KVCache,
     level: int,
     chunk_tokens: int | None,
@@ -176,7 +182,7 @@ def reference_decode(
     angles; float32 [2, L, H, n - 1, D]. With ``magnitude``: the sum of the product's terms'
     magnitudes instead, ``(|sym - radius| + |offset / 4|) * step @ |components[kept]|`` (no
     mean, nothing turned), what bounds the rounding of the product's terms."""
-    code = model.level_code(level)
+    code = tcq_code.level_code(model, level)
     x = f32(kv)[:, :, :, 1:]
     L, H, n, D = x.shape[1:]
     keys = rotate_layer_keys(x[0], 1, model.rope_thetas, inverse=True)
@@ -191,9 +197,9 @@ def reference_decode(
             coefficients = []
             for a, b in zip([1, *bounds[:-1]], bounds):  # token 0 is exact
                 part = rows[a - 1 : b - 1]
-                sym, offset = tcq.quantize_rows(model, code, layer, k, part, model.adaptive)
+                sym, offset = tcq_encode.quantize_rows(model, code, layer, k, part, model.adaptive)
                 centred = torch.from_numpy(sym.T.copy()).float() - radius
-                shift = torch.from_numpy(offset).float() / tcq.OFFSET_UNITS
+                shift = torch.from_numpy(offset).float() / tcq_code.OFFSET_UNITS
                 coefficients.append(
                     (centred.abs() + shift.abs()) if magnitude else (centred + shift)
                 )
@@ -217,7 +223,7 @@ def test_decoder_matches_a_reference_synthesis(
     # output dtype in one pass) against the arithmetic written plainly; only the order of the
     # float32 sums may differ, then the output's rounding. Both syntheses are forced, so
     # each is checked on any CPU (bf16 only ever applies to bf16 output).
-    monkeypatch.setattr(tcq, "bf16_synthesis", lambda: bf16_gemm)
+    monkeypatch.setattr(tcq_decode, "bf16_synthesis", lambda: bf16_gemm)
     assert any(model_file.rope_thetas)  # keys are turned
     level = BY_STEP[1]
     out = decode(codec_for("tcq", tiny_llama, chunk_tokens=64).encode(kv, level), out_dtype)
@@ -251,11 +257,7 @@ def test_bits_per_element_counts_every_byte(kv, tiny_llama, model_file):
 
 
 def test_model_is_fitted_on_the_calibration_split_only(tiny_llama, profiles, monkeypatch):
-    from cachegen import profiles as profiles_mod
-
-    fitted, read = shared.fit_recording_splits(
-        monkeypatch, lambda: profiles_mod.fit_tcq_model(tiny_llama)
-    )
+    fitted, read = shared.fit_recording_splits(monkeypatch, lambda: fit_tcq_model(tiny_llama))
     assert set(read) == {"calibrate"}
     assert fitted.calibration == tcq_calibration_spec(spec=tiny_llama)
 
@@ -265,20 +267,18 @@ def test_steps_follow_the_weights_and_never_need_clipping(model_file):
         nominal = np.array([key_step, value_step])[None, :, None] / np.sqrt(model_file.weights)
         steps = model_file.steps[index]
         assert np.all(steps >= nominal * (1 - 1e-6))
-        assert int(model_file.radius[index].max()) <= tcq.MAX_RADIUS
+        assert int(model_file.radius[index].max()) <= tcq_model.MAX_RADIUS
         # coarser than nominal only where the radius would otherwise pass the alphabet
         coarser = steps > nominal * (1 + 1e-5)
-        assert np.all(model_file.radius[index][coarser] == tcq.MAX_RADIUS)
+        assert np.all(model_file.radius[index][coarser] == tcq_model.MAX_RADIUS)
 
 
 def test_attention_probabilities_are_causal_and_windowed():
-    from cachegen.profiles import _attention_probabilities
-
     keys = torch.zeros(6, 2)
-    a = _attention_probabilities(torch.zeros(2, 2), torch.tensor([2, 5]), keys, 1.0, None)
+    a = attention_probabilities(torch.zeros(2, 2), torch.tensor([2, 5]), keys, 1.0, None)
     assert torch.allclose(a[0], torch.tensor([1 / 3] * 3 + [0.0] * 3))
     assert torch.allclose(a[1], torch.full((6,), 1 / 6))
-    a = _attention_probabilities(torch.zeros(1, 2), torch.tensor([5]), keys, 1.0, 2)
+    a = attention_probabilities(torch.zeros(1, 2), torch.tensor([5]), keys, 1.0, 2)
     assert torch.allclose(a[0], torch.tensor([0.0] * 4 + [0.5] * 2))
 
 
@@ -291,16 +291,14 @@ def _one_head_layer(o_proj: torch.Tensor):
 
 
 def test_component_weights_follow_the_output_projection_and_the_queries():
-    from cachegen.profiles import _layer_weights, _LayerStats
-
     n, D = 8, 2
     o_proj = torch.tensor([[3.0, 0.0], [0.0, 1.0]])  # value channel 0 reaches the output 3x
     keys = torch.zeros(1, n, D)  # every token gets the same attention
     values = torch.randn(1, n, D, generator=torch.Generator().manual_seed(0))
     queries = torch.tensor([[[0.0, 2.0]] * 3])  # queries read key channel 1 only
-    stats = _LayerStats(queries, torch.tensor([5, 6, 7]), scale=2.0)
+    stats = LayerStats(queries, torch.tensor([5, 6, 7]), scale=2.0)
     layer, basis = _one_head_layer(o_proj), np.eye(D)[None].repeat(2, 0)
-    key_w, value_w = _layer_weights(layer, stats, keys, values, 0.0, None, basis, 1.0)
+    key_w, value_w = layer_weights(layer, stats, keys, values, 0.0, None, basis, 1.0)
     assert key_w[0] == 0 and key_w[1] > 0
     assert value_w[0] == pytest.approx(9 * value_w[1])
     # a value error reaches the output through the attention weights, squared
@@ -308,20 +306,24 @@ def test_component_weights_follow_the_output_projection_and_the_queries():
     a2 = np.mean([p * w**2 for p, w in rows])  # token 0 is exact
     assert value_w[1] == pytest.approx(a2 * 1.0 / stats.scale, rel=1e-5)
     # ... relative to the layer's scale to the layer exponent
-    _, half = _layer_weights(layer, stats, keys, values, 0.0, None, basis, 0.5)
+    _, half = layer_weights(layer, stats, keys, values, 0.0, None, basis, 0.5)
     assert half[1] == pytest.approx(a2 / stats.scale**0.5, rel=1e-5)
 
 
 def test_model_file_round_trips_and_is_content_addressed(model_file, profiles):
-    again = shared.read_back(model_file, tcq.tcq_model_path(model_file.id), tcq.parse_tcq_model)
+    again = shared.read_back(
+        model_file, tcq_model.tcq_model_path(model_file.id), tcq_model.parse_tcq_model
+    )
     assert np.array_equal(again.freq, model_file.freq)
-    shared.check_reference(tcq.tcq_ref_path(model_file.model), tcq, "model_file", model_file.id)
+    shared.check_reference(
+        tcq_model.tcq_ref_path(model_file.model), tcq_model, "model_file", model_file.id
+    )
 
 
 def test_corrupt_model_file_is_detected_by_its_checksum(kv, tiny_llama, model_file, profiles):
     blob = codec_for("tcq", tiny_llama).encode(kv, level=BY_STEP[0])
-    path = tcq.tcq_model_path(model_file.id)
-    shared.check_corrupt_file_is_detected(blob, kv.num_tokens, path, tcq.parse_tcq_model)
+    path = tcq_model.tcq_model_path(model_file.id)
+    shared.check_corrupt_file_is_detected(blob, kv.num_tokens, path, tcq_model.parse_tcq_model)
 
 
 def _rehashed(data: bytes, payload: bytes) -> bytes:
@@ -330,7 +332,7 @@ def _rehashed(data: bytes, payload: bytes) -> bytes:
     header = json.loads(data[8 : 8 + length])
     header["payload_sha256"] = hashlib.sha256(payload).hexdigest()
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    return tcq.MAGIC + struct.pack("<I", len(raw)) + raw + payload
+    return tcq_model.MAGIC + struct.pack("<I", len(raw)) + raw + payload
 
 
 def test_model_file_with_a_bad_table_is_refused(model_file):
@@ -340,20 +342,20 @@ def test_model_file_with_a_bad_table_is_refused(model_file):
     first_table = len(payload) - 2 * model_file.freq.size - 4 * model_file.family.size
     struct.pack_into("<H", payload, first_table, model_file.freq[0] + 1)
     with pytest.raises(CodecError, match=f"does not sum to {rans.PROB_SCALE}"):
-        tcq.parse_tcq_model(_rehashed(data, bytes(payload)), "test")
+        tcq_model.parse_tcq_model(_rehashed(data, bytes(payload)), "test")
     with pytest.raises(CodecError, match="do not match the radii"):
-        tcq.parse_tcq_model(_rehashed(data, bytes(payload[:-2])), "test")
+        tcq_model.parse_tcq_model(_rehashed(data, bytes(payload[:-2])), "test")
     payload = bytearray(data[8 + length :])
     centre = len(payload) - 4 * model_file.family.size  # the family's first weight
     struct.pack_into("<I", payload, centre, 0)
     with pytest.raises(CodecError, match="each with a centre"):
-        tcq.parse_tcq_model(_rehashed(data, bytes(payload)), "test")
+        tcq_model.parse_tcq_model(_rehashed(data, bytes(payload)), "test")
 
 
 def test_model_of_another_model_or_level_is_refused(kv, tiny_llama, tiny_qwen2, model_file):
     codec = codec_for("tcq", tiny_llama)
     shared.check_another_model_is_refused(
-        codec, kv, tiny_qwen2, lambda other: tcq.find_tcq_model(model_file.id, other)
+        codec, kv, tiny_qwen2, lambda other: tcq_model.find_tcq_model(model_file.id, other)
     )
     # a bitstream naming a level its model file lacks
     blob = bytearray(codec.encode(kv, level=BY_STEP[0]))
@@ -430,7 +432,7 @@ def test_codec_needs_a_model_file_and_never_fits_one(tiny_opt, profiles):
 
 def test_cli_eval_rows_for_tcq(capsys, tmp_path, tiny_llama, model_file):
     rows = shared.cli_eval_rows(capsys, tmp_path, ["tcq"])
-    assert rows == [("tcq", str(level)) for level in sorted(tcq.LEVELS)]
+    assert rows == [("tcq", str(level)) for level in sorted(tcq_model.LEVELS)]
 
 
 def _documented_rans(words: np.ndarray, tables: list[np.ndarray], tokens: int) -> np.ndarray:
@@ -531,7 +533,7 @@ def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, tiny_llam
     assert struct.unpack_from("<I", blob, pos)[0] == zlib.crc32(blob[:pos])
     assert pos + 4 == 32 + 1 + len("tiny-llama") + 1 + 32 + 2 + 17 + 4
     pos += 4
-    doc = _documented_model_file(tcq.tcq_model_path(model_file.id), model_file.id)
+    doc = _documented_model_file(tcq_model.tcq_model_path(model_file.id), model_file.id)
     x = doc["levels"].index(level)
     assert 0 < np.count_nonzero(doc["radius"][x]) < doc["radius"][x].size  # kept and dropped
     thetas = doc["head"]["rope_thetas"]
@@ -594,7 +596,7 @@ def test_model_file_levels_stay_with_their_arrays(model_file):
     assert ids == sorted(ids)
     renamed = dict(zip([9, *range(10, 10 + len(ids) - 1)], model_file.levels.values()))
     model = dataclasses.replace(model_file, levels=renamed)  # "10" sorts before "9" as text
-    again = tcq.parse_tcq_model(model.file_bytes, "test", model.id)
+    again = tcq_model.parse_tcq_model(model.file_bytes, "test", model.id)
     assert list(again.levels) == list(renamed)
     assert np.array_equal(again.steps, model.steps) and np.array_equal(again.radius, model.radius)
     with pytest.raises(CodecError, match="increasing order"):
@@ -602,6 +604,6 @@ def test_model_file_levels_stay_with_their_arrays(model_file):
 
 
 def test_model_file_whose_header_is_not_an_object_is_refused():
-    data = tcq.MAGIC + struct.pack("<I", 2) + b"[]"
+    data = tcq_model.MAGIC + struct.pack("<I", 2) + b"[]"
     with pytest.raises(CodecError):
-        tcq.parse_tcq_model(data, "test", hashlib.sha256(data).hexdigest()[:32])
+        tcq_model.parse_tcq_model(data, "test", hashlib.sha256(data).hexdigest()[:32])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cachegen import workload
-from cachegen.codec import CodecError, decode, inspect, tcq, transform
+from cachegen.codec import CodecError, decode, inspect, tcq_model, transform
 from cachegen.codec.bitstream import pack_frame, parse_frames, parse_header
 from cachegen.kv import KVCache
 
@@ -26,7 +26,7 @@ TEXT = "\n\n".join(
 def forget_fitted_files() -> None:
     """Drop the kvtc bases and tcq model files read so far, so the next use reads the disk."""
     transform.forget_cached_bases()
-    tcq.forget_cached_tcq_models()
+    tcq_model.forget_cached_tcq_models()
 
 
 @contextlib.contextmanager

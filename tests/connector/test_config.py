@@ -91,7 +91,7 @@ def test_adaptive_chooses_among_the_calibrated_levels(smollm2, tiny_llama, tmp_p
         )
         transport = ChunkTransport(config, spec, spec.identity())
         try:
-            return transport.adaptive_levels, transport.levels("cachegen")
+            return transport.ladder.adaptive_levels, transport.levels("cachegen")
         finally:
             transport.close()
 
@@ -130,3 +130,11 @@ def test_the_docs_tables_list_exactly_the_declared_options():
     }
     assert _documented_keys() == [declared[ENGINE], declared[REQUEST]]
     assert all(row["doc"] for row in describe_options())
+
+
+def test_the_connector_declines_vllms_sleep_mode():
+    """vLLM 0.33 on asks a connector before it releases the KV cache for sleep mode; a
+    background load may still be writing into it (third_party/vllm/README.md)."""
+    from cachegen.connector import CacheGenConnector
+
+    assert CacheGenConnector.supports_sleep_mode(None) is False

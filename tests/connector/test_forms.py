@@ -13,13 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachegen.codec.form_loss import form_losses, form_name
-from cachegen.codec.packed import record_tag
+from cachegen.codec.form_loss import form_losses
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
+from cachegen.connector.load_control import fastest_control
 from cachegen.connector.transport import ChunkTransport
 from cachegen.extract import extract_kv
 from cachegen.lab.bench.engine import ConnectorEngine
+from cachegen.modes import PACKED, Form
 from cachegen.profiles import codec_for
 from tests.support import CHUNK, connector_engine
 
@@ -65,7 +66,7 @@ def tiny_saved(tiny_llama, tmp_path_factory):
             "store": tmp_path_factory.mktemp("forms-store").as_uri(),
             "chunk_tokens": CHUNK,
             "save_modes": ["cachegen", "int8", "raw"],
-            "cachegen_levels": [level, record_tag(level, "packed")],
+            "cachegen_levels": [level, Form("cachegen", level, PACKED).slot],
             "prefill_tokens_per_s": SLOW_PREFILL_TOKENS_PER_S,
         }
     )
@@ -78,8 +79,8 @@ def tiny_saved(tiny_llama, tmp_path_factory):
 
 def test_the_stored_forms_are_every_level_and_codec_with_their_own_keys(tiny_saved):
     t, ids = tiny_saved
-    forms = t.stored_forms(ids, 0, CHUNKS, t.load_plan(0, CHUNKS, CHUNKS * CHUNK, _bound(5)), None)
-    names = [form_name("cachegen", lv) for lv in t.levels("cachegen")]
+    forms = t.stored_forms(ids, t.parts.load_plan(0, CHUNKS, CHUNKS * CHUNK, _bound(5)), None)
+    names = [Form.from_slot("cachegen", lv).label for lv in t.levels("cachegen")]
     assert any(name.endswith("-packed") for name in names)
     assert sorted(f.name for f in forms) == sorted([*names, "int8", "raw"])
     by_name = {f.name: f for f in forms}
@@ -104,7 +105,7 @@ def test_a_bound_no_stored_form_meets_recomputes_and_says_why(tiny_llama, tmp_pa
         result = t.load(ids, 0, CHUNKS, _bound(100), lambda kv: got.append(kv.start))
         assert result.chunks_loaded == 0 and got == []
         assert "max_loss_pct=100" in result.error and "no option has a loss" in result.error
-        stored = {"int8", *(form_name("cachegen", lv) for lv in t.levels("cachegen"))}
+        stored = {"int8", *(Form.from_slot("cachegen", lv).label for lv in t.levels("cachegen"))}
         assert set(result.stats["forms"]) == stored
     finally:
         t.close()
@@ -115,16 +116,18 @@ def test_earlier_loads_give_each_form_its_decode_prior_and_host_ceiling(tiny_sav
     got: list[int] = []
     fixed = t.load(ids, 0, CHUNKS, RequestOptions(mode="raw"), lambda kv: got.append(kv.start))
     assert fixed.error is None and got == [0, CHUNK]
-    decode = t._decode_s_per_token["raw"]
+    decode = t.history.decode_s_per_token["raw"]
     assert decode > 0
     # an unlimited link: the load's goodput (bytes over its whole load, which outlasts its
     # transfer) is what the host reached
-    assert 0 < t._host_mbps["raw"] <= fixed.stats["goodput_mbps"]
-    forms = t.stored_forms(ids, 0, CHUNKS, t.load_plan(0, CHUNKS, CHUNKS * CHUNK, _bound(0)), None)
-    controller = t._fastest(forms, _bound(0), SLOW_PREFILL_TOKENS_PER_S, None)
+    assert 0 < t.history.host_mbps["raw"] <= fixed.stats["goodput_mbps"]
+    forms = t.stored_forms(ids, t.parts.load_plan(0, CHUNKS, CHUNKS * CHUNK, _bound(0)), None)
+    controller = fastest_control(
+        forms, _bound(0), CHUNK, SLOW_PREFILL_TOKENS_PER_S, None, t.history.priors()
+    )
     assert controller.allowed == ["raw"]  # the one form of known loss 0
     assert controller.decode_spt["raw"] == decode
-    assert controller._host_bps["raw"] == t._host_mbps["raw"] * 1e6 / 8
+    assert controller._host_bps["raw"] == t.history.host_mbps["raw"] * 1e6 / 8
 
     got.clear()
     result = t.load(ids, 0, CHUNKS, _bound(0), lambda kv: got.append(kv.start))
@@ -240,7 +243,7 @@ def test_the_ttft_table_names_the_bound_packed_levels_and_forms_chosen():
 
     rows = [
         row("recompute", None, 2.0),
-        row("cachegen", record_tag(11, "packed"), 1.0),
+        row("cachegen", Form("cachegen", 11, PACKED).slot, 1.0),
         row("adaptive", None, 0.5, ["cachegen-11", "int8", "cachegen-11"]),
     ]
     text = markdown(rows, max_loss_pct=1)

@@ -1,15 +1,15 @@
 """Gemma 3 270M through the connector in vLLM's CPU build, and what the connector refuses.
 
 Gemma 3 mixes sliding-window layers (window 512) with full-attention layers and has one KV
-head of head_dim 256. The connector serves it when all its layers keep every token in one KV
-cache group, which is what vLLM does for this connector with its hybrid KV cache manager
-(HMA) off; vLLM turns HMA off by itself for a connector without ``SupportsHMA``.
+head of head_dim 256. The connector serves it with vLLM's hybrid KV cache manager (HMA) on
+(tests/connector/test_hma.py) and off; this module's engine runs with HMA off, in which all
+its layers keep every token in one KV cache group.
 
-* without an engine: vLLM's own config code keeps HMA off for the connector, and its
-  connector factory refuses the connector when HMA is forced on; the connector's start-up
-  checks refuse several KV cache groups, a sliding-window-only group and an unknown
-  attention kind, with the remedy, before the store is opened; the layouts move Gemma's
-  K/V exactly as vLLM's kernels place them;
+* without an engine: vLLM's own config code keeps HMA on for the connector (it is
+  ``SupportsHMA``); the connector's start-up checks accept vLLM's grouping of Gemma's layers
+  with HMA on and off and refuse a group of another attention kind, a sliding-window-only
+  group and an unknown attention kind, with the remedy, before the store is opened; the
+  layouts move Gemma's K/V exactly as vLLM's kernels place them;
 * with one module-scoped engine (after two plain vLLM engines, one after the other): the K/V the
   connector stores equal transformers' on every layer over 1,024 tokens, twice the window; a
   1,280-token prompt whose first 1,024 tokens are loaded raw answers with plain vLLM's tokens,
@@ -44,6 +44,7 @@ from tests.support import (
     ENGINE_DTYPE,
     connector_engine,
     connector_transport,
+    corrupt_raw_chunk,
     require_cpu_kernel,
 )
 
@@ -120,53 +121,50 @@ def test_gemma_windows_as_the_connector_reads_them(gemma3):
     assert {w for w in windows if w is not None} == {512}
 
 
-def test_vllm_keeps_the_hybrid_manager_off_for_the_connector(gemma3, tmp_path):
-    """vllm/config/vllm.py: with no preference, HMA is turned off for a connector that is not
-    SupportsHMA; forced on, vLLM's connector factory refuses the connector before it is built."""
+def test_vllm_keeps_the_hybrid_manager_on_for_the_connector(gemma3, tmp_path):
+    """vllm/config/vllm.py: with no preference, HMA stays on for a connector that is
+    SupportsHMA; it is off only when asked for."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     store = (tmp_path / "store").as_uri()
     default = _vllm_config(gemma3.path, store)
-    assert default.scheduler_config.disable_hybrid_kv_cache_manager is True
-
-    forced = _vllm_config(gemma3.path, store, disable_hybrid_kv_cache_manager=False)
-    assert forced.scheduler_config.disable_hybrid_kv_cache_manager is False
-    with pytest.raises(ValueError, match="does not support HMA.*--disable-hybrid-kv-cache-manager"):
-        KVConnectorFactory.create_connector(forced, KVConnectorRole.SCHEDULER, None)
-    assert not (tmp_path / "store").exists()
+    assert default.scheduler_config.disable_hybrid_kv_cache_manager is False
+    assert KVConnectorFactory.supports_hma_config(default.kv_transfer_config)
+    off = _vllm_config(gemma3.path, store, disable_hybrid_kv_cache_manager=True)
+    assert off.scheduler_config.disable_hybrid_kv_cache_manager is True
 
     # What each setting makes of Gemma's layers (vLLM's own grouping): HMA off gives one group
-    # in which every layer has a slot for every token; HMA on gives one group per kind.
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    # in which every layer has a slot for every token; HMA on gives groups of one kind each.
+    # The connector serves both.
+    try:  # vLLM 0.33 on: kv_cache_planning; 0.32 (the CPU build): kv_cache_utils
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
 
-    for config in (default, forced):
+    for config in (default, off):
         config.cache_config.kv_cache_layout = config.cache_config.kv_cache_layout or "LBHNC"
-    (off,) = get_kv_cache_groups(default, _layer_specs(gemma3.config))
-    assert len(off.layer_names) == 18
-    check_kv_cache_config(_kv_cache_config_of([off]), hybrid_manager=False)
-    on = get_kv_cache_groups(forced, _layer_specs(gemma3.config))
+    (one,) = get_kv_cache_groups(off, _layer_specs(gemma3.config))
+    assert len(one.layer_names) == 18
+    check_kv_cache_config(_kv_cache_config_of([one]))
+    on = get_kv_cache_groups(default, _layer_specs(gemma3.config))
     assert len(on) > 1
-    with pytest.raises(ConnectorError, match="disable_hybrid_kv_cache_manager=True"):
-        check_kv_cache_config(_kv_cache_config_of(on), hybrid_manager=True)
+    check_kv_cache_config(_kv_cache_config_of(on))
 
 
-def test_two_kv_cache_groups_are_refused_with_the_remedy(gemma3):
+def test_groups_of_another_kind_are_refused(gemma3):
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
     specs = _layer_specs(gemma3.config)
-    config = _kv_cache_config(
-        [([5, 11, 17], specs[LAYER.format(5)]), ([0, 1, 2, 3, 4], specs[LAYER.format(0)])]
+    local = ChunkedLocalAttentionSpec(
+        block_size=128,
+        num_kv_heads=1,
+        head_size=256,
+        dtype=torch.bfloat16,
+        attention_chunk_size=512,
     )
-    with pytest.raises(ConnectorError) as refused:
+    config = _kv_cache_config([([5, 11, 17], specs[LAYER.format(5)]), ([0, 1, 2, 3, 4], local)])
+    with pytest.raises(ConnectorError, match="full and sliding-window attention layers only"):
         check_kv_cache_config(config)
-    message = str(refused.value)
-    assert "one KV cache group" in message and "made 2" in message
-    assert "FullAttentionSpec x3 layers, SlidingWindowSpec x5 layers" in message
-    assert "disable_hybrid_kv_cache_manager=True" in message
-    assert "--disable-hybrid-kv-cache-manager" in message
-    # With the manager already off, that remedy would not help: the message does not offer it.
-    with pytest.raises(ConnectorError, match="made 2") as off:
-        check_kv_cache_config(config, hybrid_manager=False)
-    assert "disable-hybrid" not in str(off.value)
 
 
 def test_one_kv_cache_group_passes(gemma3):
@@ -245,7 +243,7 @@ def test_the_connector_refuses_the_model_at_start_up_and_stores_nothing(gemma3, 
 def test_cpu_layout_moves_gemma_kv_like_the_kernel(isa):
     from vllm import _custom_ops as ops
 
-    from cachegen.connector.layouts import CpuPackedLayout, probe_cpu_packing
+    from cachegen.connector.layouts import CpuPackedLayout, block_slots, probe_cpu_packing
 
     dtype, heads, block_size, head_dim, num_blocks = torch.bfloat16, 1, 128, 256, 5
     require_cpu_kernel(isa, dtype, 128, 256)
@@ -271,20 +269,20 @@ def test_cpu_layout_moves_gemma_kv_like_the_kernel(isa):
     for cache in caches:
         layout.check_cache(cache)
     # whole blocks (the numba path for the vec packing) ...
-    got_keys, got_values = layout.gather_blocks(caches, blocks)
+    got_keys, got_values = layout.read(caches, block_slots(blocks, layout.block_size))
     assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
     rebuilt = [torch.zeros_like(c) for c in caches]
-    layout.scatter_blocks(rebuilt, blocks, keys, values)
+    layout.write(rebuilt, block_slots(blocks, layout.block_size), (keys, values))
     assert all(torch.equal(a, b) for a, b in zip(rebuilt, caches))
     # ... and single tokens in any order
     pick = torch.randperm(len(slots))[:77]
-    got_keys, got_values = layout.gather_layers(caches, slots[pick])
+    got_keys, got_values = layout.read(caches, slots[pick])
     assert torch.equal(got_keys, keys[:, :, pick]) and torch.equal(got_values, values[:, :, pick])
 
 
 @pytest.mark.parametrize("physical_order", [(0, 1, 2, 3), (0, 2, 1, 3)], ids=["HND", "NHD"])
 def test_split_layout_moves_gemma_kv_like_flash_attention(physical_order):
-    from cachegen.connector.layouts import SplitLayout
+    from cachegen.connector.layouts import SplitLayout, block_slots
 
     heads, block_size, head_dim, num_blocks = 1, 16, 256, 6
     logical = (num_blocks, heads, block_size, 2 * head_dim)
@@ -295,7 +293,7 @@ def test_split_layout_moves_gemma_kv_like_flash_attention(physical_order):
     keys = torch.randn(1, heads, 2 * block_size, head_dim).to(torch.bfloat16)
     values = torch.randn(1, heads, 2 * block_size, head_dim).to(torch.bfloat16)
     layout = SplitLayout(block_size, heads, head_dim)
-    layout.scatter_blocks([cache], blocks, keys, values)
+    layout.write([cache], block_slots(blocks, layout.block_size), (keys, values))
     # FlashAttention's own reading: K|V split on the last dim, token-major.
     key_cache, value_cache = cache.transpose(1, 2).split(head_dim, dim=-1)
     slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
@@ -326,6 +324,7 @@ def engine(gemma3, store_dir, level, plain_default, plain_prefix_cache):
         store_dir.as_uri(),
         save_modes=("raw", "int8", "cachegen"),
         cachegen_levels=[level],  # one level keeps the saves cheap
+        disable_hybrid_kv_cache_manager=True,  # one KV cache group (test_hma.py: several)
     ) as eng:
         yield eng
 
@@ -460,7 +459,7 @@ def test_connector_kv_matches_transformers_past_the_window(engine, gemma3, store
     got = KVCache.concat(  # each chunk is two records: full-attention and sliding layers
         [
             KVCache.merge_layers(
-                [decode(transport.store.get(k, 0)) for k in transport.part_keys(key)]
+                [decode(transport.store.get(k, 0)) for k in transport.parts.part_keys(key)]
             )
             for key in keys
         ]
@@ -534,13 +533,7 @@ def test_a_corrupt_chunk_is_recomputed(engine, store_dir, doc_text, assert_answe
     ids = engine.tokenize(doc_text[30_000:40_000])[:600]
     engine.store_prefix(ids)
     text = engine.run(ids, max_tokens=8, margins=True)
-    key = engine.transport.keys("raw", ids)[1]
-    files = sorted(store_dir.rglob(f"*{key.split('/')[1]}*/L0*"))
-    assert files, "chunk 1 is not in the store"
-    for path in files:  # flip a byte in the middle of chunk 1
-        data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        path.write_bytes(bytes(data))
+    corrupt_raw_chunk(engine, store_dir, ids, 1)
     hit = engine.run(ids, mode="raw", max_tokens=8, margins=True)
     assert "ChunkCorrupt" in hit.connector["load_error"]
     assert hit.connector["loaded_tokens"] == CHUNK  # chunk 0 arrived, chunk 1 is recomputed
@@ -558,7 +551,7 @@ def _chunks_in_window(end: int) -> list[int]:
 
 @pytest.mark.parametrize("end", [0, 1, 255, 256, 511, 512, 513, 768, 1000, 1024, 1500, 2048, 2300])
 def test_window_chunks_are_exactly_those_intersecting_the_window(end):
-    from cachegen.connector.transport import window_chunks
+    from cachegen.connector.parts import window_chunks
 
     assert list(window_chunks(end, CHUNK, WINDOW)) == _chunks_in_window(end)
 
@@ -585,8 +578,8 @@ def test_gemma_chunks_are_stored_as_two_parts_and_loads_skip_out_of_window(gemma
 
     transport = connector_transport(gemma3, tmp_path)
     try:
-        assert transport.split and transport.window == WINDOW
-        assert transport.full_layers == (5, 11, 17)
+        assert transport.parts.split and transport.parts.window == WINDOW
+        assert transport.parts.full_layers == (5, 11, 17)
         kv = _random_kv(gemma3, 8 * CHUNK)
         ids = kv.token_ids.tolist()
         transport.save(ids, kv, ["raw"])
@@ -597,10 +590,10 @@ def test_gemma_chunks_are_stored_as_two_parts_and_loads_skip_out_of_window(gemma
         off = RequestOptions(mode="raw", skip_out_of_window=False)
         for end in (2048, 1800, 1024, 600, 300):
             chunks = -(-end // CHUNK)
-            plan = transport.load_plan(0, chunks, end, on)
+            plan = transport.parts.load_plan(0, chunks, end, on)
             assert [c for c, part in plan if part == "full"] == list(range(chunks))
             assert [c for c, part in plan if part == "sliding"] == _chunks_in_window(end)
-            plan = transport.load_plan(0, chunks, end, off)
+            plan = transport.parts.load_plan(0, chunks, end, off)
             assert [c for c, part in plan if part == "sliding"] == list(range(chunks))
 
         # A load with the option on fetches fewer bytes, and its parts are the saved KV.
@@ -608,7 +601,7 @@ def test_gemma_chunks_are_stored_as_two_parts_and_loads_skip_out_of_window(gemma
         result = transport.load(ids, 0, 8, on, got.append, end=2048)
         assert result.error is None and result.chunks_loaded == 8
         assert result.stats["window_skipped_chunks"] == 6
-        assert [p.layers for p in got[-2:]] == [(5, 11, 17), transport.sliding_layers]
+        assert [p.layers for p in got[-2:]] == [(5, 11, 17), transport.parts.sliding_layers]
         merged = KVCache.merge_layers([got[-2], got[-1]])
         assert torch.equal(merged.keys, kv.slice(7 * CHUNK, 8 * CHUNK).keys)
         full = transport.load(ids, 0, 8, off, lambda kv: None, end=2048)
@@ -642,7 +635,7 @@ def test_models_without_sliding_layers_keep_one_record_per_chunk(model, request,
     spec = request.getfixturevalue(model)
     transport = connector_transport(spec, tmp_path)
     try:
-        assert not transport.split
+        assert not transport.parts.split
         kv = _random_kv(spec, 3 * CHUNK)
         ids = kv.token_ids.tolist()
         transport.save(ids, kv, ["raw"])
@@ -650,7 +643,8 @@ def test_models_without_sliding_layers_keep_one_record_per_chunk(model, request,
         assert sorted(info.key for info in transport.store.list()) == sorted(keys)
         options = RequestOptions(mode="raw")
         assert transport.stored_chunks(ids, options) == 3
-        assert transport.load_plan(0, 3, 3 * CHUNK, options) == [(0, None), (1, None), (2, None)]
+        plan = transport.parts.load_plan(0, 3, 3 * CHUNK, options)
+        assert plan == [(0, None), (1, None), (2, None)]
         got = []
         result = transport.load(ids, 0, 3, options, got.append)
         assert result.chunks_loaded == 3 and "window_skipped_chunks" not in result.stats
@@ -691,7 +685,7 @@ def test_window_measurement_of_the_lab(engine):
     """``cachegen ttft window``'s rows on this engine: raw with the option on answers like
     recompute, and on fetches fewer bytes than off, skipping the chunks behind the window."""
     from cachegen.lab.bench.ttft import TTFTBench
-    from cachegen.lab.bench.window import window_markdown, window_rows
+    from cachegen.lab.experiments.window import window_markdown, window_rows
 
     rows = window_rows(TTFTBench(engine=engine), CONTEXT, ("raw",), output_tokens=8)
     on, off = rows

@@ -10,6 +10,7 @@ from cachegen.connector.errors import ConnectorError
 from cachegen.connector.layouts import (
     CpuPackedLayout,
     SplitLayout,
+    block_slots,
     layout_for_layer,
     probe_cpu_packing,
     vec_packing_offsets,
@@ -182,10 +183,10 @@ def test_whole_block_paths_match_the_kernel(isa, dtype):
     key_offsets, value_offsets = probe_cpu_packing(isa, block_size, head_dim, dtype)
     layout = CpuPackedLayout(block_size, heads, head_dim, key_offsets, value_offsets, isa)
     assert layout.is_vec == (isa == "vec")
-    got_keys, got_values = layout.gather_blocks(caches, blocks)
+    got_keys, got_values = layout.read(caches, block_slots(blocks, layout.block_size))
     assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
     rebuilt = [torch.zeros_like(c) for c in caches]
-    layout.scatter_blocks(rebuilt, blocks, keys, values)
+    layout.write(rebuilt, block_slots(blocks, layout.block_size), (keys, values))
     assert all(torch.equal(a, b) for a, b in zip(rebuilt, caches))
 
 
@@ -195,7 +196,7 @@ def test_split_layout_whole_blocks():
     layout = SplitLayout(16, 2, 64)
     blocks = torch.tensor([3, 0])
     keys, values = torch.randn(2, 2, 32, 64), torch.randn(2, 2, 32, 64)
-    layout.scatter_blocks(caches, blocks, keys, values)
+    layout.write(caches, block_slots(blocks, layout.block_size), (keys, values))
     slots = (blocks[:, None] * 16 + torch.arange(16)).flatten()
     for layer, cache in enumerate(caches):
         assert all(
@@ -203,5 +204,6 @@ def test_split_layout_whole_blocks():
             for a, b in zip(layout.gather(cache, slots), (keys[layer], values[layer]))
         )
     assert all(
-        torch.equal(a, b) for a, b in zip(layout.gather_blocks(caches, blocks), (keys, values))
+        torch.equal(a, b)
+        for a, b in zip(layout.read(caches, block_slots(blocks, layout.block_size)), (keys, values))
     )

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from cachegen.stream.server import DEFAULT_PREFETCH
+from cachegen.lab.network.server import DEFAULT_PREFETCH
 from tests.support import connector_engine
 
 

@@ -12,6 +12,7 @@ import torch
 
 from cachegen.connector.config import RequestOptions
 from cachegen.connector.metadata import SaveTask
+from cachegen.connector.save_plan import SavePrefix
 from cachegen.connector.worker import _SaveJob, _Saver
 from cachegen.extract import extract_kv
 from tests.support import CHUNK, connector_engine, connector_transport
@@ -33,9 +34,9 @@ def test_first_levels_are_what_a_request_without_a_level_needs(smollm2, tmp_path
         t = connector_transport(smollm2, tmp_path, **extra)
         try:
             mode = "raw" if firsts == [0] else "cachegen"
-            assert t.first_levels(mode) == firsts
+            assert t.ladder.first_levels(mode) == firsts
             if mode == "cachegen":
-                assert t.load_levels(ADAPTIVE) == [t.adaptive_levels[0]] == firsts
+                assert t.load_levels(ADAPTIVE) == [t.ladder.adaptive_levels[0]] == firsts
         finally:
             t.close()
 
@@ -50,7 +51,7 @@ def test_a_save_writes_the_first_level_of_every_chunk_before_the_others(
         assert len(ladder) >= 2  # else there is no second pass to order
         int8 = t.levels("int8")[0]
         keys = {m: t.keys(m, ids) for m in ("cachegen", "int8")}
-        records = t.save_records(ids, kv, ["cachegen", "int8"])
+        records = t.save_records(SavePrefix(ids, ["cachegen", "int8"]), kv)
         got = [(r.mode, keys[r.mode].index(r.key), r.level, r.first) for r in records]
         first_pass = [
             (m, c, lv, True)
@@ -80,12 +81,12 @@ def test_adaptive_loads_chunks_stored_at_their_first_level_only(tiny_llama, tiny
         tiny_llama, tmp_path, save_modes=["adaptive"]
     )  # adaptive's ladder is stored
     try:
-        records = t.save_records(ids, kv, ["adaptive"])
+        records = t.save_records(SavePrefix(ids, ["adaptive"]), kv)
         for record in records:
             if record.first:
                 t.write(record)
-        first = t.adaptive_levels[0]
-        coarse = [lv for lv in t.adaptive_levels if lv != first]
+        first = t.ladder.adaptive_levels[0]
+        coarse = [lv for lv in t.ladder.adaptive_levels if lv != first]
         assert coarse  # the tiny model's ladder has a cheaper level
         # Chunk 0 also at the cheaper levels, the others only at the first: a save half done.
         for record in records:
@@ -98,7 +99,7 @@ def test_adaptive_loads_chunks_stored_at_their_first_level_only(tiny_llama, tiny
             assert result.error is None and result.chunks_loaded == CHUNKS
             assert got == [c * CHUNK for c in range(CHUNKS)]
             levels = result.stats["levels"]
-            assert levels[0] in t.adaptive_levels
+            assert levels[0] in t.ladder.adaptive_levels
             assert levels[1:] == [first] * (CHUNKS - 1)  # the only level they are stored at
     finally:
         t.close()
@@ -122,7 +123,7 @@ def test_the_saver_writes_every_queued_first_pass_before_any_other_level(
         return t.write(record)
 
     def plan(task, kv):
-        records = t.save_records(task.token_ids, kv, task.modes, salt=task.salt)
+        records = t.save_records(SavePrefix(task.token_ids, task.modes, salt=task.salt), kv)
         salts.update({r.key: task.salt for r in records})
         return records
 
@@ -170,4 +171,4 @@ def test_an_immediate_repeat_loads_every_whole_chunk_of_the_document(engine, tex
     assert "save_wait_timed_out" not in second.connector
     third = engine.run(document + ask[2], mode="adaptive", slo_ms=60_000.0, max_tokens=4)
     assert third.connector["loaded_tokens"] == 6 * CHUNK, third.connector
-    assert set(third.connector["levels"]) <= set(engine.transport.adaptive_levels)
+    assert set(third.connector["levels"]) <= set(engine.transport.ladder.adaptive_levels)

@@ -15,16 +15,13 @@ import torch
 from cachegen.cli import main
 from cachegen.connector.config import RequestOptions
 from cachegen.connector.errors import ConnectorError
-from cachegen.connector.transport import (
+from cachegen.connector.ladder import (
     LADDER_BUDGET_BITS,
     LADDER_HEADROOM_BITS,
-    estimated_bits,
-    estimated_packed_bits,
     storage_ladder,
 )
+from cachegen.modes import PACKED, PACKED_TAG
 from tests.support import CHUNK, connector_transport
-
-PACKED_TAG = 1 << 15  # cachegen.codec.packed.record_tag(level, "packed") == level | PACKED_TAG
 
 CHUNKS = 3
 
@@ -40,8 +37,8 @@ def test_default_ladder_fits_half_of_raw_bf16(model, request, tmp_path):
         coded = [lv for lv in ladder if lv < PACKED_TAG]
         assert coded[0] == default and len(coded) <= 3 and len(set(ladder)) == len(ladder)
         assert set(coded) <= set(codec.levels)
-        bits = {lv: estimated_bits(codec, lv, CHUNK) for lv in coded}
-        packed = estimated_packed_bits(codec, default, CHUNK)
+        bits = {lv: codec.estimated_bits(lv, CHUNK) for lv in coded}
+        packed = codec.estimated_bits(default, CHUNK, PACKED)
         assert bits[default] < packed  # the packed form is the larger one
         budget = LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS
         if bits[default] + packed <= budget:  # the default, coded and packed, fits: both stored
@@ -50,7 +47,7 @@ def test_default_ladder_fits_half_of_raw_bf16(model, request, tmp_path):
         else:
             assert ladder == coded and sum(bits.values()) <= budget
         assert all(bits[lv] < bits[default] for lv in coded[1:])  # smaller forms only
-        assert t.adaptive_levels == coded  # adaptive chooses among the coded levels stored
+        assert t.ladder.adaptive_levels == coded  # adaptive chooses among the coded levels stored
         calibrated = codec.profile.calibrated_levels()
         if calibrated:
             assert set(coded) <= set(calibrated)
@@ -69,17 +66,17 @@ def test_saving_adaptive_adds_cheaper_levels_after_both_forms(model, request, tm
         codec = t.codec("cachegen")
         default = codec.default_level
         pool = {*codec.profile.calibrated_levels(), default}
-        coded = storage_ladder(default, {lv: estimated_bits(codec, lv, CHUNK) for lv in pool})
+        coded = storage_ladder(default, {lv: codec.estimated_bits(lv, CHUNK) for lv in pool})
         assert len(coded) > 1  # the rule finds cheaper levels for both shipped models
-        packed = estimated_packed_bits(codec, default, CHUNK)
-        both = estimated_bits(codec, default, CHUNK) + packed
+        packed = codec.estimated_bits(default, CHUNK, PACKED)
+        both = codec.estimated_bits(default, CHUNK) + packed
         forms = (
             [default, default | PACKED_TAG]
             if both <= LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS
             else [default]
         )
         assert t.levels("adaptive") == [*forms, *coded[1:]]
-        assert t.adaptive_levels == coded
+        assert t.ladder.adaptive_levels == coded
     finally:
         t.close()
 
@@ -121,7 +118,7 @@ def test_explicit_cachegen_levels_are_stored_as_given(smollm2, tmp_path):
         t = connector_transport(smollm2, tmp_path, cachegen_levels=levels)
         try:
             assert t.levels("cachegen") == t.levels("adaptive") == levels
-            assert t.adaptive_levels == adaptive
+            assert t.ladder.adaptive_levels == adaptive
         finally:
             t.close()
 
@@ -165,7 +162,7 @@ def real_kv():
 
 def test_the_default_level_is_stored_coded_and_packed(smollm2, real_kv, tmp_path):
     """With default settings each chunk's default level is stored twice, coded and packed (under
-    its record tag); both decode to the same KV, and a request naming the tag finds the chunks."""
+    its store slot); both decode to the same KV, and a request naming the slot finds the chunks."""
     import torch
 
     from cachegen.codec import decode
@@ -223,7 +220,7 @@ def cost_levels(spec, config: str, tmp_path) -> list[int]:
         if config == "all":
             return list(codec.levels)
         pool = {*codec.profile.calibrated_levels(), default}
-        ladder = storage_ladder(default, {lv: estimated_bits(codec, lv, CHUNK) for lv in pool})
+        ladder = storage_ladder(default, {lv: codec.estimated_bits(lv, CHUNK) for lv in pool})
         return ladder
     finally:
         t.close()

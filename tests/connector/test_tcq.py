@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 
 from cachegen.codec import decode
-from cachegen.codec.form_loss import form_name
 from cachegen.connector.config import ConnectorConfig
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.transport import ChunkTransport
 from cachegen.lab import rows as row_schema
-from cachegen.modes import Mode
+from cachegen.modes import Form, Mode
 from cachegen.profiles import codec_for
 from tests.support import CHUNK, connector_engine
 
@@ -41,7 +40,7 @@ def engine(tiny_llama, levels, tmp_path_factory):
 
 def test_tcq_modes_parse_and_name_their_forms():
     assert Mode.parse("tcq-21") == Mode("tcq", 21) and Mode("tcq", 21).codec_name == "tcq"
-    assert form_name("tcq", 21) == "tcq-21"
+    assert Mode("tcq", 21).form == Form.from_slot("tcq", 21) and Form("tcq", 21).label == "tcq-21"
     config = ConnectorConfig.from_extra_config({"save_modes": ["tcq"], "tcq_levels": [20, 26]})
     assert config.tcq_levels == (20, 26)
     with pytest.raises(ConnectorError, match="tcq_levels must be a list"):
@@ -110,9 +109,10 @@ def test_stored_tcq_levels_are_forms_of_unknown_loss(engine, levels, text_ids):
     )
     out = engine.llm.generate([{"prompt_token_ids": ids}], sampling, use_tqdm=False)[0]
     report = out.kv_transfer_params["cachegen"]
+    stored = engine.transport.levels("cachegen")
     # raw (lossless) is the one form a bound of 0 allows; tcq levels are offered, not allowed
     assert report["forms"] == {
-        **{form_name("cachegen", lv): None for lv in engine.transport.levels("cachegen")},
+        **{Form.from_slot("cachegen", lv).label: None for lv in stored},
         "raw": 0.0,
         **{f"tcq-{lv}": None for lv in levels},
     }
@@ -124,14 +124,14 @@ def test_a_calibrated_tcq_level_is_a_form_a_bound_allows(tiny_llama, tmp_path, m
     form of that loss: on a slow link, with raw the other allowed form, it is loaded."""
     import torch
 
-    from cachegen.codec import tcq, transform
+    from cachegen.codec import tcq_model, transform
     from cachegen.codec.tcq_levels import write_tcq_levels
     from cachegen.connector.config import RequestOptions
     from cachegen.extract import extract_kv
 
     monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))
     transform.forget_cached_bases()
-    tcq.forget_cached_tcq_models()
+    tcq_model.forget_cached_tcq_models()
     config = ConnectorConfig.from_extra_config(
         {
             "store": (tmp_path / "store").as_uri(),
@@ -155,7 +155,7 @@ def test_a_calibrated_tcq_level_is_a_form_a_bound_allows(tiny_llama, tmp_path, m
     finally:
         t.close()
         transform.forget_cached_bases()
-        tcq.forget_cached_tcq_models()
+        tcq_model.forget_cached_tcq_models()
 
 
 def test_the_ttft_table_measures_each_stored_tcq_level(engine, levels):

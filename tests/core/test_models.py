@@ -13,6 +13,7 @@ from cachegen import models
 from cachegen.constants import cache_root
 from cachegen.errors import ModelError
 from cachegen.extract import load_model
+from cachegen.model_files import gguf
 from cachegen.store import default_store_url
 
 
@@ -121,7 +122,7 @@ def test_uncached_hub_model_fails_fast_offline(monkeypatch, tmp_path):
 )
 def test_missing_wheels_give_install_hint(monkeypatch, tmp_path, name, hint):
     monkeypatch.setenv("CACHEGEN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(gguf.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelError, match=hint):
         models.resolve(name)
     assert not (models.models_dir() / name).exists()

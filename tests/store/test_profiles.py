@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,9 +32,10 @@ from cachegen.store import (
     StoreConfigError,
     chunk_keys,
     open_store,
+    profile_records,
 )
-from cachegen.store import base as store_base
 from cachegen.store.tables import StoreTables, publish_profile, publish_tables, resolve_profile
+from tests.support import empty_cache_env
 
 CHUNK = 64
 MODEL = ModelIdentity("m", "f" * 64, num_layers=2, num_kv_heads=1, head_dim=64)
@@ -126,7 +128,7 @@ def test_bad_ids_and_oversized_tables_are_refused(store, tiny_tables, monkeypatc
     with pytest.raises(StoreConfigError, match="do not hash to their id"):
         store.put_tables(tables_id, data[:-1])
     store.put_tables(tables_id, data)
-    monkeypatch.setattr(store_base, "MAX_TABLES_BYTES", len(data) // 2)
+    monkeypatch.setattr(profile_records, "MAX_TABLES_BYTES", len(data) // 2)
     with pytest.raises(ChunkTooLarge):
         store.put_tables(tables_id, data)
     with pytest.raises(TablesRefused, match="refused"):
@@ -188,13 +190,8 @@ def test_a_consumer_with_an_empty_cache_decodes_from_the_store_alone(tiny_llama,
         publish_tables(s, [codec.profile.tables_ids[3]])
         s.put(key, 3, codec.encode(chunk, level=3))
     expected = hashlib.sha256(decode(codec.encode(chunk, level=3)).keys.float().numpy().tobytes())
-    empty = tmp_path / "empty-cache"
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "HOME": str(tmp_path),
-        "CACHEGEN_CACHE_DIR": str(empty),
-        "CACHEGEN_STORE_SECRET": SECRET,
-    }
+    env = empty_cache_env(tmp_path, SECRET)
+    empty = Path(env["CACHEGEN_CACHE_DIR"])
     out = subprocess.run(
         [sys.executable, "-c", PROBE, url, key, "3"],
         capture_output=True,
@@ -224,7 +221,7 @@ def test_transport_tables_come_from_the_store_and_a_refused_copy_recomputes(
     """A producer's save puts the tables into the store first. A consumer that has the profile
     but not its tables, and whose rebuild would differ, loads with the store's tables; once the
     store's copy is damaged and the local one gone, the load stops with the reason and the
-    chunks stay stored (they are sound)."""
+    chunks stay stored (they are sound); so they do when no copy is left anywhere."""
     import cachegen.profiles as profiles
 
     url = (tmp_path / "store").as_uri()
@@ -261,6 +258,12 @@ def test_transport_tables_come_from_the_store_and_a_refused_copy_recomputes(
         assert result.chunks_loaded == 0
         assert result.error.startswith("TablesRefused: profile tables")
         assert consumer.stored_chunks(ids, RequestOptions(mode="cachegen")) == 2
+
+        (tmp_path / "store" / "tables" / f"{tables_id}.cgc").unlink()  # nobody holds them now
+        result = consumer.load(ids, 0, 2, RequestOptions(mode="cachegen"), [].append)
+        assert result.chunks_loaded == 0
+        assert result.error.startswith("TablesMissing: profile tables")
+        assert consumer.stored_chunks(ids, RequestOptions(mode="cachegen")) == 2  # still sound
     finally:
         consumer.close()
 
@@ -498,7 +501,7 @@ def test_a_transport_with_a_refused_pointer_warns_and_uses_its_own_profile(
         damage_record(s, "adopted", f"{tiny_llama.identity().fingerprint}-cachegen")
     consumer = _transport(url, tiny_llama)
     try:
-        with caplog.at_level("WARNING", logger="cachegen.connector.transport"):
+        with caplog.at_level("WARNING", logger="cachegen.connector.codecs"):
             assert consumer.stored_chunks(ids, RequestOptions(mode="cachegen")) == 2  # same profile
         assert consumer.profile_choice["source"] == "local"
         assert consumer.profile_choice["refused"].startswith("ChunkCorrupt: ")

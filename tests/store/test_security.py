@@ -256,8 +256,7 @@ def test_secret_is_never_shown(location, monkeypatch):
 
 def test_chunk_server_path_verifies(tmp_path):
     """Records forwarded by a ChunkServer are verified by the SocketSource with the secret."""
-    from cachegen.stream.server import ChunkServer
-    from cachegen.stream.source import SocketSource
+    from cachegen.lab.network import ChunkServer, SocketSource
 
     url = (tmp_path / "s").as_uri()
     with open_store(url, secret=SECRET) as signed, open_store(url) as plain:

@@ -1,20 +1,17 @@
-"""The fastest-form controller: its choice among stored forms under a quality bound, and a load
-of real KV stored coded, packed and as int8, over a real socket."""
+"""The fastest-form controller: its choice among stored forms under a quality bound (its load of
+real KV over a socket: tests/lab/network/test_forms_over_link.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from cachegen.codec import decode
-from cachegen.codec.packed import record_tag
 from cachegen.errors import InputError
-from cachegen.store import chunk_keys, open_store
-from cachegen.stream import RECOMPUTE, FastestController, Option, open_link, stream_load
+from cachegen.modes import CACHEGEN, PACKED, Form
+from cachegen.stream import RECOMPUTE, FastestController, Option
 
 N = 10
 TOKENS = [100] * N
-PACKED_4 = record_tag(4, "packed")
+PACKED_4 = Form(CACHEGEN, 4, PACKED).slot
 
 
 def option(name: str, size: int, loss: float | None, slot: int = 0) -> Option:
@@ -168,92 +165,3 @@ def test_options_are_checked():
         make([CODED, CODED])
     with pytest.raises(InputError, match="keys"):
         make([Option("int8", ["k"], 0, [1] * N, 0.0)])
-
-
-# ---- real KV, three forms, a real socket ---------------------------------------------------
-
-CHUNK = 32
-CHUNKS = 4
-
-
-@pytest.fixture(scope="module")
-def forms_store(tmp_path_factory, tiny_llama):
-    """A directory store with ``CHUNKS`` chunks of tiny-llama's KV, each coded and packed at the
-    default level and as int8 (under int8's keys), except chunk 2, which has no packed record."""
-    from cachegen.extract import extract_kv
-    from cachegen.profiles import codec_for
-
-    ids = torch.arange(10, 10 + CHUNK * CHUNKS)
-    kv = extract_kv(tiny_llama, token_ids=ids)
-    cachegen = codec_for("cachegen", tiny_llama, chunk_tokens=CHUNK)
-    int8 = codec_for("int8", tiny_llama, chunk_tokens=CHUNK)
-    level = cachegen.default_level
-    store = open_store((tmp_path_factory.mktemp("forms") / "store").as_uri())
-    keys = {
-        name: chunk_keys(tiny_llama.identity(), codec.profile_id, ids, CHUNK)
-        for name, codec in (("cachegen", cachegen), ("int8", int8))
-    }
-    blobs = {}
-    for i, chunk in enumerate(kv.chunks(CHUNK)):
-        blobs["coded", i] = cachegen.encode(chunk, level)
-        blobs["int8", i] = int8.encode(chunk)
-        store.put(keys["cachegen"][i], level, blobs["coded", i])
-        store.put(keys["int8"][i], 0, blobs["int8", i])
-        if i != 2:
-            blobs["packed", i] = cachegen.encode(chunk, level, form="packed")
-            store.put(keys["cachegen"][i], record_tag(level, "packed"), blobs["packed", i])
-    yield store, keys, level, blobs
-    store.close()
-
-
-def form_options(store, keys, level, int8_loss):
-    packed = record_tag(level, "packed")
-    return [
-        Option("coded", keys["cachegen"], level, store.sizes(keys["cachegen"], level), 1.0),
-        Option("packed", keys["cachegen"], packed, store.sizes(keys["cachegen"], packed), 1.0),
-        Option("int8", keys["int8"], 0, store.sizes(keys["int8"], 0), int8_loss),
-    ]
-
-
-def load(store, options, decode_priors):
-    controller = FastestController(
-        options,
-        [CHUNK] * CHUNKS,
-        max_loss_pct=1.0,
-        prefill_tokens_per_s=1e-3,  # recomputing never wins
-        initial_mbps=1000,
-        decode_s_per_token=decode_priors,
-    )
-    got = []
-    with open_link(store, bandwidth_mbps=1000) as link:
-        stats = stream_load(
-            link.source,
-            options[0].keys,
-            decode,
-            lambda i, kv: got.append(kv),
-            controller=controller,
-        )
-    return stats, got
-
-
-def same(a, b) -> bool:
-    return torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-
-
-def test_fastest_form_over_a_socket(forms_store):
-    store, keys, level, blobs = forms_store
-    # int8 loses more than the bound allows; the coded form decodes far slower than packed
-    options = form_options(store, keys, level, int8_loss=5.0)
-    stats, got = load(store, options, {"coded": 1.0, "packed": 1e-6, "int8": 1e-9})
-    assert stats.levels == ["packed", "packed", "coded", "packed"]  # chunk 2 has no packed
-    packed = record_tag(level, "packed")
-    assert [c.level for c in stats.chunks] == [packed, packed, level, packed]
-    for i, kv in enumerate(got):  # the packed form decodes to the coded form's KV, bit for bit
-        assert same(kv, decode(blobs["coded", i]))
-    assert [d["choice"] for d in stats.decisions] == stats.levels
-
-    options = form_options(store, keys, level, int8_loss=0.5)  # now int8 is allowed
-    stats, got = load(store, options, {"coded": 1.0, "packed": 1.0, "int8": 1e-9})
-    assert stats.levels == ["int8"] * CHUNKS and [c.level for c in stats.chunks] == [0] * CHUNKS
-    for i, kv in enumerate(got):
-        assert same(kv, decode(blobs["int8", i]))

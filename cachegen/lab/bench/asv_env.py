@@ -38,18 +38,8 @@ def main() -> int:
             file=sys.stderr,
         )
         return 1
-    purelib = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    base_version = subprocess.run(
-        [str(python), "-c", "import sys; print(sys.version_info[:2])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    purelib = _ask(python, "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    base_version = _ask(python, "import sys; print(sys.version_info[:2])")
     if base_version != str(sys.version_info[:2]):
         print(
             f"asv_env: {base} runs Python {base_version}, this environment {sys.version_info[:2]}; "
@@ -61,6 +51,13 @@ def main() -> int:
     target.write_text(purelib + "\n")
     print(f"asv_env: {target} -> {purelib}")
     return 0
+
+
+def _ask(python: Path, code: str) -> str:
+    """What ``code`` prints when the base environment's ``python`` runs it."""
+    return subprocess.run(
+        [str(python), "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ def measure(codec, level: int, windows: list[KVCache], chunk_tokens: int) -> dic
 
 def coder_overhead(profile: Profile, level: int, windows: list[KVCache], chunk_tokens: int) -> dict:
     """Coded stream size vs the ideal code length of the same symbols under the same tables."""
-    from cachegen.codec.cachegen_codec import encode_chunk, exact_bytes
+    from cachegen.codec.cachegen_encode import encode_chunk, exact_bytes
     from cachegen.codec.quant import quantize_chunk
 
     tables = profile.tables(level)

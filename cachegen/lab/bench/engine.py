@@ -33,9 +33,9 @@ from cachegen.connector.scheduler import REPORT_KEY
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.cpu import engine_dtype
 from cachegen.errors import InputError
+from cachegen.lab.bench.store_client import StoreClient
 from cachegen.models import EMBEDDED_DEFAULT, ModelSpec, resolve
 from cachegen.modes import MODES, RECOMPUTE
-from cachegen.store.keys import key_scope
 
 
 @dataclass
@@ -141,8 +141,12 @@ def _margins(logprobs: Any) -> list[float] | None:
     return margins
 
 
-class ConnectorEngine:
+class ConnectorEngine(StoreClient):
     """An in-process vLLM ``LLM`` whose KV connector is ``CacheGenConnector``."""
+
+    WRITER = "the connector"
+    ERROR = ConnectorError
+    SAVE_TIMEOUT_S = 600.0
 
     def __init__(
         self,
@@ -207,7 +211,6 @@ class ConnectorEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self._ids = itertools.count()
         self._running: dict[str, Submitted] = {}
-        self._transport = None
 
     # ---- prompts -------------------------------------------------------------------------------
 
@@ -219,36 +222,10 @@ class ConnectorEngine:
 
     # ---- runs ----------------------------------------------------------------------------------
 
-    def run(
-        self,
-        prompt_token_ids: Sequence[int],
-        *,
-        mode: str = RECOMPUTE,
-        level: int | None = None,
-        bandwidth_mbps: float | None = None,
-        slo_ms: float | None = None,
-        rtt_ms: float = 0.0,
-        save: bool = False,
-        max_tokens: int = 16,
-        skip_out_of_window: bool | None = None,
-        cache_salt: str | None = None,
-        margins: bool = False,
-    ) -> Measurement:
-        """Greedily answer ``prompt_token_ids``; ``mode`` says where the prefix's KV comes from;
-        ``margins`` records how far each greedy token led the runner-up."""
-        request = self.submit(
-            prompt_token_ids,
-            mode=mode,
-            level=level,
-            bandwidth_mbps=bandwidth_mbps,
-            slo_ms=slo_ms,
-            rtt_ms=rtt_ms,
-            save=save,
-            max_tokens=max_tokens,
-            skip_out_of_window=skip_out_of_window,
-            cache_salt=cache_salt,
-            margins=margins,
-        )
+    def run(self, prompt_token_ids: Sequence[int], **options: Any) -> Measurement:
+        """Greedily answer ``prompt_token_ids`` and wait for the answer; ``options`` are
+        :meth:`submit`'s (``mode`` says where the prefix's KV comes from)."""
+        request = self.submit(prompt_token_ids, **options)
         self.step_until_done([request])
         return request.measurement()
 
@@ -267,7 +244,8 @@ class ConnectorEngine:
         cache_salt: str | None = None,
         margins: bool = False,
     ) -> Submitted:
-        """Add a request without waiting for it; drive it with :meth:`step_until_done`."""
+        """Add a request without waiting for it; drive it with :meth:`step_until_done`.
+        ``margins`` records how far each greedy token led the runner-up."""
         from vllm import SamplingParams
 
         if mode not in MODES:
@@ -345,46 +323,16 @@ class ConnectorEngine:
 
     # ---- the store -----------------------------------------------------------------------------
 
-    @property
-    def transport(self):
-        """A client-side view of the engine's store (same keys and codecs as the connector)."""
-        if self._transport is None:
-            from cachegen.connector.connector import served_model
-            from cachegen.connector.transport import ChunkTransport
-
-            spec = served_model(str(self.spec.path))
-            self._transport = ChunkTransport(self.config, spec, spec.identity())
-        return self._transport
-
     def stored_chunks(
         self, prompt_token_ids: Sequence[int], mode: str = "raw", level: int | None = None
     ) -> int:
         options = RequestOptions(mode=mode, level=level, slo_ms=1.0 if mode == "adaptive" else None)
         return self.transport.stored_chunks(list(prompt_token_ids), options)
 
-    def wait_stored(
-        self,
-        prompt_token_ids: Sequence[int],
-        timeout_s: float = 600.0,
-        cache_salt: str | None = None,
-    ) -> None:
-        """Block until every whole chunk of the prompt is stored in every save mode (under the
-        key scope of ``cache_salt`` and the engine's tenant)."""
-        ids = list(prompt_token_ids)
-        want = len(ids) // self.config.chunk_tokens
-        salt = key_scope(self.config.tenant, cache_salt)
-        deadline = time.monotonic() + timeout_s
-        while self.transport.saved_chunks(ids, self.config.save_modes, salt) < want:
-            if time.monotonic() > deadline:
-                raise ConnectorError(
-                    f"the connector did not store {want} chunks within {timeout_s:.0f} s"
-                )
-            time.sleep(0.05)
-
     def store_prefix(
         self,
         prompt_token_ids: Sequence[int],
-        timeout_s: float = 600.0,
+        timeout_s: float | None = None,
         cache_salt: str | None = None,
     ) -> Measurement:
         """Prefill the prompt from text with saving on, and wait until its chunks are stored."""
@@ -395,9 +343,7 @@ class ConnectorEngine:
         return result
 
     def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        self._close_transport()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()

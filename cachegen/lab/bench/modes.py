@@ -9,9 +9,8 @@ figures.
 
 from __future__ import annotations
 
-from cachegen.codec.packed import split_record_tag
 from cachegen.errors import InputError
-from cachegen.modes import KV_BASELINES, RECOMPUTE, Mode
+from cachegen.modes import CACHEGEN, CODED, KV_BASELINES, RECOMPUTE, Form, Mode
 
 BASELINE = (RECOMPUTE, *KV_BASELINES)
 PAPER_LEVELS = (1, 2, 3)
@@ -58,6 +57,6 @@ def mode_name(mode: str, level: int | None) -> str:
 
 
 def _level_name(level: int) -> str:
-    """A stored cachegen level: ``11``, or ``11 packed`` for its packed form's record tag."""
-    coded, form = split_record_tag(level)
-    return str(level) if coded == level else f"{coded} {form}"
+    """A stored cachegen level: ``11``, or ``11 packed`` for its packed form's store slot."""
+    form = Form.from_slot(CACHEGEN, level)
+    return str(level) if form.packing == CODED else f"{form.level} {form.packing}"

@@ -34,9 +34,9 @@ from typing import Any
 from cachegen.connector.config import ConnectorConfig
 from cachegen.cpu import engine_dtype
 from cachegen.errors import CacheGenError
+from cachegen.lab.bench.store_client import StoreClient
 from cachegen.models import EMBEDDED_DEFAULT, resolve
 from cachegen.modes import RECOMPUTE
-from cachegen.store.keys import key_scope
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
@@ -54,10 +54,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class OpenAIServer:
+class OpenAIServer(StoreClient):
     """One OpenAI-compatible vLLM server. ``store`` defaults to a fresh temporary directory
     (removed by :meth:`close`, like the default log file); ``connector_extra`` adds
     ``kv_connector_extra_config`` keys (docs/connector.md, "Options")."""
+
+    WRITER = "the server"
+    ERROR = ServerError
+    SAVE_TIMEOUT_S = 300.0
 
     def __init__(
         self,
@@ -93,7 +97,6 @@ class OpenAIServer:
         self.pid: int | None = None  # of the server, which leads its process group
         self._proc: subprocess.Popen | None = None
         self._log = None
-        self._transport = None
 
     # ---- start and stop ------------------------------------------------------------------------
 
@@ -203,9 +206,7 @@ class OpenAIServer:
         proc, self._proc = self._proc, None
         if proc is not None:
             _stop(proc)
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        self._close_transport()
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -246,40 +247,9 @@ class OpenAIServer:
 
     # ---- the store -----------------------------------------------------------------------------
 
-    @property
-    def transport(self):
-        """A client-side view of the server's store (the connector's keys and codecs)."""
-        if self.config is None:
-            raise ServerError("this server runs without the connector (mode recompute)")
-        if self._transport is None:
-            from cachegen.connector.connector import served_model
-            from cachegen.connector.transport import ChunkTransport
-
-            spec = served_model(str(self.spec.path))
-            self._transport = ChunkTransport(self.config, spec, spec.identity())
-        return self._transport
-
-    def wait_stored(
-        self,
-        prompt_token_ids: Sequence[int],
-        timeout_s: float = 300.0,
-        cache_salt: str | None = None,
-    ) -> None:
-        """Block until every whole chunk of the prompt is stored in every save mode, as the
-        connector's own save check sees it."""
-        transport = self.transport
-        ids = list(prompt_token_ids)
-        want = len(ids) // self.config.chunk_tokens
-        salt = key_scope(self.config.tenant, cache_salt)
-        deadline = time.monotonic() + timeout_s
-        while transport.saved_chunks(ids, self.config.save_modes, salt) < want:
-            if self._proc is None or self._proc.poll() is not None:
-                raise ServerError(f"the vLLM server stopped; its log ends with:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise ServerError(
-                    f"the server did not store {want} chunks within {timeout_s:.0f} s"
-                )
-            time.sleep(0.05)
+    def _check_writer(self) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            raise ServerError(f"the vLLM server stopped; its log ends with:\n{self.log_tail()}")
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -146,9 +146,34 @@ def _models(doc: dict) -> list[str]:
     return list(doc["config"]["models"])
 
 
-def _largest_context(doc: dict, kind: str, model: str) -> int | None:
-    sizes = [r["context_tokens"] for r in lookup(doc, kind=kind, model=model)]
-    return max(sizes) if sizes else None
+NOTHING = {  # what a model's panel says when it has no rows of a kind
+    "e2e": "no end-to-end runs",
+    "stream": "no codec measurements",
+    "quality": "no quality measurements",
+}
+
+
+def _model_panels(doc: dict, title: str, kind: str, *, largest_context: bool = False):
+    """A figure of one panel per model, and (ax, model, rows, mode labels) for each model with
+    rows of ``kind`` (only its largest context's, if asked); the panel of a model without
+    any says so, and what was not measured."""
+    models = _models(doc)
+    fig, axes = _panels(len(models), title)
+    panels = []
+    for ax, model in zip(axes, models):
+        if kind == "quality":
+            rows = [q for q in doc["quality"] if q["model"] == model]
+        else:
+            rows = lookup(doc, kind=kind, model=model)
+        if rows and largest_context:
+            context = max(r["context_tokens"] for r in rows)
+            rows = [r for r in rows if r["context_tokens"] == context]
+        if not rows:
+            _empty(ax, f"{model}: {NOTHING[kind]}\n{_missing_note(doc, kind, model)}")
+            continue
+        labels = [m for m in _order(doc) if any(_label(r) == m for r in rows)]
+        panels.append((ax, model, rows, labels))
+    return fig, panels
 
 
 def _bars(
@@ -180,15 +205,11 @@ def _bars(
 
 
 def _ttft_by_mode(doc: dict):
-    models = _models(doc)
-    fig, axes = _panels(len(models), "Time to first token by mode (vLLM, lower is better)")
-    for ax, model in zip(axes, models):
-        context = _largest_context(doc, "e2e", model)
-        if context is None:
-            _empty(ax, f"{model}: no end-to-end runs\n{_missing_note(doc, 'e2e', model)}")
-            continue
-        rows = lookup(doc, kind="e2e", model=model, context_tokens=context)
-        labels = [m for m in _order(doc) if any(_label(r) == m for r in rows)]
+    fig, panels = _model_panels(
+        doc, "Time to first token by mode (vLLM, lower is better)", "e2e", largest_context=True
+    )
+    for ax, model, rows, labels in panels:
+        context = rows[0]["context_tokens"]
         # One bar per link rate; recompute (no link) repeats its one value in each.
         bandwidths = sorted(
             {r["bandwidth_mbps"] for r in rows if r["bandwidth_mbps"] is not None}
@@ -298,18 +319,12 @@ def _transfer_vs_bandwidth(doc: dict):
 
 
 def _throughput(doc: dict):
-    models = _models(doc)
-    fig, axes = _panels(len(models), "Output rate per request (vLLM, higher is better)")
-    for ax, model in zip(axes, models):
-        rows = lookup(doc, kind="e2e", model=model)
-        if not rows:
-            _empty(ax, f"{model}: no end-to-end runs\n{_missing_note(doc, 'e2e', model)}")
-            continue
+    fig, panels = _model_panels(doc, "Output rate per request (vLLM, higher is better)", "e2e")
+    for ax, model, rows, labels in panels:
         contexts = sorted({r["context_tokens"] for r in rows})
         bw = max(
             (r["bandwidth_mbps"] for r in rows if r["bandwidth_mbps"] is not None), default=None
         )
-        labels = [m for m in _order(doc) if any(_label(r) == m for r in rows)]
         series = {}
         for context in contexts:
             points = []
@@ -339,15 +354,11 @@ def _throughput(doc: dict):
 
 
 def _compression_ratio(doc: dict):
-    models = _models(doc)
-    fig, axes = _panels(len(models), "KV size reduction (higher is better)")
-    for ax, model in zip(axes, models):
-        context = _largest_context(doc, "stream", model)
-        if context is None:
-            _empty(ax, f"{model}: no codec measurements\n{_missing_note(doc, 'stream', model)}")
-            continue
-        rows = lookup(doc, kind="stream", model=model, context_tokens=context)
-        labels = [m for m in _order(doc) if any(_label(r) == m for r in rows)]
+    fig, panels = _model_panels(
+        doc, "KV size reduction (higher is better)", "stream", largest_context=True
+    )
+    for ax, model, rows, labels in panels:
+        context = rows[0]["context_tokens"]
         series = {}
         for metric, name in (("ratio_vs_fp16", "vs fp16"), ("ratio_vs_int8", "vs int8 per-token")):
             points = []
@@ -366,15 +377,9 @@ def _compression_ratio(doc: dict):
 
 
 def _decode_time(doc: dict):
-    models = _models(doc)
-    fig, axes = _panels(len(models), "Decode time of the whole context (lower is better)")
-    for ax, model in zip(axes, models):
-        rows = lookup(doc, kind="stream", model=model)
-        if not rows:
-            _empty(ax, f"{model}: no codec measurements\n{_missing_note(doc, 'stream', model)}")
-            continue
+    fig, panels = _model_panels(doc, "Decode time of the whole context (lower is better)", "stream")
+    for ax, model, rows, labels in panels:
         contexts = sorted({r["context_tokens"] for r in rows})
-        labels = [m for m in _order(doc) if any(_label(r) == m for r in rows)]
         series = {}
         for context in contexts:
             points = []
@@ -406,13 +411,8 @@ def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def _quality_vs_size(doc: dict):
-    models = _models(doc)
-    fig, axes = _panels(len(models), "Quality vs size (lower-left is better)")
-    for ax, model in zip(axes, models):
-        rows = [q for q in doc["quality"] if q["model"] == model]
-        if not rows:
-            _empty(ax, f"{model}: no quality measurements\n{_missing_note(doc, 'quality', model)}")
-            continue
+    fig, panels = _model_panels(doc, "Quality vs size (lower-left is better)", "quality")
+    for ax, model, rows, _ in panels:
         for i, row in enumerate(sorted(rows, key=lambda r: r["bits_per_element"])):
             ax.scatter(row["bits_per_element"], row["ppl_change_pct"], s=40, zorder=3)
             # Alternate above/below so neighbours of similar size (int8, fp8) stay legible.

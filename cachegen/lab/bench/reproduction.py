@@ -112,15 +112,11 @@ def _size_claim(doc: dict) -> dict:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     ratios, good = [], []
-    for model in _ordered_models(doc, rows):
-        context = max(r["context_tokens"] for r in rows if r["model"] == model)
+    for model, context, at in _at_largest_context(doc, rows):
         negligible = _negligible_levels(doc, model)
         # Sizes do not depend on the link: one row per level (the slowest link's cell).
         per_level = {}
-        for r in sorted(
-            (r for r in rows if r["model"] == model and r["context_tokens"] == context),
-            key=lambda r: r["bandwidth_mbps"] or 0,
-        ):
+        for r in sorted(at, key=lambda r: r["bandwidth_mbps"] or 0):
             per_level.setdefault(r["level"], r)
         for r in (per_level[level] for level in sorted(per_level)):
             ratios.append(r["ratio_vs_int8"])
@@ -132,15 +128,15 @@ def _size_claim(doc: dict) -> dict:
                 f"{_num(r.get('bits_per_element'))} | {_x(r.get('ratio_vs_fp16'))} | "
                 f"{_x(r['ratio_vs_int8'])} |"
             )
-    measured = f"{_x(min(ratios))}-{_x(max(ratios))} over levels {_levels(rows)}"
+    measured = f"{_span(ratios)} over levels {_levels(rows)}"
     # The paper's claim is "smaller *with* negligible quality loss": judge the levels that keep it.
     if good:
-        measured += f"; {_x(min(good))}-{_x(max(good))} at levels with negligible loss"
+        measured += f"; {_span(good)} at levels with negligible loss"
         verdict = "at levels with negligible loss: " + _compare(
-            (min(good), max(good)), PAPER["size_vs_int8"]
+            _bounds(good), PAPER["size_vs_int8"]
         )
     else:
-        verdict = _compare((min(ratios), max(ratios)), PAPER["size_vs_int8"])
+        verdict = _compare(_bounds(ratios), PAPER["size_vs_int8"])
         if doc["quality"]:
             verdict += "; no level kept the loss negligible"
     return {
@@ -173,78 +169,21 @@ def _delay_claim(doc: dict) -> dict:
         "",
     ]
     e2e = [r for r in doc["medians"] if r["kind"] == "e2e" and r.get("ttft_s")]
-    cachegen = [r for r in e2e if r["mode"] == "cachegen"]
-    if not cachegen:
-        claim = _unmeasured(
-            "Delay of fetching and processing the context",
-            DELAY_CLAIM,
-            "3.2-3.7x",
-            details,
-            doc,
-            "e2e",
-            "cachegen",
-        )
-        lines, ratios = _stream_delay(doc)
-        claim["details"] += ["", *lines]
-        if ratios:
-            claim["measured"] = (
-                f"TTFT not measured; load time without vLLM {_x(min(ratios))}-{_x(max(ratios))} "
-                "lower than int8"
-            )
-        return claim
-    details += [
-        "| model | context | link (Mbit/s) | level | TTFT (s) | int8 TTFT / CacheGen TTFT | "
-        "recompute TTFT / CacheGen TTFT |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    speedups_int8, speedups_text, good_int8 = [], [], []
-    for model in _ordered_models(doc, cachegen):
-        context = max(r["context_tokens"] for r in cachegen if r["model"] == model)
-        negligible = _negligible_levels(doc, model)
-        text = [
-            r
-            for r in e2e
-            if r["model"] == model and r["context_tokens"] == context and r["mode"] == "recompute"
-        ]
-        for r in sorted(
-            (r for r in cachegen if r["model"] == model and r["context_tokens"] == context),
-            key=lambda r: (r["bandwidth_mbps"], r["level"]),
-        ):
-            int8 = [
-                x
-                for x in e2e
-                if x["model"] == model
-                and x["context_tokens"] == context
-                and x["mode"] == "int8"
-                and x["bandwidth_mbps"] == r["bandwidth_mbps"]
-            ]
-            vs_int8 = int8[0]["ttft_s"] / r["ttft_s"] if int8 else None
-            vs_text = text[0]["ttft_s"] / r["ttft_s"] if text else None
-            if vs_int8:
-                speedups_int8.append(vs_int8)
-                if r["level"] in negligible:
-                    good_int8.append(vs_int8)
-            if vs_text:
-                speedups_text.append(vs_text)
-            note = " (negligible loss)" if r["level"] in negligible else ""
-            details.append(
-                f"| {model} | {context} | {r['bandwidth_mbps']:g} | {r['level']}{note} | "
-                f"{_num(r['ttft_s'], 3)} | {_x(vs_int8)} | {_x(vs_text)} |"
-            )
-    details += ["", *_stream_delay(doc)[0]]
+    if not any(r["mode"] == "cachegen" for r in e2e):
+        return _delay_without_e2e(doc, details)
+    table, speedups = _e2e_delay(doc, e2e)
+    details += [*table, "", *_stream_delay(doc)[0]]
     measured, verdict = [], "not measured"
-    if speedups_int8:
-        measured.append(f"{_x(min(speedups_int8))}-{_x(max(speedups_int8))} vs int8")
-        verdict = _compare((min(speedups_int8), max(speedups_int8)), PAPER["delay"])
-    if good_int8:
-        measured.append(
-            f"{_x(min(good_int8))}-{_x(max(good_int8))} vs int8 at levels with negligible loss"
-        )
+    if speedups["int8"]:
+        measured.append(f"{_span(speedups['int8'])} vs int8")
+        verdict = _compare(_bounds(speedups["int8"]), PAPER["delay"])
+    if speedups["negligible"]:
+        measured.append(f"{_span(speedups['negligible'])} vs int8 at levels with negligible loss")
         verdict = "at levels with negligible loss: " + _compare(
-            (min(good_int8), max(good_int8)), PAPER["delay"]
+            _bounds(speedups["negligible"]), PAPER["delay"]
         )
-    if speedups_text:
-        measured.append(f"{_x(min(speedups_text))}-{_x(max(speedups_text))} vs text recompute")
+    if speedups["text"]:
+        measured.append(f"{_span(speedups['text'])} vs text recompute")
     return {
         "title": "Delay of fetching and processing the context",
         "claim": DELAY_CLAIM,
@@ -253,6 +192,57 @@ def _delay_claim(doc: dict) -> dict:
         "verdict": verdict,
         "details": details,
     }
+
+
+def _delay_without_e2e(doc: dict, details: list[str]) -> dict:
+    """The delay claim when vLLM measured no CacheGen TTFT: the load times alone, if any."""
+    claim = _unmeasured(
+        "Delay of fetching and processing the context",
+        DELAY_CLAIM,
+        "3.2-3.7x",
+        details,
+        doc,
+        "e2e",
+        "cachegen",
+    )
+    lines, ratios = _stream_delay(doc)
+    claim["details"] += ["", *lines]
+    if ratios:
+        claim["measured"] = (
+            f"TTFT not measured; load time without vLLM {_span(ratios)} lower than int8"
+        )
+    return claim
+
+
+def _e2e_delay(doc: dict, e2e: list[dict]) -> tuple[list[str], dict[str, list[float]]]:
+    """TTFT of CacheGen vs int8 and text recompute: table lines and the speedups (vs ``int8``,
+    vs int8 at levels with ``negligible`` loss, vs ``text``)."""
+    lines = [
+        "| model | context | link (Mbit/s) | level | TTFT (s) | int8 TTFT / CacheGen TTFT | "
+        "recompute TTFT / CacheGen TTFT |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    speedups: dict[str, list[float]] = {"int8": [], "negligible": [], "text": []}
+    cachegen = [r for r in e2e if r["mode"] == "cachegen"]
+    for model, context, at in _at_largest_context(doc, cachegen):
+        negligible = _negligible_levels(doc, model)
+        text = _first(e2e, model=model, context_tokens=context, mode="recompute")
+        for r in sorted(at, key=lambda r: (r["bandwidth_mbps"], r["level"])):
+            int8 = _first(e2e, **_cell_of(r), mode="int8")
+            vs_int8 = int8["ttft_s"] / r["ttft_s"] if int8 else None
+            vs_text = text["ttft_s"] / r["ttft_s"] if text else None
+            if vs_int8:
+                speedups["int8"].append(vs_int8)
+                if r["level"] in negligible:
+                    speedups["negligible"].append(vs_int8)
+            if vs_text:
+                speedups["text"].append(vs_text)
+            note = " (negligible loss)" if r["level"] in negligible else ""
+            lines.append(
+                f"| {model} | {context} | {r['bandwidth_mbps']:g} | {r['level']}{note} | "
+                f"{_num(r['ttft_s'], 3)} | {_x(vs_int8)} | {_x(vs_text)} |"
+            )
+    return lines, speedups
 
 
 def _stream_delay(doc: dict) -> tuple[list[str], list[float]]:
@@ -270,21 +260,10 @@ def _stream_delay(doc: dict) -> tuple[list[str], list[float]]:
         "| model | context | link (Mbit/s) | level | load (s) | int8 load / CacheGen load |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for model in _ordered_models(doc, cachegen):
-        context = max(r["context_tokens"] for r in cachegen if r["model"] == model)
-        for r in sorted(
-            (r for r in cachegen if r["model"] == model and r["context_tokens"] == context),
-            key=lambda r: (link_order(r["bandwidth_mbps"]), r["level"]),
-        ):
-            int8 = [
-                x
-                for x in rows
-                if x["model"] == model
-                and x["context_tokens"] == context
-                and x["mode"] == "int8"
-                and x["bandwidth_mbps"] == r["bandwidth_mbps"]
-            ]
-            ratio = int8[0]["load_s"] / r["load_s"] if int8 else None
+    for model, context, at in _at_largest_context(doc, cachegen):
+        for r in sorted(at, key=lambda r: (link_order(r["bandwidth_mbps"]), r["level"])):
+            int8 = _first(rows, **_cell_of(r), mode="int8")
+            ratio = int8["load_s"] / r["load_s"] if int8 else None
             if ratio:
                 ratios.append(ratio)
             out.append(
@@ -418,6 +397,26 @@ def _ordered_models(doc: dict, rows: list[dict]) -> list[str]:
     return [m for m in doc["config"]["models"] if m in present]
 
 
+def _at_largest_context(doc: dict, rows: list[dict]):
+    """Per model of ``rows`` (in the configured order): its largest context and its rows there."""
+    for model in _ordered_models(doc, rows):
+        context = max(r["context_tokens"] for r in rows if r["model"] == model)
+        yield (
+            model,
+            context,
+            [r for r in rows if r["model"] == model and r["context_tokens"] == context],
+        )
+
+
+def _cell_of(row: dict) -> dict:
+    """The model, context and link of ``row``: what a baseline must share to compare."""
+    return {k: row[k] for k in ("model", "context_tokens", "bandwidth_mbps")}
+
+
+def _first(rows: list[dict], **where) -> dict | None:
+    return next((r for r in rows if all(r[k] == v for k, v in where.items())), None)
+
+
 def _levels(rows: list[dict]) -> str:
     return ", ".join(map(str, sorted({r["level"] for r in rows})))
 
@@ -426,6 +425,14 @@ def _commit(env: dict) -> str:
     git = env.get("git") or {}
     commit = (git.get("commit") or "unknown")[:10]
     return commit + (" with uncommitted changes" if git.get("dirty") else "")
+
+
+def _bounds(values: list[float]) -> tuple[float, float]:
+    return min(values), max(values)
+
+
+def _span(values: list[float]) -> str:
+    return f"{_x(min(values))}-{_x(max(values))}"
 
 
 def _x(value: float | None) -> str:

@@ -25,19 +25,18 @@ from dataclasses import dataclass
 import torch
 
 from cachegen import models, workload
-from cachegen.codec.bitstream import CODED
-from cachegen.codec.packed import split_record_tag
 from cachegen.errors import InputError
 from cachegen.fileio import versioned
 from cachegen.lab.bench.links import UNLIMITED
-from cachegen.lab.bench.stream_sim import ADAPTIVE, Workload, evaluate, standard_traces
+from cachegen.lab.experiments.stream_sim import ADAPTIVE, Workload, evaluate, standard_traces
+from cachegen.lab.network.link import open_link
+from cachegen.lab.network.traces import BandwidthTrace
 from cachegen.lab.rows import StreamRow
+from cachegen.modes import CODED, Form
 from cachegen.store import ChunkStore, chunk_keys, longest_prefix
 from cachegen.stream.controller import DEFAULT_DROP_FACTOR, RECOMPUTE, AdaptiveController
-from cachegen.stream.link import open_link
 from cachegen.stream.loader import LoadStats, stream_load
 from cachegen.stream.source import DirectSource
-from cachegen.stream.traces import BandwidthTrace
 
 SCHEMA = "cachegen-stream-bench"
 LINK_BOUND_SLACK = 0.05  # transfer-only goodput this far under the rate still counts as the link
@@ -111,9 +110,9 @@ def prepare(
     kv=None,
     log=None,
 ) -> Prepared:
-    """Chunks of the tokens ``ids`` in ``store`` at ``levels`` (store level slots: a packed
-    form's slot is its record tag), encoded if any is missing (from ``kv``, their KV, when
-    given; else from a timed prefill)."""
+    """Chunks of the tokens ``ids`` in ``store`` at ``levels`` (store level slots,
+    ``cachegen.modes.Form.slot``: a packed form's has bit 15 set), encoded if any is missing
+    (from ``kv``, their KV, when given; else from a timed prefill)."""
     from cachegen.profiles import codec_for
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -121,7 +120,7 @@ def prepare(
     codec = codec_for(codec_name, spec, chunk_tokens=chunk_tokens)
     levels = list(levels or codec.levels)
     for lv in levels:
-        codec.resolve_level(split_record_tag(lv)[0])
+        codec.resolve_level(Form.from_slot(codec_name, lv).level)
     tokens = ids.numel()
     keys = chunk_keys(spec.identity(), codec.profile_id, ids, chunk_tokens)
     tps = None
@@ -159,10 +158,11 @@ def prepare(
 
 
 def encode_slot(codec, chunk, slot: int) -> bytes:
-    """``chunk`` encoded for the store level slot ``slot`` (a level, or a packed level's
-    record tag)."""
-    level, form = split_record_tag(slot)
-    return codec.encode(chunk, level=level) if form == CODED else codec.encode(chunk, level, form)
+    """``chunk`` encoded for the store level slot ``slot`` of ``codec`` (``Form.slot``)."""
+    form = Form.from_slot(codec.name, slot)
+    if form.packing == CODED:
+        return codec.encode(chunk, level=form.level)
+    return codec.encode(chunk, form.level, form.packing)
 
 
 def make_decoder(expected: Prepared):
@@ -247,13 +247,7 @@ def stream_bench(
                             "--slo-ms needs a prefill rate: pass --prefill-tps or let the bench "
                             "measure it"
                         )
-                    controller = AdaptiveController(
-                        slo_ms / 1000,
-                        prep.sizes,
-                        prep.chunk_tokens,
-                        prefill_tokens_per_s=prefill_tps,
-                        decode_s_per_token=decode_spt,
-                    )
+                    controller = _controller(prep, slo_ms, prefill_tps, decode_spt)
                 load_before = os.getloadavg()[0]
                 stats, link = run_load(
                     store,
@@ -362,15 +356,10 @@ def load_row(
         n_loaded=stats.n_loaded,
         recompute_from=stats.recompute_from,
         recompute_tokens=recompute_tokens,
-        bytes=stats.bytes,
-        levels=stats.levels,
-        transfer_s=stats.transfer_s,
-        decode_s=stats.decode_s,
+        **StreamRow.measures(stats.to_dict()),
         consume_s=stats.consume_s,
         wait_bytes_s=stats.wait_bytes_s,
         wait_decoder_s=stats.wait_decoder_s,
-        load_s=stats.load_s,
-        goodput_mbps=stats.goodput_mbps,
         goodput_error=stats.goodput_mbps / bandwidth - 1 if bandwidth else None,
         pipeline_ratio=stats.load_s / max(stats.transfer_s, stats.decode_s),
         ttft_model_s=stats.load_s + (recompute_tokens / prefill_tps if prefill_tps else 0.0),
@@ -442,14 +431,7 @@ def _real_replays(
         picked += [i for i, t in enumerate(traces) if t.name.startswith(kind)][:count]
     rows = []
     for i in picked:
-        ctrl = AdaptiveController(
-            slo_ms / 1000,
-            prep.sizes,
-            prep.chunk_tokens,
-            prefill_tokens_per_s=prefill_tps,
-            decode_s_per_token=decode_spt,
-            drop_factor=drop_factor,
-        )
+        ctrl = _controller(prep, slo_ms, prefill_tps, decode_spt, drop_factor)
         stats, _ = run_load(
             store,
             prep,
@@ -475,6 +457,24 @@ def _real_replays(
             }
         )
     return rows
+
+
+def _controller(
+    prep: Prepared,
+    slo_ms: float,
+    prefill_tps: float,
+    decode_spt: dict,
+    drop_factor: float = DEFAULT_DROP_FACTOR,
+) -> AdaptiveController:
+    """The adaptive controller of a load of ``prep`` within ``slo_ms``."""
+    return AdaptiveController(
+        slo_ms / 1000,
+        prep.sizes,
+        prep.chunk_tokens,
+        prefill_tokens_per_s=prefill_tps,
+        decode_s_per_token=decode_spt,
+        drop_factor=drop_factor,
+    )
 
 
 def parse_bandwidths(text: str | None) -> list:

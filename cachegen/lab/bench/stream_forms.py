@@ -18,17 +18,14 @@ import os
 import statistics
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from cachegen import models
-from cachegen.codec import form_loss, get_codec
-from cachegen.codec.bitstream import CODED, PACKED
-from cachegen.codec.packed import record_tag
+from cachegen.codec import form_loss
 from cachegen.errors import InputError
 from cachegen.fileio import versioned
 from cachegen.lab.bench.links import UNLIMITED
 from cachegen.lab.bench.stream_bench import Prepared, prepare, run_load, warm_up
-from cachegen.modes import CACHEGEN, KV_BASELINES, Mode
+from cachegen.modes import CACHEGEN, FORMS, KV_BASELINES, PACKED, TCQ, Form
 from cachegen.store import ChunkStore
 from cachegen.stream.controller import (
     DEFAULT_SWITCH_MARGIN,
@@ -40,53 +37,36 @@ from cachegen.stream.controller import (
 
 SCHEMA = "cachegen-stream-forms-bench"
 VERSION = 1
-PACKED_SUFFIX = "-" + PACKED
 DEFAULT_FORMS = "default"
 WITHIN = 1.10  # adaptive should finish within this factor of the best allowed fixed form
 
 
-@dataclass(frozen=True)
-class Form:
-    """A stored form: ``name`` (``cachegen-<L>``, ``cachegen-<L>-packed``, ``raw``, ``int8``,
-    ``fp8``), its codec and its store level slot."""
-
-    name: str
-    codec: str
-    slot: int
-
-    @property
-    def coded_name(self) -> str:
-        """The name of the coded form with the same symbols (itself when not packed)."""
-        return self.name.removesuffix(PACKED_SUFFIX)
-
-
-def parse_form(name: str) -> Form:
-    packed = name.endswith(PACKED_SUFFIX)
+def benched_form(label: str) -> Form:
+    """The form of ``label`` when this bench loads it: a cachegen level, coded or packed, or a
+    baseline."""
     try:
-        mode = Mode.parse(name.removesuffix(PACKED_SUFFIX))
+        form = Form.parse(label)
     except InputError:
-        mode = None
-    if mode is not None and mode.mode == CACHEGEN and mode.level is not None:
-        return Form(name, CACHEGEN, record_tag(mode.level, PACKED if packed else CODED))
-    if mode is not None and mode.mode in KV_BASELINES and not packed:
-        return Form(name, mode.mode, get_codec(mode.mode).default_level)
-    raise InputError(
-        f"unknown form {name!r}; forms are cachegen-<L>, cachegen-<L>-packed, "
-        f"{', '.join(KV_BASELINES)} (or {DEFAULT_FORMS!r})"
-    )
+        form = None
+    if form is None or form.codec == TCQ:
+        raise InputError(
+            f"unknown form {label!r}; forms are cachegen-<L>, cachegen-<L>-{PACKED}, "
+            f"{', '.join(KV_BASELINES)} (or {DEFAULT_FORMS!r})"
+        )
+    return form
 
 
 def parse_forms(text: str, default_level: int) -> list[Form]:
     """Forms of a comma list; ``default``: the default level coded and packed, and the
     baselines."""
     if text == DEFAULT_FORMS:
-        names = [f"cachegen-{default_level}", f"cachegen-{default_level}{PACKED_SUFFIX}"]
+        names = [Form(CACHEGEN, default_level, packing).label for packing in FORMS]
         names += list(KV_BASELINES)
     else:
         names = [n.strip() for n in text.split(",") if n.strip()]
     if not names or len(set(names)) != len(names):
         raise InputError(f"--forms {text!r}: give distinct forms separated by commas")
-    return [parse_form(n) for n in names]
+    return [benched_form(n) for n in names]
 
 
 def parse_losses(text: str | None) -> dict[str, float]:
@@ -97,7 +77,7 @@ def parse_losses(text: str | None) -> dict[str, float]:
             continue
         name, _, value = item.partition("=")
         try:
-            out[parse_form(name.strip()).coded_name] = float(value)
+            out[benched_form(name.strip()).coded.label] = float(value)
         except ValueError:
             raise InputError(f"--loss-pct {text!r}: give NAME=PCT pairs, e.g. int8=0.1") from None
     return out
@@ -113,8 +93,8 @@ def form_losses(
     (:mod:`cachegen.codec.form_loss`)."""
     fingerprint = spec.identity().fingerprint
     calibrated = cachegen_codec.profile.calibrated_levels() if cachegen_codec is not None else []
-    known = form_loss.form_losses([f.name for f in forms], fingerprint, calibrated)
-    return {f.name: given.get(f.coded_name, known[f.name]) for f in forms}
+    known = form_loss.form_losses([f.label for f in forms], fingerprint, calibrated)
+    return {f.label: given.get(f.coded.label, known[f.label]) for f in forms}
 
 
 def default_bound(cachegen_codec) -> float:
@@ -176,7 +156,7 @@ def forms_bench(
     for prep in preps.values():
         warm_up(store, prep)  # compiles the kernels and fills caches, which no load pays for
     options = [
-        Option(f.name, preps[f.codec].keys, f.slot, preps[f.codec].sizes[f.slot], losses[f.name])
+        Option(f.label, preps[f.codec].keys, f.slot, preps[f.codec].sizes[f.slot], losses[f.label])
         for f in forms
     ]
     anchor = preps[forms[0].codec]  # its keys count the chunks, its tokens check each chunk
@@ -260,19 +240,19 @@ def _measure_column(
     it so far at this rate, and its ceilings (``host_mbps``, updated here) each form's best
     goodput in the loads so far that the host, not the link, bounded."""
     anchor = preps[forms[0].codec]
-    fixed: dict[str, list[float]] = {f.name: [] for f in forms}
-    rates: dict[str, list[float]] = {f.name: [] for f in forms}
+    fixed: dict[str, list[float]] = {f.label: [] for f in forms}
+    rates: dict[str, list[float]] = {f.label: [] for f in forms}
     adaptive = []
     for _ in range(repeat):
         for f in forms:
             stats, _ = run_load(
                 store, preps[f.codec], shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, level=f.slot
             )
-            fixed[f.name].append(stats.load_s)
+            fixed[f.label].append(stats.load_s)
             ceiling = host_bound_mbps(stats.bytes, stats.load_s, bw)
             if ceiling is not None:
-                host_mbps[f.name] = max(host_mbps.get(f.name, 0.0), ceiling)
-            rates[f.name] += [c.decode_s / anchor.chunk_tokens[c.index] for c in stats.chunks]
+                host_mbps[f.label] = max(host_mbps.get(f.label, 0.0), ceiling)
+            rates[f.label] += [c.decode_s / anchor.chunk_tokens[c.index] for c in stats.chunks]
         priors = {name: statistics.median(r) for name, r in rates.items()}
         controller = FastestController(
             options,

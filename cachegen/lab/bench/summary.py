@@ -5,36 +5,39 @@ from __future__ import annotations
 from cachegen.lab.bench.links import link_label, link_order
 from cachegen.modes import Mode
 
-E2E_COLUMNS = (
-    ("context_tokens", "context", "{:d}"),
-    ("mode", "mode", "{}"),
-    ("bandwidth_mbps", "Mbit/s", "{:g}"),
-    ("ttft_s", "TTFT s", "{:.3f}"),
-    ("e2e_s", "e2e s", "{:.3f}"),
-    ("output_tokens_per_s", "out tok/s", "{:.1f}"),
-    ("bytes", "KV MB", "{:.2f}"),
-    ("loaded_tokens", "loaded", "{:.0f}"),
-    ("n", "n", "{:d}"),
-)
+COLUMNS = {  # key: (header, format) of each column the tables print
+    "context_tokens": ("context", "{:d}"),
+    "mode": ("mode", "{}"),
+    "bandwidth_mbps": ("Mbit/s", "{:g}"),
+    "ttft_s": ("TTFT s", "{:.3f}"),
+    "e2e_s": ("e2e s", "{:.3f}"),
+    "output_tokens_per_s": ("out tok/s", "{:.1f}"),
+    "bytes": ("KV MB", "{:.2f}"),
+    "loaded_tokens": ("loaded", "{:.0f}"),
+    "n": ("n", "{:d}"),
+    "bits_per_element": ("bits/elt", "{:.2f}"),
+    "ratio_vs_fp16": ("x fp16", "{:.2f}"),
+    "ratio_vs_int8": ("x int8", "{:.2f}"),
+    "transfer_s": ("transfer s", "{:.3f}"),
+    "decode_s": ("decode s", "{:.3f}"),
+    "load_s": ("load s", "{:.3f}"),
+    "ppl_change_pct": ("ppl change %", "{:+.2f}"),
+    "top1_agreement": ("top-1 agree", "{:.3f}"),
+    "windows": ("windows", "{:d}"),
+}
+CELL = ("context_tokens", "mode", "bandwidth_mbps")  # what a median row is of
+E2E_COLUMNS = (*CELL, "ttft_s", "e2e_s", "output_tokens_per_s", "bytes", "loaded_tokens", "n")
 STREAM_COLUMNS = (
-    ("context_tokens", "context", "{:d}"),
-    ("mode", "mode", "{}"),
-    ("bandwidth_mbps", "Mbit/s", "{:g}"),
-    ("bytes", "KV MB", "{:.2f}"),
-    ("bits_per_element", "bits/elt", "{:.2f}"),
-    ("ratio_vs_fp16", "x fp16", "{:.2f}"),
-    ("ratio_vs_int8", "x int8", "{:.2f}"),
-    ("transfer_s", "transfer s", "{:.3f}"),
-    ("decode_s", "decode s", "{:.3f}"),
-    ("load_s", "load s", "{:.3f}"),
+    *CELL,
+    "bytes",
+    "bits_per_element",
+    "ratio_vs_fp16",
+    "ratio_vs_int8",
+    "transfer_s",
+    "decode_s",
+    "load_s",
 )
-QUALITY_COLUMNS = (
-    ("mode", "mode", "{}"),
-    ("bits_per_element", "bits/elt", "{:.2f}"),
-    ("ppl_change_pct", "ppl change %", "{:+.2f}"),
-    ("top1_agreement", "top-1 agree", "{:.3f}"),
-    ("windows", "windows", "{:d}"),
-)
+QUALITY_COLUMNS = ("mode", "bits_per_element", "ppl_change_pct", "top1_agreement", "windows")
 
 
 def print_summary(doc: dict, file=None) -> None:
@@ -66,7 +69,7 @@ def print_summary(doc: dict, file=None) -> None:
             )
 
 
-def _table(title: str, rows: list[dict], columns, file) -> None:
+def _table(title: str, rows: list[dict], columns: tuple[str, ...], file) -> None:
     if not rows:
         return
     rows = sorted(
@@ -77,9 +80,9 @@ def _table(title: str, rows: list[dict], columns, file) -> None:
             _link_order(r),
         ),
     )
-    cells = [[h for _, h, _ in columns]]
+    cells = [[COLUMNS[key][0] for key in columns]]
     for r in rows:
-        cells.append([_fmt(r, key, fmt) for key, _, fmt in columns])
+        cells.append([_fmt(r, key, COLUMNS[key][1]) for key in columns])
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     print(f"\n{title}", file=file)
     for row in cells:

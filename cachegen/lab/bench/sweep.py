@@ -16,6 +16,7 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -147,18 +148,8 @@ def profile(name: str, **overrides) -> SweepConfig:
 
 def run_sweep(cfg: SweepConfig, *, command: str, progress: bool = True, log=None) -> dict:
     """Measure everything ``cfg`` asks for; returns a validated results document."""
-    from transformers import AutoTokenizer
-
-    from cachegen import models
-    from cachegen.lab.bench.measure_e2e import MARGIN_TOKENS, E2EMeasurer
-    from cachegen.lab.bench.measure_quality import measure_quality
-    from cachegen.lab.bench.measure_stream import measure_stream
-    from cachegen.lab.bench.prompts import contexts
-
     doc = results.new_document(command, environment.capture(), cfg.to_json())
-    seconds = doc["config"][
-        "part_seconds"
-    ] = {}  # wall time per model and part, for sizing profiles
+    doc["config"]["part_seconds"] = {}  # wall time per model and part, for sizing profiles
     bar = tqdm(
         total=len(cfg.models) * _cells(cfg),
         desc="cachegen bench",
@@ -166,67 +157,88 @@ def run_sweep(cfg: SweepConfig, *, command: str, progress: bool = True, log=None
         disable=not progress,
         file=sys.stderr,
     )
-
-    @contextlib.contextmanager
-    def part(name: str):
-        bar.set_postfix_str(name)
-        began = time.perf_counter()
-        yield
-        seconds[name] = round(time.perf_counter() - began, 1)
-
     try:
+        sweep = _Sweep(cfg, doc, bar, log)
         for model in cfg.models:
-            with part(f"{model} prepare"):
-                spec = models.resolve(model)
-                identity = spec.identity()
-                tokenizer = AutoTokenizer.from_pretrained(spec.path)
-                too_long = [
-                    c
-                    for c in cfg.context_tokens
-                    if c + MARGIN_TOKENS + cfg.output_tokens > spec.max_positions
-                ]
-                if too_long:
-                    raise InputError(
-                        f"contexts {too_long} do not fit {model}'s {spec.max_positions} "
-                        f"positions with the question and {cfg.output_tokens} output tokens; "
-                        "choose shorter --context-tokens"
-                    )
-                ctxs = contexts(tokenizer, cfg.context_tokens)
-                doc["config"].setdefault("default_levels", {})[model] = _default_level(model)
-            if "e2e" in cfg.parts:
-                with part(f"{model} e2e"):
-                    measurer = E2EMeasurer(
-                        cfg,
-                        model,
-                        spec,
-                        identity,
-                        ctxs,
-                        tokenizer,
-                        runs=doc["runs"],
-                        missing=doc["missing"],
-                        tick=bar.update,
-                        log=log,
-                    )
-                    measurer.run()
-                    doc["config"]["notes"] += [f"{model}: {n}" for n in measurer.notes]
-            if "stream" in cfg.parts:
-                with part(f"{model} stream"):
-                    measure_stream(
-                        cfg,
-                        model,
-                        ctxs,
-                        runs=doc["runs"],
-                        missing=doc["missing"],
-                        tick=bar.update,
-                    )
-            if "quality" in cfg.parts:
-                with part(f"{model} quality"):
-                    measure_quality(
-                        cfg, model, quality=doc["quality"], missing=doc["missing"], tick=bar.update
-                    )
+            sweep.measure(model)
     finally:
         bar.close()
     return results.finish(doc)
+
+
+@dataclass
+class _Sweep:
+    """Fills one results document, model by model, timing each part."""
+
+    cfg: SweepConfig
+    doc: dict
+    bar: tqdm
+    log: Callable[[str], None] | None
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        self.bar.set_postfix_str(name)
+        began = time.perf_counter()
+        yield
+        self.doc["config"]["part_seconds"][name] = round(time.perf_counter() - began, 1)
+
+    def measure(self, model: str) -> None:
+        from cachegen.lab.bench.measure_e2e import E2EMeasurer
+        from cachegen.lab.bench.measure_quality import measure_quality
+        from cachegen.lab.bench.measure_stream import measure_stream
+
+        cfg, doc = self.cfg, self.doc
+        with self.part(f"{model} prepare"):
+            spec, identity, tokenizer, ctxs = self.prepare(model)
+        sinks = dict(missing=doc["missing"], tick=self.bar.update)
+        if "e2e" in cfg.parts:
+            with self.part(f"{model} e2e"):
+                measurer = E2EMeasurer(
+                    cfg,
+                    model,
+                    spec,
+                    identity,
+                    ctxs,
+                    tokenizer,
+                    runs=doc["runs"],
+                    **sinks,
+                    log=self.log,
+                )
+                measurer.run()
+                doc["config"]["notes"] += [f"{model}: {n}" for n in measurer.notes]
+        if "stream" in cfg.parts:
+            with self.part(f"{model} stream"):
+                measure_stream(cfg, model, ctxs, runs=doc["runs"], **sinks)
+        if "quality" in cfg.parts:
+            with self.part(f"{model} quality"):
+                measure_quality(cfg, model, quality=doc["quality"], **sinks)
+
+    def prepare(self, model: str):
+        """``model``'s spec, identity, tokenizer and the sweep's contexts in its tokens."""
+        from transformers import AutoTokenizer
+
+        from cachegen import models
+        from cachegen.lab.bench.measure_e2e import MARGIN_TOKENS
+        from cachegen.lab.bench.prompts import contexts
+
+        cfg = self.cfg
+        spec = models.resolve(model)
+        identity = spec.identity()
+        tokenizer = AutoTokenizer.from_pretrained(spec.path)
+        too_long = [
+            c
+            for c in cfg.context_tokens
+            if c + MARGIN_TOKENS + cfg.output_tokens > spec.max_positions
+        ]
+        if too_long:
+            raise InputError(
+                f"contexts {too_long} do not fit {model}'s {spec.max_positions} "
+                f"positions with the question and {cfg.output_tokens} output tokens; "
+                "choose shorter --context-tokens"
+            )
+        ctxs = contexts(tokenizer, cfg.context_tokens)
+        self.doc["config"].setdefault("default_levels", {})[model] = _default_level(model)
+        return spec, identity, tokenizer, ctxs
 
 
 def _default_level(model: str) -> int | None:

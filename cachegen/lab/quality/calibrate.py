@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from cachegen import models
 from cachegen.codec import SCALE_KINDS, QuantConfig
+from cachegen.constants import CHUNK_TOKENS
 from cachegen.errors import InputError
 from cachegen.fileio import check_version, versioned
 from cachegen.kv import KVCache
@@ -77,7 +78,7 @@ class CalibrationSettings:
     ladder: tuple[int, ...] = LADDER
     hadamard: tuple[bool, ...] = (False, True)
     scales: tuple[str, ...] = SCALE_KINDS
-    chunk_tokens: int = 256  # the codec's chunk size (per-chunk scales depend on it)
+    chunk_tokens: int = CHUNK_TOKENS  # the codec's chunk size (per-chunk scales depend on it)
     # Options every allocation gets (see cachegen.codec.quant): turn keys back by the
     # model's rotary angles (when it has RoPE) and store the first tokens exactly.
     derotate_keys: bool = True
@@ -385,15 +386,21 @@ class _Model:
         )
 
 
-def calibrate(
-    model: str, settings: CalibrationSettings | None = None, *, progress: bool = True
-) -> CalibrationResult:
-    """Find the cheapest options and per-layer bins that meet each of ``settings.targets``."""
+def checked_settings(settings: CalibrationSettings | None) -> CalibrationSettings:
+    """``settings`` (None: the defaults), refused when a target or the margin is out of range."""
     settings = settings or CalibrationSettings()
     if not settings.targets or min(settings.targets) <= 0:
         raise InputError("perplexity targets must be positive, e.g. 1.0 for 1%")
     if not 0 < settings.margin <= 1:
         raise InputError("the margin must be in (0, 1]")
+    return settings
+
+
+def calibrate(
+    model: str, settings: CalibrationSettings | None = None, *, progress: bool = True
+) -> CalibrationResult:
+    """Find the cheapest options and per-layer bins that meet each of ``settings.targets``."""
+    settings = checked_settings(settings)
     data = CalibrationWindows(model, settings, progress)
     predictor = _Model(data, settings)
     # How far off the KL model is differs between option families (the probes measured one

@@ -79,65 +79,30 @@ def windows_from_stream(
     return windows
 
 
-def pydoc_windows(
-    tokenizer,
-    *,
-    count: int,
-    context_tokens: int,
-    continuation_tokens: int,
-    seed: int = 0,
-    split: str = "eval",
-) -> list[Window]:
+def pydoc_windows(tokenizer, *, split: str = "eval", **cut) -> list[Window]:
+    """Windows from the workload's Python documentation text, its ``split`` (``source``:
+    ``pydoc-split@begin``); ``cut``: :func:`windows_from_stream`'s count, lengths and seed
+    (0 unless given)."""
     if split not in SPLITS:
         raise InputError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    return _text_windows(
-        workload.text(split),
-        tokenizer,
-        count=count,
-        context_tokens=context_tokens,
-        continuation_tokens=continuation_tokens,
-        seed=seed,
-        source=f"pydoc-{split}",
-    )
+    return _text_windows(workload.text(split), tokenizer, source=f"pydoc-{split}", **cut)
 
 
-def domain_windows(
-    domain: str,
-    tokenizer,
-    *,
-    count: int,
-    context_tokens: int,
-    continuation_tokens: int,
-    seed: int = 0,
-) -> list[Window]:
-    """Windows from the held-out text of evaluation ``domain`` (``source``: ``domain@begin``)."""
-    return _text_windows(
-        workload.domain_text(domain),
-        tokenizer,
-        count=count,
-        context_tokens=context_tokens,
-        continuation_tokens=continuation_tokens,
-        seed=seed,
-        source=domain,
-    )
+def domain_windows(domain: str, tokenizer, **cut) -> list[Window]:
+    """Windows from the held-out text of evaluation ``domain`` (``source``: ``domain@begin``);
+    ``cut``: :func:`windows_from_stream`'s count, lengths and seed (0 unless given)."""
+    return _text_windows(workload.domain_text(domain), tokenizer, source=domain, **cut)
 
 
-def _text_windows(text: str, tokenizer, *, source: str, **cut) -> list[Window]:
+def _text_windows(text: str, tokenizer, *, source: str, seed: int = 0, **cut) -> list[Window]:
     """Windows cut (:func:`windows_from_stream`) from ``text`` as ``tokenizer`` reads it."""
     ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.int64)
-    return windows_from_stream(ids, source=source, **cut)
+    return windows_from_stream(ids, source=source, seed=seed, **cut)
 
 
-def file_windows(
-    path: Path,
-    tokenizer,
-    *,
-    count: int,
-    context_tokens: int,
-    continuation_tokens: int,
-    seed: int = 0,
-) -> list[Window]:
-    """Windows from a UTF-8 text file or a JSONL file (see the module docstring)."""
+def file_windows(path: Path, tokenizer, *, count: int, **cut) -> list[Window]:
+    """Windows from a UTF-8 text file or a JSONL file (see the module docstring); ``cut``:
+    :func:`windows_from_stream`'s lengths and seed."""
     if not path.is_file():
         raise InputError(
             f"dataset {path} is not a file; use one of {', '.join(DOMAINS + TASKS)} or a path "
@@ -150,15 +115,7 @@ def file_windows(
     if not raw.strip():
         raise InputError(f"{path} is empty")
     if path.suffix.lower() != ".jsonl":
-        return _text_windows(
-            raw,
-            tokenizer,
-            context_tokens=context_tokens,
-            continuation_tokens=continuation_tokens,
-            count=count,
-            seed=seed,
-            source=path.name,
-        )
+        return _text_windows(raw, tokenizer, source=path.name, count=count, **cut)
     documents, explicit = [], []
     for lineno, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
@@ -187,15 +144,7 @@ def file_windows(
         )
     if explicit:
         return explicit[:count]
-    return _text_windows(
-        "\n\n".join(documents),
-        tokenizer,
-        context_tokens=context_tokens,
-        continuation_tokens=continuation_tokens,
-        count=count,
-        seed=seed,
-        source=path.name,
-    )
+    return _text_windows("\n\n".join(documents), tokenizer, source=path.name, count=count, **cut)
 
 
 def _explicit_window(tokenizer, record: dict, source: str) -> Window:

@@ -18,7 +18,7 @@ the measured levels and the other targets' choices are kept.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from cachegen.codec import decode, inspect
 from cachegen.errors import InputError
@@ -26,6 +26,7 @@ from cachegen.fileio import check_version, versioned
 from cachegen.lab.quality.calibrate import (
     CalibrationSettings,
     CalibrationWindows,
+    checked_settings,
     within_target,
 )
 
@@ -44,13 +45,7 @@ class LevelTrial:
     top1_agreement: float = math.nan
 
     def to_dict(self) -> dict:
-        return {
-            "level": self.level,
-            "bits_per_element": self.bits_per_element,
-            "kl": self.kl,
-            "ppl_change_pct": self.ppl_change_pct,
-            "top1_agreement": self.top1_agreement,
-        }
+        return asdict(self)
 
 
 def calibrate_tcq(
@@ -60,11 +55,7 @@ def calibrate_tcq(
     target of ``settings.targets``; the result document (schema ``cachegen-tcq-calibration``)."""
     from cachegen.profiles import codec_for
 
-    settings = settings or CalibrationSettings()
-    if not settings.targets or min(settings.targets) <= 0:
-        raise InputError("perplexity targets must be positive, e.g. 1.0 for 1%")
-    if not 0 < settings.margin <= 1:
-        raise InputError("the margin must be in (0, 1]")
+    settings = checked_settings(settings)
     data = CalibrationWindows(model, settings, progress)
     codec = codec_for("tcq", data.spec, chunk_tokens=settings.chunk_tokens)
     trials = []

@@ -15,6 +15,7 @@ from cachegen.codec.form_loss import form_losses
 from cachegen.codec.profile import SHIPPED_DIR
 from cachegen.codec.tcq_levels import read_tcq_levels, tcq_levels_path
 from cachegen.errors import InputError
+from cachegen.fitting.tcq import tcq_calibration_spec
 from cachegen.lab.quality.calibrate import CalibrationSettings
 from cachegen.lab.quality.tcq_calibrate import (
     LevelTrial,
@@ -24,7 +25,7 @@ from cachegen.lab.quality.tcq_calibrate import (
     save_choices,
     unmet,
 )
-from cachegen.profiles import codec_for, tcq_calibration_spec
+from cachegen.profiles import codec_for
 
 SMALL = CalibrationSettings(
     targets=(1000.0,), windows=2, context_tokens=96, continuation_tokens=16, chunk_tokens=64

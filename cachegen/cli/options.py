@@ -1,0 +1,114 @@
+"""What the subcommands' parsers share: adding a subcommand with its handler, and the options
+that several commands take, each declared here once with its help text and default."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from cachegen.errors import InputError
+from cachegen.models import EMBEDDED_DEFAULT
+from cachegen.store import default_store_url
+
+Handler = Callable[[argparse.Namespace], int]
+MODEL_HELP = "model name, hub id or directory"
+DEFAULT = " (default: %(default)s)"
+
+
+def command(
+    subparsers,
+    name: str,
+    handler: Handler | None,
+    help: str | None,
+    description: str | None = None,
+) -> argparse.ArgumentParser:
+    """Subcommand ``name`` listed with ``help`` (None: not listed); parsing it sets ``func`` to
+    ``handler`` (None: its actions set their own)."""
+    listed = {} if help is None else {"help": help}
+    p = subparsers.add_parser(name, description=description, **listed)
+    if handler is not None:
+        p.set_defaults(func=handler)
+    return p
+
+
+def actions(p: argparse.ArgumentParser, dest: str = "action", metavar: str = "ACTION"):
+    """The required ACTION word of a command made of actions (``cachegen ttft table``)."""
+    return p.add_subparsers(dest=dest, metavar=metavar, required=True)
+
+
+def integer(p, flag: str, default: int | None, help: str | None = None) -> None:
+    """An integer option whose help ends with its default."""
+    p.add_argument(flag, type=int, default=default, help=help and help + DEFAULT)
+
+
+def number(p, flag: str, default: float | None, help: str | None = None) -> None:
+    """A float option whose help ends with its default."""
+    p.add_argument(flag, type=float, default=default, help=help and help + DEFAULT)
+
+
+def switch(p, flag: str, help: str | None = None) -> None:
+    p.add_argument(flag, action="store_true", help=help)
+
+
+def model(p, help: str | None = MODEL_HELP, default: str | None = EMBEDDED_DEFAULT) -> None:
+    """``--model``; with ``default`` None it is required."""
+    if default is None:
+        p.add_argument("--model", required=True, help=help)
+    else:
+        p.add_argument("--model", default=default, help=help and help + DEFAULT)
+
+
+def json_flag(p, help: str = "print JSON") -> None:
+    """``--json``: print JSON on stdout instead of text."""
+    switch(p, "--json", help)
+
+
+def json_file(p, help: str = "write the result document here") -> None:
+    """``--json FILE``: also write the result as a JSON document."""
+    p.add_argument("--json", type=Path, help=help)
+
+
+def codec(p) -> None:
+    p.add_argument("--codec", default="cachegen", help="codec name" + DEFAULT)
+
+
+def store(p, what: str = "store URL") -> None:
+    p.add_argument("--store", default=None, help=f"{what} (default: {default_store_url()})")
+
+
+def chunk_tokens(p, help: str = "tokens per chunk" + DEFAULT) -> None:
+    p.add_argument("--chunk-tokens", type=int, default=256, help=help)
+
+
+def seed(p, help: str | None = None) -> None:
+    integer(p, "--seed", 0, help)
+
+
+def no_progress(p, help: str | None = "no progress bar on stderr") -> None:
+    switch(p, "--no-progress", help)
+
+
+def require_positive(args: argparse.Namespace, *names: str) -> None:
+    """Refuse an option of ``names`` (attribute names) below 1, naming its flag."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def values(args: argparse.Namespace, *names: str) -> dict:
+    """The options ``names`` (attribute names) of ``args``, as keyword arguments of the same
+    names."""
+    return {name: getattr(args, name) for name in names}
+
+
+def command_line(words: list[str], args: argparse.Namespace, skip: set[str]) -> str:
+    """``words`` and then every option of ``args`` that is set (not None, not False), as
+    ``--flag value`` (a flag alone for True), but those named in ``skip``."""
+    out = list(words)
+    for name, value in vars(args).items():
+        if name in skip or value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        out += [flag] if value is True else [flag, str(value)]
+    return " ".join(out)

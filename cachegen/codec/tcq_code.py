@@ -1,0 +1,181 @@
+"""What the ``tcq`` encoder and decoder derive from a model file for one level: the kept
+components, their radii, steps and rANS tables (:class:`LevelCode`), the decoder's
+per-stream arrays for a set of layers (:class:`StreamTables`), and the frame constants both
+sides share."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cachegen.codec import rans
+from cachegen.codec.tcq_model import MAX_RADIUS, TcqModel, table_offsets
+
+EXACT_TOKENS = 1
+OFFSET_UNITS = 4  # offsets are in 1 / OFFSET_UNITS of a step
+# code length in bits of a symbol of frequency f (0 for f = 0: no symbol there to count)
+_CODE_BITS = np.concatenate([[0.0], -np.log2(np.arange(1, rans.PROB_SCALE + 1) / rans.PROB_SCALE)])
+
+_KEPT_LAYER_SETS = 4  # decoding tables per level: the whole model and a few layer subsets
+
+
+def exact_count(start: int, num_tokens: int) -> int:
+    return max(0, min(num_tokens, EXACT_TOKENS - start))
+
+
+def _family_tables(family: np.ndarray, r: int) -> np.ndarray:
+    """The family's frequency tables [tables, 2r + 1] for radius ``r``."""
+    counts = family[:, np.abs(np.arange(-r, r + 1))].astype(np.int64)
+    return rans.quantize_frequencies(counts, np.full(len(family), 2 * r + 1))
+
+
+@dataclass
+class LevelCode:
+    """One level's coding state, derived from a :class:`TcqModel`: per (layer, K/V) the kept
+    components, their radii and steps; the rANS tables of all kept components."""
+
+    kept: list[list[np.ndarray]]  # [L][2]: component indices
+    radius: list[list[np.ndarray]]  # [L][2]: int64 radius of each kept component
+    step: list[list[torch.Tensor]]  # [L][2]: float32 step of each kept component
+    analysis: list[list[torch.Tensor]]  # [L][2]: kept components' rows over their steps
+    synthesis: list[list[np.ndarray]]  # [L][2]: kept components' rows scaled by their steps
+    table_base: np.ndarray  # [L, 2]: row of each stream's first table
+    freq_cum: np.ndarray  # [tables, width] uint32
+    slot_sym: np.ndarray  # [tables, PROB_SCALE] uint8
+    family_row: np.ndarray  # [MAX_RADIUS + 1]: row of radius r's first family table, or -1
+    family_size: int  # tables of the family (0: the model file has none)
+    decoding: dict = field(default_factory=dict, repr=False, compare=False)  # layers -> tables
+
+    @functools.cached_property
+    def code_bits(self) -> np.ndarray:
+        """[tables, width] float64: the code length of each table's symbols (the encoder's
+        table choice; decoders never need it)."""
+        return _CODE_BITS[self.freq_cum >> 16]
+
+    def stream_tables(self, tcq: TcqModel, layers: tuple[int, ...]) -> StreamTables:
+        """The decoder's per-stream arrays for ``layers``, kept for the last few layer sets."""
+        if layers not in self.decoding:
+            while len(self.decoding) >= _KEPT_LAYER_SETS:
+                self.decoding.pop(next(iter(self.decoding)))
+            self.decoding[layers] = _stream_tables(tcq, self, layers)
+        return self.decoding[layers]
+
+
+@dataclass
+class StreamTables:
+    """A level's decoding state for a set of layers, one entry per (layer, K/V) stream in
+    stream order: kept component counts, first table rows, the kept radii (float32, one
+    stream after another from ``radius_off``), channel means [streams, channels] and the
+    synthesis matrices [streams, width, channels] (kept components' rows scaled by their
+    steps, zero rows up to ``width``, the largest kept count), in float32 and bfloat16."""
+
+    kept: np.ndarray
+    table_base: np.ndarray
+    table_row: np.ndarray  # calibrated table row of every kept component, from radius_off
+    slot: np.ndarray  # each kept component's flat index in [streams, width]
+    radius_int: np.ndarray
+    radius: np.ndarray
+    radius_off: np.ndarray
+    mean: np.ndarray
+    synthesis: torch.Tensor
+    synthesis_bf16: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return self.synthesis.shape[1]
+
+
+def _stream_tables(tcq: TcqModel, code: LevelCode, layers: tuple[int, ...]) -> StreamTables:
+    pairs = [(layer, k) for layer in layers for k in (0, 1)]
+    kept = np.array([len(code.kept[layer][k]) for layer, k in pairs], dtype=np.int64)
+    channels = tcq.mean.shape[-1]
+    width = max(1, int(kept.max(initial=0)))
+    synthesis = torch.zeros((len(pairs), width, channels))
+    for s, (layer, k) in enumerate(pairs):
+        synthesis[s, : kept[s]] = torch.from_numpy(code.synthesis[layer][k])
+    radius = np.concatenate([code.radius[layer][k] for layer, k in pairs])
+    table_base = np.array([code.table_base[layer, k] for layer, k in pairs], dtype=np.int64)
+    return StreamTables(
+        kept=kept,
+        table_base=table_base,
+        table_row=np.concatenate([b + np.arange(c) for b, c in zip(table_base, kept)]).astype(
+            np.int64
+        ),
+        slot=np.concatenate([s * width + np.arange(c) for s, c in enumerate(kept)]).astype(
+            np.int64
+        ),
+        radius_int=radius.astype(np.int64),
+        radius=radius.astype(np.float32),
+        radius_off=np.concatenate([[0], np.cumsum(kept)[:-1]]).astype(np.int64),
+        mean=np.ascontiguousarray(tcq.mean[list(layers)].reshape(len(pairs), channels)),
+        synthesis=synthesis,
+        synthesis_bf16=synthesis.to(torch.bfloat16),
+    )
+
+
+def level_code(tcq: TcqModel, level: int) -> LevelCode:
+    """``level``'s coding state (kept for the last few levels of the last few model files)."""
+    return _level_code(tcq, tcq.level_index(level))
+
+
+@functools.lru_cache(maxsize=8)
+def _level_code(tcq: TcqModel, index: int) -> LevelCode:
+    radius = tcq.radius[index].astype(np.int64)
+    starts = table_offsets(tcq.radius)[index]
+    L, _, C = radius.shape
+    width = max(3, 2 * int(radius.max()) + 1)
+    kept, radii, steps, analysis, synthesis, rows = [], [], [], [], [], []
+    base = np.zeros((L, 2), dtype=np.int64)
+    count = 0
+    for layer in range(L):
+        kept.append([]), radii.append([]), steps.append([])
+        analysis.append([]), synthesis.append([])
+        for k in range(2):
+            idx = np.flatnonzero(radius[layer, k])
+            kept[layer].append(idx)
+            radii[layer].append(radius[layer, k][idx])
+            step = tcq.steps[index, layer, k][idx]
+            steps[layer].append(torch.from_numpy(step.copy()))
+            rows_over_steps = tcq.components[layer, k][idx] / step[:, None]
+            analysis[layer].append(torch.from_numpy(rows_over_steps.astype(np.float32)))
+            scaled = step[:, None].astype(np.float32) * tcq.components[layer, k][idx]
+            synthesis[layer].append(np.ascontiguousarray(scaled, dtype=np.float32))
+            base[layer, k] = count
+            count += len(idx)
+            for i in idx:
+                table = np.zeros(width, dtype=np.uint16)
+                n = 2 * int(radius[layer, k, i]) + 1
+                table[:n] = tcq.freq[starts[layer, k, i] : starts[layer, k, i] + n]
+                rows.append(table)
+    family_row = np.full(MAX_RADIUS + 1, -1, dtype=np.int64)
+    if tcq.adaptive:
+        for r in np.unique(radius[radius > 0]):
+            tables = _family_tables(tcq.family, int(r))
+            family_row[r] = len(rows)
+            for table in tables:
+                rows.append(np.pad(table, (0, width - len(table))).astype(np.uint16))
+    freq = np.stack(rows) if rows else np.zeros((1, width), dtype=np.uint16)
+    slot = rans.slot_table(freq) if rows else np.zeros((1, rans.PROB_SCALE), np.uint8)
+    return LevelCode(
+        kept,
+        radii,
+        steps,
+        analysis,
+        synthesis,
+        base,
+        rans.pack_freq_cum(freq),
+        slot,
+        family_row,
+        len(tcq.family),
+    )
+
+
+def table_rows(
+    code: LevelCode, radius: np.ndarray, choice: np.ndarray, calibrated: np.ndarray
+) -> np.ndarray:
+    """Table rows of components with ``radius`` and ``choice`` (0: their ``calibrated`` rows)."""
+    family = code.family_row[radius.astype(np.int64)] + choice.astype(np.int64) - 1
+    return np.where(choice == 0, calibrated, family)

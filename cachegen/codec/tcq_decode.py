@@ -1,0 +1,264 @@
+"""The ``tcq`` decoder: frame bodies (layout in :mod:`cachegen.codec.tcq`) back into KV.
+
+A frame decodes in three passes over its (layer, K/V) streams (:mod:`cachegen.codec.tcq_kernels`):
+rANS symbols into coefficients, one batched GEMM with the synthesis matrices, then the channel
+means added and keys turned into the output."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cachegen.codec import rans, tcq_kernels
+from cachegen.codec.base import FrameDecoder
+from cachegen.codec.bitstream import Frame, Header
+from cachegen.codec.errors import CodecError
+from cachegen.codec.packing import inflate_exactly
+from cachegen.codec.parallel import run_batches
+from cachegen.codec.quant import rotary_cos_sin
+from cachegen.codec.tcq_code import OFFSET_UNITS, LevelCode, exact_count, table_rows
+from cachegen.codec.tcq_model import TcqModel
+
+
+@functools.cache
+def bf16_synthesis() -> bool:
+    """Whether bfloat16 output is synthesized by a bfloat16 GEMM: on CPUs with bfloat16
+    matrix instructions (AMX or AVX512-BF16), where it runs several times faster than
+    float32 and rounds the synthesis entries and the product to bfloat16, far below the
+    quantizer's error (docs/codec.md, tcq's "Decode speed"). Elsewhere bfloat16 GEMMs are
+    emulated and slower, so the synthesis stays float32. (torch names these CPU probes with
+    a leading underscore; a torch without them reads as neither.)"""
+    cpu = torch.cpu
+    return any(
+        bool(getattr(cpu, probe, lambda: False)())
+        for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    )
+
+
+@dataclass
+class _Layout:
+    """Where a frame body's parts are: exact tokens, choices (adaptive frames), streams."""
+
+    exact_tokens: int
+    exact_bytes: int
+    side_bytes: int  # the choices' bytes, their length word included
+    words: np.ndarray  # word count of each stream
+    offsets: np.ndarray | None = None  # int8 per kept component (adaptive frames)
+    choices: np.ndarray | None = None  # uint8 per kept component (adaptive frames)
+
+
+class TcqDecoder(FrameDecoder):
+    def __init__(self, header: Header, tcq: TcqModel, code: LevelCode, adaptive: bool) -> None:
+        super().__init__(header)
+        self.tcq = tcq
+        self.code = code
+        self.adaptive = adaptive
+        self.layers = list(header.layer_indices)
+        self.streams = code.stream_tables(tcq, tuple(self.layers))
+        self.thetas = [tcq.rope_thetas[layer] for layer in self.layers]
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._checked: dict[int, tuple[object, _Layout]] = {}  # frame index -> (body, layout)
+
+    def _scratch_for(self, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Coefficients [streams, tokens, width] and rows [streams, tokens, channels] of the
+        synthesis's ``dtype``, kept for the next frame of the same length: fresh pages cost
+        as much as filling them."""
+        scratch = self._scratch
+        if scratch is None or scratch[0].shape[1] != tokens or scratch[0].dtype != dtype:
+            streams, channels = self.streams, self.streams.synthesis.shape[2]
+            count = len(streams.kept)
+            self._scratch = (
+                torch.empty((count, tokens, streams.width), dtype=dtype),
+                torch.empty((count, tokens, channels), dtype=dtype),
+            )
+        return self._scratch
+
+    def _frame_start(self, frame: Frame) -> int:
+        return self.header.start + frame.index * self.header.chunk_tokens
+
+    def _choices(self, frame: Frame, at: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(bytes, offsets, table choices) of an adaptive frame's choices at byte ``at``."""
+        body, where = frame.body, f"frame {frame.index} is corrupt: tcq"
+        if len(body) < at + 4:
+            raise CodecError(f"{where} body is {len(body)} bytes, too short for its choices")
+        (size,) = np.frombuffer(body, dtype="<u4", count=1, offset=at)
+        if at + 4 + int(size) > len(body):
+            raise CodecError(f"{where} choices run past the body")
+        kept = int(self.streams.kept.sum())
+        raw = inflate_exactly(
+            body[at + 4 : at + 4 + int(size)],
+            2 * kept,
+            f"{where} choices do not inflate",
+            f"{where} choices are not one entry per kept component",
+        )
+        offsets = np.frombuffer(raw, dtype=np.int8, count=kept)
+        choices = np.frombuffer(raw, dtype=np.uint8, offset=kept)
+        if int(choices.max(initial=0)) > len(self.tcq.family):
+            raise CodecError(f"{where} choices name a table the family does not have")
+        return 4 + int(size), offsets, choices
+
+    def _layout(self, frame: Frame) -> _Layout:
+        """Where the body's parts are, checked against the body."""
+        h = self.header
+        n = len(frame.token_ids)
+        e = exact_count(self._frame_start(frame), n)
+        exact = 2 * h.num_layers * h.num_kv_heads * e * h.head_dim * h.dtype.itemsize
+        side, offsets, choices = 0, None, None
+        if self.adaptive and n > e:
+            side, offsets, choices = self._choices(frame, exact)
+        count = 2 * h.num_layers
+        body = frame.body
+        if len(body) < exact + side + 4 * count:
+            raise CodecError(
+                f"frame {frame.index} is corrupt: tcq body is {len(body)} bytes, too short for "
+                f"its exact tokens and stream directory"
+            )
+        words = np.frombuffer(body, dtype="<u4", count=count, offset=exact + side)
+        words = words.astype(np.int64)
+        if exact + side + 4 * count + 2 * int(words.sum()) != len(body):
+            raise CodecError(
+                f"frame {frame.index} is corrupt: tcq stream sizes do not add up to the body"
+            )
+        for s, w in enumerate(words):
+            layer, k = self.layers[s // 2], s % 2
+            empty = not len(self.code.kept[layer][k]) or n == e
+            if (w == 0) != empty or (not empty and w < rans.STATE_WORDS):
+                raise CodecError(f"frame {frame.index} is corrupt: tcq stream {s} has {w} words")
+        return _Layout(e, exact, side, words, offsets, choices)
+
+    def check(self, frame: Frame) -> None:
+        self._checked[frame.index] = (frame.body, self._layout(frame))
+
+    def _checked_layout(self, frame: Frame) -> _Layout:
+        """The layout :meth:`check` found for this frame (so its choices inflate once), else
+        the frame's layout checked now."""
+        body, layout = self._checked.pop(frame.index, (None, None))
+        return layout if body is frame.body else self._layout(frame)
+
+    def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
+        h = self.header
+        n = len(frame.token_ids)
+        layout = self._checked_layout(frame)
+        e, exact, words = layout.exact_tokens, layout.exact_bytes, layout.words
+        L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
+        if e:
+            raw = torch.frombuffer(bytearray(frame.body[:exact]), dtype=torch.uint8)
+            out[:, :, :, token_offset : token_offset + e] = raw.view(h.dtype).view(2, L, H, e, D)
+        m = n - e
+        if not m:
+            return
+        streams = self.streams
+        table_row, mean = streams.table_row, streams.mean
+        if layout.choices is not None:
+            table_row = table_rows(self.code, streams.radius_int, layout.choices, table_row)
+            mean = self._centred_mean(layout.offsets)
+        data = np.frombuffer(
+            frame.body, dtype="<u2", offset=exact + layout.side_bytes + 4 * len(words)
+        )
+        word_off = np.concatenate([[0], np.cumsum(words)]).astype(np.int64)
+        bf16 = out.dtype == torch.bfloat16 and bf16_synthesis()
+        coefficients, rows = self._scratch_for(m, torch.bfloat16 if bf16 else torch.float32)
+        coefficient_array = _numpy_of(coefficients).reshape(-1)
+        status = np.zeros(2 * L, dtype=np.uint8)
+        code = self.code
+
+        def decode_kernel(todo: np.ndarray) -> None:
+            tcq_kernels.decode_coefficients(
+                data,
+                word_off,
+                streams.kept,
+                table_row,
+                streams.radius,
+                streams.radius_off,
+                code.slot_sym,
+                code.freq_cum,
+                coefficient_array,
+                m,
+                streams.width,
+                todo,
+                status,
+            )
+
+        run_batches(decode_kernel, words + streams.kept * m + 1)
+        if status.any():
+            raise CodecError(f"frame {frame.index} is corrupt: a tcq rANS stream does not decode")
+        # one batched GEMM for all streams (torch's BLAS, in its own threads)
+        torch.bmm(coefficients, streams.synthesis_bf16 if bf16 else streams.synthesis, out=rows)
+        self._write(_numpy_of(rows), mean, self._frame_start(frame) + e, out, token_offset + e)
+
+    def _centred_mean(self, offsets: np.ndarray) -> np.ndarray:
+        """The channel means [streams, channels] moved by the frame's component offsets
+        (their rows of the synthesis, which are already scaled by the steps)."""
+        streams = self.streams
+        moved = np.zeros((len(streams.kept), streams.width), dtype=np.float32)
+        moved.reshape(-1)[streams.slot] = offsets
+        shift = torch.bmm(torch.from_numpy(moved)[:, None], streams.synthesis)[:, 0]
+        return streams.mean + shift.numpy() / OFFSET_UNITS
+
+    def _write(
+        self, rows: np.ndarray, mean: np.ndarray, start: int, out: torch.Tensor, offset: int
+    ) -> None:
+        """Rows [streams, m, channels] (float32 or bfloat16 bits) plus the channel means
+        ``mean``, keys turned, into ``out`` from token ``offset`` (absolute position
+        ``start``): bf16 or float32 in place, else through a float32 scratch."""
+        h = self.header
+        L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
+        m = rows.shape[1]
+        direct = out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous()
+        if direct:
+            target, T, t0 = out, out.shape[3], offset
+        else:
+            target, T, t0 = torch.empty((2, L, H, m, D), dtype=torch.float32), m, 0
+        flat = target.view(-1)
+        bf16 = target.dtype == torch.bfloat16
+        out16 = _numpy_of(flat) if bf16 else _NO_BF16
+        out32 = _NO_F32 if bf16 else flat.numpy()
+        thetas = sorted({t for t in self.thetas if t})
+        cos_sin = [rotary_cos_sin(start, m, D, theta) for theta in thetas]
+        cos = torch.cat([c for c, _ in cos_sin]).numpy() if thetas else _NO_ANGLES
+        sin = torch.cat([s for _, s in cos_sin]).numpy() if thetas else _NO_ANGLES
+        first_angle = np.array(
+            [thetas.index(t) * m if t and k == 0 else -1 for t in self.thetas for k in (0, 1)],
+            dtype=np.int64,
+        )
+        base = np.array(
+            [((k * L + i) * H * T + t0) * D for i in range(L) for k in (0, 1)], dtype=np.int64
+        )
+
+        def write_kernel(todo: np.ndarray) -> None:
+            tcq_kernels.write_rows(
+                rows, mean, first_angle, cos, sin, H, D, out16, out32, base, T, todo
+            )
+
+        run_batches(write_kernel, np.ones(2 * L))
+        if not direct:
+            out[:, :, :, offset : offset + m] = target
+
+    def inspect_extras(self) -> dict:
+        tcq = self.tcq
+        level = self.header.level
+        return {
+            "transform": tcq.id,
+            "transform_bytes": tcq.nbytes,
+            "table_bytes": tcq.table_bytes(level),
+        }
+
+    def layer_bytes(self, frame: Frame) -> np.ndarray:
+        layout = self._layout(frame)
+        h, words = self.header, layout.words
+        per_stream = 2 * words.astype(np.float64).reshape(h.num_layers, 2)
+        shared = layout.exact_bytes + layout.side_bytes + 4 * len(words)
+        return per_stream + shared / (2 * h.num_layers)
+
+
+def _numpy_of(x: torch.Tensor) -> np.ndarray:
+    """``x``'s memory as numpy: float32, or bfloat16 bits as uint16."""
+    return x.view(torch.int16).numpy().view(np.uint16) if x.dtype == torch.bfloat16 else x.numpy()
+
+
+_NO_BF16 = np.zeros(0, dtype=np.uint16)
+_NO_F32 = np.zeros(0, dtype=np.float32)
+_NO_ANGLES = np.zeros((0, 0), dtype=np.float32)

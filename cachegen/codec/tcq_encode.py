@@ -1,0 +1,126 @@
+"""The ``tcq`` encoder: a chunk's frame body (layout in :mod:`cachegen.codec.tcq`).
+
+Each (layer, K/V) stream's rows go through their level's analysis matrix into symbols of
+the kept components (:func:`quantize_rows`); in adaptive frames each component also gets an
+offset and the table that codes its symbols in the fewest bits (:func:`choose_tables`)."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+from cachegen.codec import rans, tcq_kernels
+from cachegen.codec.base import kv_tensor
+from cachegen.codec.parallel import run_batches
+from cachegen.codec.quant import rotate_layer_keys
+from cachegen.codec.tcq_code import OFFSET_UNITS, LevelCode, exact_count, table_rows
+from cachegen.codec.tcq_model import TcqModel
+from cachegen.kv import KVCache
+
+ZLIB_LEVEL = 6  # the choices' DEFLATE level (zlib's default)
+
+
+def quantize_rows(
+    tcq: TcqModel,
+    code: LevelCode,
+    layer: int,
+    kind: int,
+    rows: torch.Tensor,
+    centred: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Symbols ``[kept, tokens]`` (uint8) of ``rows`` [tokens, channels] (float32, pre-RoPE
+    keys or values of layer ``layer``) and each kept component's offset (int8, in
+    1 / OFFSET_UNITS steps: the median of its coefficients when ``centred``, else 0: the
+    quantizer's grid moves with it)."""
+    kept = code.kept[layer][kind]
+    mean = torch.from_numpy(tcq.mean[layer, kind])
+    y = (code.analysis[layer][kind] @ (rows - mean).T).numpy()  # [kept, tokens], in steps
+    offset = np.zeros(len(kept), dtype=np.float32)
+    if centred and y.shape[1]:
+        middle = (y.shape[1] - 1) // 2  # the lower median, as torch.median takes it
+        median = np.partition(y, middle, axis=1)[:, middle]
+        offset = np.clip(np.round(median * OFFSET_UNITS), -127, 127)
+        y -= (offset / OFFSET_UNITS)[:, None]
+    radius = code.radius[layer][kind].astype(np.float32)[:, None]
+    sym = np.clip(np.round(y), -radius, radius) + radius
+    return sym.astype(np.uint8), offset.astype(np.int8)
+
+
+def choose_tables(code: LevelCode, layer: int, kind: int, sym: np.ndarray) -> np.ndarray:
+    """Each kept component's table (uint8: 0 its calibrated table, ``1 + j`` family table
+    ``j``), the one that codes its symbols ``sym`` [kept, tokens] in the fewest bits (the
+    first of the family's cheapest, and only where it is cheaper than the calibrated one)."""
+    radius = code.radius[layer][kind]
+    choice = np.zeros(len(radius), dtype=np.uint8)
+    tcq_kernels.choose_tables(
+        sym,
+        radius,
+        int(code.table_base[layer, kind]),
+        code.family_row,
+        code.family_size,
+        code.code_bits,
+        choice,
+    )
+    return choice
+
+
+def encode_body(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> bytes:
+    """The frame body of ``chunk`` at the level of ``code``."""
+    layers = list(chunk.layer_indices)
+    e = exact_count(chunk.start, chunk.num_tokens)
+    x = kv_tensor(chunk)
+    exact = x[:, :, :, :e].contiguous().view(torch.uint8).numpy().tobytes()
+    q = x[:, :, :, e:].to(torch.float32)
+    thetas = tuple(tcq.rope_thetas[i] for i in layers)
+    if any(thetas):
+        q[0] = rotate_layer_keys(q[0], chunk.start + e, thetas, inverse=True)
+    L, H, m, D = q.shape[1:]
+    streams: list[np.ndarray] = [np.zeros(0, dtype=np.uint16)] * (2 * L)
+    none = np.zeros(0, dtype=np.uint8)
+    offsets, choices = [none] * (2 * L), [none] * (2 * L)
+
+    def kernel(todo: np.ndarray) -> None:
+        for s in todo:
+            i, k = divmod(int(s), 2)
+            layer = layers[i]
+            kept = len(code.kept[layer][k])
+            if not kept or not m:
+                continue
+            rows = q[k, i].permute(1, 0, 2).reshape(m, H * D)
+            sym, offset = quantize_rows(tcq, code, layer, k, rows, centred=tcq.adaptive)
+            table_row = int(code.table_base[layer, k]) + np.arange(kept)
+            if tcq.adaptive:
+                choice = choose_tables(code, layer, k, sym)
+                table_row = table_rows(code, code.radius[layer][k], choice, table_row)
+                offsets[s], choices[s] = offset.view(np.uint8), choice
+            streams[s] = _rans_encode(sym, table_row, code.freq_cum)
+
+    run_batches(kernel, np.array([len(code.kept[lay][k]) + 1 for lay in layers for k in (0, 1)]))
+    lengths = np.array([len(w) for w in streams], dtype="<u4")
+    side = b""
+    if tcq.adaptive and m:
+        packed = zlib.compress(np.concatenate(offsets + choices).tobytes(), ZLIB_LEVEL)
+        side = np.array([len(packed)], dtype="<u4").tobytes() + packed
+    return exact + side + lengths.tobytes() + np.concatenate(streams).astype("<u2").tobytes()
+
+
+def _rans_encode(sym: np.ndarray, table_row: np.ndarray, freq_cum: np.ndarray) -> np.ndarray:
+    """rANS words of symbols ``sym`` [kept, tokens], component ``c`` coded with table row
+    ``table_row[c]``."""
+    C, n = sym.shape
+    view = np.ascontiguousarray(sym.T).reshape(1, 1, n, C)
+    out_off = np.array([0, C * n + rans.STATE_WORDS], dtype=np.int64)
+    out = np.empty(int(out_off[-1]), dtype=np.uint16)
+    start = np.empty(1, dtype=np.int64)
+    rans.encode_layers(
+        view,
+        np.zeros(1, np.int64),
+        np.ascontiguousarray(freq_cum[table_row]),
+        out,
+        out_off,
+        np.zeros(1, np.int64),
+        start,
+    )
+    return out[int(start[0]) :]

@@ -1,0 +1,155 @@
+"""The connector's codecs, made on first use, and the coding tables they share with the store.
+
+Codecs are imported on first use, never at start-up: the codec pulls in numba, and vLLM 0.32's
+CPU start-up crashes when llvmlite is already loaded (see docs/connector.md, "Known issues").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from cachegen.connector.config import ConnectorConfig
+from cachegen.connector.errors import ConnectorError
+from cachegen.kv import KVCache, ModelIdentity
+from cachegen.models import ModelSpec
+from cachegen.store import ChunkCorrupt
+
+logger = logging.getLogger(__name__)
+
+
+def codec_name(mode: str) -> str:
+    """The codec whose records ``mode`` loads: ``adaptive`` chooses among cachegen's levels."""
+    return "cachegen" if mode == "adaptive" else mode
+
+
+class CodecSet:
+    """Each mode's codec, made once; while any exists the store is a provider of coding tables
+    and model files (a profile's missing tables, and a tcq chunk's model file, come from it),
+    and each codec's are published to the store before its first record
+    (:meth:`publish_tables`)."""
+
+    def __init__(
+        self, store: Any, config: ConnectorConfig, spec: ModelSpec, identity: ModelIdentity
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.spec = spec
+        self.identity = identity
+        self._codecs: dict[str, Any] = {}
+        self._store_tables: Any = None  # the store as a table provider, once a codec is made
+        self._published: set[str] = set()  # codecs whose tables are in the store
+        # Where the cachegen profile came from (ProfileChoice.to_dict), once its codec is made.
+        self.profile_choice: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    def get(self, mode: str) -> Any:
+        """The codec of ``mode`` (made on first use)."""
+        name = codec_name(mode)
+        with self._lock:
+            if name not in self._codecs:
+                if self._store_tables is None:  # before the codec: a profile's missing tables
+                    self._store_tables = _add_store_tables(self.store)  # come from the store
+                self._codecs[name] = self._make(name)
+            return self._codecs[name]
+
+    def _make(self, name: str) -> Any:
+        """``name``'s codec; for ``cachegen`` with ``profile_source: store``, on the profile the
+        store has adopted for this model (:func:`cachegen.store.tables.resolve_profile`), so
+        that this engine's chunk keys are every other engine's of the store."""
+        chunk_tokens = self.config.chunk_tokens
+        if name != "cachegen" or self.config.profile_source != "store":
+            return _get_codec(name, self.spec, chunk_tokens)
+        choice = _resolve_profile(self.store, self.spec, self.identity)
+        self.profile_choice = choice.to_dict()
+        if choice.refused:
+            logger.warning(
+                "cachegen: using this machine's codec profile %s, not the store's (%s); chunks "
+                "stored under the store's profile are not found and are recomputed",
+                choice.profile.id,
+                choice.refused,
+            )
+        return _cachegen_codec(choice.profile, chunk_tokens)
+
+    def publish_tables(self, mode: str) -> None:
+        """Put the tables of every level of ``mode``'s profile, or ``tcq``'s model file, into
+        the store (once per transport, before its first record): a consumer without them then
+        needs neither a copy nor a refit, which may differ on other hardware."""
+        name = codec_name(mode)
+        if name not in ("cachegen", "tcq") or name in self._published:
+            return
+        codec = self.get(name)
+        if name == "tcq":
+            _publish_model_file(self.store, codec.tcq)
+        else:
+            _publish_tables(self.store, list(codec.profile.tables_ids.values()))
+        self._published.add(name)
+
+    def close(self) -> None:
+        if self._store_tables is not None:
+            _remove_store_tables(self._store_tables)
+
+
+def decode(blob: bytes, out_dtype: torch.dtype) -> KVCache:
+    from cachegen.codec import decode
+
+    return decode(blob, out_dtype=out_dtype)
+
+
+def damaged(exc: BaseException) -> bool:
+    """Whether ``exc`` means a stored chunk is damaged (as opposed to unreachable)."""
+    from cachegen.codec import CodecError
+    from cachegen.codec.tables import TablesMissing, TablesRefused
+
+    if isinstance(exc, (TablesRefused, TablesMissing)):  # model files' errors subclass them
+        return False  # the chunk is sound; the tables or model file it names are refused or missing
+    return isinstance(exc, (ChunkCorrupt, CodecError, ConnectorError))
+
+
+def _get_codec(name: str, spec: ModelSpec, chunk_tokens: int) -> Any:
+    from cachegen.profiles import codec_for
+
+    return codec_for(name, spec, chunk_tokens=chunk_tokens)
+
+
+def _resolve_profile(store: Any, spec: ModelSpec, identity: ModelIdentity) -> Any:
+    from cachegen.profiles import ensure_profile
+    from cachegen.store.tables import resolve_profile
+
+    return resolve_profile(store, identity, lambda: ensure_profile(spec))
+
+
+def _cachegen_codec(profile: Any, chunk_tokens: int) -> Any:
+    from cachegen.codec import get_codec
+
+    return get_codec("cachegen", profile=profile, chunk_tokens=chunk_tokens)
+
+
+def _add_store_tables(store: Any) -> Any:
+    from cachegen.codec.tables import add_provider
+    from cachegen.store.tables import StoreTables
+
+    provider = StoreTables(store)
+    add_provider(provider)
+    return provider
+
+
+def _remove_store_tables(provider: Any) -> None:
+    from cachegen.codec.tables import remove_provider
+
+    remove_provider(provider)
+
+
+def _publish_tables(store: Any, tables_ids: list[str]) -> None:
+    from cachegen.store.tables import publish_tables
+
+    publish_tables(store, tables_ids)
+
+
+def _publish_model_file(store: Any, model_file: Any) -> None:
+    from cachegen.store.tables import publish_model_file
+
+    publish_model_file(store, model_file)
