@@ -25,6 +25,7 @@ from cachegen import models
 from cachegen.connector.checks import check_kv_cache_config, check_model
 from cachegen.connector.config import ConnectorConfig
 from cachegen.connector.errors import ConnectorError
+from cachegen.connector.head_shards import HeadExchange, tensor_parallel_shard
 from cachegen.connector.metadata import LoadReports, StepMetadata
 from cachegen.connector.paged_cache import cache_groups
 from cachegen.connector.scheduler import SchedulerSide
@@ -77,13 +78,12 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
-        if (
-            vllm_config.parallel_config.tensor_parallel_size != 1
-            or vllm_config.parallel_config.pipeline_parallel_size != 1
-        ):
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ConnectorError(
-                "the cachegen connector supports tensor_parallel_size=1 and "
-                "pipeline_parallel_size=1 only"
+                "the cachegen connector stores every layer of a chunk together, and with "
+                "pipeline parallelism each stage holds some layers only: set "
+                "pipeline_parallel_size=1 (tensor_parallel_size may be any that divides or "
+                "is a multiple of the model's KV heads)"
             )
         if transfer.kv_load_failure_policy != "recompute":
             logger.warning(
@@ -117,6 +117,7 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
                 self.config.chunk_tokens,
                 save_async=self.config.save_async,
                 windows=windows,
+                exchange=HeadExchange(*tensor_parallel_shard(identity.num_kv_heads)),
             )
 
     # ---- worker side ---------------------------------------------------------------------------

@@ -56,7 +56,9 @@ class StepMetadata(KVConnectorMetadata):
 @dataclass
 class LoadReports(KVConnectorWorkerMetadata):
     """Per-request statistics of the loads a worker finished in one step, and the saves whose
-    first pass (every chunk loadable) it stored, or gave up, since its last report."""
+    first pass (every chunk loadable) it stored, or gave up, since its last report. With
+    tensor parallelism vLLM merges every rank's (``aggregate``): a request's report is its
+    worst rank's, and only the first rank, which stores, reports saves."""
 
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
     saved: list[int] = field(default_factory=list)  # SaveTask.save_id values
@@ -64,6 +66,15 @@ class LoadReports(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, LoadReports):
             merged = dict(self.reports)
-            merged.update(other.reports)
+            for req_id, report in other.reports.items():
+                if req_id not in merged or _worse(report, merged[req_id]):
+                    merged[req_id] = report
             return LoadReports(merged, self.saved + other.saved)
         return self
+
+
+def _worse(report: dict[str, Any], than: dict[str, Any]) -> bool:
+    """A failed load over a sound one, else fewer tokens loaded."""
+    if ("load_error" in report) != ("load_error" in than):
+        return "load_error" in report
+    return report.get("loaded_tokens", 0) < than.get("loaded_tokens", 0)

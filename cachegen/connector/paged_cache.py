@@ -4,7 +4,8 @@ layout, and KV moved between them and ``KVCache`` at a request's block ids.
 vLLM's hybrid KV cache manager (HMA) puts the layers of each attention kind in their own KV
 cache groups, each with its own block table and block size; a sliding-window group holds the
 null block (id 0) for tokens behind its window, which is never read nor written here. With
-HMA off every layer is in one group.
+HMA off every layer is in one group. With tensor parallelism a worker's caches hold its
+rank's KV heads only (``HeadShard``): it reads those and writes those.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from cachegen.connector.errors import ConnectorError
+from cachegen.connector.head_shards import Heads, HeadShard
 from cachegen.connector.layouts import CpuPackedLayout, PagedLayout, layout_for_layer
 from cachegen.kv import KVCache, ModelIdentity
 
@@ -60,9 +62,11 @@ class PagedCache:
         model: ModelIdentity,
         groups: list[CacheGroup],
         windows: tuple[int | None, ...] | None,
+        shard: HeadShard | None = None,
     ) -> None:
         self.model = model
         self.groups = groups
+        self.shard = shard or HeadShard(0, 1, model.num_kv_heads)
         # Each layer's attention window (None: full), recorded on the KV read out for saving.
         self.windows = windows
         self._caches: list[torch.Tensor] = []  # one per layer, in layer order
@@ -118,15 +122,16 @@ class PagedCache:
     def _check(self, name: str, cache: torch.Tensor, layout: PagedLayout) -> None:
         """Refuse a layer's cache that does not hold this model's KV in whole kernel blocks."""
         layout.check_cache(cache)
+        heads = self.shard.heads
         if (layout.num_kv_heads, layout.head_dim) != (
-            self.model.num_kv_heads,
+            heads.stop - heads.start,
             self.model.head_dim,
         ):
             raise ConnectorError(
                 f"layer {name}: vLLM holds {layout.num_kv_heads} KV heads x "
-                f"{layout.head_dim}, the model has "
-                f"{self.model.num_kv_heads} x {self.model.head_dim} "
-                "(tensor parallelism is not supported)"
+                f"{layout.head_dim}, rank {self.shard.rank} of {self.shard.size} of "
+                f"{self.model.name} should hold {heads.stop - heads.start} x "
+                f"{self.model.head_dim}"
             )
         for group in self.groups:
             if group.block_size % layout.block_size:
@@ -143,11 +148,9 @@ class PagedCache:
         blocks = torch.as_tensor(block_ids, dtype=torch.int64)[positions // block_size]
         return blocks * block_size + positions % block_size, blocks != NULL_BLOCK
 
-    def gather(
-        self, block_ids: list[list[int]], token_ids: list[int], begin: int, end: int
-    ) -> KVCache:
-        """Logical KV of prompt tokens ``[begin, end)`` read from the paged cache (a copy; zeros
-        where a group holds the null block); ``block_ids``: one list per KV cache group."""
+    def read(self, block_ids: list[list[int]], begin: int, end: int) -> Heads:
+        """This rank's heads of the KV of prompt tokens ``[begin, end)`` (a copy; zeros where a
+        group holds the null block); ``block_ids``: one list per KV cache group."""
         assert self._layout is not None
         parts = []
         for group, layers in enumerate(self._group_layers):
@@ -156,11 +159,16 @@ class PagedCache:
             if not bool(kept.all()):
                 keys, values = _spread(keys, kept), _spread(values, kept)
             parts.append((layers, keys.cpu(), values.cpu()))
-        keys, values = _in_layer_order(parts, self.model.num_layers)
+        return _in_layer_order(parts, self.model.num_layers)
+
+    def as_kv(self, heads: Heads, token_ids: list[int], begin: int) -> KVCache:
+        """Every head's KV (``read``'s, or every rank's gathered) of the prompt tokens from
+        ``begin`` on."""
+        keys, values = heads
         return KVCache(
             keys=keys,
             values=values,
-            token_ids=torch.as_tensor(token_ids[begin:end], dtype=torch.int64),
+            token_ids=torch.as_tensor(token_ids[begin : begin + keys.shape[2]], dtype=torch.int64),
             model=self.model,
             start=begin,
             windows=self.windows,
@@ -175,13 +183,16 @@ class PagedCache:
         if lo >= hi:
             return 0
         part = kv.slice(lo - kv.start, hi - kv.start)
+        keys, values = part.keys, part.values
+        if self.shard.size > 1:
+            keys, values = keys[:, self.shard.heads], values[:, self.shard.heads]
         row_of = {layer: row for row, layer in enumerate(part.layer_indices)}
         for group, layers in enumerate(self._group_layers):
             rows = [row_of[i] for i in layers if i in row_of]
             if not rows:
                 continue
             slots, kept = self._slots(group, block_ids[group], lo, hi)
-            pair = (_select(part.keys, rows, kept), _select(part.values, rows, kept))
+            pair = (_select(keys, rows, kept), _select(values, rows, kept))
             caches = [self._caches[i] for i in layers if i in row_of]
             self._layout.write(caches, slots[kept], pair)
         return hi - lo

@@ -14,6 +14,9 @@ Where the work runs (chosen by measurement, see docs/connector.md "Where the wor
     order) before any save's other levels, and pauses while a load runs in this worker; the
     scheduler hears which saves finished their first pass (``LoadReports.saved``) and holds
     back a request whose leading chunks are still in one (``save_wait_ms``).
+  * with tensor parallelism, every rank reads its heads of a saved prompt and the first rank
+    gathers them and alone stores the model's KV; every rank loads whole chunks and writes its
+    own heads (cachegen/connector/head_shards.py).
   * not layer by layer: a CacheGen chunk carries all layers of its tokens, so the first layer
     is complete only when the last chunk is decoded; per-layer hand-off would gain nothing.
 """
@@ -31,6 +34,7 @@ from typing import Any
 
 import torch
 
+from cachegen.connector.head_shards import HeadExchange, Heads, HeadShard
 from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
 from cachegen.connector.paged_cache import CacheGroup, PagedCache
 from cachegen.connector.save_plan import SavePrefix, SaveRecord
@@ -254,9 +258,11 @@ class WorkerSide:
         *,
         save_async: bool,
         windows: tuple[int | None, ...] | None = None,
+        exchange: HeadExchange | None = None,
     ) -> None:
         self.transport = transport
-        self.cache = PagedCache(model, groups, windows)
+        self.exchange = exchange or HeadExchange(HeadShard(0, 1, model.num_kv_heads))
+        self.cache = PagedCache(model, groups, windows, self.exchange.shard)
         self.chunk_tokens = chunk_tokens
         self._lock = threading.Lock()  # guards the collections below (loader thread)
         self._progress = threading.Condition(self._lock)  # a load or a save's first pass ended
@@ -270,6 +276,7 @@ class WorkerSide:
         self._failed_inline: set[str] = set()
         self._loader = _Background("cachegen-load")
         self.stats = StatsRecorder()  # saves (the scheduler side counts lookups and loads)
+        stores = self.exchange.shard.is_leader  # with tensor parallelism, the first rank stores
         self._saver = (
             _Saver(
                 self._save_records,
@@ -278,7 +285,7 @@ class WorkerSide:
                 self._first_pass_over,
                 SAVE_QUEUE_DEPTH,
             )
-            if save_async
+            if save_async and stores
             else None
         )
         self._step_started = 0.0
@@ -419,17 +426,20 @@ class WorkerSide:
         self._measure_step(meta)
         with self._lock:
             failed, self._failed_inline = self._failed_inline, set()
-            self._saving.update(task.save_id for task in meta.saves)
-        for task in meta.saves:
-            if task.req_id in failed:
-                self._first_pass_ended(task.save_id)  # vLLM recomputes what its cache holds
+        if not meta.saves:
+            return
+        # A request whose inline load failed is not saved: vLLM recomputes what its cache holds.
+        reads = [None if task.req_id in failed else self._read(task) for task in meta.saves]
+        wholes = self.exchange.whole(reads)
+        if not self.exchange.shard.is_leader:
+            return
+        for task, heads in zip(meta.saves, wholes, strict=True):
+            if heads is None:
+                self._first_pass_ended(task.save_id)
                 continue
-            kv = self.cache.gather(
-                task.block_ids,
-                task.token_ids,
-                task.first_chunk * self.chunk_tokens,
-                len(task.token_ids),
-            )
+            kv = self.cache.as_kv(heads, task.token_ids, task.first_chunk * self.chunk_tokens)
+            with self._lock:
+                self._saving.add(task.save_id)
             if self._saver is None:
                 self._save(task, kv)
             elif not self._saver.submit(_SaveJob(task, kv)):
@@ -438,6 +448,15 @@ class WorkerSide:
                 continue
             for mode in task.modes:  # a save that runs (inline or queued)
                 self.stats.count("saves", mode)
+
+    def _read(self, task: SaveTask) -> Heads | None:
+        """This rank's heads of the prompt to save, or None when reading them failed."""
+        begin = task.first_chunk * self.chunk_tokens
+        try:
+            return self.cache.read(task.block_ids, begin, len(task.token_ids))
+        except Exception:  # noqa: BLE001 - a failed save is a future cache miss, never a crash
+            logger.exception("request %s: reading its KV for saving failed", task.req_id)
+            return None
 
     def _write(self, record: SaveRecord) -> int:
         written = self.transport.write(record)

@@ -138,3 +138,24 @@ def test_the_connector_declines_vllms_sleep_mode():
     from cachegen.connector import CacheGenConnector
 
     assert CacheGenConnector.supports_sleep_mode(None) is False
+
+
+def test_pipeline_parallelism_is_refused_before_the_store_opens(tmp_path):
+    from vllm.config import KVTransferConfig, ParallelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from cachegen.connector import CacheGenConnector
+
+    store = tmp_path / "store"
+    transfer = KVTransferConfig(
+        kv_connector="CacheGenConnector",
+        kv_connector_module_path="cachegen.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"store": store.as_uri()},
+    )
+    config = VllmConfig(
+        parallel_config=ParallelConfig(pipeline_parallel_size=2), kv_transfer_config=transfer
+    )
+    with pytest.raises(ConnectorError, match="set pipeline_parallel_size=1"):
+        CacheGenConnector(config, KVConnectorRole.SCHEDULER, None)
+    assert not store.exists()
