@@ -9,7 +9,9 @@ Files live in the transforms directory as ``<id><suffix>`` (:class:`ModelFiles`)
 current one of a kind is named by its reference next to its cachegen profile
 (:class:`ModelFileRef`).
 
-A file not in the transforms directory is asked of the table providers
+A kind may also ship files with the package, named alike (:class:`ModelFiles`'s ``shipped``
+directory): one not in the transforms directory is read from there, checked like a local one.
+A file in neither is asked of the table providers
 (``cachegen.codec.tables.add_provider``) that serve model files too
 (:class:`ModelFileProvider`, e.g. a chunk store: ``cachegen.store.tables.StoreTables``), so
 that it travels with the chunks as their tables do. What a provider returns is checked like a
@@ -230,12 +232,28 @@ class ModelFiles:
     kept in memory once read or written; one missing there comes from a provider that has it.
     An object stored here is a :class:`ModelFile`; ``parse(data, where, id)`` reads and
     validates one (``CodecError``). ``what`` names the kind in messages, ``fit`` says how to
-    make a missing one."""
+    make a missing one; ``shipped`` is a read-only directory of files that ship with the
+    package (``<id><suffix>`` too), read after the transforms directory."""
 
-    def __init__(self, what: str, suffix: str, parse, fit: str) -> None:
+    def __init__(self, what: str, suffix: str, parse, fit: str, shipped: Path | None = None):
         self.what, self.suffix, self.parse, self.fit = what, suffix, parse, fit
+        self.shipped = shipped
         self._cache: dict = {}
         self._lock = threading.Lock()
+
+    def shipped_ids(self) -> list[str]:
+        """The ids of the files shipped with the package."""
+        paths = sorted(self.shipped.glob(f"*{self.suffix}")) if self.shipped else []
+        return [path.name.removesuffix(self.suffix) for path in paths]
+
+    def shipped_for(self, model: ModelIdentity, calibration: dict):
+        """The shipped file fitted for ``model`` by ``calibration`` (its recipe), or None;
+        every shipped file is checked (``CodecError`` if one is corrupt)."""
+        for file_id in self.shipped_ids():
+            obj = self._cached(file_id, model)
+            if same_model(obj.model, model) and obj.calibration == calibration:
+                return obj
+        return None
 
     def path(self, file_id: str) -> Path:
         return transforms_dir() / f"{file_id}{self.suffix}"
@@ -251,27 +269,35 @@ class ModelFiles:
 
     def find(self, file_id: str, model: ModelIdentity):
         """The file ``file_id`` for ``model``: from memory, else read and validated from the
-        transforms directory or a provider; ``CodecError`` if it is missing, corrupt or
-        another model's (``ModelFileRefused`` when a provider's copy is)."""
+        transforms directory, the shipped files or a provider; ``CodecError`` if it is
+        missing, corrupt or another model's (``ModelFileRefused`` when a provider's copy is)."""
+        obj = self._cached(file_id, model)
+        obj.check_model(model)
+        return obj
+
+    def _cached(self, file_id: str, model: ModelIdentity):
         with self._lock:
             obj = self._cache.get(file_id)
         if obj is None:
             obj = self._read(file_id, model)
             with self._lock:
                 self._cache[file_id] = obj
-        obj.check_model(model)
         return obj
 
     def _read(self, file_id: str, model: ModelIdentity):
         path = self.path(file_id)
-        if path.is_file():
-            return self.parse(path.read_bytes(), str(path), file_id)
+        shipped = [self.shipped] if self.shipped else []
+        for candidate in (path, *(directory / path.name for directory in shipped)):
+            if candidate.is_file():
+                return self.parse(candidate.read_bytes(), str(candidate), file_id)
         sources = [p for p in providers() if isinstance(p, ModelFileProvider)]
         for provider in sources:
             data = provider.read_model_file(file_id)
             if data is not None:
                 return self._provided(data, file_id, model, provider)
-        where = ", ".join([str(transforms_dir()), *(p.describe() for p in sources)])
+        where = ", ".join(
+            [str(d) for d in (transforms_dir(), *shipped)] + [p.describe() for p in sources]
+        )
         raise ModelFileMissing(
             f"{self.what} {file_id[:16]} for {model.name} is not in {where}; copy "
             f"{path.name} from the encoding machine or fit it ({self.fit})"

@@ -6,7 +6,9 @@ generalized-Gaussian shapes a frame may choose tables from (format version 2; ve
 files have none). It is a model file (``CGTQ``, :mod:`cachegen.codec.model_file`) in the
 transforms directory, ``<id>.cgtq``, built from the model only by
 ``cachegen.fitting.tcq.ensure_tcq_model``; a model's current one is named by its reference,
-``tcq.json`` next to its cachegen profile.
+``tcq.json`` next to its cachegen profile. The embedded models' files, fitted by the current
+recipe, ship with the package (``cachegen/codec/calibrated/<id>.cgtq``), so that every machine
+names the same one (docs/codec.md, "Shipped model files").
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from cachegen.codec.model_file import (
     read_rope_thetas,
     unpack_model_file,
 )
+from cachegen.codec.profile import SHIPPED_DIR
 from cachegen.kv import ModelIdentity
 
 MAX_RADIUS = (rans.MAX_ALPHABET - 1) // 2
@@ -195,11 +198,13 @@ TCQ_MODELS = ModelFiles(
     ".cgtq",
     parse_tcq_model,
     "cachegen.fitting.tcq.ensure_tcq_model, any `cachegen eval --codec tcq`",
+    SHIPPED_DIR,
 )
-tcq_model_path, save_tcq_model, find_tcq_model = (
+tcq_model_path, save_tcq_model, find_tcq_model, shipped_tcq_model = (
     TCQ_MODELS.path,
     TCQ_MODELS.save,
     TCQ_MODELS.find,
+    TCQ_MODELS.shipped_for,
 )
 forget_cached_tcq_models = TCQ_MODELS.forget
 

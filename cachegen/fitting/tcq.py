@@ -192,12 +192,21 @@ def fit_tcq_model(
 
 
 def ensure_tcq_model(model: str | models.ModelSpec) -> tcq_model.TcqModel:
-    """The model's tcq model, fitted and stored on first use (or when it was fitted on other
-    text or for other levels); a stored one is read and checked like any."""
+    """The model's tcq model: the one shipped with the package for this model and recipe
+    (every machine names the same id; it replaces a local one of the same recipe), else the
+    stored one of the recipe, else fitted and stored on first use (or when it was fitted on
+    other text or for other levels); a stored or shipped one is read and checked like any."""
     spec = models.resolve(model) if isinstance(model, str) else model
     identity = spec.identity()
+    recipe = tcq_calibration_spec(spec=spec)
+    shipped = tcq_model.shipped_tcq_model(identity, recipe)
     ref = tcq_model.read_tcq_ref(identity)
-    if ref is not None and ref["calibration"] == tcq_calibration_spec(spec=spec):
+    if shipped is not None:
+        if ref is None or ref["model_file"] != shipped.id:
+            with locked(profile_path(identity).parent):
+                tcq_model.write_tcq_ref(shipped)
+        return shipped
+    if ref is not None and ref["calibration"] == recipe:
         return tcq_model.find_tcq_model(ref["model_file"], identity)
     fitted = fit_tcq_model(spec)
     with locked(profile_path(identity).parent):
