@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,29 +38,34 @@ def test_a_tp_size_that_does_not_fit_the_heads_is_refused():
         HeadShard(0, 2, 3)
 
 
-def _save_with_two_ranks(tmp_path, failing_rank: int) -> None:
-    store = (tmp_path / "store").as_uri()
+FAILING_RANKS = (-1, 0, 1)  # none, then either rank's read fails
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[int, Path]:
+    """The store of one save by two real ranks for each failing rank (one pair of processes
+    runs them all, one after another)."""
+    root = tmp_path_factory.mktemp("tp-saves")
+    stores = {failing: root / f"failing-{failing}" for failing in FAILING_RANKS}
+    runs = [f"{(path / 'store').as_uri()}:{failing}" for failing, path in stores.items()]
     port = free_port()
     script = REPO / "tests" / "connector" / "tp_save_rank.py"
     ranks = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), "2", str(port), store, str(failing_rank)],
-            cwd=REPO,
-        )
+        subprocess.Popen([sys.executable, str(script), str(rank), "2", str(port), *runs], cwd=REPO)
         for rank in range(2)
     ]
     assert [rank.wait(timeout=300) for rank in ranks] == [0, 0]
+    return stores
 
 
-def _stored(tmp_path):
+def _stored(path: Path):
     spec = resolve("tiny-llama")
-    transport = connector_transport(spec, tmp_path, chunk_tokens=CHUNK)
+    transport = connector_transport(spec, path, chunk_tokens=CHUNK)
     return transport, prompt_kv(spec)
 
 
-def test_the_first_rank_stores_every_heads_kv(tmp_path):
-    _save_with_two_ranks(tmp_path, failing_rank=-1)
-    transport, kv = _stored(tmp_path)
+def test_the_first_rank_stores_every_heads_kv(saved):
+    transport, kv = _stored(saved[-1])
     ids = kv.token_ids.tolist()
     options = RequestOptions(mode="raw")
     assert transport.stored_chunks(ids, options) == TOKENS // CHUNK
@@ -72,7 +78,6 @@ def test_the_first_rank_stores_every_heads_kv(tmp_path):
 
 
 @pytest.mark.parametrize("failing_rank", [0, 1])
-def test_a_prompt_one_rank_could_not_read_is_stored_by_none(tmp_path, failing_rank):
-    _save_with_two_ranks(tmp_path, failing_rank)
-    transport, kv = _stored(tmp_path)
+def test_a_prompt_one_rank_could_not_read_is_stored_by_none(saved, failing_rank):
+    transport, kv = _stored(saved[failing_rank])
     assert transport.stored_chunks(kv.token_ids.tolist(), RequestOptions(mode="raw")) == 0

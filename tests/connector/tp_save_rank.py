@@ -2,10 +2,10 @@
 ``WorkerSide`` (paged caches of this rank's KV heads, the real transport on a directory store)
 and a real gloo process group with the other ranks, which run this script too.
 
-``python tests/connector/tp_save_rank.py RANK SIZE PORT STORE_DIR FAILING_RANK`` writes tiny-llama
-KV (every head, seeded) into this rank's caches, then saves one prompt; the rank numbered
-FAILING_RANK (-1: none) has caches too small for the prompt's blocks, so its read fails, as a
-rank's read of a prompt may. Run by tests/connector/test_head_shards.py.
+``python tests/connector/tp_save_rank.py RANK SIZE PORT STORE_URL:FAILING_RANK ...`` saves, for
+each store given, one prompt of tiny-llama KV (every head, seeded) through a fresh worker: the
+rank numbered FAILING_RANK (-1: none) has caches too small for the prompt's blocks, so its read
+fails, as a rank's read of a prompt may. Run by tests/connector/test_head_shards.py.
 """
 
 from __future__ import annotations
@@ -53,10 +53,16 @@ def prompt_kv(spec) -> KVCache:
     )
 
 
-def main(rank: int, size: int, port: int, store: str, failing_rank: int) -> None:
+def main(rank: int, size: int, port: int, runs: list[tuple[str, int]]) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
     )
+    for store, failing_rank in runs:
+        save_once(rank, size, store, failing_rank)
+    dist.destroy_process_group()
+
+
+def save_once(rank: int, size: int, store: str, failing_rank: int) -> None:
     spec = resolve("tiny-llama")
     model = spec.identity()
     config = ConnectorConfig.from_extra_config(
@@ -84,8 +90,8 @@ def main(rank: int, size: int, port: int, store: str, failing_rank: int) -> None
     task = SaveTask("prompt", kv.token_ids.tolist(), [BLOCK_IDS], ("raw",), save_id=1)
     worker.submit_saves(StepMetadata(step_tokens=TOKENS, saves=[task]))
     worker.shutdown()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(*(int(arg) for arg in sys.argv[1:4]), sys.argv[4], int(sys.argv[5]))
+    stores = [arg.rsplit(":", 1) for arg in sys.argv[4:]]
+    main(*(int(arg) for arg in sys.argv[1:4]), [(url, int(fail)) for url, fail in stores])
