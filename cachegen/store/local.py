@@ -74,7 +74,7 @@ class LocalStore(ChunkStore):
     def _init_root(self) -> None:
         marker = self.root / MARKER
         try:
-            if self.root.exists() and not marker.exists() and any(self.root.iterdir()):
+            if self.root.exists() and not marker.exists() and self._foreign_entries():
                 raise StoreConfigError(
                     f"{self.root} is a non-empty directory that is not a cachegen chunk store; "
                     "choose another path"
@@ -105,6 +105,13 @@ class LocalStore(ChunkStore):
             with contextlib.suppress(OSError):
                 if now - leftover.stat().st_mtime > STALE_TMP_S:
                     leftover.unlink()
+
+    def _foreign_entries(self) -> list[Path]:
+        """What the root holds besides a store's own layout, before its marker is written:
+        another process may be creating the same store (every TP rank opens it at start-up),
+        and until its marker lands its directories are all there is."""
+        own = {self._chunks, self._tmp}
+        return [entry for entry in self.root.iterdir() if entry not in own]
 
     def _path(self, key: str, level: int) -> Path:
         return self._chunks / validate_key(key) / f"L{validate_level(level)}{SUFFIX}"

@@ -212,6 +212,18 @@ def test_local_refuses_foreign_directory(tmp_path):
         open_store(str(tmp_path))
 
 
+def test_a_store_another_process_is_creating_opens(tmp_path):
+    """Its directories exist and its marker does not yet (every TP rank opens the store at
+    start-up): that is not a foreign directory."""
+    (tmp_path / "chunks").mkdir()
+    (tmp_path / "tmp").mkdir()
+    store = open_store(str(tmp_path))
+    store.put("ns/k", 0, b"x")
+    assert open_store(str(tmp_path)).get("ns/k", 0) == b"x"
+    (tmp_path / "other").mkdir()
+    assert open_store(str(tmp_path)).exists("ns/k", 0)  # the marker is there now
+
+
 def test_local_concurrent_processes(tmp_path):
     """Two processes write and read the same keys; every read is a complete version."""
     url = (tmp_path / "s").as_uri()
