@@ -117,7 +117,11 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
                 self.config.chunk_tokens,
                 save_async=self.config.save_async,
                 windows=windows,
-                exchange=HeadExchange(*tensor_parallel_shard(identity.num_kv_heads)),
+                exchange=HeadExchange(
+                    *tensor_parallel_shard(
+                        identity.num_kv_heads, vllm_config.parallel_config.tensor_parallel_size
+                    )
+                ),
             )
 
     # ---- worker side ---------------------------------------------------------------------------

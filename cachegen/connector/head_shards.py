@@ -106,10 +106,12 @@ class HeadExchange:
         return whole[0], whole[1]
 
 
-def tensor_parallel_shard(num_heads: int) -> tuple[HeadShard, Any]:
-    """This worker's shard and its TP group's host-side process group (vLLM's ``tp_group``)."""
+def tensor_parallel_shard(num_heads: int, tp_size: int) -> tuple[HeadShard, Any]:
+    """This worker's shard and, with ``tp_size`` above 1, its TP group's host-side process
+    group (vLLM's ``tp_group``, set up before the worker's connector)."""
+    if tp_size == 1:
+        return HeadShard(0, 1, num_heads), None
     from vllm.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
-    shard = HeadShard(group.rank_in_group, group.world_size, num_heads)
-    return shard, group.cpu_group if shard.size > 1 else None
+    return HeadShard(group.rank_in_group, group.world_size, num_heads), group.cpu_group
