@@ -23,6 +23,7 @@ COMMAND_GROUPS = {
         "cachegen.cli.lab.stream",
         "cachegen.cli.lab.ttft",
         "cachegen.cli.lab.serving",
+        "cachegen.cli.lab.fleet",
         "cachegen.cli.lab.codec_report",
         "cachegen.cli.lab.dashboard",
         "cachegen.cli.lab.experiment",

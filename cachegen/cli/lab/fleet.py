@@ -1,0 +1,143 @@
+"""``cachegen fleet-bench``: N vLLM OpenAI-compatible servers sharing one chunk store, a
+client-side router, seeded workloads and a record per request (docs/fleet.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cachegen.cli import options
+from cachegen.fileio import write_atomic
+from cachegen.lab.fleet import client, configs, router, workloads
+from cachegen.models import EMBEDDED_DEFAULT
+from cachegen.workload import DOMAINS
+
+
+def register(subparsers) -> None:
+    p = options.command(
+        subparsers,
+        "fleet-bench",
+        _fleet_bench,
+        help="N OpenAI-compatible vLLM servers sharing one store, a router, per-request records",
+        description="Per configuration, one after another: start SERVERS vLLM OpenAI-compatible "
+        "servers (prefix-cache: vLLM's prefix cache, no connector; recompute: no cache; raw, "
+        "int8, default, adaptive: the connector in that mode over one fresh store shared by the "
+        "servers, vLLM's prefix cache on), send a seeded workload (multi-round-qa: users with a "
+        "shared system prompt and their own growing chat history, each round waiting for that "
+        "user's answer; long-doc-qa: questions about long documents in shuffled order) through "
+        "a client-side router, at most CONCURRENCY requests in flight, each streamed and timed; "
+        "record every request (server, send time, TTFT, end time, tokens, the connector's "
+        "report, error) and summarize per configuration (TTFT p50/p90/p99, requests/s, output "
+        "tokens/s, connector hit rate, loaded bytes, errors). Progress goes to stderr.",
+    )
+    options.model(p, "model name", default=EMBEDDED_DEFAULT)
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(configs.CONFIGS),
+        choices=configs.CONFIGS,
+        help="configurations to run, in this order, each on fresh servers" + options.DEFAULT,
+    )
+    options.integer(p, "--servers", 2, "servers of the fleet")
+    p.add_argument(
+        "--router",
+        default=router.ROUND_ROBIN,
+        choices=router.ROUTERS,
+        help="round-robin: request i to server i mod N; sticky: a user's or document's "
+        "requests to one server" + options.DEFAULT,
+    )
+    options.integer(p, "--concurrency", None, "requests in flight at most (default: --servers)")
+    p.add_argument(
+        "--workload",
+        default=workloads.MULTI_ROUND,
+        choices=workloads.WORKLOADS,
+        help="what the clients ask" + options.DEFAULT,
+    )
+    options.integer(p, "--users", 4, "multi-round-qa: users")
+    options.integer(p, "--rounds", 3, "multi-round-qa: questions per user, one per round")
+    options.integer(p, "--system-tokens", 1024, "multi-round-qa: tokens of the system prompt")
+    options.integer(p, "--question-tokens", 256, "multi-round-qa: tokens of a question's passage")
+    options.integer(p, "--documents", 2, "long-doc-qa: documents")
+    options.integer(p, "--document-tokens", 2048, "long-doc-qa: tokens per document")
+    options.integer(p, "--questions", 3, "long-doc-qa: questions per document")
+    p.add_argument(
+        "--domain",
+        default="pydoc",
+        choices=DOMAINS,
+        help="held-out text the prompts are cut from" + options.DEFAULT,
+    )
+    options.seed(p, "seed of the workload (passages, order)")
+    options.integer(p, "--max-tokens", 16, "greedy output tokens per request (at least 2)")
+    options.switch(p, "--ignore-eos", "generate --max-tokens tokens always (vLLM's ignore_eos)")
+    p.add_argument(
+        "--api",
+        default=client.RESPONSES,
+        choices=client.APIS,
+        help="responses: streamed /v1/responses, whose last event carries the connector's "
+        "report; chat: streamed chat completions (no report)" + options.DEFAULT,
+    )
+    p.add_argument(
+        "--store",
+        default=None,
+        help="where the connector's servers share chunks: a file:// directory (a fresh "
+        "subdirectory per configuration) or a redis:// URL (keys scoped per configuration); "
+        "default: a fresh temporary directory per configuration",
+    )
+    options.number(p, "--slo-ms", configs.SLO_MS, "adaptive: time budget of a load in ms")
+    options.integer(p, "--kv-cache-gib", 1, "VLLM_CPU_KVCACHE_SPACE of each server (GiB)")
+    p.add_argument("--log-dir", type=Path, help="keep each server's log here")
+    options.json_file(p, "write the versioned document (every record) here instead of the table")
+
+
+def _workload(args: argparse.Namespace) -> workloads.Workload:
+    from transformers import AutoTokenizer
+
+    from cachegen.models import resolve
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve(args.model).path))
+    if args.workload == workloads.LONG_DOC:
+        return workloads.long_doc_qa(
+            tokenizer,
+            **options.values(args, "documents", "document_tokens", "questions", "seed", "domain"),
+        )
+    return workloads.multi_round_qa(
+        tokenizer,
+        **options.values(
+            args, "users", "rounds", "system_tokens", "question_tokens", "max_tokens", "seed"
+        ),
+        domain=args.domain,
+    )
+
+
+def _fleet_bench(args: argparse.Namespace) -> int:
+    from cachegen.lab.fleet.run import fleet_bench
+    from cachegen.lab.fleet.summary import markdown
+
+    options.require_positive(args, "servers", "max_tokens", "kv_cache_gib")
+    work = _workload(args)
+    doc = fleet_bench(
+        args.model,
+        work,
+        args.configs,
+        env={"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)},
+        **options.values(
+            args,
+            "servers",
+            "router",
+            "concurrency",
+            "max_tokens",
+            "api",
+            "ignore_eos",
+            "store",
+            "slo_ms",
+            "log_dir",
+        ),
+    )
+    if args.json:
+        write_atomic(args.json, json.dumps(doc, indent=1).encode())
+        print(f"fleet-bench: wrote {args.json}", file=sys.stderr)
+    else:
+        print(markdown(doc))
+    return 0

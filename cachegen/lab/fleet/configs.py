@@ -1,0 +1,64 @@
+"""What every server of a fleet runs, per configuration:
+
+``prefix-cache``  vLLM with its own prefix cache, no connector (reuse only within a server)
+``recompute``     no cache at all: every prompt is prefilled
+``raw``, ``int8``  the connector in that mode, vLLM's prefix cache on
+``default``       the connector in its default mode (the connector's own default), prefix cache on
+``adaptive``      the connector in adaptive mode under ``slo_ms``, prefix cache on
+
+The connector's servers of one configuration share one store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cachegen.modes import ADAPTIVE, RECOMPUTE
+
+PREFIX_CACHE = "prefix-cache"
+DEFAULT = "default"
+CONFIGS = (PREFIX_CACHE, RECOMPUTE, "raw", "int8", DEFAULT, ADAPTIVE)
+SLO_MS = 500.0
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    mode: str  # the OpenAIServer's mode: recompute (no connector) or a connector mode
+    prefix_caching: bool
+    connector_extra: dict[str, Any]
+
+    @property
+    def connector(self) -> bool:
+        return self.mode != RECOMPUTE
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "config": self.name,
+            "mode": self.mode,
+            "prefix_caching": self.prefix_caching,
+            "connector": self.connector,
+            "connector_extra": self.connector_extra,
+        }
+
+
+def default_mode() -> str:
+    """The connector's default mode (its request options' default)."""
+    from cachegen.connector.config import RequestOptions
+
+    return RequestOptions().mode
+
+
+def config(name: str, slo_ms: float = SLO_MS) -> Config:
+    if name == PREFIX_CACHE:
+        return Config(name, RECOMPUTE, True, {})
+    if name == RECOMPUTE:
+        return Config(name, RECOMPUTE, False, {})
+    if name == DEFAULT:
+        return Config(name, default_mode(), True, {})
+    if name == ADAPTIVE:
+        return Config(name, ADAPTIVE, True, {"slo_ms": slo_ms})
+    if name in CONFIGS:
+        return Config(name, name, True, {})
+    raise ValueError(f"unknown fleet configuration {name!r}")

@@ -1,0 +1,144 @@
+"""The fleet's workloads, router and summary, without servers: seeded workloads are the same
+for a seed and differ across seeds, multi-round QA's closed loop and long-document QA's
+shuffled questions, both routers, the summary's counts and the document's schema."""
+
+from __future__ import annotations
+
+import jsonschema
+import pytest
+
+from cachegen.errors import InputError
+from cachegen.lab.fleet import summary, workloads
+from cachegen.lab.fleet.client import Answer
+from cachegen.lab.fleet.router import ROUND_ROBIN, STICKY, Router
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from cachegen.models import resolve
+
+    return AutoTokenizer.from_pretrained(str(resolve("tiny-llama").path))
+
+
+def _multi(tokenizer, seed: int = 0) -> workloads.Workload:
+    return workloads.multi_round_qa(
+        tokenizer, users=3, rounds=2, system_tokens=64, question_tokens=32, max_tokens=4, seed=seed
+    )
+
+
+def _docs(tokenizer, seed: int = 0) -> workloads.Workload:
+    return workloads.long_doc_qa(tokenizer, documents=3, document_tokens=64, questions=4, seed=seed)
+
+
+def test_a_seed_makes_one_workload_and_another_seed_another(tokenizer):
+    assert _multi(tokenizer, 1) == _multi(tokenizer, 1)
+    assert _multi(tokenizer, 1).requests != _multi(tokenizer, 2).requests
+    assert _docs(tokenizer, 1) == _docs(tokenizer, 1)
+    assert _docs(tokenizer, 1).requests != _docs(tokenizer, 2).requests
+
+
+def test_multi_round_users_share_the_system_prompt_and_wait_for_their_own_last_answer(
+    tokenizer,
+):
+    work = _multi(tokenizer)
+    assert [(r.key, r.round) for r in work.requests] == [
+        (f"user-{u}", r) for r in range(2) for u in range(3)
+    ]
+    assert len({r.system for r in work.requests}) == 1
+    assert len({r.user for r in work.requests}) == 6  # a question of its own per user and round
+    for r in work.requests:
+        if r.round == 0:
+            assert r.after is None
+        else:
+            assert (
+                work.requests[r.after].key == r.key and work.requests[r.after].round == r.round - 1
+            )
+    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    messages = work.requests[3].messages(history)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    system_ids = tokenizer(work.requests[0].system, add_special_tokens=False)["input_ids"]
+    assert abs(len(system_ids) - 64) <= 4  # cut at 64 tokens, re-tokenized
+
+
+def test_long_doc_asks_each_document_its_questions_in_a_shuffled_order(tokenizer):
+    work = _docs(tokenizer)
+    keys = [r.key for r in work.requests]
+    assert sorted(keys) == sorted(f"doc-{d}" for d in range(3) for _ in range(4))
+    assert keys != sorted(keys)
+    for key in set(keys):
+        mine = [r for r in work.requests if r.key == key]
+        assert [r.round for r in mine] == [0, 1, 2, 3]
+        assert len({r.user for r in mine}) == 4 and len({r.system for r in mine}) == 1
+    assert all(r.after is None for r in work.requests)
+
+
+def test_a_workload_longer_than_the_text_is_refused(tokenizer):
+    with pytest.raises(InputError, match="tokens of 'pydoc' text"):
+        workloads.long_doc_qa(tokenizer, documents=1000, document_tokens=100_000, questions=1)
+
+
+def test_round_robin_follows_the_request_order_and_sticky_keeps_a_user_on_one_server(tokenizer):
+    work = _multi(tokenizer)
+    rr = Router(ROUND_ROBIN, 2, work)
+    assert [rr.server(r) for r in work.requests] == [0, 1, 0, 1, 0, 1]
+    sticky = Router(STICKY, 2, work)
+    assert [sticky.server(r) for r in work.requests] == [0, 1, 0, 0, 1, 0]
+
+
+def test_the_summary_counts_hits_errors_and_servers_and_the_document_validates(tokenizer):
+    work = _multi(tokenizer)
+    reports = [None, {"loaded_tokens": 0}, {"loaded_tokens": 256, "bytes": 1000}]
+    records = []
+    for i, request in enumerate(work.requests[:3]):
+        answer = Answer(sent=10.0 + i, first=10.5 + i, end=11.0 + i, output_tokens=4)
+        answer.report = reports[i]
+        answer.error = "boom" if i == 0 else None
+        records.append(summary.record("raw", work.name, request, i % 2, answer, 10.0))
+    result = summary.summarize(records, 2, connector=True)
+    assert result["errors"] == 1 and result["requests_per_server"] == [2, 1]
+    assert result["reports"] == 2 and result["connector_hits"] == 1
+    assert result["connector_hit_rate"] == pytest.approx(1 / 3)
+    assert (result["loaded_tokens"], result["loaded_bytes"]) == (256, 1000)
+    assert result["output_tokens"] == 8 and result["wall_s"] == pytest.approx(3.0)
+    doc = summary.document(
+        {"x": 1}, [{"config": "raw", "setup": {}, "summary": result, "records": records}]
+    )
+    summary.validate(doc)
+    assert "| raw | 3 | 1 |" in summary.markdown(
+        {
+            **doc,
+            "settings": {
+                "model": "m",
+                "workload": work.name,
+                "requests": 3,
+                "seed": 0,
+                "servers": 2,
+                "router": ROUND_ROBIN,
+                "concurrency": 2,
+                "max_tokens": 4,
+            },
+        }
+    )
+    with pytest.raises(jsonschema.ValidationError):
+        summary.validate({**doc, "version": 2})
+    del records[0]["server"]
+    with pytest.raises(jsonschema.ValidationError):
+        summary.validate(doc)
+
+
+def test_each_configuration_gets_a_store_no_other_wrote_and_no_password_is_recorded(tmp_path):
+    from cachegen.lab.fleet.run import fresh_store, shown
+
+    with fresh_store(tmp_path.as_uri(), "raw", "run1") as (url, extra):
+        assert url == (tmp_path / "run1-raw").as_uri() and extra == {}
+    with fresh_store(tmp_path.as_uri(), "int8", "run1") as (other, _):
+        assert other != url
+    with fresh_store(None, "raw", "run1") as (temporary, _):
+        assert temporary.startswith("file://")
+    with fresh_store("redis://:pw@127.0.0.1:6379/0", "raw", "run1") as (redis_url, extra):
+        assert extra == {"tenant": "fleet-run1-raw"}
+    assert shown(redis_url) == "redis://:***@127.0.0.1:6379/0"
+    with pytest.raises(InputError, match="file://, redis://"), fresh_store("s3://b", "raw", "r"):
+        pass
