@@ -8,6 +8,13 @@ STAMP := $(VENV)/.cachegen-installed
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
+# numba keeps cachegen's compiled kernels in the user cache, keyed by their source, so a fresh
+# clone does not compile them again (cachegen/kernel_cache.py); numba's own locators after it.
+export NUMBA_CACHE_LOCATOR_CLASSES ?= cachegen.kernel_cache.SourceHashLocator,UserProvidedCacheLocator,InTreeCacheLocator,UserWideCacheLocator
+# The tests run in two processes (pytest-xdist), each test file in one of them (its engines are
+# module fixtures): engine start-ups, servers' start-ups and subprocesses leave a core idle
+# that the other process uses.
+TEST_WORKERS ?= 2
 
 .PHONY: install models services lint test bench clean help
 
@@ -22,7 +29,7 @@ help:
 $(STAMP): requirements/cpu.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet --no-deps -r requirements/cpu.lock
+	$(PIP) install --quiet --no-compile --no-deps -r requirements/cpu.lock
 	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PIP) install --quiet --no-deps -e .
 	@touch $@
@@ -52,7 +59,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 test: models services lint
-	$(PY) -m pytest --benchmark-skip -q
+	$(PY) -m pytest --benchmark-skip -q -n $(TEST_WORKERS) --dist loadfile
 
 # The main job: the asv suite on the embedded models (one sweep, shared by every suite through
 # setup_cache), the dashboard, results.json, the figures and the reproduction report. The
