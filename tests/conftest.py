@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cachegen import models
+from cachegen.lab.redis_cluster import LocalRedisCluster
 from tests.support import free_cluster_port, free_port, require_tool
 
 
@@ -147,45 +148,15 @@ def _start_redis(args: list[str], port: int) -> subprocess.Popen:
             time.sleep(0.02)
 
 
-class RedisCluster:
-    """Six redis-server processes in cluster mode; nodes may be killed and restarted."""
+class RedisCluster(LocalRedisCluster):
+    """The lab's local cluster (six nodes) with the helpers of the failure tests: nodes may
+    be killed, paused and restarted (``start_node``). A one-second node timeout makes
+    failovers quick."""
 
     def __init__(
         self, root: Path, size: int = 6, password: str | None = None, query: str = ""
     ) -> None:
-        self.root = root
-        self.password = password
-        self.query = query  # the store options of url()
-        taken: set[int] = set()
-        self.ports = [free_cluster_port(taken) for _ in range(size)]
-        self.procs: dict[int, subprocess.Popen | None] = {p: None for p in self.ports}
-
-    def url(self, port: int | None = None, query: str | None = None) -> str:
-        """A store URL with ``port`` (default: the first node) as entry point."""
-        auth = f":{self.password}@" if self.password else ""
-        query = self.query if query is None else query
-        tail = f"?{query}" if query else ""
-        return f"redis+cluster://{auth}127.0.0.1:{port or self.ports[0]}{tail}"
-
-    def client(self, port: int):
-        import redis
-
-        return redis.Redis(
-            port=port, password=self.password, socket_timeout=2, socket_connect_timeout=2
-        )
-
-    def start_node(self, port: int) -> None:
-        directory = self.root / str(port)
-        directory.mkdir(exist_ok=True)
-        args = [
-            shutil.which("redis-server"),
-            "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
-            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-            "--cluster-node-timeout", "1000", "--appendonly", "no", "--save", "",
-        ]  # fmt: skip
-        if self.password:
-            args += ["--requirepass", self.password, "--masterauth", self.password]
-        self.procs[port] = _start_redis(args, port)
+        super().__init__(size, password=password, root=root, query=query, node_timeout_ms=1000)
 
     def kill(self, port: int) -> None:
         """SIGKILL: no goodbye to the other nodes, as when a machine dies."""
@@ -202,21 +173,6 @@ class RedisCluster:
     def resume(self, port: int) -> None:
         self.procs[port].send_signal(signal.SIGCONT)
 
-    def alive(self) -> list[int]:
-        return [p for p, proc in self.procs.items() if proc is not None]
-
-    def create(self) -> None:
-        for port in self.ports:
-            self.start_node(port)
-        cmd = [shutil.which("redis-cli"), "--cluster", "create"]
-        cmd += [f"127.0.0.1:{p}" for p in self.ports]
-        cmd += ["--cluster-replicas", "1", "--cluster-yes"]
-        if self.password:
-            cmd += ["-a", self.password, "--no-auth-warning"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stdout + done.stderr
-        self.wait_ok()
-
     def count_in_slot(self, port: int, slot: int) -> int:
         with contextlib.closing(self.client(port)) as c:
             return c.execute_command("CLUSTER COUNTKEYSINSLOT", slot)
@@ -226,30 +182,6 @@ class RedisCluster:
         with contextlib.closing(self.client(self.alive()[0])) as c:
             slot = c.execute_command("CLUSTER KEYSLOT", name)
         return next(p for p in self.masters() if self.count_in_slot(p, slot))
-
-    def info(self, port: int) -> dict[str, str]:
-        with contextlib.closing(self.client(port)) as c:
-            return {k: str(v) for k, v in c.cluster("info").items()}
-
-    def wait_ok(self, timeout_s: float = 20.0, masters: int = 3) -> float:
-        """Wait until every live node says cluster_state:ok and sees ``masters`` masters with
-        slots; returns the seconds waited."""
-        import redis
-
-        t0 = time.monotonic()
-        states: list[dict[str, str]] = []
-        while True:
-            try:
-                states = [self.info(p) for p in self.alive()]
-                if all(
-                    s["cluster_state"] == "ok" and int(s["cluster_size"]) == masters for s in states
-                ):
-                    return time.monotonic() - t0
-            except (redis.RedisError, KeyError):
-                pass
-            if time.monotonic() - t0 > timeout_s:
-                raise AssertionError(f"cluster not ok after {timeout_s} s: {states}")
-            time.sleep(0.1)
 
     def wait_promoted(self, replica: int, timeout_s: float = 15.0) -> float:
         """Wait until ``replica`` has taken over its failed master's slots and the cluster is
@@ -284,10 +216,7 @@ class RedisCluster:
 
     def nodes(self) -> list[dict]:
         """The live view of ``CLUSTER NODES``: port, id, role, master id, slot count, ok."""
-        cmd = [shutil.which("redis-cli"), "-p", str(self.alive()[0])]
-        if self.password:
-            cmd += ["-a", self.password, "--no-auth-warning"]
-        cmd += ["cluster", "nodes"]
+        cmd = [self._cli, "-p", str(self.alive()[0]), *self._cli_auth(), "cluster", "nodes"]
         text = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout
         out = []
         for line in text.strip().splitlines():
@@ -321,18 +250,6 @@ class RedisCluster:
         mid = next(n["id"] for n in nodes if n["port"] == master_port)
         return next(n["port"] for n in nodes if n["of"] == mid)
 
-    def stop(self) -> None:
-        for port in self.ports:
-            proc = self.procs[port]
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                self.procs[port] = None
-
 
 @pytest.fixture(scope="module")
 def redis_cluster(tmp_path_factory):
@@ -345,7 +262,7 @@ def redis_cluster(tmp_path_factory):
     def make(password: str | None = None, query: str = "") -> RedisCluster:
         cluster = RedisCluster(tmp_path_factory.mktemp("cluster"), password=password, query=query)
         made.append(cluster)
-        cluster.create()
+        cluster.start()
         return cluster
 
     try:

@@ -11,6 +11,7 @@ import pytest
 
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.cpu import engine_dtype
+from cachegen.lab.redis_cluster import free_cluster_port  # noqa: F401 (the tests' name for it)
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -38,25 +39,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def free_cluster_port(taken: set[int] | None = None) -> int:
-    """A free port whose cluster bus port (port + 10000) is free too and exists: redis-server
-    in cluster mode exits at start-up otherwise, and ephemeral ports go up to 60999. Neither
-    port is in ``taken``; both are added to it, so that the nodes of one cluster differ."""
-    taken = set() if taken is None else taken
-    for _ in range(1000):
-        port = free_port()
-        if port > 55000 or port in taken or port + 10000 in taken:
-            continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        taken.update((port, port + 10000))
-        return port
-    raise AssertionError("no free port pair for a Redis Cluster node")
 
 
 def require_cpu_kernel(isa: str, dtype, block_size: int = 32, head_dim: int = 64) -> None:

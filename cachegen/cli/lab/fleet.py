@@ -10,7 +10,10 @@ from pathlib import Path
 
 from cachegen.cli import options
 from cachegen.fileio import write_atomic
+from cachegen.lab.bench.links import UNLIMITED
 from cachegen.lab.fleet import client, configs, router, workloads
+from cachegen.lab.fleet.drive import Stop
+from cachegen.lab.fleet.run import LOCAL_CLUSTER
 from cachegen.models import EMBEDDED_DEFAULT
 from cachegen.workload import DOMAINS
 
@@ -27,10 +30,12 @@ def register(subparsers) -> None:
         "servers, vLLM's prefix cache on), send a seeded workload (multi-round-qa: users with a "
         "shared system prompt and their own growing chat history, each round waiting for that "
         "user's answer; long-doc-qa: questions about long documents in shuffled order) through "
-        "a client-side router, at most CONCURRENCY requests in flight, each streamed and timed; "
-        "record every request (server, send time, TTFT, end time, tokens, the connector's "
-        "report, error) and summarize per configuration (TTFT p50/p90/p99, requests/s, output "
-        "tokens/s, connector hit rate, loaded bytes, errors). Progress goes to stderr.",
+        "a client-side router, at most CONCURRENCY requests in flight, each streamed and timed, "
+        "once per link rate between the connector's servers and the store; optionally stop one "
+        "server mid-run and fail its requests over; record every request (server, send time, "
+        "TTFT, end time, tokens, the connector's report, error, failed attempts) and summarize "
+        "per run (TTFT p50/p90/p99, requests/s, output tokens/s, connector hit rate, loaded "
+        "bytes, errors, failovers). Progress goes to stderr.",
     )
     options.model(p, "model name", default=EMBEDDED_DEFAULT)
     p.add_argument(
@@ -49,6 +54,13 @@ def register(subparsers) -> None:
         "requests to one server" + options.DEFAULT,
     )
     options.integer(p, "--concurrency", None, "requests in flight at most (default: --servers)")
+    _workload_options(p)
+    _sending_options(p)
+    _fleet_options(p)
+    options.json_file(p, "write the versioned document (every record) here instead of the table")
+
+
+def _workload_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workload",
         default=workloads.MULTI_ROUND,
@@ -69,6 +81,9 @@ def register(subparsers) -> None:
         help="held-out text the prompts are cut from" + options.DEFAULT,
     )
     options.seed(p, "seed of the workload (passages, order)")
+
+
+def _sending_options(p: argparse.ArgumentParser) -> None:
     options.integer(p, "--max-tokens", 16, "greedy output tokens per request (at least 2)")
     options.switch(p, "--ignore-eos", "generate --max-tokens tokens always (vLLM's ignore_eos)")
     p.add_argument(
@@ -78,17 +93,46 @@ def register(subparsers) -> None:
         help="responses: streamed /v1/responses, whose last event carries the connector's "
         "report; chat: streamed chat completions (no report)" + options.DEFAULT,
     )
+
+
+def _fleet_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--bandwidth-mbps",
+        nargs="+",
+        type=_rate,
+        default=[None],
+        metavar="RATE",
+        help="link rates between each connector server and the store, in Mbit/s, or "
+        f"{UNLIMITED}: one run per rate on the same servers, each with its own cache_salt "
+        f"(default: {UNLIMITED})",
+    )
     p.add_argument(
         "--store",
         default=None,
         help="where the connector's servers share chunks: a file:// directory (a fresh "
-        "subdirectory per configuration) or a redis:// URL (keys scoped per configuration); "
-        "default: a fresh temporary directory per configuration",
+        "subdirectory per configuration), a redis://, rediss:// or redis+cluster:// URL (keys "
+        f"scoped per configuration), or {LOCAL_CLUSTER} (a Redis Cluster of six local "
+        "redis-server nodes started for the bench); default: a fresh temporary directory per "
+        "configuration",
     )
+    options.integer(
+        p, "--stop-server", None, "stop (SIGTERM) this server mid-run; its requests fail over"
+    )
+    options.integer(p, "--stop-after", 4, "--stop-server: after this many answered requests")
     options.number(p, "--slo-ms", configs.SLO_MS, "adaptive: time budget of a load in ms")
     options.integer(p, "--kv-cache-gib", 1, "VLLM_CPU_KVCACHE_SPACE of each server (GiB)")
     p.add_argument("--log-dir", type=Path, help="keep each server's log here")
-    options.json_file(p, "write the versioned document (every record) here instead of the table")
+
+
+def _rate(text: str) -> float | None:
+    if text == UNLIMITED:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a rate in Mbit/s (100) or {UNLIMITED}"
+        ) from None
 
 
 def _workload(args: argparse.Namespace) -> workloads.Workload:
@@ -117,10 +161,13 @@ def _fleet_bench(args: argparse.Namespace) -> int:
 
     options.require_positive(args, "servers", "max_tokens", "kv_cache_gib")
     work = _workload(args)
+    stop = None if args.stop_server is None else Stop(args.stop_server, args.stop_after)
     doc = fleet_bench(
         args.model,
         work,
         args.configs,
+        bandwidths=args.bandwidth_mbps,
+        stop=stop,
         env={"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)},
         **options.values(
             args,

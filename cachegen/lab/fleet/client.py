@@ -100,12 +100,12 @@ async def send(
     messages: list[dict[str, str]],
     max_tokens: int,
     api: str = RESPONSES,
-    ignore_eos: bool = False,
+    extra: dict[str, Any] | None = None,
 ) -> Answer:
-    """Send one streamed greedy request (``ignore_eos``: always ``max_tokens`` tokens); a
-    failure of any kind is the answer's ``error``."""
+    """Send one streamed greedy request (``extra``: vLLM's fields of the request body, such as
+    ``ignore_eos``, ``cache_salt``, ``kv_transfer_params``); a failure of any kind is the
+    answer's ``error``."""
     answer = Answer(sent=time.perf_counter())
-    extra = {"ignore_eos": True} if ignore_eos else None
     try:
         await (_responses if api == RESPONSES else _chat)(
             client, model, messages, max_tokens, extra, answer

@@ -1,37 +1,44 @@
-"""Start a fleet per configuration, drive it with a workload, record every request.
+"""Start a fleet per configuration, drive it with a workload at each link rate, record
+every request.
 
 Per configuration, one after another: a fresh store, ``servers`` vLLM OpenAI-compatible
-servers started together (the connector's ones on that one store), every request of the
-workload sent through the router with at most ``concurrency`` in flight (asyncio, one client
-per server), then the servers stopped. A request waits for the request whose answer its chat
-ends with (multi-round QA's closed loop); a failed request's answer is empty text. Progress goes
-to stderr.
+servers started together (the connector's ones on that one store), then one run per link rate
+(``bandwidths``; one run, with no rate, for a configuration without the connector): every
+request of the workload through the router (``drive``), then the servers stopped. Each run's
+requests carry their own ``cache_salt``, so a later run of the same servers reuses nothing of
+an earlier one, neither from vLLM's prefix cache nor from the store. Progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import os
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from cachegen.errors import InputError
+from cachegen.lab.bench.links import link_label
 from cachegen.lab.fleet import client, configs, summary
+from cachegen.lab.fleet.drive import Driver, Run, Sending, Stop, warm_up
 from cachegen.lab.fleet.router import ROUND_ROBIN, Router
 from cachegen.lab.fleet.workloads import Workload
+from cachegen.modes import RECOMPUTE
 
 if TYPE_CHECKING:  # imported where used: it loads torch, and `cachegen --help` should not
     from cachegen.lab.bench.openai_server import OpenAIServer
 
-REQUEST_TIMEOUT_S = 1800.0
 MIN_MODEL_LEN = 1024
+LOCAL_CLUSTER = "local-cluster"
+REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 
 
 def progress(message: str) -> None:
@@ -55,7 +62,8 @@ def shown(url: str | None) -> str | None:
 def fresh_store(base: str | None, config_name: str, run_id: str):
     """``(store URL, connector extra)`` of a store no earlier configuration wrote: a new
     temporary directory (removed afterwards) without ``base``; a new subdirectory of a
-    ``file://`` ``base`` (kept); a Redis ``base`` shared, its keys scoped by a new ``tenant``."""
+    ``file://`` ``base`` (kept); a Redis or Redis Cluster ``base`` shared, its keys scoped by
+    a new ``tenant``."""
     if base is None:
         with tempfile.TemporaryDirectory(prefix="cachegen-fleet-") as tmp:
             yield Path(tmp).as_uri(), {}
@@ -65,10 +73,42 @@ def fresh_store(base: str | None, config_name: str, run_id: str):
         path = Path(urlparse(base).path) / f"{run_id}-{config_name}"
         path.mkdir(parents=True, exist_ok=False)
         yield path.as_uri(), {}
-    elif scheme in ("redis", "rediss"):
+    elif scheme in REDIS_SCHEMES:
         yield base, {"tenant": f"fleet-{run_id}-{config_name}"}
     else:
-        raise InputError(f"--store {base!r}: use a file://, redis:// or rediss:// URL")
+        raise InputError(
+            f"--store {base!r}: use a file://, redis://, rediss:// or redis+cluster:// URL, "
+            f"or {LOCAL_CLUSTER}"
+        )
+
+
+@contextlib.contextmanager
+def shared_store(store: str | None):
+    """The base store URL of the whole bench: ``store`` itself, or for ``local-cluster`` the
+    URL of a Redis Cluster started for the bench (six local nodes, stopped afterwards)."""
+    if store != LOCAL_CLUSTER:
+        yield store
+        return
+    from cachegen.lab.redis_cluster import LocalRedisCluster
+
+    progress("starting a local Redis Cluster (3 masters, 3 replicas)")
+    with LocalRedisCluster() as cluster:
+        yield cluster.url()
+
+
+def core_shares(count: int) -> list[dict[str, str]]:
+    """Per server, the environment that binds vLLM's CPU threads to its own share of this
+    machine's cores (``VLLM_CPU_OMP_THREADS_BIND``), as servers on their own machines would
+    have: left alone (vLLM binds every server to the same cores) when there are fewer cores
+    than servers. The CUDA build ignores it."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // count
+    if share == 0:
+        return [{} for _ in range(count)]
+    return [
+        {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores[i * share : (i + 1) * share]))}
+        for i in range(count)
+    ]
 
 
 def start_fleet(
@@ -87,7 +127,7 @@ def start_fleet(
     from cachegen.lab.bench.openai_server import OpenAIServer
 
     servers = []
-    for i in range(count):
+    for i, cores in enumerate(core_shares(count)):
         log = None if log_dir is None else log_dir / f"{config.name}-server{i}.log"
         server = OpenAIServer(
             model,
@@ -97,7 +137,7 @@ def start_fleet(
             max_model_len=max_model_len,
             log_path=log,
             prefix_caching=config.prefix_caching,
-            env=env,
+            env={**env, **cores},
         )
         stack.callback(server.close)
         servers.append(server)
@@ -106,106 +146,70 @@ def start_fleet(
     return servers
 
 
-async def drive(
-    servers: Sequence[OpenAIServer],
-    work: Workload,
-    router: Router,
-    *,
-    config_name: str,
-    concurrency: int,
-    max_tokens: int,
-    api: str,
-    ignore_eos: bool = False,
-) -> list[dict[str, Any]]:
-    """Every request of ``work``, in order, at most ``concurrency`` in flight; its record."""
-    clients = [s.async_client(timeout=REQUEST_TIMEOUT_S) for s in servers]
-    loop = asyncio.get_running_loop()
-    answered = {r.index: loop.create_future() for r in work.requests}
-    turns: dict[int, list[dict[str, str]]] = {}  # per request: its chat after the system message
-    gate = asyncio.Semaphore(concurrency)
-    start = time.perf_counter()
+@dataclass(frozen=True)
+class Bench:
+    """What every configuration of one bench shares."""
 
-    async def one(request) -> dict[str, Any]:
-        history: list[dict[str, str]] = []
-        if request.after is not None:
-            await answered[request.after]
-            history = turns[request.after]
-        index = router.server(request)
-        async with gate:
-            answer = await client.send(
-                clients[index],
-                servers[index].model,
-                request.messages(history),
-                max_tokens,
-                api,
-                ignore_eos,
-            )
-        turns[request.index] = [
-            *history,
-            {"role": "user", "content": request.user},
-            {"role": "assistant", "content": answer.text},
-        ]
-        answered[request.index].set_result(None)
-        return summary.record(config_name, work.name, request, index, answer, start)
-
-    try:
-        return list(await asyncio.gather(*(one(r) for r in work.requests)))
-    finally:
-        for c in clients:
-            await c.close()
+    model: str
+    work: Workload
+    servers: int
+    router: str
+    sending: Sending
+    bandwidths: tuple[float | None, ...]
+    store: str | None
+    run_id: str
+    env: dict[str, str]
+    log_dir: Path | None
+    stop: Stop | None
 
 
-def run_config(
-    model: str,
-    config: configs.Config,
-    work: Workload,
-    *,
-    servers: int,
-    router: str,
-    concurrency: int,
-    max_tokens: int,
-    api: str,
-    ignore_eos: bool,
-    store: str | None,
-    run_id: str,
-    env: dict[str, str],
-    log_dir: Path | None,
-) -> dict[str, Any]:
-    """One configuration on fresh servers and a fresh store: its setup, summary and records."""
-    max_model_len = max(MIN_MODEL_LEN, work.prompt_tokens_bound + max_tokens)
+def run_one(bench: Bench, fleet: list, run: Run) -> dict[str, Any]:
+    """One run on a started fleet: its summary, the servers it stopped and its records."""
+    label = f"{run.config} at {link_label(run.bandwidth_mbps)}" if run.connector else run.config
+    progress(f"{label}: {len(bench.work.requests)} requests, {bench.router}")
+    driver = Driver(
+        fleet,
+        bench.work,
+        Router(bench.router, bench.servers, bench.work),
+        run,
+        bench.sending,
+        bench.stop,
+    )
+    asyncio.run(warm_up(fleet, bench.work, bench.sending, run))
+    records = asyncio.run(driver.records())
+    result = summary.summarize(records, bench.servers, connector=run.connector)
+    progress(f"{label}: {result['errors']} errors, {result['failovers']} failovers")
+    return {"summary": result, "stops": driver.stops, "records": records}
+
+
+def run_config(bench: Bench, config: configs.Config) -> list[dict[str, Any]]:
+    """Every run of one configuration, on fresh servers and a fresh store."""
+    work = bench.work
+    max_model_len = max(MIN_MODEL_LEN, work.prompt_tokens_bound + bench.sending.max_tokens)
     no_store = contextlib.nullcontext((None, {}))
-    stores = fresh_store(store, config.name, run_id) if config.connector else no_store
-    with stores as (url, store_extra):
-        with contextlib.ExitStack() as stack:
-            progress(f"{config.name}: starting {servers} servers")
-            fleet = start_fleet(
-                stack,
-                model,
-                config,
-                servers,
-                store=url,
-                store_extra=store_extra,
-                max_model_len=max_model_len,
-                env=env,
-                log_dir=log_dir,
-            )
-            progress(f"{config.name}: {len(work.requests)} requests, {router}")
-            records = asyncio.run(
-                drive(
-                    fleet,
-                    work,
-                    Router(router, servers, work),
-                    config_name=config.name,
-                    concurrency=concurrency,
-                    max_tokens=max_tokens,
-                    api=api,
-                    ignore_eos=ignore_eos,
-                )
-            )
-    result = summary.summarize(records, servers, connector=config.connector)
-    progress(f"{config.name}: {result['errors']} errors")
-    setup = {**config.describe(), "store": shown(url)}
-    return {"config": config.name, "setup": setup, "summary": result, "records": records}
+    stores = fresh_store(bench.store, config.name, bench.run_id) if config.connector else no_store
+    rates = bench.bandwidths if config.connector else (None,)
+    runs = []
+    with stores as (url, store_extra), contextlib.ExitStack() as stack:
+        progress(f"{config.name}: starting {bench.servers} servers")
+        fleet = start_fleet(
+            stack,
+            bench.model,
+            config,
+            bench.servers,
+            store=url,
+            store_extra=store_extra,
+            max_model_len=max_model_len,
+            env=bench.env,
+            log_dir=bench.log_dir,
+        )
+        for rate in rates:
+            salt = f"fleet-{bench.run_id}-{config.name}-{link_label(rate)}"
+            run = Run(config.name, rate, salt, config.connector)
+            setup = {**config.describe(), "store": shown(url), "cache_salt": salt}
+            entry = {"config": config.name, "bandwidth_mbps": rate, "setup": setup}
+            runs.append({**entry, **run_one(bench, fleet, run)})
+    return runs
 
 
 def fleet_bench(
@@ -219,37 +223,36 @@ def fleet_bench(
     max_tokens: int = 8,
     api: str = client.RESPONSES,
     ignore_eos: bool = False,
+    bandwidths: Sequence[float | None] = (None,),
     store: str | None = None,
     slo_ms: float = configs.SLO_MS,
+    stop: Stop | None = None,
     env: dict[str, str] | None = None,
     log_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Run ``work`` on a fleet per configuration, one after another: the versioned document."""
-    if servers < 1 or max_tokens < 2:
-        raise InputError("--servers must be at least 1 and --max-tokens at least 2")
+    """Run ``work`` on a fleet per configuration, one after another, at every link rate of
+    ``bandwidths`` (None: no rate limit): the versioned document."""
     concurrency = servers if concurrency is None else concurrency
-    if concurrency < 1:
-        raise InputError("--concurrency must be at least 1")
-    chosen = [configs.config(name, slo_ms) for name in config_names]
-    run_id = uuid.uuid4().hex[:8]
-    results = [
-        run_config(
-            model,
-            config,
-            work,
-            servers=servers,
-            router=router,
-            concurrency=concurrency,
-            max_tokens=max_tokens,
-            api=api,
-            ignore_eos=ignore_eos,
-            store=store,
-            run_id=run_id,
-            env=dict(env or {}),
-            log_dir=log_dir,
-        )
-        for config in chosen
-    ]
+    _check(servers, max_tokens, concurrency, bandwidths, stop)
+    bench = Bench(
+        model,
+        work,
+        servers,
+        router,
+        Sending(concurrency, max_tokens, api, ignore_eos),
+        tuple(bandwidths),
+        None,
+        uuid.uuid4().hex[:8],
+        dict(env or {}),
+        log_dir,
+        stop,
+    )
+    with shared_store(store) as base:
+        bench = dataclasses.replace(bench, store=base)
+        runs = [
+            run for name in config_names for run in run_config(bench, configs.config(name, slo_ms))
+        ]
+    summary.compare_answers(runs, RECOMPUTE)
     settings = {
         "model": model,
         "workload": work.name,
@@ -262,7 +265,27 @@ def fleet_bench(
         "max_tokens": max_tokens,
         "api": api,
         "ignore_eos": ignore_eos,
-        "store": shown(store),
+        "bandwidths_mbps": list(bandwidths),
+        "store": LOCAL_CLUSTER if store == LOCAL_CLUSTER else shown(store),
         "slo_ms": slo_ms,
+        "stop": None if stop is None else {"server": stop.server, "after": stop.after},
     }
-    return summary.document(settings, results)
+    return summary.document(settings, runs)
+
+
+def _check(servers, max_tokens, concurrency, bandwidths, stop) -> None:
+    if servers < 1 or max_tokens < 2 or concurrency < 1:
+        raise InputError(
+            "--servers and --concurrency must be at least 1 and --max-tokens at least 2"
+        )
+    if not bandwidths or any(b is not None and b <= 0 for b in bandwidths):
+        raise InputError("--bandwidth-mbps: give positive rates in Mbit/s or unlimited")
+    if stop is None:
+        return
+    if servers < 2 or not 0 <= stop.server < servers or stop.after < 1:
+        raise InputError(
+            "--stop-server needs at least two servers and names one of them (0 to servers-1); "
+            "--stop-after at least 1"
+        )
+    if len(bandwidths) > 1:
+        raise InputError("--stop-server runs at one link rate: give one --bandwidth-mbps")

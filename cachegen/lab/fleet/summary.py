@@ -1,14 +1,20 @@
 """The fleet's records, summaries, versioned document and markdown table.
 
-A record (times in seconds from the configuration's first send): ``config``, ``workload``,
-``index``, ``key`` (user or document), ``round``, ``server``, ``send_s``, ``ttft_s`` (send to
-first content; null when none came), ``end_s``, ``prompt_tokens``, ``output_tokens``,
+A run is one configuration at one link rate (``bandwidth_mbps``; null: no rate limit, and
+always null for a configuration without the connector). A record (times in seconds from the
+run's first send): ``config``, ``bandwidth_mbps``, ``workload``, ``index``, ``key`` (user or
+document), ``round``, ``routed`` (the server the router's policy names), ``server`` (the one
+that answered, or the last one tried: another than ``routed`` after a failover), ``attempts``
+(the earlier tries that failed over: their server and error), ``send_s``, ``ttft_s`` (first
+send to first content; null when none came), ``end_s``, ``prompt_tokens``, ``output_tokens``,
 ``cached_tokens`` (vLLM's count of prompt tokens it did not prefill: its prefix cache plus the
 connector's), ``report`` (the connector's report, null when the server sent none), ``error``
-and ``answer``. The summary, per configuration: requests, errors, TTFT p50/p90/p99, requests/s
-and output tokens/s over the wall time (first send to last end), requests per server, and for
-the connector: requests with a report, hits (reports with ``loaded_tokens`` > 0), the hit rate
-(hits per request), loaded tokens and loaded bytes.
+and ``answer``. The summary, per run: requests, errors, failovers (requests with an earlier
+failed try), TTFT p50/p90/p99, requests/s and output tokens/s over the wall time (first send
+to last end), requests per server, prompt and cached tokens, answers equal to the recompute
+run's (when one ran), and for the connector: requests with a report, hits (reports with
+``loaded_tokens`` > 0), the hit rate (hits per request), loaded tokens and bytes, and load
+errors (reports with ``load_error`` or ``error``: part of a prefix recomputed).
 """
 
 from __future__ import annotations
@@ -18,19 +24,33 @@ from collections.abc import Sequence
 from typing import Any
 
 from cachegen.fileio import versioned
+from cachegen.lab.bench.links import link_label
 
 SCHEMA = "cachegen-fleet-bench"
-VERSION = 1
+VERSION = 2
 
 _NUM = {"type": ["number", "null"]}
 _INT = {"type": ["integer", "null"]}
+ATTEMPT = {
+    "type": "object",
+    "required": ["server", "error"],
+    "properties": {"server": {"type": "integer"}, "error": {"type": "string"}},
+}
+STOP = {
+    "type": "object",
+    "required": ["server", "at_s"],
+    "properties": {"server": {"type": "integer"}, "at_s": {"type": "number"}},
+}
 RECORD_FIELDS = {
     "config": {"type": "string"},
+    "bandwidth_mbps": _NUM,
     "workload": {"type": "string"},
     "index": {"type": "integer"},
     "key": {"type": "string"},
     "round": {"type": "integer"},
+    "routed": {"type": "integer"},
     "server": {"type": "integer"},
+    "attempts": {"type": "array", "items": ATTEMPT},
     "send_s": {"type": "number"},
     "ttft_s": _NUM,
     "end_s": {"type": "number"},
@@ -44,6 +64,7 @@ RECORD_FIELDS = {
 SUMMARY_FIELDS = {
     "requests": {"type": "integer"},
     "errors": {"type": "integer"},
+    "failovers": {"type": "integer"},
     "wall_s": {"type": "number"},
     "ttft_p50_s": _NUM,
     "ttft_p90_s": _NUM,
@@ -52,11 +73,15 @@ SUMMARY_FIELDS = {
     "output_tokens": {"type": "integer"},
     "output_tokens_per_s": _NUM,
     "requests_per_server": {"type": "array", "items": {"type": "integer"}},
+    "prompt_tokens": {"type": "integer"},
+    "cached_tokens": {"type": "integer"},
+    "answers_as_recompute": _INT,
     "reports": {"type": "integer"},
     "connector_hits": _INT,
     "connector_hit_rate": _NUM,
     "loaded_tokens": _INT,
     "loaded_bytes": _INT,
+    "load_errors": _INT,
 }
 
 
@@ -68,20 +93,22 @@ JSON_SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": SCHEMA,
     "type": "object",
-    "required": ["schema", "version", "settings", "configs"],
+    "required": ["schema", "version", "settings", "runs"],
     "properties": {
         "schema": {"const": SCHEMA},
         "version": {"const": VERSION},
         "settings": {"type": "object"},
-        "configs": {
+        "runs": {
             "type": "array",
             "items": {
                 "type": "object",
-                "required": ["config", "setup", "summary", "records"],
+                "required": ["config", "bandwidth_mbps", "setup", "summary", "stops", "records"],
                 "properties": {
                     "config": {"type": "string"},
+                    "bandwidth_mbps": _NUM,
                     "setup": {"type": "object"},
                     "summary": _object(SUMMARY_FIELDS),
+                    "stops": {"type": "array", "items": STOP},
                     "records": {"type": "array", "items": _object(RECORD_FIELDS)},
                 },
             },
@@ -90,16 +117,32 @@ JSON_SCHEMA = {
 }
 
 
-def record(config: str, workload: str, request, server: int, answer, start: float) -> dict:
-    """The record of one request (``answer``: a ``client.Answer``; ``start``: the run's
-    ``perf_counter`` origin)."""
+def record(
+    run: tuple[str, float | None],
+    workload: str,
+    request,
+    answer,
+    start: float,
+    *,
+    routed: int,
+    server: int,
+    attempts: list[dict[str, Any]],
+) -> dict:
+    """The record of one request: ``run`` is its (configuration, link rate), ``answer`` a
+    ``client.Answer`` (its ``sent`` the first try's), ``start`` the run's ``perf_counter``
+    origin, ``routed`` the server the router's policy names, ``server`` the one that answered
+    (another one after a failover), ``attempts`` the tries that failed over."""
+    config, bandwidth_mbps = run
     return {
         "config": config,
+        "bandwidth_mbps": bandwidth_mbps,
         "workload": workload,
         "index": request.index,
         "key": request.key,
         "round": request.round,
+        "routed": routed,
         "server": server,
+        "attempts": attempts,
         "send_s": answer.sent - start,
         "ttft_s": None if answer.first is None else answer.first - answer.sent,
         "end_s": answer.end - start,
@@ -120,6 +163,22 @@ def percentile(values: Sequence[float], q: int) -> float | None:
     return float(statistics.quantiles(values, n=100, method="inclusive")[q - 1])
 
 
+def _connector_fields(records: list[dict], reports: list[dict]) -> dict[str, Any]:
+    hits = sum(1 for rep in reports if (rep.get("loaded_tokens") or 0) > 0)
+    return {
+        "connector_hits": hits,
+        "connector_hit_rate": hits / len(records) if records else None,
+        "loaded_tokens": sum(rep.get("loaded_tokens") or 0 for rep in reports),
+        "loaded_bytes": sum(rep.get("bytes") or 0 for rep in reports),
+        "load_errors": sum(1 for rep in reports if rep.get("load_error") or rep.get("error")),
+    }
+
+
+NO_CONNECTOR = dict.fromkeys(
+    ("connector_hits", "connector_hit_rate", "loaded_tokens", "loaded_bytes", "load_errors")
+)
+
+
 def summarize(records: list[dict], servers: int, *, connector: bool) -> dict[str, Any]:
     ok = [r for r in records if r["error"] is None]
     ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
@@ -128,13 +187,13 @@ def summarize(records: list[dict], servers: int, *, connector: bool) -> dict[str
     )
     output_tokens = sum(r["output_tokens"] for r in ok)
     reports = [r["report"] for r in records if r["report"] is not None]
-    hits = sum(1 for rep in reports if (rep.get("loaded_tokens") or 0) > 0)
     per_server = [0] * servers
     for r in records:
         per_server[r["server"]] += 1
     return {
         "requests": len(records),
         "errors": len(records) - len(ok),
+        "failovers": sum(1 for r in records if r["attempts"]),
         "wall_s": wall,
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
@@ -143,18 +202,31 @@ def summarize(records: list[dict], servers: int, *, connector: bool) -> dict[str
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / wall if wall > 0 else None,
         "requests_per_server": per_server,
+        "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in ok),
+        "cached_tokens": sum(r["cached_tokens"] or 0 for r in ok),
+        "answers_as_recompute": None,
         "reports": len(reports),
-        "connector_hits": hits if connector else None,
-        "connector_hit_rate": hits / len(records) if connector and records else None,
-        "loaded_tokens": sum(rep.get("loaded_tokens") or 0 for rep in reports)
-        if connector
-        else None,
-        "loaded_bytes": sum(rep.get("bytes") or 0 for rep in reports) if connector else None,
+        **(_connector_fields(records, reports) if connector else NO_CONNECTOR),
     }
 
 
-def document(settings: dict[str, Any], configs: list[dict[str, Any]]) -> dict[str, Any]:
-    return versioned(SCHEMA, VERSION, {"settings": settings, "configs": configs})
+def compare_answers(runs: list[dict[str, Any]], reference: str) -> None:
+    """Set every run's ``answers_as_recompute``: its requests whose answer equals the answer
+    of the same request in the run of configuration ``reference`` (when there is one)."""
+    ref = next((r for r in runs if r["config"] == reference), None)
+    if ref is None:
+        return
+    answers = {r["index"]: r["answer"] for r in ref["records"] if r["error"] is None}
+    for run in runs:
+        run["summary"]["answers_as_recompute"] = sum(
+            1
+            for r in run["records"]
+            if r["error"] is None and answers.get(r["index"]) == r["answer"]
+        )
+
+
+def document(settings: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return versioned(SCHEMA, VERSION, {"settings": settings, "runs": runs})
 
 
 def validate(doc: object) -> None:
@@ -169,6 +241,10 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
+def _opt(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
 def _num(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -180,21 +256,24 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{s['servers']} servers, router {s['router']}, concurrency {s['concurrency']}, "
         f"{s['max_tokens']} greedy output tokens",
         "",
-        "| config | requests | errors | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) "
-        "| requests/s | output tokens/s | per server | connector hit rate | loaded tokens "
-        "| loaded bytes |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        "| config | link (Mbit/s) | requests | errors | failovers | TTFT p50 (ms) "
+        "| TTFT p90 (ms) | TTFT p99 (ms) | requests/s | output tokens/s | per server "
+        "| cached tokens | connector hit rate | loaded tokens | loaded bytes | load errors |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: "
+        "| ---: | ---: | ---: | ---: |",
     ]
-    for c in doc["configs"]:
+    for c in doc["runs"]:
         m = c["summary"]
         hit_rate = m["connector_hit_rate"]
+        link = "-" if c["setup"]["connector"] is False else link_label(c["bandwidth_mbps"])
         lines.append(
-            f"| {c['config']} | {m['requests']} | {m['errors']} | {_ms(m['ttft_p50_s'])} "
+            f"| {c['config']} | {link} | {m['requests']} | {m['errors']} | {m['failovers']} "
+            f"| {_ms(m['ttft_p50_s'])} "
             f"| {_ms(m['ttft_p90_s'])} | {_ms(m['ttft_p99_s'])} "
             f"| {_num(m['requests_per_s'], 2)} | {_num(m['output_tokens_per_s'], 1)} "
-            f"| {' / '.join(map(str, m['requests_per_server']))} "
+            f"| {' / '.join(map(str, m['requests_per_server']))} | {m['cached_tokens']} "
             f"| {'-' if hit_rate is None else f'{hit_rate:.0%}'} "
-            f"| {'-' if m['loaded_tokens'] is None else m['loaded_tokens']} "
-            f"| {'-' if m['loaded_bytes'] is None else m['loaded_bytes']} |"
+            f"| {_opt(m['loaded_tokens'])} | {_opt(m['loaded_bytes'])} "
+            f"| {_opt(m['load_errors'])} |"
         )
     return "\n".join(lines)

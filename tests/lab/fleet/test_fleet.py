@@ -1,10 +1,11 @@
 """``cachegen fleet-bench`` end to end: two tiny-llama vLLM OpenAI-compatible servers in the
 ``raw`` configuration (the connector over one shared directory store, vLLM's prefix cache on),
-three users x two rounds of multi-round QA, round robin. One configuration only, to keep the
-suite short: the others differ in the servers' options, not in the command's path. A user's
-second round runs on the other server than its first, so the chunks of its history that the
-first server stored can only come from the shared store: vLLM's prefix cache cannot give that
-reuse."""
+three users x three rounds of multi-round QA, round robin, and server 1 stopped (SIGTERM) once
+six requests are answered. One configuration only, to keep the suite short: the others differ
+in the servers' options, not in the command's path. A user's second round runs on the other
+server than its first, so the chunks of its history that the first server stored can only come
+from the shared store: vLLM's prefix cache cannot give that reuse. After the stop, the
+requests the router's policy names server 1 for are answered by server 0."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import json
 from cachegen.cli import main
 from cachegen.lab.fleet import summary
 
-USERS, ROUNDS = 3, 2
+USERS, ROUNDS, STOP_AFTER = 3, 3, 6
 ARGS = [
     "fleet-bench",
     "--model", "tiny-llama",
@@ -26,31 +27,41 @@ ARGS = [
     "--question-tokens", "200",  # so a user's first chunk past the system prompt is its own
     "--max-tokens", "4",
     "--ignore-eos",
+    "--stop-server", "1",
+    "--stop-after", str(STOP_AFTER),
 ]  # fmt: skip
 
 
 def test_two_servers_share_one_store_and_every_request_is_recorded(tmp_path, capsys):
     out = tmp_path / "fleet.json"
     assert main([*ARGS, "--json", str(out), "--log-dir", str(tmp_path / "logs")]) == 0
-    assert "fleet-bench: raw: 0 errors" in capsys.readouterr().err
+    assert "fleet-bench: raw at unlimited: 0 errors" in capsys.readouterr().err
 
     doc = json.loads(out.read_text())
     summary.validate(doc)
-    assert (doc["schema"], doc["version"]) == ("cachegen-fleet-bench", 1)
-    assert [c["config"] for c in doc["configs"]] == ["raw"]
-    for config in doc["configs"]:
-        records = config["records"]
-        assert [r["index"] for r in records] == list(range(USERS * ROUNDS))
-        assert [r["error"] for r in records] == [None] * len(records)
-        assert [r["server"] for r in records] == [0, 1] * (len(records) // 2)
-        assert config["summary"]["requests_per_server"] == [3, 3]
-        assert config["summary"]["errors"] == 0
-        for r in records:
-            assert r["ttft_s"] is not None and 0 < r["ttft_s"] <= r["end_s"] - r["send_s"]
-            assert r["output_tokens"] == 4 and r["prompt_tokens"] > 256
-            assert r["answer"]
+    assert (doc["schema"], doc["version"]) == ("cachegen-fleet-bench", 2)
+    assert [(c["config"], c["bandwidth_mbps"]) for c in doc["runs"]] == [("raw", None)]
+    (raw,) = doc["runs"]
+    records = raw["records"]
+    assert [r["index"] for r in records] == list(range(USERS * ROUNDS))
+    assert [r["error"] for r in records] == [None] * len(records)
+    assert [r["routed"] for r in records] == [i % 2 for i in range(len(records))]
+    assert raw["summary"]["errors"] == 0 and raw["summary"]["load_errors"] == 0
+    for r in records:
+        assert r["ttft_s"] is not None and 0 < r["ttft_s"] <= r["end_s"] - r["send_s"]
+        assert r["output_tokens"] == 4 and r["prompt_tokens"] > 256
+        assert r["answer"]
+        assert all(a["server"] == 1 for a in r["attempts"])  # only the stopped one failed
 
-    (raw,) = doc["configs"]
+    # The stop: server 1 once, after STOP_AFTER answers; what was sent later went to server 0,
+    # and the last round's request of user 1 (routed to server 1) is answered by server 0.
+    (stop,) = raw["stops"]
+    assert stop["server"] == 1
+    assert sorted(r["end_s"] for r in records)[STOP_AFTER - 1] <= stop["at_s"]
+    assert all(r["server"] == 0 for r in records if r["send_s"] > stop["at_s"])
+    last_of_user_1 = records[(ROUNDS - 1) * USERS + 1]
+    assert (last_of_user_1["routed"], last_of_user_1["server"]) == (1, 0)
+    assert raw["summary"]["failovers"] == sum(1 for r in records if r["attempts"])
     reports = [r["report"] for r in raw["records"]]
     assert all(rep["schema"] == "cachegen-connector-report" for rep in reports)
     assert any(rep.get("save_chunks") for rep in reports)

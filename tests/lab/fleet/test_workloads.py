@@ -87,6 +87,32 @@ def test_round_robin_follows_the_request_order_and_sticky_keeps_a_user_on_one_se
     assert [sticky.server(r) for r in work.requests] == [0, 1, 0, 0, 1, 0]
 
 
+def test_a_server_marked_down_gets_nothing_and_its_requests_go_to_the_next_live_one(tokenizer):
+    work = _multi(tokenizer)
+    rr = Router(ROUND_ROBIN, 3, work)
+    rr.mark_down(1)
+    assert [rr.server(r) for r in work.requests] == [0, 2, 2, 0, 2, 2]
+    rr.mark_down(2)
+    assert {rr.server(r) for r in work.requests} == {0} and rr.any_live()
+    rr.mark_down(0)
+    assert not rr.any_live()
+    with pytest.raises(RuntimeError, match="every server"):
+        rr.server(work.requests[0])
+
+
+def test_a_run_salts_every_request_and_gives_the_connector_its_link_rate():
+    from cachegen.lab.fleet.drive import Run
+
+    shaped = Run("raw", 100.0, "fleet-x-raw-100", connector=True)
+    assert shaped.extra_body(ignore_eos=True) == {
+        "cache_salt": "fleet-x-raw-100",
+        "kv_transfer_params": {"bandwidth_mbps": 100.0},
+        "ignore_eos": True,
+    }
+    assert Run("raw", None, "s", connector=True).extra_body(False) == {"cache_salt": "s"}
+    assert Run("prefix-cache", None, "p", connector=False).extra_body(False) == {"cache_salt": "p"}
+
+
 def test_the_summary_counts_hits_errors_and_servers_and_the_document_validates(tokenizer):
     work = _multi(tokenizer)
     reports = [None, {"loaded_tokens": 0}, {"loaded_tokens": 256, "bytes": 1000}]
@@ -95,18 +121,25 @@ def test_the_summary_counts_hits_errors_and_servers_and_the_document_validates(t
         answer = Answer(sent=10.0 + i, first=10.5 + i, end=11.0 + i, output_tokens=4)
         answer.report = reports[i]
         answer.error = "boom" if i == 0 else None
-        records.append(summary.record("raw", work.name, request, i % 2, answer, 10.0))
+        attempts = [{"server": 1, "error": "gone"}] if i == 2 else []
+        run = ("raw", 1000.0)
+        records.append(
+            summary.record(
+                run, work.name, request, answer, 10.0, routed=1, server=i % 2, attempts=attempts
+            )
+        )
+    reports[2]["load_error"] = "chunk 1: checksum"
     result = summary.summarize(records, 2, connector=True)
     assert result["errors"] == 1 and result["requests_per_server"] == [2, 1]
+    assert result["failovers"] == 1 and result["load_errors"] == 1
     assert result["reports"] == 2 and result["connector_hits"] == 1
     assert result["connector_hit_rate"] == pytest.approx(1 / 3)
     assert (result["loaded_tokens"], result["loaded_bytes"]) == (256, 1000)
     assert result["output_tokens"] == 8 and result["wall_s"] == pytest.approx(3.0)
-    doc = summary.document(
-        {"x": 1}, [{"config": "raw", "setup": {}, "summary": result, "records": records}]
-    )
+    run = {"config": "raw", "bandwidth_mbps": 1000.0, "setup": {"connector": True}}
+    doc = summary.document({"x": 1}, [{**run, "summary": result, "stops": [], "records": records}])
     summary.validate(doc)
-    assert "| raw | 3 | 1 |" in summary.markdown(
+    assert "| raw | 1000 | 3 | 1 | 1 |" in summary.markdown(
         {
             **doc,
             "settings": {
@@ -122,7 +155,7 @@ def test_the_summary_counts_hits_errors_and_servers_and_the_document_validates(t
         }
     )
     with pytest.raises(jsonschema.ValidationError):
-        summary.validate({**doc, "version": 2})
+        summary.validate({**doc, "version": 1})
     del records[0]["server"]
     with pytest.raises(jsonschema.ValidationError):
         summary.validate(doc)
@@ -140,5 +173,39 @@ def test_each_configuration_gets_a_store_no_other_wrote_and_no_password_is_recor
     with fresh_store("redis://:pw@127.0.0.1:6379/0", "raw", "run1") as (redis_url, extra):
         assert extra == {"tenant": "fleet-run1-raw"}
     assert shown(redis_url) == "redis://:***@127.0.0.1:6379/0"
+    with fresh_store("redis+cluster://127.0.0.1:7000", "int8", "run1") as (cluster_url, extra):
+        assert cluster_url == "redis+cluster://127.0.0.1:7000"
+        assert extra == {"tenant": "fleet-run1-int8"}
     with pytest.raises(InputError, match="file://, redis://"), fresh_store("s3://b", "raw", "r"):
         pass
+
+
+def test_answers_equal_to_the_recompute_runs_are_counted_per_run():
+    def run(config, answers):
+        records = [{"index": i, "answer": a, "error": None} for i, a in enumerate(answers)]
+        return {"config": config, "summary": {"answers_as_recompute": None}, "records": records}
+
+    runs = [run("recompute", ["a", "b", "c"]), run("raw", ["a", "x", "c"])]
+    runs[1]["records"][2]["error"] = "boom"
+    summary.compare_answers(runs, "recompute")
+    assert [r["summary"]["answers_as_recompute"] for r in runs] == [3, 1]
+    alone = [run("raw", ["a"])]
+    summary.compare_answers(alone, "recompute")
+    assert alone[0]["summary"]["answers_as_recompute"] is None
+
+
+def test_a_stop_needs_two_servers_and_one_link_rate():
+    from cachegen.lab.fleet.drive import Stop
+    from cachegen.lab.fleet.run import _check
+
+    _check(2, 4, 2, [None], Stop(1, 3))
+    for servers, bandwidths, stop in [
+        (1, [None], Stop(0, 3)),
+        (2, [None], Stop(2, 3)),
+        (2, [None], Stop(1, 0)),
+        (2, [100.0, None], Stop(1, 3)),
+    ]:
+        with pytest.raises(InputError, match="stop"):
+            _check(servers, 4, 2, bandwidths, stop)
+    with pytest.raises(InputError, match="bandwidth"):
+        _check(2, 4, 2, [0.0], None)
