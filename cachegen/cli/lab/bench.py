@@ -10,6 +10,7 @@ from pathlib import Path
 
 from cachegen.cli import options
 from cachegen.cli.options import DEFAULT
+from cachegen.errors import InputError
 
 DEFAULT_RESULTS = Path("benchmarks/results.json")
 DEFAULT_REPORT = Path("docs/reproduction.md")
@@ -32,14 +33,17 @@ def register(subparsers) -> None:
         subparsers,
         "plot",
         _plot,
-        help="draw the benchmark figures (PNG) from results.json or a stored-forms document",
+        help="draw the benchmark figures (PNG) from results.json, a stored-forms or a "
+        "fleet-bench document",
         description="Draw TTFT by model and mode, TTFT vs bandwidth, output rate, compression "
         "ratio, transfer time vs bandwidth, decode time, and quality vs size with its Pareto "
         "frontier from results.json; from a `cachegen stream-bench --forms --json` document, "
         "load time per stored form and adaptive's vs bandwidth; from a `cachegen ttft table "
-        "--json` document, TTFT per mode vs bandwidth (each as FILE's name with .png).",
+        "--json` document, TTFT per mode vs bandwidth (each as FILE's name with .png); from a "
+        "`cachegen fleet-bench --json` document, TTFT p50/p90/p99 per run (fleet_ttft.png) and "
+        "requests/s and output tokens/s per run (fleet_throughput.png).",
     )
-    _results(p, "results.json, a stream-bench --forms or a ttft table document")
+    _results(p, "results.json, a stream-bench --forms, a ttft table or a fleet-bench document")
     p.add_argument(
         "--out", type=Path, help="directory for the PNGs (default: the results file's directory)"
     )
@@ -170,13 +174,23 @@ def _command_line(args: argparse.Namespace) -> str:
 def _plot(args: argparse.Namespace) -> int:
     from cachegen.lab.bench import results
     from cachegen.lab.bench.plots import DOCUMENTS, plot_all, plot_document
+    from cachegen.lab.fleet import summary as fleet
+    from cachegen.lab.fleet.plots import plot_fleet
 
     out = args.out or args.results.parent
     try:
         doc = json.loads(args.results.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         doc = None  # results.load says what is wrong with it
-    if isinstance(doc, dict) and doc.get("schema") in DOCUMENTS:
+    schema = doc.get("schema") if isinstance(doc, dict) else None
+    readable = (results.SCHEMA_NAME, *DOCUMENTS, fleet.SCHEMA)
+    if schema is not None and schema not in readable:
+        raise InputError(
+            f"{args.results} is a {schema!r} document; cachegen plot reads {', '.join(readable)}"
+        )
+    if schema == fleet.SCHEMA:
+        pngs = plot_fleet(doc, out, str(args.results))
+    elif schema in DOCUMENTS:
         pngs = [plot_document(doc, Path(out) / f"{args.results.stem}.png", str(args.results))]
     else:
         pngs = plot_all(results.load(args.results), out)
