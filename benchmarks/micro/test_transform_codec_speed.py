@@ -10,7 +10,8 @@ tensor, as a server decodes a fetched chunk, on both cores. Target (docs/codec.m
 ``tcq`` level >= 300 M elements/s, recorded in ``extra_info`` with the bits per element
 (timings on a shared machine are noisy, so nothing is asserted about them). The tcq levels
 synthesize as this CPU does (``tcq_decode.bf16_synthesis``: a bfloat16 GEMM where the CPU has
-bfloat16 matrix instructions); ``tcq-24-f32`` forces the float32 synthesis beside them.
+bfloat16 matrix instructions); ``tcq-24-f32`` forces the float32 synthesis beside them;
+``tcq-<L>-packed`` decode the packed form (the same symbols bit-packed, no rANS pass).
 The encode cases code level 23 with and without the choices (the same model file, its table
 family left out).
 """
@@ -25,6 +26,7 @@ import torch
 
 from cachegen.codec import decode, get_codec, tcq_decode, tcq_model
 from cachegen.lab.bench.codec_report import text_windows
+from cachegen.modes import CODED, PACKED
 from cachegen.profiles import codec_for
 from tests.support import CHUNK
 
@@ -39,26 +41,27 @@ def kv():
 
 
 CASES = (
-    [pytest.param("cachegen", 2, False, id="cachegen-2")]
-    + [pytest.param("tcq", level, False, id=f"tcq-{level}") for level in range(20, 27)]
-    + [pytest.param("tcq", 24, True, id="tcq-24-f32")]
+    [pytest.param("cachegen", 2, CODED, False, id="cachegen-2")]
+    + [pytest.param("tcq", level, CODED, False, id=f"tcq-{level}") for level in range(20, 27)]
+    + [pytest.param("tcq", 24, CODED, True, id="tcq-24-f32")]
+    + [pytest.param("tcq", lv, PACKED, False, id=f"tcq-{lv}-packed") for lv in (22, 24, 25)]
 )
 
 
-@pytest.mark.parametrize("name,level,f32_synthesis", CASES)
-def test_transform_decode(benchmark, kv, name, level, f32_synthesis, monkeypatch):
+@pytest.mark.parametrize("name,level,form,f32_synthesis", CASES)
+def test_transform_decode(benchmark, kv, name, level, form, f32_synthesis, monkeypatch):
     if f32_synthesis:
         monkeypatch.setattr(tcq_decode, "bf16_synthesis", lambda: False)
     codec = codec_for(name, "smollm2-135m", chunk_tokens=CHUNK)
     if level not in codec.levels:
         pytest.fail(f"{name} has no level {level}: its levels are {codec.levels}")
-    blob = codec.encode(kv, level)
+    blob = codec.encode(kv, level, form)
     out = benchmark(decode, blob)
     assert out.keys.dtype == torch.bfloat16 and out.num_tokens == TOKENS
     benchmark.extra_info.update(
         {
             "elements": int(kv.num_elements),
-            "what": f"{name} level {level} -> bf16, 2 thread(s)"
+            "what": f"{name} level {level} ({form}) -> bf16, 2 thread(s)"
             + (", float32 synthesis" if f32_synthesis else ""),
             "bits_per_element": len(blob) * 8 / kv.num_elements,
         }

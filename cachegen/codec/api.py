@@ -21,7 +21,6 @@ from cachegen.codec.cachegen_codec import CacheGenCodec
 from cachegen.codec.errors import CodecError
 from cachegen.codec.tcq import TcqCodec
 from cachegen.kv import KVCache
-from cachegen.modes import PACKED
 
 ENTRY_POINT_GROUP = "cachegen.codecs"
 # codec ids of the codecs outside the core, so that their old streams keep their id and a
@@ -121,7 +120,7 @@ def _codec_of(header: Header) -> type[Codec]:
 def _open(blob: bytes | bytearray | memoryview):
     header = parse_header(blob)
     cls = _codec_of(header)
-    if header.form == PACKED and cls is not CacheGenCodec:
+    if header.form not in cls.forms:
         raise CodecError(f"bitstream header is corrupt (packed symbols in a {cls.name} stream)")
     frames = parse_frames(blob, header)
     decoder = cls.decoder(header)

@@ -23,6 +23,7 @@ from cachegen.codec.errors import CodecError
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.kv import KVCache
 from cachegen.models import ModelSpec
+from cachegen.modes import CODED
 
 MAX_CHUNK_TOKENS = 1 << 20
 
@@ -77,6 +78,8 @@ class Codec:
     name: ClassVar[str]
     codec_id: ClassVar[int]
     lossless: ClassVar[bool] = False
+    # how a level's symbols may be stored: entropy-coded, and for some codecs bit-packed
+    forms: ClassVar[tuple[str, ...]] = (CODED,)
 
     def __init__(self, chunk_tokens: int = CHUNK_TOKENS) -> None:
         if not 1 <= int(chunk_tokens) <= MAX_CHUNK_TOKENS:
@@ -106,18 +109,29 @@ class Codec:
             raise CodecError(f"codec {self.name} has no level {level}; levels are {self.levels}")
         return int(level)
 
-    def encode(self, kv: KVCache, level: int | None = None) -> bytes:
+    def encode(self, kv: KVCache, level: int | None = None, form: str = CODED) -> bytes:
+        """``kv`` as a bitstream at ``level`` (default: the codec's default level), its
+        symbols in ``form``: one of the codec's :attr:`forms`."""
+        if form not in self.forms:
+            raise CodecError(
+                f"codec {self.name} has no form {form!r}; its forms are {', '.join(self.forms)}"
+            )
         level = self.resolve_level(level)
         params = self.params(kv, level)
         header, token_width = pack_header(
-            self.codec_id, level, kv, self.chunk_tokens, params, self.bitstream_version(level)
+            self.codec_id,
+            level,
+            kv,
+            self.chunk_tokens,
+            params,
+            self.bitstream_version(level),
+            form=form,
         )
+        body = self.encode_body if form == CODED else self.encode_packed_body
         parts = [header]
         if kv.num_tokens:
             for chunk in kv.chunks(self.chunk_tokens):
-                parts.append(
-                    pack_frame(chunk.token_ids, token_width, self.encode_body(chunk, level))
-                )
+                parts.append(pack_frame(chunk.token_ids, token_width, body(chunk, level)))
         return b"".join(parts)
 
     # -- subclass hooks --------------------------------------------------------------------
@@ -127,6 +141,10 @@ class Codec:
         return b""
 
     def encode_body(self, chunk: KVCache, level: int) -> bytes:
+        raise NotImplementedError
+
+    def encode_packed_body(self, chunk: KVCache, level: int) -> bytes:
+        """A frame body of the packed form (codecs with ``PACKED`` among their :attr:`forms`)."""
         raise NotImplementedError
 
     def bitstream_version(self, level: int) -> int:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from cachegen import models
 from cachegen.codec.base import FrameDecoder, ModelCodec
-from cachegen.codec.bitstream import Header, pack_frame, pack_header
+from cachegen.codec.bitstream import Header
 from cachegen.codec.cachegen_decode import CacheGenDecoder, PackedDecoder
 from cachegen.codec.cachegen_encode import encode_chunk, encode_packed_chunk
 from cachegen.codec.cachegen_size import coded_bits, packed_bits
@@ -51,6 +51,7 @@ class CacheGenCodec(ModelCodec):
     name = "cachegen"
     codec_id = 6
     fitted_kind = "profile"
+    forms = FORMS
 
     def __init__(
         self,
@@ -83,31 +84,15 @@ class CacheGenCodec(ModelCodec):
     def encode(self, kv: KVCache, level: int | None = None, form: str = CODED) -> bytes:
         """``form`` "coded" entropy-codes the symbols (smallest), "packed" stores them
         bit-packed (larger, decodes at memory speed to the same KV)."""
-        if form not in FORMS:
-            raise CodecError(f"unknown form {form!r}; use {' or '.join(FORMS)}")
         self.fit_for(kv)
         if kv.model.fingerprint != self.profile.model.fingerprint:
             raise CodecError(
                 f"KV of model {kv.model.name} cannot use the profile of {self.profile.model.name}"
             )
-        if form == CODED:
-            return super().encode(kv, level)
-        level = self.resolve_level(level)
-        config = self.profile.config(level)
-        header, token_width = pack_header(
-            self.codec_id,
-            level,
-            kv,
-            self.chunk_tokens,
-            self.params(kv, level),
-            self.bitstream_version(level),
-            form=PACKED,
-        )
-        chunks = kv.chunks(self.chunk_tokens) if kv.num_tokens else []
-        return header + b"".join(
-            pack_frame(chunk.token_ids, token_width, encode_packed_chunk(chunk, config))
-            for chunk in chunks
-        )
+        return super().encode(kv, level, form)
+
+    def encode_packed_body(self, chunk: KVCache, level: int) -> bytes:
+        return encode_packed_chunk(chunk, self.profile.config(level))
 
     def params(self, kv: KVCache, level: int) -> bytes:
         tables = self.profile.tables(level)

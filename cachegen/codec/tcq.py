@@ -51,8 +51,10 @@ from cachegen.codec.tcq_decode import TcqDecoder
 from cachegen.codec.tcq_encode import encode_body
 from cachegen.codec.tcq_levels import read_tcq_levels
 from cachegen.codec.tcq_model import TcqModel, find_tcq_model, load_tcq_model
+from cachegen.codec.tcq_packed import TcqPackedDecoder, encode_packed_body
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.kv import KVCache
+from cachegen.modes import CODED, FORMS, PACKED
 
 MODEL_ID_BYTES = 16
 ADAPTIVE_LAYOUT = 1  # the header parameters' 17th byte: frames carry per-component choices
@@ -63,6 +65,7 @@ class TcqCodec(ModelCodec):
     name = "tcq"
     codec_id = 12
     fitted_kind = "basis"
+    forms = FORMS
 
     def __init__(
         self,
@@ -92,10 +95,12 @@ class TcqCodec(ModelCodec):
             return calibrated["default_level"]
         return self.levels[len(self.levels) // 2]
 
-    def encode(self, kv: KVCache, level: int | None = None) -> bytes:
+    def encode(self, kv: KVCache, level: int | None = None, form: str = CODED) -> bytes:
+        """``form`` "coded" rANS-codes the symbols (smallest), "packed" stores them bit-packed
+        (larger, decodes faster to the same KV; :mod:`cachegen.codec.tcq_packed`)."""
         self.fit_for(kv)
         self.tcq.check_model(kv.model)
-        return super().encode(kv, level)
+        return super().encode(kv, level, form)
 
     def params(self, kv: KVCache, level: int) -> bytes:
         layout = bytes([ADAPTIVE_LAYOUT]) if self.tcq.adaptive else b""
@@ -106,6 +111,9 @@ class TcqCodec(ModelCodec):
 
     def encode_body(self, chunk: KVCache, level: int) -> bytes:
         return encode_body(self.tcq, level_code(self.tcq, level), chunk)
+
+    def encode_packed_body(self, chunk: KVCache, level: int) -> bytes:
+        return encode_packed_body(self.tcq, level_code(self.tcq, level), chunk)
 
     @classmethod
     def decoder(cls, header: Header) -> FrameDecoder:
@@ -123,4 +131,5 @@ class TcqCodec(ModelCodec):
                 f"tcq bitstream is corrupt: its frames choose tables, but its model file "
                 f"{tcq.id[:16]} has no table family"
             )
-        return TcqDecoder(header, tcq, level_code(tcq, header.level), adaptive)
+        decoder = TcqPackedDecoder if header.form == PACKED else TcqDecoder
+        return decoder(header, tcq, level_code(tcq, header.level), adaptive)

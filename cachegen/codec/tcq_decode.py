@@ -142,28 +142,35 @@ class TcqDecoder(FrameDecoder):
         h = self.header
         n = len(frame.token_ids)
         layout = self._checked_layout(frame)
-        e, exact, words = layout.exact_tokens, layout.exact_bytes, layout.words
+        e = layout.exact_tokens
         L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
         if e:
-            raw = torch.frombuffer(bytearray(frame.body[:exact]), dtype=torch.uint8)
+            raw = torch.frombuffer(bytearray(frame.body[: layout.exact_bytes]), dtype=torch.uint8)
             out[:, :, :, token_offset : token_offset + e] = raw.view(h.dtype).view(2, L, H, e, D)
         m = n - e
         if not m:
             return
         streams = self.streams
-        table_row, mean = streams.table_row, streams.mean
-        if layout.choices is not None:
-            table_row = table_rows(self.code, streams.radius_int, layout.choices, table_row)
-            mean = self._centred_mean(layout.offsets)
-        data = np.frombuffer(
-            frame.body, dtype="<u2", offset=exact + layout.side_bytes + 4 * len(words)
-        )
-        word_off = np.concatenate([[0], np.cumsum(words)]).astype(np.int64)
         bf16 = out.dtype == torch.bfloat16 and bf16_synthesis()
         coefficients, rows = self._scratch_for(m, torch.bfloat16 if bf16 else torch.float32)
-        coefficient_array = _numpy_of(coefficients).reshape(-1)
-        status = np.zeros(2 * L, dtype=np.uint8)
-        code = self.code
+        self._coefficients(frame, layout, _numpy_of(coefficients).reshape(-1), m)
+        mean = streams.mean if layout.offsets is None else self._centred_mean(layout.offsets)
+        # one batched GEMM for all streams (torch's BLAS, in its own threads)
+        torch.bmm(coefficients, streams.synthesis_bf16 if bf16 else streams.synthesis, out=rows)
+        self._write(_numpy_of(rows), mean, self._frame_start(frame) + e, out, token_offset + e)
+
+    def _coefficients(self, frame: Frame, layout: _Layout, out: np.ndarray, m: int) -> None:
+        """Each stream's symbols less their radii into ``out``, flat [streams, m, width]
+        (float32, or bfloat16 bits if uint16): the frame's rANS streams decoded."""
+        streams, code, words = self.streams, self.code, layout.words
+        table_row = streams.table_row
+        if layout.choices is not None:
+            table_row = table_rows(code, streams.radius_int, layout.choices, table_row)
+        data = np.frombuffer(
+            frame.body, dtype="<u2", offset=layout.exact_bytes + layout.side_bytes + 4 * len(words)
+        )
+        word_off = np.concatenate([[0], np.cumsum(words)]).astype(np.int64)
+        status = np.zeros(len(words), dtype=np.uint8)
 
         def decode_kernel(todo: np.ndarray) -> None:
             tcq_kernels.decode_coefficients(
@@ -175,7 +182,7 @@ class TcqDecoder(FrameDecoder):
                 streams.radius_off,
                 code.slot_sym,
                 code.freq_cum,
-                coefficient_array,
+                out,
                 m,
                 streams.width,
                 todo,
@@ -185,9 +192,6 @@ class TcqDecoder(FrameDecoder):
         run_batches(decode_kernel, words + streams.kept * m + 1)
         if status.any():
             raise CodecError(f"frame {frame.index} is corrupt: a tcq rANS stream does not decode")
-        # one batched GEMM for all streams (torch's BLAS, in its own threads)
-        torch.bmm(coefficients, streams.synthesis_bf16 if bf16 else streams.synthesis, out=rows)
-        self._write(_numpy_of(rows), mean, self._frame_start(frame) + e, out, token_offset + e)
 
     def _centred_mean(self, offsets: np.ndarray) -> np.ndarray:
         """The channel means [streams, channels] moved by the frame's component offsets

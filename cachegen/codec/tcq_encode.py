@@ -7,6 +7,7 @@ offset and the table that codes its symbols in the fewest bits (:func:`choose_ta
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -66,8 +67,15 @@ def choose_tables(code: LevelCode, layer: int, kind: int, sym: np.ndarray) -> np
     return choice
 
 
-def encode_body(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> bytes:
-    """The frame body of ``chunk`` at the level of ``code``."""
+def frame_symbols(
+    tcq: TcqModel,
+    code: LevelCode,
+    chunk: KVCache,
+    emit: Callable[[int, np.ndarray, np.ndarray], None],
+) -> tuple[bytes, int]:
+    """The exact tokens' bytes of ``chunk`` and how many tokens follow them (``m``); calls
+    ``emit(stream, symbols, offsets)`` for every (layer, K/V) stream with kept components
+    (``quantize_rows``' output; streams in the codec's threads) when ``m`` > 0."""
     layers = list(chunk.layer_indices)
     e = exact_count(chunk.start, chunk.num_tokens)
     x = kv_tensor(chunk)
@@ -77,27 +85,38 @@ def encode_body(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> bytes:
     if any(thetas):
         q[0] = rotate_layer_keys(q[0], chunk.start + e, thetas, inverse=True)
     L, H, m, D = q.shape[1:]
-    streams: list[np.ndarray] = [np.zeros(0, dtype=np.uint16)] * (2 * L)
-    none = np.zeros(0, dtype=np.uint8)
-    offsets, choices = [none] * (2 * L), [none] * (2 * L)
 
     def kernel(todo: np.ndarray) -> None:
         for s in todo:
             i, k = divmod(int(s), 2)
-            layer = layers[i]
-            kept = len(code.kept[layer][k])
-            if not kept or not m:
+            if not len(code.kept[layers[i]][k]) or not m:
                 continue
             rows = q[k, i].permute(1, 0, 2).reshape(m, H * D)
-            sym, offset = quantize_rows(tcq, code, layer, k, rows, centred=tcq.adaptive)
-            table_row = int(code.table_base[layer, k]) + np.arange(kept)
-            if tcq.adaptive:
-                choice = choose_tables(code, layer, k, sym)
-                table_row = table_rows(code, code.radius[layer][k], choice, table_row)
-                offsets[s], choices[s] = offset.view(np.uint8), choice
-            streams[s] = _rans_encode(sym, table_row, code.freq_cum)
+            sym, offset = quantize_rows(tcq, code, layers[i], k, rows, centred=tcq.adaptive)
+            emit(int(s), sym, offset)
 
     run_batches(kernel, np.array([len(code.kept[lay][k]) + 1 for lay in layers for k in (0, 1)]))
+    return exact, m
+
+
+def encode_body(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> bytes:
+    """The frame body of ``chunk`` at the level of ``code``."""
+    layers = list(chunk.layer_indices)
+    count = 2 * len(layers)
+    streams: list[np.ndarray] = [np.zeros(0, dtype=np.uint16)] * count
+    none = np.zeros(0, dtype=np.uint8)
+    offsets, choices = [none] * count, [none] * count
+
+    def emit(s: int, sym: np.ndarray, offset: np.ndarray) -> None:
+        layer, k = layers[s // 2], s % 2
+        table_row = int(code.table_base[layer, k]) + np.arange(len(sym))
+        if tcq.adaptive:
+            choice = choose_tables(code, layer, k, sym)
+            table_row = table_rows(code, code.radius[layer][k], choice, table_row)
+            offsets[s], choices[s] = offset.view(np.uint8), choice
+        streams[s] = _rans_encode(sym, table_row, code.freq_cum)
+
+    exact, m = frame_symbols(tcq, code, chunk, emit)
     lengths = np.array([len(w) for w in streams], dtype="<u4")
     side = b""
     if tcq.adaptive and m:

@@ -240,7 +240,7 @@ def test_frames_decoded_together_are_the_frames_decoded_one_by_one(level, smollm
 
 def test_unknown_form_is_refused(tiny_kv, tiny_llama):
     codec = codec_for("cachegen", tiny_llama)
-    with pytest.raises(CodecError, match="unknown form"):
+    with pytest.raises(CodecError, match="has no form 'zipped'; its forms are coded, packed"):
         codec.encode(tiny_kv, 2, form="zipped")
 
 
