@@ -9,8 +9,9 @@ results and plots.
   ``tcq-<L>``        the transform codec ``tcq`` at level L (``mode`` ``tcq`` plus ``level``)
   ``adaptive``       CacheGen with a per-chunk level choice under a load-time budget
 
-A fixed mode stores one :class:`Form` per chunk; a cachegen level has a second form,
-``cachegen-<L>-packed``: the same symbols bit-packed (larger, decoded at memory speed).
+A fixed mode stores one :class:`Form` per chunk; a level of cachegen or tcq has a second form,
+``cachegen-<L>-packed``, ``tcq-<L>-packed``: the same symbols bit-packed (larger, decoded
+without the entropy coder, to the same KV).
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ MODES = (RECOMPUTE, *CONNECTOR_MODES)
 CODED, PACKED = "coded", "packed"
 FORMS = (CODED, PACKED)  # how a level's symbols are stored: entropy-coded or bit-packed
 PACKED_TAG = 1 << 15  # the store's u16 level slot: this bit marks a packed record
-FORM_LABELS = f"cachegen-<L>, cachegen-<L>-{PACKED}, tcq-<L>, {', '.join(KV_BASELINES)}"
+FORM_LABELS = (
+    f"cachegen-<L>, cachegen-<L>-{PACKED}, tcq-<L>, tcq-<L>-{PACKED}, {', '.join(KV_BASELINES)}"
+)
 
 
 @dataclass(frozen=True)
 class Form:
     """How one chunk is stored: ``codec``, its ``level`` (None for a codec of one level, the
-    baselines) and its ``packing`` (only a cachegen level has a packed form)."""
+    baselines) and its ``packing`` (only a level of cachegen or tcq has a packed form)."""
 
     codec: str
     level: int | None = None
@@ -52,8 +55,10 @@ class Form:
     def __post_init__(self) -> None:
         if self.packing not in FORMS:
             raise InputError(f"unknown form {self.packing!r}; use {' or '.join(FORMS)}")
-        if self.packing == PACKED and self.codec != CACHEGEN:
-            raise InputError(f"{self.codec} has no {PACKED} form; only {CACHEGEN} levels do")
+        if self.packing == PACKED and self.codec not in LEVELED:
+            raise InputError(
+                f"{self.codec} has no {PACKED} form; only {' and '.join(LEVELED)} levels do"
+            )
         if self.level is None and self.codec in LEVELED:
             raise InputError(f"a {self.codec} form names its level")
         if self.level is not None and self.codec not in LEVELED:
@@ -65,13 +70,13 @@ class Form:
 
     @classmethod
     def parse(cls, label: str) -> Form:
-        """``cachegen-<L>``, ``cachegen-<L>-packed``, ``tcq-<L>``, ``raw``, ``int8``, ``fp8``."""
+        """``cachegen-<L>``, ``tcq-<L>``, either with ``-packed``, ``raw``, ``int8``, ``fp8``."""
         coded_label = label.removesuffix(f"-{PACKED}")
         try:
             form = Mode.parse(coded_label).form
         except InputError:
             form = None
-        if form is None or (coded_label != label and form.codec != CACHEGEN):
+        if form is None or (coded_label != label and form.codec not in LEVELED):
             raise InputError(f"unknown form {label!r}; forms are {FORM_LABELS}")
         return form if coded_label == label else dataclasses.replace(form, packing=PACKED)
 
@@ -82,7 +87,7 @@ class Form:
             if slot != 0:
                 raise InputError(f"{codec} stores one level, 0, not {slot}")
             return cls(codec)
-        if codec == CACHEGEN and slot & PACKED_TAG:
+        if slot & PACKED_TAG:
             return cls(codec, slot & ~PACKED_TAG, PACKED)
         return cls(codec, slot)
 

@@ -40,8 +40,8 @@ def register(subparsers) -> None:
         "--form",
         choices=FORMS,
         default=CODED,
-        help="cachegen only: entropy-coded symbols (coded, the default: smallest) or bit-packed "
-        "at a fixed width (packed: larger, decodes at memory speed to the same KV)",
+        help="cachegen and tcq only: entropy-coded symbols (coded, the default: smallest) or "
+        "bit-packed at a fixed width (packed: larger, decodes faster to the same KV)",
     )
     options.json_flag(p, "print the inspect summary as JSON")
 
@@ -114,14 +114,15 @@ def _read(path: Path) -> bytes:
 def _encode(args: argparse.Namespace) -> int:
     kv = KVCache.load(args.kv_dir)
     codec = codec_for(args.codec, kv.model.name, chunk_tokens=args.chunk_tokens)
-    if args.form != CODED and args.codec != "cachegen":
+    if args.form not in codec.forms:
         raise InputError(
-            f"--form {args.form} is a form of the cachegen levels; drop it for {args.codec}"
+            f"--form {args.form} is a form of the cachegen and tcq levels; {args.codec} has "
+            f"only the {' and '.join(codec.forms)} form: drop --form"
         )
     blob = (
-        codec.encode(kv, args.level, form=args.form)
-        if args.codec == "cachegen"
-        else codec.encode(kv, args.level)
+        codec.encode(kv, args.level)
+        if args.form == CODED
+        else codec.encode(kv, args.level, form=args.form)
     )
     write_atomic(args.out, blob)
     info = inspect(blob)

@@ -2,8 +2,8 @@
 
 A *form* (``cachegen.modes.Form``, named by its label) is how a chunk is stored:
 ``cachegen-<L>`` (the cachegen codec at level L, coded), ``cachegen-<L>-packed`` (the same
-symbols in the packed form), ``tcq-<L>`` (the transform codec at level L), ``raw``, ``int8`` or
-``fp8``. Its loss is a perplexity change in percent:
+symbols in the packed form), ``tcq-<L>`` and ``tcq-<L>-packed`` (the transform codec at level
+L, coded or packed), ``raw``, ``int8`` or ``fp8``. Its loss is a perplexity change in percent:
 
 * a cachegen level: its calibration target (``target_ppl_pct`` in
   ``cachegen/codec/calibrated/*.json``); the packed form decodes to the same KV, so it has its
@@ -13,7 +13,7 @@ symbols in the packed form), ``tcq-<L>`` (the transform codec at level L), ``raw
   ``source`` says which command measured them); unknown for a model it does not list;
 * a tcq level: the perplexity target that ``cachegen calibrate --codec tcq`` found it to meet
   on the calibration windows (``cachegen.codec.tcq_levels``); unknown when no calibration
-  chose it.
+  chose it. Its packed form decodes to the same KV: its coded level's loss.
 
 Unknown is ``None``: a bound never allows such a form.
 """

@@ -118,15 +118,17 @@ def test_bad_inputs_fail_cleanly(kv_dir, tmp_path, capsys):
     assert len(err) == 3 and all(line.startswith("cachegen ") and "error" in line for line in err)
 
 
-def test_encode_packed_form_decodes_like_the_coded_form(kv_dir, tmp_path, capsys):
+@pytest.mark.parametrize("codec, level", [("cachegen", 3), ("tcq", 24)])
+def test_encode_packed_form_decodes_like_the_coded_form(codec, level, kv_dir, tmp_path, capsys):
     coded, packed = tmp_path / "coded.cgkv", tmp_path / "packed.cgkv"
-    common = ["encode", "--codec", "cachegen", "--level", "3", "--chunk-tokens", "32"]
+    common = ["encode", "--codec", codec, "--level", str(level), "--chunk-tokens", "32"]
     assert main([*common, str(kv_dir), str(coded)]) == 0
     assert main([*common, "--form", "packed", str(kv_dir), str(packed)]) == 0
     assert "(packed)" in capsys.readouterr().out
     assert main(["inspect", str(packed)]) == 0
     text = capsys.readouterr().out
-    assert "level 3, packed form" in text and "format version   4" in text
+    assert f"level {level}, packed form" in text
+    assert codec != "cachegen" or "format version   4" in text
     assert main(["inspect", str(packed), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["form"] == "packed"
     a, b = decode(coded.read_bytes()), decode(packed.read_bytes())
@@ -134,4 +136,6 @@ def test_encode_packed_form_decodes_like_the_coded_form(kv_dir, tmp_path, capsys
     # the baselines have one form
     out = tmp_path / "int8.cgkv"
     assert main(["encode", "--codec", "int8", "--form", "packed", str(kv_dir), str(out)]) == 1
-    assert "form of the cachegen levels" in capsys.readouterr().err and not out.exists()
+    err = capsys.readouterr().err
+    assert "form of the cachegen and tcq levels" in err and "drop --form" in err
+    assert not out.exists()

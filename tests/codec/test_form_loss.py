@@ -34,6 +34,23 @@ def test_smollm2_losses_come_from_its_calibration_and_the_measured_baselines(smo
     }
 
 
+def test_a_tcq_levels_packed_form_has_its_coded_levels_target(smollm2):
+    fingerprint = smollm2.identity().fingerprint
+    shipped = json.loads((SHIPPED_DIR / "smollm2-135m.json").read_text())["tcq"]
+    targets = {int(level): pct for level, pct in shipped["targets"].items()}
+    default = shipped["default_level"]
+    names = [f"tcq-{default}", f"tcq-{default}-packed", "tcq-20-packed"]
+    losses = form_loss.form_losses(names, fingerprint, tcq_targets=targets)
+    assert losses == {
+        f"tcq-{default}": targets[default],
+        f"tcq-{default}-packed": targets[default],  # the same symbols, the same KV
+        "tcq-20-packed": None,  # no calibration chose level 20: unknown, coded or packed
+    }
+    assert form_loss.form_losses([f"tcq-{default}-packed"], fingerprint) == {
+        f"tcq-{default}-packed": None  # no targets for the model file in use
+    }
+
+
 def test_a_model_without_data_has_only_raw_known(tiny_llama):
     losses = form_loss.form_losses(
         ["cachegen-2", "int8", "fp8", "raw"], tiny_llama.identity().fingerprint

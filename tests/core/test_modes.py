@@ -13,6 +13,7 @@ LABELS = {
     "cachegen-11-packed": Form("cachegen", 11, PACKED),
     "cachegen-0": Form("cachegen", 0),
     "tcq-21": Form("tcq", 21),
+    "tcq-24-packed": Form("tcq", 24, PACKED),
     "raw": Form("raw"),
     "int8": Form("int8"),
     "fp8": Form("fp8"),
@@ -27,14 +28,15 @@ def test_a_form_label_parses_and_prints_back(label):
     assert form.coded == Form(form.codec, form.level, CODED)
 
 
-def test_a_packed_slot_is_its_level_with_bit_15_set():
+@pytest.mark.parametrize("codec", ["cachegen", "tcq"])
+def test_a_packed_slot_is_its_level_with_bit_15_set(codec):
     assert PACKED_TAG == 1 << 15
-    assert Form("cachegen", 4).slot == 4 and Form("cachegen", 4, PACKED).slot == 0x8004
-    for level in (0, 4, PACKED_TAG - 1):
+    assert Form(codec, 4).slot == 4 and Form(codec, 4, PACKED).slot == 0x8004
+    for level in (0, 4, 24, PACKED_TAG - 1):
         for packing in (CODED, PACKED):
-            form = Form("cachegen", level, packing)
-            assert Form.from_slot("cachegen", form.slot) == form
-    assert Form.parse("cachegen-11-packed").coded.label == "cachegen-11"
+            form = Form(codec, level, packing)
+            assert Form.from_slot(codec, form.slot) == form
+    assert Form.parse(f"{codec}-11-packed").coded.label == f"{codec}-11"
 
 
 @pytest.mark.parametrize("codec", KV_BASELINES)
@@ -46,14 +48,23 @@ def test_a_baseline_is_stored_at_its_codecs_one_level(codec):
 
 @pytest.mark.parametrize(
     "label",
-    ["cachegen-x", "cachegen-2-coded", "tcq-3-packed", "raw-packed", "recompute", "adaptive", ""],
+    [
+        "cachegen-x",
+        "cachegen-2-coded",
+        "tcq-packed",
+        "tcq-3-packed-packed",
+        "raw-packed",
+        "recompute",
+        "adaptive",
+        "",
+    ],
 )
 def test_a_bad_label_is_refused_naming_the_forms(label):
     with pytest.raises(InputError) as info:
         Form.parse(label)
     message = str(info.value)
     assert f"unknown form {label!r}" in message
-    assert "cachegen-<L>, cachegen-<L>-packed, tcq-<L>, raw, int8, fp8" in message
+    assert "cachegen-<L>, cachegen-<L>-packed, tcq-<L>, tcq-<L>-packed, raw, int8, fp8" in message
 
 
 @pytest.mark.parametrize(
@@ -61,7 +72,8 @@ def test_a_bad_label_is_refused_naming_the_forms(label):
     [
         (("cachegen", PACKED_TAG), "no store slot"),
         (("cachegen", -1), "no store slot"),
-        (("tcq", 4, PACKED), "no packed form"),
+        (("int8", None, PACKED), "only cachegen and tcq levels do"),
+        (("tcq", PACKED_TAG, PACKED), "no store slot"),
         (("cachegen", 4, "zipped"), "unknown form 'zipped'"),
         (("cachegen",), "names its level"),
         (("int8", 0), "one level"),
