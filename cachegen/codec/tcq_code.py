@@ -13,6 +13,7 @@ import torch
 
 from cachegen.codec import rans
 from cachegen.codec.tcq_model import MAX_RADIUS, TcqModel, table_offsets
+from cachegen.codec.tcq_predict import LayerPredictor, layer_predictor
 
 EXACT_TOKENS = 1
 OFFSET_UNITS = 4  # offsets are in 1 / OFFSET_UNITS of a step
@@ -47,7 +48,18 @@ class LevelCode:
     slot_sym: np.ndarray  # [tables, PROB_SCALE] uint8
     family_row: np.ndarray  # [MAX_RADIUS + 1]: row of radius r's first family table, or -1
     family_size: int  # tables of the family (0: the model file has none)
+    # absolute layer -> its integer predictor from the layer before (a predicted model file)
+    predictors: dict[int, LayerPredictor] = field(default_factory=dict)
     decoding: dict = field(default_factory=dict, repr=False, compare=False)  # layers -> tables
+
+    def predicted_layers(self, layers: tuple[int, ...]) -> list[tuple[int, LayerPredictor]]:
+        """The positions in ``layers`` whose layer is predicted, each with its predictor: those
+        with a predictor whose layer before is the previous entry of ``layers``."""
+        return [
+            (i, self.predictors[layer])
+            for i, layer in enumerate(layers)
+            if i and layers[i - 1] == layer - 1 and layer in self.predictors
+        ]
 
     @functools.cached_property
     def code_bits(self) -> np.ndarray:
@@ -170,7 +182,21 @@ def _level_code(tcq: TcqModel, index: int) -> LevelCode:
         slot,
         family_row,
         len(tcq.family),
+        _predictors(tcq, index, kept),
     )
+
+
+def _predictors(tcq: TcqModel, index: int, kept: list[list[np.ndarray]]) -> dict:
+    """Each predicted layer's integer predictor at level ``index`` (none without a predictor;
+    a layer whose shift is 0 is not predicted)."""
+    if not tcq.predicted:
+        return {}
+    shifts, steps, radius = tcq.predictor_shift[index], tcq.steps[index], tcq.radius[index]
+    return {
+        layer: layer_predictor(tcq.predictor[layer], kept, steps, radius, layer, int(shift))
+        for layer, shift in enumerate(shifts)
+        if layer and shift
+    }
 
 
 def table_rows(

@@ -7,7 +7,7 @@ offset and the table that codes its symbols in the fewest bits (:func:`choose_ta
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from cachegen.codec.parallel import run_batches
 from cachegen.codec.quant import rotate_layer_keys
 from cachegen.codec.tcq_code import OFFSET_UNITS, LevelCode, exact_count, table_rows
 from cachegen.codec.tcq_model import TcqModel
+from cachegen.codec.tcq_predict import residual_symbols
 from cachegen.kv import KVCache
 
 ZLIB_LEVEL = 6  # the choices' DEFLATE level (zlib's default)
@@ -67,15 +68,20 @@ def choose_tables(code: LevelCode, layer: int, kind: int, sym: np.ndarray) -> np
     return choice
 
 
-def frame_symbols(
-    tcq: TcqModel,
-    code: LevelCode,
-    chunk: KVCache,
-    emit: Callable[[int, np.ndarray, np.ndarray], None],
-) -> tuple[bytes, int]:
-    """The exact tokens' bytes of ``chunk`` and how many tokens follow them (``m``); calls
-    ``emit(stream, symbols, offsets)`` for every (layer, K/V) stream with kept components
-    (``quantize_rows``' output; streams in the codec's threads) when ``m`` > 0."""
+@dataclass
+class FrameSymbols:
+    """A frame's exact tokens (bytes), how many tokens follow them (``m``), and per (layer,
+    K/V) stream the symbols [kept, m] (uint8) and offsets [kept] (int8) of
+    :func:`quantize_rows` (empty for a stream without kept components, or when ``m`` is 0)."""
+
+    exact: bytes
+    m: int
+    symbols: list[np.ndarray]
+    offsets: list[np.ndarray]
+
+
+def frame_symbols(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> FrameSymbols:
+    """The symbols of ``chunk`` at the level of ``code`` (streams in the codec's threads)."""
     layers = list(chunk.layer_indices)
     e = exact_count(chunk.start, chunk.num_tokens)
     x = kv_tensor(chunk)
@@ -85,6 +91,8 @@ def frame_symbols(
     if any(thetas):
         q[0] = rotate_layer_keys(q[0], chunk.start + e, thetas, inverse=True)
     L, H, m, D = q.shape[1:]
+    none = np.zeros(0, dtype=np.uint8)
+    frame = FrameSymbols(exact, m, [none] * (2 * L), [none.view(np.int8)] * (2 * L))
 
     def kernel(todo: np.ndarray) -> None:
         for s in todo:
@@ -93,35 +101,46 @@ def frame_symbols(
                 continue
             rows = q[k, i].permute(1, 0, 2).reshape(m, H * D)
             sym, offset = quantize_rows(tcq, code, layers[i], k, rows, centred=tcq.adaptive)
-            emit(int(s), sym, offset)
+            frame.symbols[s], frame.offsets[s] = sym, offset
 
     run_batches(kernel, np.array([len(code.kept[lay][k]) + 1 for lay in layers for k in (0, 1)]))
-    return exact, m
+    return frame
 
 
 def encode_body(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> bytes:
-    """The frame body of ``chunk`` at the level of ``code``."""
-    layers = list(chunk.layer_indices)
+    """The frame body of ``chunk`` at the level of ``code`` (its predicted layers' targets
+    coded as residuals: :mod:`cachegen.codec.tcq_predict`)."""
+    layers = tuple(chunk.layer_indices)
+    frame = frame_symbols(tcq, code, chunk)
+    symbols = frame.symbols
+    predicted = code.predicted_layers(layers) if frame.m else []
+    if predicted:
+        radius = [code.radius[layer][k] for layer in layers for k in (0, 1)]
+        symbols = residual_symbols(predicted, radius, symbols, frame.offsets)
     count = 2 * len(layers)
     streams: list[np.ndarray] = [np.zeros(0, dtype=np.uint16)] * count
-    none = np.zeros(0, dtype=np.uint8)
-    offsets, choices = [none] * count, [none] * count
+    choices = [np.zeros(0, dtype=np.uint8)] * count
 
-    def emit(s: int, sym: np.ndarray, offset: np.ndarray) -> None:
-        layer, k = layers[s // 2], s % 2
-        table_row = int(code.table_base[layer, k]) + np.arange(len(sym))
-        if tcq.adaptive:
-            choice = choose_tables(code, layer, k, sym)
-            table_row = table_rows(code, code.radius[layer][k], choice, table_row)
-            offsets[s], choices[s] = offset.view(np.uint8), choice
-        streams[s] = _rans_encode(sym, table_row, code.freq_cum)
+    def kernel(todo: np.ndarray) -> None:
+        for s in todo:
+            sym = symbols[int(s)]
+            if not sym.size:
+                continue
+            layer, k = layers[s // 2], s % 2
+            table_row = int(code.table_base[layer, k]) + np.arange(len(sym))
+            if tcq.adaptive:
+                choices[s] = choose_tables(code, layer, k, sym)
+                table_row = table_rows(code, code.radius[layer][k], choices[s], table_row)
+            streams[s] = _rans_encode(sym, table_row, code.freq_cum)
 
-    exact, m = frame_symbols(tcq, code, chunk, emit)
+    run_batches(kernel, np.array([len(sym) + 1 for sym in symbols]))
     lengths = np.array([len(w) for w in streams], dtype="<u4")
     side = b""
-    if tcq.adaptive and m:
+    if tcq.adaptive and frame.m:
+        offsets = [o.view(np.uint8) for o in frame.offsets]
         packed = zlib.compress(np.concatenate(offsets + choices).tobytes(), ZLIB_LEVEL)
         side = np.array([len(packed)], dtype="<u4").tobytes() + packed
+    exact = frame.exact
     return exact + side + lengths.tobytes() + np.concatenate(streams).astype("<u2").tobytes()
 
 

@@ -3,12 +3,13 @@
 A :class:`TcqModel` is a model's PCA bases, component weights and, per level, each
 component's quantizer step, alphabet radius and calibrated rANS table, plus the family of
 generalized-Gaussian shapes a frame may choose tables from (format version 2; version 1
-files have none). It is a model file (``CGTQ``, :mod:`cachegen.codec.model_file`) in the
-transforms directory, ``<id>.cgtq``, built from the model only by
-``cachegen.fitting.tcq.ensure_tcq_model``; a model's current one is named by its reference,
-``tcq.json`` next to its cachegen profile. The embedded models' files, fitted by the current
-recipe, ship with the package (``cachegen/codec/calibrated/<id>.cgtq``), so that every machine
-names the same one (docs/codec.md, "Shipped model files").
+files have none) and the cross-layer predictor of its coded streams (format version 3:
+``cachegen.codec.tcq_predict``). It is a model file (``CGTQ``,
+:mod:`cachegen.codec.model_file`) in the transforms directory, ``<id>.cgtq``, built from the
+model only by ``cachegen.fitting.tcq.ensure_tcq_model``; a model's current one is named by its
+reference, ``tcq.json`` next to its cachegen profile. The embedded models' files, fitted by
+the current recipe, ship with the package (``cachegen/codec/calibrated/<id>.cgtq``), so that
+every machine names the same one (docs/codec.md, "Shipped model files").
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from cachegen.kv import ModelIdentity
 MAX_RADIUS = (rans.MAX_ALPHABET - 1) // 2
 MAGIC = b"CGTQ"
 SCHEMA = "cachegen-tcq-model"
-VERSION = 2  # 2 added the table family; 1 files still read (and write back byte for byte)
+VERSION = 3  # 2 added the table family, 3 the predictor; older files still read (and write
+# back byte for byte)
+MAX_PREDICTOR_SHIFT = 24
 # The table family: discretized exp(-(|s| / scale) ** shape), for each shape every scale
 # (in steps) of a geometric grid; each table is truncated to its component's radius.
 FAMILY_SHAPES = (0.6, 0.8, 1.0, 1.4)
@@ -96,6 +99,11 @@ class TcqModel(ModelFile):
     family: np.ndarray = field(
         default_factory=lambda: np.zeros((0, MAX_RADIUS + 1), dtype=np.uint32)
     )
+    # [L, 2, 2C, T] float16: layer l's first T key and value components from layer l - 1's
+    # keys and values (coefficient units); empty without a predictor
+    predictor: np.ndarray = field(default_factory=lambda: np.zeros((0, 2, 0, 0), np.float16))
+    # [levels, L] uint8: the fixed-point shift of each level's and layer's integer predictor
+    predictor_shift: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.uint8))
 
     def __post_init__(self) -> None:
         self.check_level_order("tcq")
@@ -108,17 +116,28 @@ class TcqModel(ModelFile):
             + np.ascontiguousarray(self.freq, dtype="<u2").tobytes()
             + np.ascontiguousarray(self.family, dtype="<u4").tobytes()
         )
+        if self.predicted:
+            payload += np.ascontiguousarray(self.predictor, dtype="<f2").tobytes()
+            payload += np.ascontiguousarray(self.predictor_shift, dtype="u1").tobytes()
         levels = {str(k): list(v) for k, v in self.levels.items()}
-        header = self.file_header(SCHEMA, VERSION if self.adaptive else 1, levels, shapes)
+        version = 3 if self.predicted else 2 if self.adaptive else 1
+        header = self.file_header(SCHEMA, version, levels, shapes)
         header["freq_entries"] = int(self.freq.size)
         if self.adaptive:
             header["family"] = list(self.family.shape)
+        if self.predicted:
+            header["predictor"] = list(self.predictor.shape)
         return pack_model_file(MAGIC, header, payload)
 
     @property
     def adaptive(self) -> bool:
         """Whether its frames carry per-component offsets and table choices."""
         return len(self.family) > 0
+
+    @property
+    def predicted(self) -> bool:
+        """Whether its coded frames predict each layer's symbols from the layer before."""
+        return self.predictor.size > 0
 
     def table_bytes(self, level: int) -> int:
         """Bytes of ``level``'s frequency tables in the file (u16 per entry)."""
@@ -149,7 +168,7 @@ def parse_tcq_model(data: bytes, where: str, model_id: str | None = None) -> Tcq
 
 
 def _parse(data: bytes) -> TcqModel:
-    header, payload = unpack_model_file(data, MAGIC, SCHEMA, (1, VERSION))
+    header, payload = unpack_model_file(data, MAGIC, SCHEMA, (1, 2, VERSION))
     model = ModelIdentity.from_dict(header["model"])
     levels = {
         int(k): (float(v[0]), float(v[1]))
@@ -164,21 +183,55 @@ def _parse(data: bytes) -> TcqModel:
     if len(family_shape) != 2 or family_shape[1] != MAX_RADIUS + 1:
         raise ValueError(f"family has shape {family_shape}, expected [tables, {MAX_RADIUS + 1}]")
     family_bytes = 4 * int(np.prod(family_shape))
-    if int(header["freq_entries"]) != entries or pos + 2 * entries + family_bytes != len(payload):
+    predictor_shape = _predictor_shape(header, model, len(levels))
+    predictor_bytes = 2 * int(np.prod(predictor_shape))
+    shift_bytes = len(levels) * model.num_layers if predictor_bytes else 0
+    extra = 2 * entries + family_bytes + predictor_bytes + shift_bytes
+    if int(header["freq_entries"]) != entries or pos + extra != len(payload):
         raise ValueError("frequency tables do not match the radii")
     freq = np.frombuffer(payload, dtype="<u2", count=entries, offset=pos).copy()
-    family = np.frombuffer(payload, dtype="<u4", offset=pos + 2 * entries).astype(np.uint32)
-    family = family.reshape(-1, MAX_RADIUS + 1)
+    pos += 2 * entries
+    family = np.frombuffer(payload, dtype="<u4", count=family_bytes // 4, offset=pos)
+    family = family.astype(np.uint32).reshape(-1, MAX_RADIUS + 1)
+    pos += family_bytes
+    predictor = np.frombuffer(payload, dtype="<f2", count=predictor_bytes // 2, offset=pos)
+    predictor = predictor.astype(np.float16).reshape(predictor_shape)
+    shift = np.frombuffer(payload, dtype="u1", offset=pos + predictor_bytes).copy()
+    shift = shift.reshape(len(levels), -1) if shift_bytes else np.zeros((0, 0), np.uint8)
     _check_tables(radius, freq)
     if header["version"] > 1 and not (0 < len(family) < 256 and np.all(family[:, 0] > 0)):
         raise ValueError("the table family must have 1 to 255 tables, each with a centre")
+    if not np.all(np.isfinite(predictor)) or np.any(shift > MAX_PREDICTOR_SHIFT):
+        raise ValueError("the predictor must be finite and its shifts at most 24")
     for name in ("weights", "steps"):
         if not np.all(np.isfinite(arrays[name])) or np.any(arrays[name] <= 0):
             raise ValueError(f"component {name} must be positive")
     thetas = read_rope_thetas(header, model)
     return TcqModel(
-        model, dict(header["calibration"]), thetas, levels, **arrays, freq=freq, family=family
+        model,
+        dict(header["calibration"]),
+        thetas,
+        levels,
+        **arrays,
+        freq=freq,
+        family=family,
+        predictor=predictor,
+        predictor_shift=shift,
     )
+
+
+def _predictor_shape(header: dict, model: ModelIdentity, levels: int) -> list[int]:
+    """The predictor's shape: ``[L, 2, 2C, T]`` (1 <= T <= C) in a version-3 file, which has a
+    family too; empty before."""
+    if header["version"] < 3:
+        return [0, 2, 0, 0]
+    L, C = model.num_layers, model.num_kv_heads * model.head_dim
+    shape = header["predictor"]
+    if "family" not in header or len(shape) != 4 or shape[:3] != [L, 2, 2 * C]:
+        raise ValueError(f"predictor has shape {shape}, expected [{L}, 2, {2 * C}, targets]")
+    if not 1 <= shape[3] <= C:
+        raise ValueError(f"the predictor's targets must be 1 to {C}, got {shape[3]}")
+    return shape
 
 
 def _check_tables(radius: np.ndarray, freq: np.ndarray) -> None:

@@ -52,23 +52,18 @@ def group_bytes(m: int, width: np.ndarray) -> np.ndarray:
 
 def encode_packed_body(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> bytes:
     """The packed form's frame body of ``chunk`` at the level of ``code``."""
-    layers = list(chunk.layer_indices)
-    count = 2 * len(layers)
-    none = np.zeros(0, dtype=np.uint8)
-    offsets, lows, widths, data = [none] * count, [none] * count, [none] * count, [none] * count
-
-    def emit(s: int, sym: np.ndarray, offset: np.ndarray) -> None:
+    frame = frame_symbols(tcq, code, chunk)
+    if not frame.m:
+        return frame.exact
+    lows, widths, data = [], [], []
+    for sym in (s for s in frame.symbols if s.size):
         low = sym.min(axis=1)
         width = _bit_length(sym.max(axis=1) - low)
-        out = np.zeros(int(group_bytes(sym.shape[1], width).sum()), dtype=np.uint8)
+        out = np.zeros(int(group_bytes(frame.m, width).sum()), dtype=np.uint8)
         pack_components(sym, low, width, out)
-        offsets[s], lows[s], widths[s], data[s] = offset.view(np.uint8), low, width, out
-
-    exact, m = frame_symbols(tcq, code, chunk, emit)
-    if not m:
-        return exact
-    side = (offsets if tcq.adaptive else []) + lows + widths
-    return exact + np.concatenate(side + data).tobytes()
+        lows.append(low), widths.append(width), data.append(out)
+    offsets = [o.view(np.uint8) for o in frame.offsets] if tcq.adaptive else []
+    return frame.exact + np.concatenate(offsets + lows + widths + data).tobytes()
 
 
 def _bit_length(values: np.ndarray) -> np.ndarray:
