@@ -52,6 +52,7 @@ from cachegen.codec.tcq_encode import encode_body
 from cachegen.codec.tcq_levels import read_tcq_levels
 from cachegen.codec.tcq_model import TcqModel, find_tcq_model, load_tcq_model
 from cachegen.codec.tcq_packed import TcqPackedDecoder, encode_packed_body
+from cachegen.codec.tcq_size import estimated_bits
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.kv import KVCache
 from cachegen.modes import CODED, FORMS, PACKED
@@ -94,6 +95,11 @@ class TcqCodec(ModelCodec):
         if calibrated and calibrated["default_level"] is not None:
             return calibrated["default_level"]
         return self.levels[len(self.levels) // 2]
+
+    def estimated_bits(self, level: int, chunk_tokens: int, form: str = CODED) -> float:
+        """Bits/element of ``level`` in ``form`` for a chunk of ``chunk_tokens`` tokens, from
+        the model file alone (``cachegen.codec.tcq_size``): the same on every engine."""
+        return estimated_bits(self.tcq, level, chunk_tokens, form)
 
     def encode(self, kv: KVCache, level: int | None = None, form: str = CODED) -> bytes:
         """``form`` "coded" rANS-codes the symbols (smallest), "packed" stores them bit-packed
