@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from cachegen.connector.codecs import codec_name
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.inputs import InputsRefused, request_inputs
 from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
@@ -59,10 +60,6 @@ class _PendingSave:
     codecs: frozenset[str]  # the codecs it writes (``adaptive`` writes ``cachegen``'s)
     first_chunk: int  # chunks before it were stored already
     salt: str | None
-
-
-def _codec(mode: str) -> str:
-    return "cachegen" if mode == "adaptive" else mode
 
 
 class SchedulerSide:
@@ -150,7 +147,7 @@ class SchedulerSide:
         C = self.config.chunk_tokens
         usable = (len(prompt) - 1) // C  # whole chunks before the token vLLM must compute
         needed_from = num_computed_tokens // C
-        codec = _codec(tracked.options.mode)
+        codec = self.transport.ladder.lookup_codec(tracked.options)
         for save in self._pending_saves.values():
             if save.salt != tracked.options.salt or codec not in save.codecs:
                 continue
@@ -256,7 +253,7 @@ class SchedulerSide:
         save_id = next(self._save_ids)
         self._pending_saves[save_id] = _PendingSave(
             list(prompt[:full]),
-            frozenset(map(_codec, self.config.save_modes)),
+            frozenset(map(codec_name, self.config.save_modes)),
             stored,
             options.salt,
         )

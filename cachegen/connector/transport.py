@@ -3,11 +3,12 @@
 It composes the codec (``cachegen.codec``: chunk <-> bitstream, per quality level), the store
 (``cachegen.store``: chained chunk keys, longest stored prefix, put/get) and the stream
 (``cachegen.stream``: rate-limited transfer pipelined with decoding, adaptive level choice).
-Modes map onto codecs: ``raw``, ``int8``, ``fp8`` and ``cachegen`` are codecs of the same
-names, ``adaptive`` streams the ``cachegen`` codec's levels under the adaptive controller
+Modes map onto codecs: ``raw``, ``int8``, ``fp8``, ``cachegen`` and ``tcq`` are codecs of the
+same names, ``adaptive`` streams the ``cachegen`` codec's levels under the adaptive controller
 (``slo_ms``), or with ``max_loss_pct`` every stored form within that quality bound (each
-cachegen level coded or packed, and the other codecs of ``save_modes``) under the fastest-form
-controller, informed by what this transport's earlier loads measured of each form.
+cachegen level coded or packed, and every form the saves of ``save_modes`` write: tcq's levels
+and its ladder's fast form, the baselines) under the fastest-form controller, informed by what
+this transport's earlier loads measured of each form.
 
 Its collaborators: ``codecs`` (each mode's codec and the tables it shares with the store),
 ``ladder`` (the levels stored and loaded), ``parts`` (the records of a chunk: one, or a
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from cachegen.connector.codecs import CodecSet, codec_name, damaged, decode
+from cachegen.connector.codecs import CodecSet, damaged, decode
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.ladder import LevelPolicy
@@ -44,14 +45,11 @@ from cachegen.connector.save_plan import ModeLadder, SavePrefix, SaveRecord, pla
 from cachegen.errors import CacheGenError, InputError
 from cachegen.kv import KVCache, ModelIdentity
 from cachegen.models import ModelSpec
-from cachegen.modes import CODED, KV_BASELINES, TCQ, Form
+from cachegen.modes import CODED, Form
 from cachegen.store import chunk_keys, longest_prefix, open_store
 from cachegen.store.url import without_password
 from cachegen.stream import Option, stream_load
 
-# The codecs of save_modes whose stored records are forms of adaptive with max_loss_pct, beside
-# cachegen's levels.
-OTHER_FORMS = (*KV_BASELINES, TCQ)
 # The prefill rate a load's controller assumes before this engine has measured one.
 DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
 
@@ -144,9 +142,8 @@ class ChunkTransport:
 
     def stored_chunks(self, token_ids: Sequence[int], options: RequestOptions) -> int:
         """Leading whole chunks of ``token_ids`` stored in every part, loadable with ``options``."""
-        return self._longest(
-            self.keys(options.mode, token_ids, options.salt), self.load_levels(options)
-        )
+        keys = self.keys(self.ladder.lookup_codec(options), token_ids, options.salt)
+        return self._longest(keys, self.load_levels(options))
 
     def loadable_tokens(
         self,
@@ -161,7 +158,7 @@ class ChunkTransport:
         load fetches (with ``skip_out_of_window``, only those within the window before its
         end). A prefix that ends inside a chunk is possible only through ``limit``."""
         C = self.chunk_tokens
-        keys = self.keys(options.mode, token_ids, options.salt)
+        keys = self.keys(self.ladder.lookup_codec(options), token_ids, options.salt)
         levels = self.load_levels(options)
         stored = longest_prefix(self.store, keys, levels)
         end = stored * C if limit is None else min(stored * C, limit)
@@ -186,9 +183,12 @@ class ChunkTransport:
     def saved_chunks(
         self, token_ids: Sequence[int], modes: Sequence[str], salt: str | None = None
     ) -> int:
-        """Leading whole chunks of ``token_ids`` already stored, every part, at every level of
-        every mode, in the key scope ``salt``."""
-        counts = [self._longest(self.keys(m, token_ids, salt), self.levels(m)) for m in modes]
+        """Leading whole chunks of ``token_ids`` already stored, every part, in every form a
+        save of ``modes`` writes (``LevelPolicy.stored_slots``), in the key scope ``salt``."""
+        counts = [
+            self._longest(self.keys(codec, token_ids, salt), slots)
+            for codec, slots in self.ladder.stored_slots(modes).items()
+        ]
         return min(counts, default=0)
 
     # ---- load ----------------------------------------------------------------------------------
@@ -227,7 +227,7 @@ class ChunkTransport:
             stats = stream_load(source, fetch, decoder, consume, **control.stream_options())
         except CacheGenError as exc:
             return self._failed(exc, plan, fetch, control)
-        self.history.learn(stats, codec_name(options.mode), options)
+        self.history.learn(stats, self.ladder.lookup_codec(options), options)
         error = None
         if stats.recompute_from is not None:
             error = (
@@ -243,7 +243,7 @@ class ChunkTransport:
     ) -> list[str]:
         """The keys of chunks ``first_chunk ..`` (``num_chunks`` of them) of ``token_ids``."""
         prefix = token_ids[: (first_chunk + num_chunks) * self.chunk_tokens]
-        keys = self.keys(options.mode, prefix, options.salt)[first_chunk:]
+        keys = self.keys(self.ladder.lookup_codec(options), prefix, options.salt)[first_chunk:]
         if len(keys) != num_chunks:
             raise ConnectorError(
                 f"{len(token_ids)} tokens do not hold chunks "
@@ -307,18 +307,18 @@ class ChunkTransport:
         return {**report, **control.extra, **control.decisions()}
 
     def stored_forms(self, token_ids: Sequence[int], plan: Plan, salt: str | None) -> list[Option]:
-        """Every form the records of ``plan`` (``RecordParts.load_plan``) can be loaded in:
-        each stored cachegen level, coded or packed, each stored tcq level, and each other codec
-        of ``save_modes`` (raw, int8, fp8), under its own keys, with the payload size of each
-        record in it (None: not stored) and its quality loss (``LevelPolicy.form_loss_pct``)."""
+        """Every form the records of ``plan`` (``RecordParts.load_plan``) can be loaded in
+        (``LevelPolicy.form_slots``: each cachegen level of its ladder, coded or packed, and
+        every form the saves of ``save_modes`` write: tcq's levels and its ladder's fast form,
+        raw, int8, fp8), under its own codec's keys, with the payload size of each record in it
+        (None: not stored) and its quality loss (``LevelPolicy.form_loss_pct``)."""
         first_chunk, end_chunk = (plan[0][0], plan[-1][0] + 1) if plan else (0, 0)
         prefix = token_ids[: end_chunk * self.chunk_tokens]
-        codecs = ["cachegen", *(m for m in self.config.save_modes if m in OTHER_FORMS)]
         forms = []
-        for codec in dict.fromkeys(codecs):
+        for codec, slots in self.ladder.form_slots.items():
             keys = self.keys(codec, prefix, salt)[first_chunk:]
             fetch = self.parts.plan_keys(keys, first_chunk, plan)
-            for slot in self.levels(codec):
+            for slot in slots:
                 name = Form.from_slot(codec, slot).label
                 sizes = self.store.sizes(fetch, slot)
                 forms.append(Option(name, fetch, slot, sizes, self.ladder.form_loss_pct.get(name)))
@@ -331,14 +331,12 @@ class ChunkTransport:
         ``prefix``, in the order it writes them (``cachegen.connector.save_plan.plan_save``)."""
         first = kv.start // self.chunk_tokens
         tokens = prefix.token_ids[: kv.start + kv.num_tokens]
+        firsts = self.ladder.first_slots(prefix.modes)
         ladders = [
             ModeLadder(
-                mode,
-                self.keys(mode, tokens, prefix.salt)[first:],
-                self.levels(mode),
-                self.ladder.first_levels(mode),
+                codec, self.keys(codec, tokens, prefix.salt)[first:], slots, firsts.get(codec, [])
             )
-            for mode in dict.fromkeys(codec_name(m) for m in prefix.modes)
+            for codec, slots in self.ladder.stored_slots(prefix.modes).items()
         ]
         return plan_save(kv, ladders, self.parts, prefix.sliding_from)
 
@@ -366,8 +364,8 @@ class ChunkTransport:
         salt: str | None = None,
     ) -> int:
         """Encode and store the whole chunks of ``kv``, a chunk-aligned slice of the prompt
-        ``token_ids``, at every level of every mode, in the key scope ``salt``; records already
-        stored are skipped. The order is :meth:`save_records`'.
+        ``token_ids``, in every form a save of ``modes`` writes, in the key scope ``salt``;
+        records already stored are skipped. The order is :meth:`save_records`'.
         For a model with sliding-window layers each chunk is two records
         (``RecordParts.part_keys``); chunks before chunk ``sliding_from`` get no sliding part
         (their sliding layers' KV in ``kv`` is not valid: a load skipped it). Returns the

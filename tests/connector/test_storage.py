@@ -1,4 +1,5 @@
-"""What the connector stores by default costs: its save ladder, and ``cachegen store stats``'s
+"""What the connector stores by default costs: its save ladders (cachegen's, and tcq's, which
+may hold cachegen's packed default level beside the tcq level), and ``cachegen store stats``'s
 ``raw_bf16_bytes`` / ``payload_to_raw`` on real KV.
 
 ``pytest -rP tests/connector/test_storage.py -k cost`` prints the storage cost table of
@@ -18,9 +19,12 @@ from cachegen.connector.errors import ConnectorError
 from cachegen.connector.ladder import (
     LADDER_BUDGET_BITS,
     LADDER_HEADROOM_BITS,
+    TCQ_LADDER_BUDGET_BITS,
     storage_ladder,
+    tcq_storage_ladder,
 )
-from cachegen.modes import PACKED, PACKED_TAG
+from cachegen.connector.save_plan import SavePrefix
+from cachegen.modes import CACHEGEN, PACKED, PACKED_TAG, TCQ, Form
 from tests.support import CHUNK, connector_transport
 
 CHUNKS = 3
@@ -82,18 +86,18 @@ def test_saving_adaptive_adds_cheaper_levels_after_both_forms(model, request, tm
 
 
 def test_ladders_of_the_shipped_models(smollm2, gemma3, tiny_llama, tmp_path):
-    """The ladders docs/connector.md quotes."""
+    """The ladders docs/connector.md quotes: cachegen's, and tcq's default ladder."""
     got = {}
     for spec in (smollm2, gemma3, tiny_llama):
         t = connector_transport(spec, tmp_path)
         try:
-            got[spec.name] = t.levels("cachegen")
+            got[spec.name] = (t.levels("cachegen"), [f.label for f in t.ladder.tcq_ladder])
         finally:
             t.close()
     assert got == {
-        "smollm2-135m": [11, 11 | PACKED_TAG],
-        "gemma3-270m": [9, 9 | PACKED_TAG],
-        "tiny-llama": [2],  # nor would preset 2
+        "smollm2-135m": ([11, 11 | PACKED_TAG], ["tcq-24", "tcq-24-packed"]),
+        "gemma3-270m": ([9, 9 | PACKED_TAG], ["tcq-25"]),  # neither fast form fits beside it
+        "tiny-llama": ([2], ["tcq-23", "cachegen-2-packed"]),  # nor would preset 2, coded
     }
 
 
@@ -104,6 +108,129 @@ def test_storage_ladder_rule():
     assert storage_ladder(4, bits, budget=3.5) == [4]  # not even the cheapest fits
     assert storage_ladder(1, bits) == [1]  # nothing cheaper than the default
     assert storage_ladder(5, {5: 4.0, 1: 1.0}) == [5, 1]
+
+
+def test_tcq_storage_ladder_rule():
+    tcq, tcq_packed = Form(TCQ, 24), Form(TCQ, 24, PACKED)
+    cachegen_packed = Form(CACHEGEN, 11, PACKED)
+    fast = [cachegen_packed, tcq_packed]  # in order of preference: the faster decode first
+    budget = TCQ_LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS
+    assert budget == pytest.approx(6.35)  # 0.4 of bf16's 16 bits, less the headroom
+    bits = {tcq: 2.2, cachegen_packed: 4.1, tcq_packed: 3.4}
+    assert tcq_storage_ladder(tcq, fast, bits, budget) == [tcq, cachegen_packed]  # 6.3
+    bits[cachegen_packed] = 4.2  # 6.4 with the coded level: over, so tcq's packed form (5.6)
+    assert tcq_storage_ladder(tcq, fast, bits, budget) == [tcq, tcq_packed]
+    bits[tcq] = 3.0  # 7.2 and 6.4: neither fits, the coded level is stored alone
+    assert tcq_storage_ladder(tcq, fast, bits, budget) == [tcq]
+    assert tcq_storage_ladder(tcq, [], bits, budget) == [tcq]
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3", "tiny_llama"])
+def test_the_tcq_default_ladder_follows_the_rule(model, request, tmp_path):
+    """tcq's default ladder is its default level, coded and written first, then the rule's fast
+    form, stored under its own codec's keys; estimates from the model files alone."""
+    spec = request.getfixturevalue(model)
+    t = connector_transport(spec, tmp_path, mode="tcq")
+    try:
+        tcq, cachegen = t.codec("tcq"), t.codec("cachegen")
+        default = Form(TCQ, tcq.default_level)
+        fast = [Form(CACHEGEN, cachegen.default_level, PACKED), Form(TCQ, default.level, PACKED)]
+        bits = {
+            f: t.codec(f.codec).estimated_bits(f.level, CHUNK, f.packing) for f in [default, *fast]
+        }
+        budget = TCQ_LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS
+        ladder = t.ladder.tcq_ladder
+        assert ladder == tcq_storage_ladder(default, fast, bits, budget)
+        assert ladder[0] == default and sum(bits[f] for f in ladder) <= budget
+        assert t.config.save_modes == ("tcq",) and t.levels("tcq") == [
+            f.slot for f in ladder if f.codec == TCQ
+        ]
+        by_codec: dict[str, list[int]] = {}
+        for form in ladder:
+            by_codec.setdefault(form.codec, []).append(form.slot)
+        assert t.ladder.stored_slots(["tcq"]) == by_codec
+        assert t.ladder.first_slots(["tcq"]) == {"tcq": [default.level]}  # loadable soonest
+        # the loss of every stored form is known where the model ships both calibrations
+        losses = t.ladder.form_loss_pct
+        assert all((losses[f.label] is not None) == (model != "tiny_llama") for f in ladder)
+    finally:
+        t.close()
+
+
+def test_explicit_tcq_levels_are_stored_as_given(smollm2, tmp_path):
+    for levels in ([24], [23, 24 | PACKED_TAG], [24 | PACKED_TAG]):
+        t = connector_transport(smollm2, tmp_path, mode="tcq", tcq_levels=levels)
+        try:
+            assert t.levels("tcq") == levels
+            assert t.ladder.stored_slots(["tcq"]) == {"tcq": levels}  # nothing borrowed
+        finally:
+            t.close()
+    t = connector_transport(smollm2, tmp_path, tcq_levels=[99 | PACKED_TAG, 24])
+    try:
+        with pytest.raises(ConnectorError, match=r"tcq_levels \[32867\] are not levels"):
+            t.levels("tcq")
+    finally:
+        t.close()
+
+
+def test_a_mixed_tcq_ladder_stores_cachegens_packed_form_under_its_keys(tiny_llama, tmp_path):
+    """tiny-llama's tcq ladder holds cachegen's packed default level: a save writes the tcq
+    level of every chunk first, then the packed records under cachegen's keys, with cachegen's
+    profile in the store. A ``cachegen`` request loads only what its own ladder holds, and
+    ``adaptive`` with a bound finds the chunks by the tcq level."""
+    from cachegen.codec.bitstream import parse_header
+
+    t = connector_transport(tiny_llama, tmp_path, mode="tcq")
+    try:
+        tcq_form, fast = t.ladder.tcq_ladder
+        assert (tcq_form.codec, fast.codec, fast.packing) == (TCQ, CACHEGEN, PACKED)
+        ids = list(range(5, 5 + CHUNKS * CHUNK))
+        kv = _random_kv(tiny_llama, ids)
+        records = t.save_records(SavePrefix(ids, ["tcq"]), kv)
+        assert [(r.mode, r.key, r.level, r.first) for r in records] == [
+            *((TCQ, key, tcq_form.slot, True) for key in t.keys("tcq", ids)),
+            *((CACHEGEN, key, fast.slot, False) for key in t.keys("cachegen", ids)),
+        ]
+        for record in records[:CHUNKS]:  # the first pass: loadable, not yet saved in full
+            t.write(record)
+        assert t.stored_chunks(ids, RequestOptions(mode="tcq")) == CHUNKS
+        assert t.saved_chunks(ids, ["tcq"]) == 0
+        for record in records[CHUNKS:]:
+            t.write(record)
+        assert t.saved_chunks(ids, ["tcq"]) == CHUNKS
+        header = parse_header(t.store.get(t.keys("cachegen", ids)[0], fast.slot))
+        assert (header.form, header.level) == (PACKED, fast.level)
+        profile = t.codec("cachegen").profile
+        assert all(t.store.get_tables(i) is not None for i in profile.tables_ids.values())
+
+        assert t.levels("cachegen") == [fast.level]  # cachegen's own ladder: the coded level
+        assert t.stored_chunks(ids, RequestOptions(mode="cachegen")) == 0  # no save wrote it
+        with pytest.raises(ConnectorError, match=rf"cachegen stores levels \[2\], not {fast.slot}"):
+            t.stored_chunks(ids, RequestOptions(mode="cachegen", level=fast.slot))
+
+        bound = RequestOptions(mode="adaptive", max_loss_pct=1)
+        assert t.ladder.lookup_codec(bound) == TCQ and t.stored_chunks(ids, bound) == CHUNKS
+        plan = t.parts.load_plan(0, CHUNKS, CHUNKS * CHUNK, bound)
+        sizes = {f.name: f.sizes for f in t.stored_forms(ids, plan, None)}
+        assert sizes.keys() == {"cachegen-2", "cachegen-2-packed", tcq_form.label}
+        assert sizes["cachegen-2"] == [None] * CHUNKS  # offered (another engine may store it)
+        assert all(sizes[name][0] for name in ("cachegen-2-packed", tcq_form.label))
+    finally:
+        t.close()
+
+
+def _random_kv(spec, ids: list[int]):
+    from cachegen.kv import KVCache
+
+    ident = spec.identity()
+    shape = (ident.num_layers, ident.num_kv_heads, len(ids), ident.head_dim)
+    generator = torch.Generator().manual_seed(0)
+    return KVCache(
+        keys=torch.randn(shape, generator=generator).to(torch.bfloat16),
+        values=torch.randn(shape, generator=generator).to(torch.bfloat16),
+        token_ids=torch.tensor(ids),
+        model=ident,
+    )
 
 
 def test_explicit_cachegen_levels_are_stored_as_given(smollm2, tmp_path):
@@ -181,6 +308,46 @@ def test_the_default_level_is_stored_coded_and_packed(smollm2, real_kv, tmp_path
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         tagged = RequestOptions(mode="cachegen", level=default | PACKED_TAG)
         assert t.stored_chunks(ids, tagged) == CHUNKS
+    finally:
+        t.close()
+
+
+def test_adaptive_chooses_among_the_forms_of_a_mixed_tcq_ladder(
+    smollm2, real_kv, tmp_path, monkeypatch
+):
+    """``adaptive`` with ``max_loss_pct`` over tcq's default ladder when it holds cachegen's
+    packed default (SmolLM2's, in a store whose budget admits it: its estimates come to 6.45
+    bits/element, over the connector's 6.35): on an unshaped link the packed form, which
+    decodes several times faster, on a slow one the tcq level, which is smaller; each chosen
+    with what earlier loads of both forms measured."""
+    from cachegen.codec import decode
+    from cachegen.connector import ladder
+
+    monkeypatch.setattr(ladder, "TCQ_LADDER_BUDGET_BITS", 6.5)
+    ids, kv = real_kv(smollm2)
+    t = connector_transport(smollm2, tmp_path, mode="tcq", prefill_tokens_per_s=10.0)
+    try:
+        tcq_form, fast = t.ladder.tcq_ladder
+        assert (tcq_form.label, fast.label) == ("tcq-24", "cachegen-11-packed")
+        t.save(ids, kv, ["tcq"])
+        for form in (tcq_form, fast):  # each decoder's kernels compiled before it is timed
+            decode(t.store.get(t.keys(form.codec, ids)[0], form.slot))
+        for fixed in (RequestOptions(mode="tcq"), RequestOptions(mode="cachegen", level=fast.slot)):
+            assert t.load(ids, 0, CHUNKS, fixed, lambda kv: None).chunks_loaded == CHUNKS
+
+        def adaptive(**link) -> list[str]:
+            bound = RequestOptions(mode="adaptive", max_loss_pct=1, **link)
+            result = t.load(ids, 0, CHUNKS, bound, lambda kv: None)
+            assert result.error is None and result.chunks_loaded == CHUNKS
+            assert {tcq_form.label, fast.label} <= {
+                name
+                for name, loss in result.stats["forms"].items()
+                if loss is not None and loss <= 1
+            }
+            return result.stats["levels"]
+
+        assert adaptive() == [fast.label] * CHUNKS
+        assert adaptive(bandwidth_mbps=50) == [tcq_form.label] * CHUNKS
     finally:
         t.close()
 
