@@ -67,6 +67,22 @@ def connector_engine(spec, store: str, **options):
     return ConnectorEngine(spec, store=store, **options)
 
 
+def generate_with_params(engine, ids: list[int], params: dict, max_tokens: int = 12):
+    """The greedy answer and the connector's report of a request to ``engine`` (a
+    ConnectorEngine) that loads and does not save, with ``params`` as its further
+    ``kv_transfer_params`` (ConnectorEngine.run names a mode and takes no max_loss_pct)."""
+    from vllm import SamplingParams
+
+    sampling = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": {"load": True, "save": False, **params}},
+    )
+    out = engine.llm.generate([{"prompt_token_ids": ids}], sampling, use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids), out.kv_transfer_params["cachegen"]
+
+
 def connector_transport(spec, tmp_path, **extra):
     """The connector's ChunkTransport for ``spec`` on a directory store under ``tmp_path``
     (no engine), with CHUNK-token chunks and ``extra`` connector options."""

@@ -20,14 +20,10 @@ Unknown is ``None``: a bound never allows such a form.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-from cachegen.codec.errors import CodecError
-from cachegen.codec.profile import SHIPPED_DIR, SHIPPED_SCHEMA, SHIPPED_VERSION
-from cachegen.fileio import check_version
+from cachegen.codec.shipped import read_versioned, shipped_calibration
 from cachegen.modes import CACHEGEN, TCQ, Form
 
 LOSS_FILE = Path(__file__).with_name("form_loss.json")
@@ -39,21 +35,18 @@ LOSSLESS = ("raw",)
 def calibrated_losses(fingerprint: str) -> dict[int, float]:
     """``target_ppl_pct`` per shipped calibrated cachegen level of the model with weights
     ``fingerprint`` (``ModelIdentity.fingerprint``); empty for a model without a calibration."""
-    for path in sorted(SHIPPED_DIR.glob("*.json")):
-        doc = _read(path, SHIPPED_SCHEMA, SHIPPED_VERSION)
-        if doc["model"]["fingerprint"] == fingerprint:
-            return {
-                int(level): float(entry["target_ppl_pct"])
-                for level, entry in doc["levels"].items()
-                if "target_ppl_pct" in entry
-            }
-    return {}
+    doc = shipped_calibration(fingerprint) or {"levels": {}}
+    return {
+        int(level): float(entry["target_ppl_pct"])
+        for level, entry in doc["levels"].items()
+        if "target_ppl_pct" in entry
+    }
 
 
 def baseline_losses(fingerprint: str) -> dict[str, float]:
     """The measured losses of the baseline codecs (``int8``, ``fp8``) for the model with
     weights ``fingerprint``, from ``form_loss.json``; empty for a model it does not list."""
-    doc = _read(LOSS_FILE, LOSS_SCHEMA, LOSS_VERSION)
+    doc = read_versioned(LOSS_FILE, LOSS_SCHEMA, LOSS_VERSION)
     for entry in doc["models"].values():
         if entry["fingerprint"] == fingerprint:
             return {name: float(value) for name, value in entry["loss_pct"].items()}
@@ -89,11 +82,3 @@ def form_losses(
         else:
             out[name] = baselines.get(name)
     return out
-
-
-def _read(path: Path, schema: str, version: int) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CodecError(f"{path} is unreadable ({exc}); reinstall cachegen") from exc
-    return check_version(doc, schema, (version,), str(path))

@@ -2,9 +2,10 @@
 request (``kv_transfer_params``, whose keys in ``kv_connector_extra_config`` set the engine's
 defaults).
 
-Each option is declared once, as a field made by ``option``: its scope, default, check and a
-one-line doc; the key sets, the validation and ``describe_options()`` are read from the
-declarations, and a test checks docs/connector.md's "Options" tables against them. A request's
+Each option is declared once, as a field made by ``option``: its scope, default (or the
+model's, ``model_default``), check and a one-line doc; the key sets, the validation and
+``describe_options()`` are read from the declarations, and a test checks docs/connector.md's
+"Options" tables against them. A request's
 ``cache_salt`` (vLLM's isolation key) and the engine's ``tenant`` are part of its chunk keys
 (docs/security.md); a client cannot set the key scope through ``kv_transfer_params``.
 """
@@ -20,6 +21,8 @@ from typing import Any
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.link_emulation import link_opener
 from cachegen.constants import CHUNK_TOKENS, RATE_SHAPERS
+from cachegen.kv import ModelIdentity
+from cachegen.modes import CACHEGEN, TCQ
 from cachegen.modes import CONNECTOR_MODES as MODES
 from cachegen.store import StoreConfigError, default_store_url, parse_size
 from cachegen.store.keys import check_scope_part
@@ -29,9 +32,19 @@ REQUEST, ENGINE = "request", "engine"  # request options are also the engine's d
 Check = Callable[[str, Any], None]
 
 
-def option(scope: str, doc: str, check: Check, default: Any = None, **kwargs: Any) -> Any:
-    """A connector option's declaration: a dataclass field that knows its scope, check and doc."""
+def option(
+    scope: str,
+    doc: str,
+    check: Check,
+    default: Any = None,
+    model_default: Callable[[ModelIdentity], Any] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A connector option's declaration: a dataclass field that knows its scope, check and doc;
+    ``model_default``: the default for an engine of a model (``default`` without one)."""
     metadata = {"scope": scope, "doc": doc, "check": check}
+    if model_default is not None:
+        metadata["model_default"] = model_default
     if "default_factory" in kwargs:
         return field(metadata=metadata, **kwargs)
     return field(default=default, metadata=metadata, **kwargs)
@@ -130,6 +143,15 @@ def _check_fields(options: Any) -> None:
             f.metadata["check"](f.name, getattr(options, f.name))
 
 
+def default_mode(model: ModelIdentity) -> str:
+    """``mode``'s default for an engine of ``model``: ``tcq`` where the model ships a tcq
+    calibration with a default level (``cachegen.codec.shipped``; its smallest form at the
+    same quality), else ``cachegen``. Read from the shipped files, never fitted."""
+    from cachegen.codec.shipped import ships_tcq_default  # the codec loads numba: on first use
+
+    return TCQ if ships_tcq_default(model.fingerprint) else CACHEGEN
+
+
 # ---- the options ---------------------------------------------------------------------------------
 
 
@@ -138,7 +160,12 @@ class RequestOptions:
     """What one request asks of the connector."""
 
     mode: str = option(
-        REQUEST, "raw | int8 | fp8 | cachegen | tcq | adaptive", one_of(*MODES), "cachegen"
+        REQUEST,
+        "raw | int8 | fp8 | cachegen | tcq | adaptive (default: tcq where the model ships a tcq "
+        "calibration, else cachegen)",
+        one_of(*MODES),
+        CACHEGEN,
+        model_default=default_mode,
     )
     level: int | None = option(
         REQUEST, "quality level of cachegen or tcq (default: the codec's default)", integer
@@ -213,7 +240,7 @@ class ConnectorConfig:
         ENGINE, "cachegen levels stored (default: the save ladder)", levels
     )
     tcq_levels: tuple[int, ...] | None = option(
-        ENGINE, "tcq levels stored when tcq is saved (default: its default level)", levels
+        ENGINE, "tcq levels stored when tcq is saved (default: tcq's save ladder)", levels
     )
     shaper: str = option(
         ENGINE, "how bandwidth_mbps is enforced", one_of(*RATE_SHAPERS), "token-bucket"
@@ -249,7 +276,12 @@ class ConnectorConfig:
         _check_fields(self)
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+    def from_extra_config(
+        cls, extra: dict[str, Any] | None, model: ModelIdentity | None = None
+    ) -> ConnectorConfig:
+        """The configuration of ``kv_connector_extra_config`` ``extra`` for an engine of
+        ``model``: the options it leaves out that have a ``model_default`` take the model's
+        (without ``model``, their declared defaults)."""
         extra = dict(extra or {})
         unknown = set(extra) - ENGINE_KEYS
         if unknown:
@@ -257,6 +289,8 @@ class ConnectorConfig:
                 f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
                 f"the cachegen connector accepts {sorted(ENGINE_KEYS)}"
             )
+        if model is not None:
+            extra = {**_model_defaults(model), **extra}
         defaults = RequestOptions().override(
             {k: extra.pop(k) for k in list(extra) if k in REQUEST_KEYS}
         )
@@ -288,6 +322,16 @@ class ConnectorConfig:
                 f"{block_size}; set kv_connector_extra_config chunk_tokens to a multiple of "
                 f"{block_size}"
             )
+
+
+def _model_defaults(model: ModelIdentity) -> dict[str, Any]:
+    """The defaults of the options declared with a ``model_default``, for ``model``."""
+    return {
+        f.name: f.metadata["model_default"](model)
+        for cls in (ConnectorConfig, RequestOptions)
+        for f in dataclasses.fields(cls)
+        if "model_default" in f.metadata
+    }
 
 
 def _keys(cls: type, scope: str) -> frozenset[str]:

@@ -77,7 +77,6 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
-        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ConnectorError(
                 "the cachegen connector stores every layer of a chunk together, and with "
@@ -97,11 +96,16 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
         check_kv_cache_config(kv_cache_config)
         spec = served_model(vllm_config.model_config.model)
         windows = check_model(spec.config, spec.name)
+        identity = spec.identity()
+        # Options a deployment leaves out take the served model's defaults (its mode: tcq
+        # where the model ships a tcq calibration), the same in every role.
+        self.config = ConnectorConfig.from_extra_config(
+            transfer.kv_connector_extra_config, identity
+        )
         block_size = vllm_config.cache_config.block_size
         groups = cache_groups(kv_cache_config, block_size)
         if role == KVConnectorRole.SCHEDULER and any(w is not None for w in windows):
             _log_windows(spec.name, windows, len(groups))
-        identity = spec.identity()
         transport = ChunkTransport(self.config, spec, identity)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

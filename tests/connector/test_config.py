@@ -6,6 +6,7 @@ import pytest
 
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
+from cachegen.errors import CacheGenError
 from cachegen.profiles import ensure_profile
 
 
@@ -23,6 +24,58 @@ def test_defaults_and_engine_keys():
     assert config.defaults == RequestOptions(mode="int8", bandwidth_mbps=100)
     assert config.save_modes == ("int8",)  # saves what it loads unless told otherwise
     assert ConnectorConfig.from_extra_config(None).store.startswith("file://")
+
+
+def test_the_default_mode_is_the_models(smollm2, gemma3, tiny_llama, monkeypatch):
+    """tcq for a model that ships a tcq calibration with a default level (the embedded models),
+    cachegen for one without (the tiny models, any hub model), decided from the shipped files
+    without a tcq model file; an explicit mode wins, and each saves what it loads."""
+    from cachegen.connector.config import default_mode
+    from cachegen.fitting import tcq
+
+    def no_fit(*args, **kwargs):
+        raise AssertionError("the default mode is decided without a tcq model file")
+
+    monkeypatch.setattr(tcq, "ensure_tcq_model", no_fit)
+    for spec, mode in ((smollm2, "tcq"), (gemma3, "tcq"), (tiny_llama, "cachegen")):
+        model = spec.identity()
+        config = ConnectorConfig.from_extra_config({"chunk_tokens": 256}, model)
+        assert default_mode(model) == config.defaults.mode == mode
+        assert config.save_modes == (mode,)
+        assert config.defaults.override({"level": 3}).mode == mode  # a request naming none
+        assert config.defaults.override({"mode": "int8"}).mode == "int8"
+        explicit = ConnectorConfig.from_extra_config({"mode": "cachegen"}, model)
+        assert (explicit.defaults.mode, explicit.save_modes) == ("cachegen", ("cachegen",))
+        saved = ConnectorConfig.from_extra_config({"save_modes": ["int8"]}, model)
+        assert (saved.defaults.mode, saved.save_modes) == (mode, ("int8",))
+    assert ConnectorConfig.from_extra_config({}).defaults.mode == "cachegen"  # no model given
+
+
+def test_a_shipped_calibration_without_a_tcq_default_keeps_cachegen(tmp_path, monkeypatch):
+    import json
+
+    from cachegen.codec import shipped
+    from cachegen.codec.profile import SHIPPED_SCHEMA, SHIPPED_VERSION
+
+    def ship(name: str, tcq: dict | None) -> None:
+        doc = {"schema": SHIPPED_SCHEMA, "version": SHIPPED_VERSION, "model": {"fingerprint": name}}
+        (tmp_path / f"{name}.json").write_text(json.dumps({**doc, "levels": {}, "tcq": tcq}))
+
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path)
+    ship("with-default", {"targets": {"24": 1.0}, "default_level": 24})
+    ship("without-default", {"targets": {"24": 1.0}, "default_level": None})
+    ship("without-tcq", None)
+    got = {name: shipped.ships_tcq_default(name) for name in ("with-default", "without-default")}
+    got.update({name: shipped.ships_tcq_default(name) for name in ("without-tcq", "unknown")})
+    assert got == {
+        "with-default": True,
+        "without-default": False,
+        "without-tcq": False,
+        "unknown": False,
+    }
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(CacheGenError, match="broken.json is unreadable"):
+        shipped.ships_tcq_default("unknown")
 
 
 def test_request_overrides_engine_defaults():

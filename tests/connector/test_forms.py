@@ -19,10 +19,9 @@ from cachegen.connector.errors import ConnectorError
 from cachegen.connector.load_control import fastest_control
 from cachegen.connector.transport import ChunkTransport
 from cachegen.extract import extract_kv
-from cachegen.lab.bench.engine import ConnectorEngine
 from cachegen.modes import PACKED, Form
 from cachegen.profiles import codec_for
-from tests.support import CHUNK, connector_engine
+from tests.support import CHUNK, connector_engine, generate_with_params
 
 CHUNKS = 2
 # Recomputation priced far above any load here, so that the choice is among stored forms.
@@ -157,21 +156,6 @@ def engine(smollm2, tmp_path_factory):
         yield eng
 
 
-def _generate(engine: ConnectorEngine, ids: list[int], params: dict) -> tuple[list[int], dict]:
-    """The greedy answer and the connector's report of a request with ``params`` as its
-    ``kv_transfer_params`` (ConnectorEngine.run takes no max_loss_pct)."""
-    from vllm import SamplingParams
-
-    sampling = SamplingParams(
-        temperature=0.0,
-        max_tokens=MAX_TOKENS,
-        ignore_eos=True,
-        extra_args={"kv_transfer_params": {"load": True, "save": False, **params}},
-    )
-    out = engine.llm.generate([{"prompt_token_ids": ids}], sampling, use_tqdm=False)[0]
-    return list(out.outputs[0].token_ids), out.kv_transfer_params["cachegen"]
-
-
 @pytest.fixture(scope="module")
 def stored_prompt(engine, text_ids):
     ids = text_ids(engine, CHUNKS * CHUNK + 40, offset=50_000)
@@ -189,15 +173,17 @@ def test_a_bound_loads_stored_forms_within_it_and_answers_like_that_form(engine,
     coded, packed = f"cachegen-{default}", f"cachegen-{default}-packed"
 
     # int8 (measured +0.11% perplexity) is the only stored form within 0.5%
-    tokens, report = _generate(engine, ids, {"mode": "adaptive", "max_loss_pct": 0.5})
+    tokens, report = generate_with_params(
+        engine, ids, {"mode": "adaptive", "max_loss_pct": 0.5}, MAX_TOKENS
+    )
     assert "load_error" not in report and report["loaded_tokens"] == CHUNKS * CHUNK
     assert report["forms"]["int8"] <= 0.5 < report["forms"][coded] == report["forms"][packed]
     assert _choices(report) == report["levels"] == ["int8"] * CHUNKS
     assert tokens == engine.run(ids, mode="int8", max_tokens=MAX_TOKENS).token_ids
 
     # within 1%: the default level too; on a slow link its fewer bytes win
-    tokens, report = _generate(
-        engine, ids, {"mode": "adaptive", "max_loss_pct": 1, "bandwidth_mbps": 20}
+    tokens, report = generate_with_params(
+        engine, ids, {"mode": "adaptive", "max_loss_pct": 1, "bandwidth_mbps": 20}, MAX_TOKENS
     )
     assert "load_error" not in report and report["loaded_tokens"] == CHUNKS * CHUNK
     allowed = {name for name, loss in report["forms"].items() if loss is not None and loss <= 1}
@@ -209,7 +195,9 @@ def test_a_bound_loads_stored_forms_within_it_and_answers_like_that_form(engine,
 
 
 def test_a_bound_no_stored_form_meets_is_recomputed_with_the_reason(engine, stored_prompt):
-    tokens, report = _generate(engine, stored_prompt, {"mode": "adaptive", "max_loss_pct": 0})
+    tokens, report = generate_with_params(
+        engine, stored_prompt, {"mode": "adaptive", "max_loss_pct": 0}, MAX_TOKENS
+    )
     assert report["loaded_tokens"] == 0
     assert "max_loss_pct=0" in report["load_error"]
     assert "no option has a loss" in report["load_error"]
@@ -217,7 +205,9 @@ def test_a_bound_no_stored_form_meets_is_recomputed_with_the_reason(engine, stor
 
 
 def test_a_bad_bound_is_reported_and_the_prompt_computed(engine, stored_prompt):
-    tokens, report = _generate(engine, stored_prompt, {"mode": "adaptive", "max_loss_pct": -1})
+    tokens, report = generate_with_params(
+        engine, stored_prompt, {"mode": "adaptive", "max_loss_pct": -1}, MAX_TOKENS
+    )
     assert "max_loss_pct must be a number >= 0" in report["error"]
     assert "loaded_tokens" not in report
     assert tokens == engine.run(stored_prompt, max_tokens=MAX_TOKENS).token_ids

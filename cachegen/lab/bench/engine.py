@@ -142,7 +142,9 @@ def _margins(logprobs: Any) -> list[float] | None:
 
 
 class ConnectorEngine(StoreClient):
-    """An in-process vLLM ``LLM`` whose KV connector is ``CacheGenConnector``."""
+    """An in-process vLLM ``LLM`` whose KV connector is ``CacheGenConnector``, storing the
+    modes ``save_modes`` after a prefill (None: the connector's default mode for the model,
+    with the connector's defaults for what it stores)."""
 
     WRITER = "the connector"
     ERROR = ConnectorError
@@ -154,7 +156,7 @@ class ConnectorEngine(StoreClient):
         *,
         store: str | None = None,
         chunk_tokens: int = CHUNK_TOKENS,
-        save_modes: Sequence[str] = ("raw",),
+        save_modes: Sequence[str] | None = ("raw",),
         cachegen_levels: Sequence[int] | None = None,
         kv_role: str = "kv_both",
         shaper: str = "token-bucket",
@@ -175,12 +177,12 @@ class ConnectorEngine(StoreClient):
         self.spec = model if isinstance(model, ModelSpec) else resolve(model)
         extra: dict[str, Any] = {
             "chunk_tokens": chunk_tokens,
-            "save_modes": list(save_modes),
             "shaper": shaper,
-            "mode": "raw",
             "load_async": load_async,
             "save_async": save_async,
         }
+        if save_modes is not None:  # None: the connector's default mode for the model, saved
+            extra.update(save_modes=list(save_modes), mode="raw")
         if store is not None:
             extra["store"] = store
         if cachegen_levels is not None:
@@ -188,7 +190,8 @@ class ConnectorEngine(StoreClient):
         if prefill_tokens_per_s is not None:
             extra["prefill_tokens_per_s"] = prefill_tokens_per_s
         extra.update(connector_extra or {})  # further kv_connector_extra_config keys
-        self.config = ConnectorConfig.from_extra_config(extra)  # fail here, before vLLM starts
+        # Fail here, before vLLM starts; the same defaults as the connector's for the model.
+        self.config = ConnectorConfig.from_extra_config(extra, self.spec.identity())
         transfer = KVTransferConfig(
             kv_connector="CacheGenConnector",
             kv_connector_module_path="cachegen.connector",

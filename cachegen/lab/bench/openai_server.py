@@ -93,7 +93,7 @@ class OpenAIServer(StoreClient):
                 **(connector_extra or {}),
             }
             # Bad options fail here with the connector's own message, before vLLM starts.
-            self.config = ConnectorConfig.from_extra_config(self.extra)
+            self.config = ConnectorConfig.from_extra_config(self.extra, self.spec.identity())
         self.max_model_len = max_model_len
         self.ready_timeout_s = ready_timeout_s
         self.server_args = list(server_args)

@@ -3,7 +3,8 @@
 ``prefix-cache``  vLLM with its own prefix cache, no connector (reuse only within a server)
 ``recompute``     no cache at all: every prompt is prefilled
 ``raw``, ``int8``  the connector in that mode, vLLM's prefix cache on
-``default``       the connector in its default mode (the connector's own default), prefix cache on
+``default``       the connector in its default mode for the model (tcq where the model ships a
+                  tcq calibration, else cachegen), prefix cache on
 ``adaptive``      the connector in adaptive mode under ``slo_ms``, prefix cache on
 
 The connector's servers of one configuration share one store.
@@ -43,20 +44,21 @@ class Config:
         }
 
 
-def default_mode() -> str:
-    """The connector's default mode (its request options' default)."""
-    from cachegen.connector.config import RequestOptions
+def default_mode(model: str) -> str:
+    """The connector's default mode for an engine of ``model``."""
+    from cachegen.connector.config import default_mode as connector_default
+    from cachegen.models import resolve
 
-    return RequestOptions().mode
+    return connector_default(resolve(model).identity())
 
 
-def config(name: str, slo_ms: float = SLO_MS) -> Config:
+def config(name: str, model: str, slo_ms: float = SLO_MS) -> Config:
     if name == PREFIX_CACHE:
         return Config(name, RECOMPUTE, True, {})
     if name == RECOMPUTE:
         return Config(name, RECOMPUTE, False, {})
     if name == DEFAULT:
-        return Config(name, default_mode(), True, {})
+        return Config(name, default_mode(model), True, {})
     if name == ADAPTIVE:
         return Config(name, ADAPTIVE, True, {"slo_ms": slo_ms})
     if name in CONFIGS:

@@ -250,7 +250,9 @@ def fleet_bench(
     with shared_store(store) as base:
         bench = dataclasses.replace(bench, store=base)
         runs = [
-            run for name in config_names for run in run_config(bench, configs.config(name, slo_ms))
+            run
+            for name in config_names
+            for run in run_config(bench, configs.config(name, model, slo_ms))
         ]
     summary.compare_answers(runs, RECOMPUTE)
     settings = {
