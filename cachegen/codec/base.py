@@ -117,15 +117,9 @@ class Codec:
                 f"codec {self.name} has no form {form!r}; its forms are {', '.join(self.forms)}"
             )
         level = self.resolve_level(level)
-        params = self.params(kv, level)
+        params, version = self.header_params(kv, level, form)
         header, token_width = pack_header(
-            self.codec_id,
-            level,
-            kv,
-            self.chunk_tokens,
-            params,
-            self.bitstream_version(level),
-            form=form,
+            self.codec_id, level, kv, self.chunk_tokens, params, version, form=form
         )
         body = self.encode_body if form == CODED else self.encode_packed_body
         parts = [header]
@@ -139,6 +133,10 @@ class Codec:
     def params(self, kv: KVCache, level: int) -> bytes:
         """Codec parameters stored in the header (what the decoder needs beyond geometry)."""
         return b""
+
+    def header_params(self, kv: KVCache, level: int, form: str) -> tuple[bytes, int]:
+        """The header's codec parameters and format version for ``level`` in ``form``."""
+        return self.params(kv, level), self.bitstream_version(level)
 
     def encode_body(self, chunk: KVCache, level: int) -> bytes:
         raise NotImplementedError

@@ -58,8 +58,12 @@ from cachegen.kv import KVCache
 from cachegen.modes import CODED, FORMS, PACKED
 
 MODEL_ID_BYTES = 16
-ADAPTIVE_LAYOUT = 1  # the header parameters' 17th byte: frames carry per-component choices
-ADAPTIVE_BITSTREAM_VERSION = 5  # the bitstream format version that holds that byte
+# The header parameters' 17th byte, the frame layout: bit 0, frames carry per-component
+# choices (format version 5); bit 1, their predicted layers code residuals (version 6).
+ADAPTIVE_LAYOUT = 1
+PREDICTED_LAYOUT = 3
+ADAPTIVE_BITSTREAM_VERSION = 5
+PREDICTED_BITSTREAM_VERSION = 6
 
 
 class TcqCodec(ModelCodec):
@@ -108,12 +112,15 @@ class TcqCodec(ModelCodec):
         self.tcq.check_model(kv.model)
         return super().encode(kv, level, form)
 
-    def params(self, kv: KVCache, level: int) -> bytes:
-        layout = bytes([ADAPTIVE_LAYOUT]) if self.tcq.adaptive else b""
-        return bytes.fromhex(self.tcq.id) + layout
-
-    def bitstream_version(self, level: int) -> int:
-        return ADAPTIVE_BITSTREAM_VERSION if self.tcq.adaptive else 1
+    def header_params(self, kv: KVCache, level: int, form: str) -> tuple[bytes, int]:
+        """The model file's id, then (a model file with a table family) the frame layout:
+        choices, and in the coded form of a model file with a predictor, predicted layers."""
+        model_id = bytes.fromhex(self.tcq.id)
+        if not self.tcq.adaptive:
+            return model_id, 1
+        if self.tcq.predicted and form == CODED:
+            return model_id + bytes([PREDICTED_LAYOUT]), PREDICTED_BITSTREAM_VERSION
+        return model_id + bytes([ADAPTIVE_LAYOUT]), ADAPTIVE_BITSTREAM_VERSION
 
     def encode_body(self, chunk: KVCache, level: int) -> bytes:
         return encode_body(self.tcq, level_code(self.tcq, level), chunk)
@@ -124,18 +131,42 @@ class TcqCodec(ModelCodec):
     @classmethod
     def decoder(cls, header: Header) -> FrameDecoder:
         params = header.params
-        adaptive = len(params) == MODEL_ID_BYTES + 1
-        if not (len(params) == MODEL_ID_BYTES or adaptive):
+        if len(params) not in (MODEL_ID_BYTES, MODEL_ID_BYTES + 1):
             raise CodecError("tcq bitstream header is corrupt (parameters)")
-        if adaptive and (
-            params[-1] != ADAPTIVE_LAYOUT or header.version < ADAPTIVE_BITSTREAM_VERSION
-        ):
+        if len(params) > MODEL_ID_BYTES and not _layout_fits(params[-1], header):
             raise CodecError("tcq bitstream header is corrupt (frame layout)")
-        tcq = find_tcq_model(params[:MODEL_ID_BYTES].hex(), header.model)
-        if adaptive and not tcq.adaptive:
-            raise CodecError(
-                f"tcq bitstream is corrupt: its frames choose tables, but its model file "
-                f"{tcq.id[:16]} has no table family"
-            )
-        decoder = TcqPackedDecoder if header.form == PACKED else TcqDecoder
-        return decoder(header, tcq, level_code(tcq, header.level), adaptive)
+        return decoder_with(header, find_tcq_model(params[:MODEL_ID_BYTES].hex(), header.model))
+
+
+def decoder_with(header: Header, tcq: TcqModel) -> FrameDecoder:
+    """The decoder of a stream whose header names ``tcq`` (already found, or held in memory by
+    a lab), its frame layout checked against the model file."""
+    params = header.params
+    adaptive = len(params) == MODEL_ID_BYTES + 1
+    predicted = adaptive and params[-1] == PREDICTED_LAYOUT
+    if adaptive and not tcq.adaptive:
+        raise CodecError(
+            f"tcq bitstream is corrupt: its frames choose tables, but its model file "
+            f"{tcq.id[:16]} has no table family"
+        )
+    if predicted and not tcq.predicted:
+        raise CodecError(
+            f"tcq bitstream is corrupt: its frames are predicted, but its model file "
+            f"{tcq.id[:16]} has no predictor"
+        )
+    code = level_code(tcq, header.level)
+    if header.form == PACKED:
+        return TcqPackedDecoder(header, tcq, code, adaptive)
+    return TcqDecoder(header, tcq, code, adaptive, predicted)
+
+
+def _layout_fits(layout: int, header: Header) -> bool:
+    """Whether a frame layout byte is one this reader knows, in a stream of a version (and
+    form: the packed form never predicts) that holds it."""
+    if layout == ADAPTIVE_LAYOUT:
+        return header.version >= ADAPTIVE_BITSTREAM_VERSION
+    return (
+        layout == PREDICTED_LAYOUT
+        and header.version >= PREDICTED_BITSTREAM_VERSION
+        and header.form == CODED
+    )

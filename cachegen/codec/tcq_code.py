@@ -12,7 +12,13 @@ import numpy as np
 import torch
 
 from cachegen.codec import rans
-from cachegen.codec.tcq_model import MAX_RADIUS, TcqModel, table_offsets
+from cachegen.codec.tcq_model import (
+    MAX_RADIUS,
+    TcqModel,
+    residual_table_offsets,
+    residual_targets,
+    table_offsets,
+)
 from cachegen.codec.tcq_predict import LayerPredictor, layer_predictor
 
 EXACT_TOKENS = 1
@@ -50,7 +56,19 @@ class LevelCode:
     family_size: int  # tables of the family (0: the model file has none)
     # absolute layer -> its integer predictor from the layer before (a predicted model file)
     predictors: dict[int, LayerPredictor] = field(default_factory=dict)
+    # [L, 2]: row of the first residual table of a predicted layer's targets (-1: none)
+    residual_base: np.ndarray | None = None
     decoding: dict = field(default_factory=dict, repr=False, compare=False)  # layers -> tables
+
+    def calibrated_rows(self, layer: int, kind: int, predicted: bool) -> np.ndarray:
+        """The calibrated table row of each kept component of (``layer``, ``kind``): its own
+        table, or where the layer is ``predicted`` its targets' residual tables."""
+        rows = self.table_base[layer, kind] + np.arange(len(self.kept[layer][kind]))
+        residual = self.residual_base
+        if predicted and residual is not None and residual[layer, kind] >= 0:
+            count = self.predictors[layer].targets[kind]
+            rows[:count] = residual[layer, kind] + np.arange(count)
+        return rows.astype(np.int64)
 
     def predicted_layers(self, layers: tuple[int, ...]) -> list[tuple[int, LayerPredictor]]:
         """The positions in ``layers`` whose layer is predicted, each with its predictor: those
@@ -67,13 +85,17 @@ class LevelCode:
         table choice; decoders never need it)."""
         return _CODE_BITS[self.freq_cum >> 16]
 
-    def stream_tables(self, tcq: TcqModel, layers: tuple[int, ...]) -> StreamTables:
-        """The decoder's per-stream arrays for ``layers``, kept for the last few layer sets."""
-        if layers not in self.decoding:
+    def stream_tables(
+        self, tcq: TcqModel, layers: tuple[int, ...], predicted: bool = False
+    ) -> StreamTables:
+        """The decoder's per-stream arrays for ``layers`` (``predicted``: its predicted layers'
+        targets take their residual tables), kept for the last few layer sets."""
+        key = (layers, predicted)
+        if key not in self.decoding:
             while len(self.decoding) >= _KEPT_LAYER_SETS:
                 self.decoding.pop(next(iter(self.decoding)))
-            self.decoding[layers] = _stream_tables(tcq, self, layers)
-        return self.decoding[layers]
+            self.decoding[key] = _stream_tables(tcq, self, layers, predicted)
+        return self.decoding[key]
 
 
 @dataclass
@@ -100,8 +122,11 @@ class StreamTables:
         return self.synthesis.shape[1]
 
 
-def _stream_tables(tcq: TcqModel, code: LevelCode, layers: tuple[int, ...]) -> StreamTables:
+def _stream_tables(
+    tcq: TcqModel, code: LevelCode, layers: tuple[int, ...], predicted: bool
+) -> StreamTables:
     pairs = [(layer, k) for layer in layers for k in (0, 1)]
+    positions = {i for i, _ in code.predicted_layers(layers)} if predicted else set()
     kept = np.array([len(code.kept[layer][k]) for layer, k in pairs], dtype=np.int64)
     channels = tcq.mean.shape[-1]
     width = max(1, int(kept.max(initial=0)))
@@ -113,8 +138,12 @@ def _stream_tables(tcq: TcqModel, code: LevelCode, layers: tuple[int, ...]) -> S
     return StreamTables(
         kept=kept,
         table_base=table_base,
-        table_row=np.concatenate([b + np.arange(c) for b, c in zip(table_base, kept)]).astype(
-            np.int64
+        table_row=np.concatenate(
+            [np.zeros(0, np.int64)]
+            + [
+                code.calibrated_rows(layer, k, s // 2 in positions)
+                for s, (layer, k) in enumerate(pairs)
+            ]
         ),
         slot=np.concatenate([s * width + np.arange(c) for s, c in enumerate(kept)]).astype(
             np.int64
@@ -162,6 +191,7 @@ def _level_code(tcq: TcqModel, index: int) -> LevelCode:
                 n = 2 * int(radius[layer, k, i]) + 1
                 table[:n] = tcq.freq[starts[layer, k, i] : starts[layer, k, i] + n]
                 rows.append(table)
+    residual_base = _residual_rows(tcq, index, width, rows)
     family_row = np.full(MAX_RADIUS + 1, -1, dtype=np.int64)
     if tcq.adaptive:
         for r in np.unique(radius[radius > 0]):
@@ -183,7 +213,24 @@ def _level_code(tcq: TcqModel, index: int) -> LevelCode:
         family_row,
         len(tcq.family),
         _predictors(tcq, index, kept),
+        residual_base,
     )
+
+
+def _residual_rows(tcq: TcqModel, index: int, width: int, rows: list) -> np.ndarray:
+    """Append level ``index``'s residual tables to ``rows``; [L, 2] the row of each predicted
+    (layer, K/V)'s first one (-1: none)."""
+    L = tcq.radius.shape[1]
+    base = np.full((L, 2), -1, dtype=np.int64)
+    for (x, layer, k), start in residual_table_offsets(tcq).items():
+        if x != index:
+            continue
+        base[layer, k] = len(rows)
+        for r in tcq.radius[index, layer, k][residual_targets(tcq, index, layer, k)]:
+            n = 2 * int(r) + 1
+            rows.append(np.pad(tcq.residual_freq[start : start + n], (0, width - n)))
+            start += n
+    return base
 
 
 def _predictors(tcq: TcqModel, index: int, kept: list[list[np.ndarray]]) -> dict:

@@ -21,6 +21,7 @@ from cachegen.codec.parallel import run_batches
 from cachegen.codec.quant import rotary_cos_sin
 from cachegen.codec.tcq_code import OFFSET_UNITS, LevelCode, exact_count, table_rows
 from cachegen.codec.tcq_model import TcqModel
+from cachegen.codec.tcq_predict import apply_predictions
 
 
 @functools.cache
@@ -51,28 +52,43 @@ class _Layout:
 
 
 class TcqDecoder(FrameDecoder):
-    def __init__(self, header: Header, tcq: TcqModel, code: LevelCode, adaptive: bool) -> None:
+    def __init__(
+        self,
+        header: Header,
+        tcq: TcqModel,
+        code: LevelCode,
+        adaptive: bool,
+        predicted: bool = False,
+    ) -> None:
         super().__init__(header)
         self.tcq = tcq
         self.code = code
         self.adaptive = adaptive
         self.layers = list(header.layer_indices)
-        self.streams = code.stream_tables(tcq, tuple(self.layers))
+        self.streams = code.stream_tables(tcq, tuple(self.layers), predicted)
+        # the layers whose frames code residuals of a prediction from the layer before
+        self.predicted = code.predicted_layers(tuple(self.layers)) if predicted else []
         self.thetas = [tcq.rope_thetas[layer] for layer in self.layers]
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self._checked: dict[int, tuple[object, _Layout]] = {}  # frame index -> (body, layout)
 
-    def _scratch_for(self, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Coefficients [streams, tokens, width] and rows [streams, tokens, channels] of the
-        synthesis's ``dtype``, kept for the next frame of the same length: fresh pages cost
-        as much as filling them."""
+    def _scratch_for(
+        self, tokens: int, dtype: torch.dtype, row_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Coefficients [streams, tokens, width] (``dtype``) and rows [streams, tokens,
+        channels] (the synthesis's ``row_dtype``), kept for the next frame of the same length:
+        fresh pages cost as much as filling them."""
         scratch = self._scratch
-        if scratch is None or scratch[0].shape[1] != tokens or scratch[0].dtype != dtype:
+        if (
+            scratch is None
+            or scratch[0].shape[1] != tokens
+            or (scratch[0].dtype, scratch[1].dtype) != (dtype, row_dtype)
+        ):
             streams, channels = self.streams, self.streams.synthesis.shape[2]
             count = len(streams.kept)
             self._scratch = (
                 torch.empty((count, tokens, streams.width), dtype=dtype),
-                torch.empty((count, tokens, channels), dtype=dtype),
+                torch.empty((count, tokens, channels), dtype=row_dtype),
             )
         return self._scratch
 
@@ -152,8 +168,14 @@ class TcqDecoder(FrameDecoder):
             return
         streams = self.streams
         bf16 = out.dtype == torch.bfloat16 and bf16_synthesis()
-        coefficients, rows = self._scratch_for(m, torch.bfloat16 if bf16 else torch.float32)
+        synthesis_dtype = torch.bfloat16 if bf16 else torch.float32
+        # the prediction chain restores symbols in float32 before the synthesis
+        coefficient_dtype = torch.float32 if self.predicted else synthesis_dtype
+        coefficients, rows = self._scratch_for(m, coefficient_dtype, synthesis_dtype)
         self._coefficients(frame, layout, _numpy_of(coefficients).reshape(-1), m)
+        if self.predicted:
+            self._restore(coefficients, layout.offsets)
+            coefficients = coefficients.to(synthesis_dtype)
         mean = streams.mean if layout.offsets is None else self._centred_mean(layout.offsets)
         # one batched GEMM for all streams (torch's BLAS, in its own threads)
         torch.bmm(coefficients, streams.synthesis_bf16 if bf16 else streams.synthesis, out=rows)
@@ -192,6 +214,14 @@ class TcqDecoder(FrameDecoder):
         run_batches(decode_kernel, words + streams.kept * m + 1)
         if status.any():
             raise CodecError(f"frame {frame.index} is corrupt: a tcq rANS stream does not decode")
+
+    def _restore(self, coefficients: torch.Tensor, offsets: np.ndarray) -> None:
+        """The predicted layers' targets, decoded as residuals, back to their symbols (less
+        the radii), layer after layer (:func:`cachegen.codec.tcq_predict.apply_predictions`)."""
+        streams = self.streams
+        first = np.append(streams.radius_off, streams.radius_off[-1] + streams.kept[-1])
+        values = coefficients.numpy()
+        apply_predictions(self.predicted, values, streams.radius_int, first, offsets, 1)
 
     def _centred_mean(self, offsets: np.ndarray) -> np.ndarray:
         """The channel means [streams, channels] moved by the frame's component offsets

@@ -50,20 +50,14 @@ def quantize_rows(
     return sym.astype(np.uint8), offset.astype(np.int8)
 
 
-def choose_tables(code: LevelCode, layer: int, kind: int, sym: np.ndarray) -> np.ndarray:
-    """Each kept component's table (uint8: 0 its calibrated table, ``1 + j`` family table
-    ``j``), the one that codes its symbols ``sym`` [kept, tokens] in the fewest bits (the
-    first of the family's cheapest, and only where it is cheaper than the calibrated one)."""
-    radius = code.radius[layer][kind]
+def choose_tables(code: LevelCode, rows: np.ndarray, radius: np.ndarray, sym: np.ndarray):
+    """Each kept component's table (uint8: 0 its calibrated table, row ``rows[c]``, ``1 + j``
+    family table ``j``), the one that codes its symbols ``sym`` [kept, tokens] in the fewest
+    bits (the first of the family's cheapest, and only where it is cheaper than the calibrated
+    one)."""
     choice = np.zeros(len(radius), dtype=np.uint8)
     tcq_kernels.choose_tables(
-        sym,
-        radius,
-        int(code.table_base[layer, kind]),
-        code.family_row,
-        code.family_size,
-        code.code_bits,
-        choice,
+        sym, radius, rows, code.family_row, code.family_size, code.code_bits, choice
     )
     return choice
 
@@ -91,8 +85,8 @@ def frame_symbols(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> FrameSymbol
     if any(thetas):
         q[0] = rotate_layer_keys(q[0], chunk.start + e, thetas, inverse=True)
     L, H, m, D = q.shape[1:]
-    none = np.zeros(0, dtype=np.uint8)
-    frame = FrameSymbols(exact, m, [none] * (2 * L), [none.view(np.int8)] * (2 * L))
+    none = np.zeros((0, m), dtype=np.uint8)
+    frame = FrameSymbols(exact, m, [none] * (2 * L), [np.zeros(0, np.int8)] * (2 * L))
 
     def kernel(todo: np.ndarray) -> None:
         for s in todo:
@@ -121,16 +115,19 @@ def encode_body(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> bytes:
     streams: list[np.ndarray] = [np.zeros(0, dtype=np.uint16)] * count
     choices = [np.zeros(0, dtype=np.uint8)] * count
 
+    positions = {i for i, _ in predicted}
+
     def kernel(todo: np.ndarray) -> None:
         for s in todo:
             sym = symbols[int(s)]
             if not sym.size:
                 continue
             layer, k = layers[s // 2], s % 2
-            table_row = int(code.table_base[layer, k]) + np.arange(len(sym))
+            radius = code.radius[layer][k]
+            table_row = code.calibrated_rows(layer, k, s // 2 in positions)
             if tcq.adaptive:
-                choices[s] = choose_tables(code, layer, k, sym)
-                table_row = table_rows(code, code.radius[layer][k], choices[s], table_row)
+                choices[s] = choose_tables(code, table_row, radius, sym)
+                table_row = table_rows(code, radius, choices[s], table_row)
             streams[s] = _rans_encode(sym, table_row, code.freq_cum)
 
     run_batches(kernel, np.array([len(sym) + 1 for sym in symbols]))

@@ -216,9 +216,9 @@ def write_rows(
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def choose_tables(sym, radius, base, family_row, family_size, code_bits, choice):
+def choose_tables(sym, radius, rows, family_row, family_size, code_bits, choice):
     """Into ``choice`` (uint8, one per component of ``sym`` [components, tokens]): 0 where
-    the component's calibrated table (row ``base + c`` of ``code_bits``, each row the code
+    the component's calibrated table (row ``rows[c]`` of ``code_bits``, each row the code
     lengths of its table's symbols) codes its symbols in the fewest bits, else ``1 + j`` for
     the first cheapest of the ``family_size`` family tables of its radius (rows from
     ``family_row[radius[c]]``)."""
@@ -232,7 +232,7 @@ def choose_tables(sym, radius, base, family_row, family_size, code_bits, choice)
             counts[sym[c, t]] += 1.0
         own = 0.0
         for v in range(n):
-            own += counts[v] * code_bits[base + c, v]
+            own += counts[v] * code_bits[rows[c], v]
         best, best_cost = 0, own
         first = family_row[radius[c]]
         for j in range(family_size if first >= 0 else 0):

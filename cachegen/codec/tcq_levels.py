@@ -67,9 +67,18 @@ def _shipped_tcq_levels(model: ModelIdentity, model_file: str, recipe: dict | No
         shipped = data.get("tcq")
         if data["model"]["fingerprint"] == model.fingerprint and shipped:
             same_file = str(shipped["model_file"]) == model_file
-            same_recipe = recipe is not None and shipped.get("recipe") == recipe
+            same_recipe = recipe is not None and quantizer_recipe(
+                shipped.get("recipe") or {}
+            ) == quantizer_recipe(recipe)
             return _parsed(shipped, path) if same_file or same_recipe else None
     return None
+
+
+def quantizer_recipe(recipe: dict) -> dict:
+    """What of a model file's recipe sets the KV its levels decode to: all of it but the
+    cross-layer prediction, which changes which symbols are coded, never their values
+    (``cachegen.codec.tcq_predict``), so a level's measured quality holds with or without it."""
+    return {key: value for key, value in recipe.items() if key != "prediction"}
 
 
 def _parsed(data: dict, path) -> dict:

@@ -104,6 +104,9 @@ class TcqModel(ModelFile):
     predictor: np.ndarray = field(default_factory=lambda: np.zeros((0, 2, 0, 0), np.float16))
     # [levels, L] uint8: the fixed-point shift of each level's and layer's integer predictor
     predictor_shift: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.uint8))
+    # the residual tables of every level's predicted layers' targets, one after another
+    # (:func:`residual_table_offsets`), u16
+    residual_freq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint16))
 
     def __post_init__(self) -> None:
         self.check_level_order("tcq")
@@ -119,6 +122,7 @@ class TcqModel(ModelFile):
         if self.predicted:
             payload += np.ascontiguousarray(self.predictor, dtype="<f2").tobytes()
             payload += np.ascontiguousarray(self.predictor_shift, dtype="u1").tobytes()
+            payload += np.ascontiguousarray(self.residual_freq, dtype="<u2").tobytes()
         levels = {str(k): list(v) for k, v in self.levels.items()}
         version = 3 if self.predicted else 2 if self.adaptive else 1
         header = self.file_header(SCHEMA, version, levels, shapes)
@@ -127,6 +131,7 @@ class TcqModel(ModelFile):
             header["family"] = list(self.family.shape)
         if self.predicted:
             header["predictor"] = list(self.predictor.shape)
+            header["residual_freq_entries"] = int(self.residual_freq.size)
         return pack_model_file(MAGIC, header, payload)
 
     @property
@@ -162,6 +167,32 @@ def table_offsets(radius: np.ndarray) -> np.ndarray:
     return np.where(sizes > 0, starts, -1).reshape(radius.shape)
 
 
+def residual_targets(tcq: TcqModel, index: int, layer: int, kind: int) -> np.ndarray:
+    """The components (increasing) of (``layer``, ``kind``) whose coded symbols are residuals
+    at level ``index``: the kept ones below the predictor's targets, if the layer is
+    predicted there."""
+    if not tcq.predicted or not tcq.predictor_shift[index, layer]:
+        return np.zeros(0, dtype=np.int64)
+    kept = np.flatnonzero(tcq.radius[index, layer, kind])
+    return kept[kept < tcq.predictor.shape[3]]
+
+
+def residual_table_offsets(tcq: TcqModel) -> dict[tuple[int, int, int], int]:
+    """Where the residual tables of (level index, layer, K/V) start in ``residual_freq``: for
+    every level, predicted layer and K/V in order, one table of ``2 r + 1`` entries per
+    :func:`residual_targets` component."""
+    starts, at = {}, 0
+    levels, layers = tcq.predictor_shift.shape if tcq.predicted else (0, 0)
+    for x in range(levels):
+        for layer in range(layers):
+            for k in (0, 1):
+                targets = residual_targets(tcq, x, layer, k)
+                if len(targets):
+                    starts[x, layer, k] = at
+                    at += int(table_sizes(tcq.radius[x, layer, k][targets]).sum())
+    return starts
+
+
 def parse_tcq_model(data: bytes, where: str, model_id: str | None = None) -> TcqModel:
     """Read and fully validate a tcq model file (``model_id``: its content hash must match)."""
     return parse_model_file(data, where, model_id, "tcq model", _parse)
@@ -186,7 +217,8 @@ def _parse(data: bytes) -> TcqModel:
     predictor_shape = _predictor_shape(header, model, len(levels))
     predictor_bytes = 2 * int(np.prod(predictor_shape))
     shift_bytes = len(levels) * model.num_layers if predictor_bytes else 0
-    extra = 2 * entries + family_bytes + predictor_bytes + shift_bytes
+    residual_entries = int(header["residual_freq_entries"]) if predictor_bytes else 0
+    extra = 2 * entries + family_bytes + predictor_bytes + shift_bytes + 2 * residual_entries
     if int(header["freq_entries"]) != entries or pos + extra != len(payload):
         raise ValueError("frequency tables do not match the radii")
     freq = np.frombuffer(payload, dtype="<u2", count=entries, offset=pos).copy()
@@ -196,8 +228,10 @@ def _parse(data: bytes) -> TcqModel:
     pos += family_bytes
     predictor = np.frombuffer(payload, dtype="<f2", count=predictor_bytes // 2, offset=pos)
     predictor = predictor.astype(np.float16).reshape(predictor_shape)
-    shift = np.frombuffer(payload, dtype="u1", offset=pos + predictor_bytes).copy()
+    pos += predictor_bytes
+    shift = np.frombuffer(payload, dtype="u1", count=shift_bytes, offset=pos).copy()
     shift = shift.reshape(len(levels), -1) if shift_bytes else np.zeros((0, 0), np.uint8)
+    residual = np.frombuffer(payload, dtype="<u2", offset=pos + shift_bytes).astype(np.uint16)
     _check_tables(radius, freq)
     if header["version"] > 1 and not (0 < len(family) < 256 and np.all(family[:, 0] > 0)):
         raise ValueError("the table family must have 1 to 255 tables, each with a centre")
@@ -207,7 +241,7 @@ def _parse(data: bytes) -> TcqModel:
         if not np.all(np.isfinite(arrays[name])) or np.any(arrays[name] <= 0):
             raise ValueError(f"component {name} must be positive")
     thetas = read_rope_thetas(header, model)
-    return TcqModel(
+    model_file = TcqModel(
         model,
         dict(header["calibration"]),
         thetas,
@@ -217,7 +251,10 @@ def _parse(data: bytes) -> TcqModel:
         family=family,
         predictor=predictor,
         predictor_shift=shift,
+        residual_freq=residual,
     )
+    _check_residual_tables(model_file)
+    return model_file
 
 
 def _predictor_shape(header: dict, model: ModelIdentity, levels: int) -> list[int]:
@@ -232,6 +269,24 @@ def _predictor_shape(header: dict, model: ModelIdentity, levels: int) -> list[in
     if not 1 <= shape[3] <= C:
         raise ValueError(f"the predictor's targets must be 1 to {C}, got {shape[3]}")
     return shape
+
+
+def _check_residual_tables(tcq: TcqModel) -> None:
+    """``ValueError`` unless ``residual_freq`` holds exactly the residual tables the shifts
+    and radii imply, each summing to the rANS scale with no zero entry."""
+    starts = residual_table_offsets(tcq)
+    sizes = [
+        table_sizes(tcq.radius[x, layer, k][residual_targets(tcq, x, layer, k)])
+        for x, layer, k in starts
+    ]
+    if sum(int(size.sum()) for size in sizes) != tcq.residual_freq.size:
+        raise ValueError("the residual tables do not match the predicted layers' radii")
+    ends = np.cumsum(np.concatenate([np.zeros(0, np.int64), *sizes]))
+    if np.any(tcq.residual_freq == 0) or np.any(
+        np.diff(np.concatenate([[0], np.cumsum(tcq.residual_freq.astype(np.int64))[ends - 1]]))
+        != rans.PROB_SCALE
+    ):
+        raise ValueError(f"a residual table does not sum to {rans.PROB_SCALE}")
 
 
 def _check_tables(radius: np.ndarray, freq: np.ndarray) -> None:

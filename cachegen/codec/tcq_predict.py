@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
@@ -121,34 +122,6 @@ def largest_shift(
     return 0
 
 
-def guesses(predictor: LayerPredictor, sources: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
-    """Each token's guess [tokens, targets] (float32 integers) from ``sources`` [tokens,
-    sources] (float32 integers ``4 q + o``) and the targets' ``offsets`` (quarter steps)."""
-    total = sources @ torch.from_numpy(predictor.matrix)  # exact: every sum is below 2**24
-    total -= torch.from_numpy(offsets.astype(np.float32) * 2.0**predictor.shift)
-    return torch.round(total * 2.0 ** -(predictor.shift + QUARTER))
-
-
-def wrap(values: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
-    """``values`` (float32 integers) wrapped into ``[-radius, radius]`` (per column)."""
-    return torch.remainder(values + radius, 2 * radius + 1) - radius
-
-
-def _sources(values: list, offsets: list, position: int, predictor: LayerPredictor):
-    """Layer ``position``'s sources ``4 q + o`` [tokens, sources] (float32) from its key and
-    value streams' centred values ``values`` [tokens, kept] and their offsets."""
-    parts = [
-        values[2 * position + k][:, : predictor.sources[k]] * 4
-        + torch.from_numpy(offsets[2 * position + k].astype(np.float32))
-        for k in (0, 1)
-    ]
-    return torch.cat(parts, dim=1)
-
-
-def _target_offsets(offsets: list, position: int, predictor: LayerPredictor) -> np.ndarray:
-    return np.concatenate([offsets[2 * position + k][: predictor.targets[k]] for k in (0, 1)])
-
-
 def residual_symbols(
     predicted: list[tuple[int, LayerPredictor]],
     radius: list[np.ndarray],
@@ -157,49 +130,73 @@ def residual_symbols(
 ) -> list[np.ndarray]:
     """A frame's coded symbols: ``symbols`` (per stream of the frame, (layer, K/V) order, uint8
     [kept, tokens], centred symbol plus radius) with the targets of every ``predicted`` layer
-    position replaced by their wrapped residuals. ``radius`` and ``offsets``: per stream."""
-    values = [
-        torch.from_numpy(s.T.astype(np.float32) - r.astype(np.float32))
-        for s, r in zip(symbols, radius)
-    ]
-    out = list(symbols)
-    for i, predictor in predicted:
-        guess = guesses(
-            predictor,
-            _sources(values, offsets, i - 1, predictor),
-            _target_offsets(offsets, i, predictor),
-        )
-        column = 0
-        for k in (0, 1):
-            n, s = predictor.targets[k], 2 * i + k
-            r = radius[s][:n].astype(np.float32)
-            residual = wrap(values[s][:, :n] - guess[:, column : column + n], torch.from_numpy(r))
-            coded = symbols[s].copy()
-            coded[:n] = (residual.numpy().T + r[:, None]).astype(np.uint8)
-            out[s] = coded
-            column += n
-    return out
+    position replaced by their wrapped residuals (:func:`apply_predictions`). ``radius`` and
+    ``offsets``: per stream."""
+    kept = np.array([len(r) for r in radius], dtype=np.int64)
+    tokens = max((sym.shape[1] for sym in symbols), default=0)
+    values = np.zeros((len(symbols), tokens, max(1, int(kept.max(initial=0)))), np.float32)
+    for s, (sym, r) in enumerate(zip(symbols, radius)):
+        values[s, :, : kept[s]] = sym.T.astype(np.float32) - r.astype(np.float32)
+    first = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
+    flat_radius = np.concatenate([np.zeros(0, np.int64), *radius]).astype(np.int64)
+    flat_offsets = np.concatenate([np.zeros(0, np.int8), *offsets]).astype(np.int8)
+    apply_predictions(predicted, values, flat_radius, first, flat_offsets, -1)
+    return [(values[s, :, : kept[s]].T + r[:, None]).astype(np.uint8) for s, r in enumerate(radius)]
 
 
-def restore_values(
+def apply_predictions(
     predicted: list[tuple[int, LayerPredictor]],
-    radius: list[torch.Tensor],
-    values: list[torch.Tensor],
-    offsets: list[np.ndarray],
+    values: np.ndarray,
+    radius: np.ndarray,
+    first: np.ndarray,
+    offsets: np.ndarray,
+    sign: int,
 ) -> None:
-    """The decoder's inverse of :func:`residual_symbols`, in place: ``values`` (per stream,
-    float32 [tokens, kept]: centred symbols, or at the predicted targets wrapped residuals)
-    become the centred symbols, layer after layer (each layer's guess reads the layer before
-    it, already restored)."""
-    for i, predictor in predicted:
-        guess = guesses(
-            predictor,
-            _sources(values, offsets, i - 1, predictor),
-            _target_offsets(offsets, i, predictor),
-        )
+    """Add (``sign`` 1: the decoder, restoring symbols) or subtract (-1: the encoder, making
+    residuals) every ``predicted`` layer position's guesses to its targets in ``values``
+    [streams, tokens, width] (float32 centred symbols; stream ``s``'s kept components in
+    ``[:, :kept]``), wrapping them into their alphabets, in place. ``radius`` and ``offsets``
+    hold every kept component's radius and frame offset, stream ``s``'s from ``first[s]``.
+    Each guess reads the layer before it unpredicted: the decoder goes up the layers (that
+    layer restored already), the encoder down (not made a residual yet)."""
+    order = predicted if sign > 0 else predicted[::-1]
+    for i, predictor in order:
+        below = 2 * (i - 1)
+        count = sum(predictor.sources)
+        sources = np.empty((values.shape[1], count), dtype=np.float32)
+        gather_sources(values, below, predictor.sources[0], predictor.sources[1], offsets,
+                       first, sources)  # fmt: skip
+        totals = (torch.from_numpy(sources) @ torch.from_numpy(predictor.matrix)).numpy()
         column = 0
         for k in (0, 1):
-            n, s = predictor.targets[k], 2 * i + k
-            restored = wrap(values[s][:, :n] + guess[:, column : column + n], radius[s][:n])
-            values[s][:, :n] = restored
+            stream, n = 2 * i + k, predictor.targets[k]
+            add_guesses(values, totals, stream, column, n, radius, offsets, first[stream],
+                        predictor.shift, sign)  # fmt: skip
             column += n
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def gather_sources(values, below, keys, kept_values, offsets, first, out):
+    """``out`` [tokens, keys + kept_values] = ``4 q + o`` of stream ``below``'s first ``keys``
+    components, then stream ``below + 1``'s first ``kept_values``."""
+    for t in range(values.shape[1]):
+        for j in range(keys):
+            out[t, j] = 4 * values[below, t, j] + offsets[first[below] + j]
+        for j in range(kept_values):
+            out[t, keys + j] = 4 * values[below + 1, t, j] + offsets[first[below + 1] + j]
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def add_guesses(values, totals, stream, column, count, radius, offsets, at, shift, sign):
+    """Stream ``stream``'s first ``count`` components (kept components ``at`` on) plus
+    ``sign`` times their guesses (``totals`` columns ``column`` on: ``round_half_even((total -
+    o * 2**shift) / 2**(shift + 2))``), wrapped into ``[-r, r]``, in place. Exact: every
+    quantity is an integer below 2**24."""
+    lift = np.float32(2.0**shift)
+    scale = np.float32(2.0 ** -(shift + QUARTER))
+    for t in range(values.shape[1]):
+        for c in range(count):
+            guess = np.rint((totals[t, column + c] - offsets[at + c] * lift) * scale)
+            r = radius[at + c]
+            z = np.int64(values[stream, t, c] + sign * guess) + r
+            values[stream, t, c] = np.float32(z % (2 * r + 1) - r)

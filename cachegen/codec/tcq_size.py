@@ -4,9 +4,10 @@ not of any KV, so every engine that reads it computes the same storage ladder (a
 
 Both forms are estimated for a chunk at the start of a prompt (its first token stored
 exactly), up to the frame's header and token ids. The coded form codes each kept component's
-symbols at about its calibrated table's entropy (the frame's own offsets and table choices win
-back what held-out text loses against the calibration text); the packed form stores each kept
-component at the width its symbols span in the frame, estimated from the calibrated table.
+symbols at about its calibrated table's entropy (a predicted layer's targets: their residual
+table's; the frame's own offsets and table choices win back what held-out text loses against
+the calibration text); the packed form stores each kept component at the width its symbols
+span in the frame, estimated from the calibrated table (of the symbols, never predicted).
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ import numpy as np
 
 from cachegen.codec import rans
 from cachegen.codec.tcq_code import exact_count
-from cachegen.codec.tcq_model import TcqModel, table_offsets
+from cachegen.codec.tcq_model import (
+    TcqModel,
+    residual_table_offsets,
+    residual_targets,
+    table_offsets,
+)
 from cachegen.codec.tcq_packed import GROUP
 from cachegen.modes import CODED
 
@@ -38,7 +44,7 @@ def coded_bits(tcq: TcqModel, level: int, chunk_tokens: int) -> float:
     """Bits/element of the coded form: each kept component's calibrated table's entropy times
     the tokens it codes, the frame's choices (counted before DEFLATE), each stream's directory
     word and rANS states, and the exactly stored first token."""
-    tables = _tables(tcq, level)
+    tables = _coded_tables(tcq, level)
     coded = chunk_tokens - exact_count(0, chunk_tokens)
     streams = len(tcq.mean) * 2
     bits = coded * float(_entropies(tables).sum())
@@ -92,6 +98,24 @@ def _tables(tcq: TcqModel, level: int) -> np.ndarray:
     inside = at < sizes[:, None]
     tables = np.zeros(inside.shape, dtype=np.int64)
     tables[inside] = tcq.freq[(starts[:, None] + at)[inside]]
+    return tables
+
+
+def _coded_tables(tcq: TcqModel, level: int) -> np.ndarray:
+    """:func:`_tables`, with the predicted layers' targets' rows their residual tables (what
+    a whole-model stream codes them with)."""
+    index = tcq.level_index(level)
+    tables = _tables(tcq, level)
+    counts = (tcq.radius[index] > 0).sum(axis=-1).reshape(-1)
+    first = np.concatenate([[0], np.cumsum(counts)])  # row of each (layer, K/V)'s first
+    for (x, layer, k), start in residual_table_offsets(tcq).items():
+        if x != index:
+            continue
+        row = int(first[2 * layer + k])
+        for r in tcq.radius[index, layer, k][residual_targets(tcq, index, layer, k)]:
+            n = 2 * int(r) + 1
+            tables[row, :n] = tcq.residual_freq[start : start + n]
+            row, start = row + 1, start + n
     return tables
 
 

@@ -12,6 +12,7 @@ from cachegen.codec import kvtc_basis, rans, tcq_model
 from cachegen.codec.profile import locked, profile_path
 from cachegen.codec.tcq_code import OFFSET_UNITS
 from cachegen.codec.tcq_model import MAX_RADIUS
+from cachegen.codec.tcq_predict import largest_shift, layer_predictor, residual_symbols
 from cachegen.codec.transform import TransformBasis
 from cachegen.fitting.attention import attention_stats, component_weights
 from cachegen.fitting.kvtc import (
@@ -39,6 +40,12 @@ def tcq_calibration_spec(
             "family_shapes": list(tcq_model.FAMILY_SHAPES),
             "family_scales": [tcq_model.FAMILY_SCALES, *tcq_model.FAMILY_SCALE_RANGE],
         },
+        "prediction": {
+            "targets_fraction": TCQ_PREDICTED_FRACTION,
+            "ridge": TCQ_PREDICTOR_RIDGE,
+            "max_shift": TCQ_PREDICTOR_MAX_SHIFT,
+            "min_saving": TCQ_PREDICTION_MIN_SAVING,
+        },
     }
 
 
@@ -56,39 +63,98 @@ def tcq_layer_exponent(spec: models.ModelSpec | None) -> float:
     return TCQ_LAYER_EXPONENTS.get(spec.name, TCQ_LAYER_EXPONENT) if spec else TCQ_LAYER_EXPONENT
 
 
+# The cross-layer predictor (cachegen.codec.tcq_predict): each layer's first quarter of key and
+# value components from all of the layer before's, by ridge regression (penalty relative to the
+# sources' mean energy) on the first three quarters of the calibration coefficients; the
+# largest fixed-point shift that keeps every level's sums exact in float32, at most this.
+TCQ_PREDICTED_FRACTION = 0.25
+TCQ_PREDICTOR_RIDGE = 1e-2
+TCQ_PREDICTOR_MAX_SHIFT = 20
+# ... and a layer is predicted at a level only where that saves at least this fraction of its
+# targets' bits on the last quarter of the calibration coefficients (not fitted on).
+TCQ_PREDICTION_MIN_SAVING = 0.005
+
 TCQ_STEP_SEARCH = 14  # bisection steps that find a level's step for its bits per element
 TCQ_STEP_SEARCH_STRIDE = 4  # ... on every 4th calibration token
 
 
-def _level_tables(
+def _level_quantizer(
     coefficients: list[list[np.ndarray]], weights: np.ndarray, steps: tuple[float, float]
-) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-    """Radii and steps [L, 2, C] and the frequency tables of the kept components (in (layer,
-    K/V, component) order) of one level from the calibration coefficients [L][2] ([tokens,
-    C]). A component whose calibration range needs a radius above ``MAX_RADIUS`` gets a
-    coarser step instead of clipping."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Radii (uint8) and steps (float32) [L, 2, C] of one level from the calibration
+    coefficients [L][2] ([tokens, C]). A component whose calibration range needs a radius above
+    ``MAX_RADIUS`` gets a coarser step instead of clipping."""
     L, _, C = weights.shape
     radius = np.zeros((L, 2, C), dtype=np.uint8)
     step = np.zeros((L, 2, C), dtype=np.float32)
-    tables = []
-    width = 2 * MAX_RADIUS + 1
     for layer in range(L):
         for k in range(2):
             top = TCQ_RADIUS_MARGIN * np.abs(coefficients[layer][k]).max(axis=0)
             step[layer, k] = np.maximum(steps[k] / np.sqrt(weights[layer, k]), top / MAX_RADIUS)
             y = coefficients[layer][k] / step[layer, k]
-            r = np.clip(np.round(TCQ_RADIUS_MARGIN * np.abs(y).max(axis=0)), 0, MAX_RADIUS)
-            radius[layer, k] = r
-            kept = np.flatnonzero(r)
-            if not len(kept):
-                continue
-            rk = r[kept].astype(np.int64)
-            sym = np.clip(np.round(y[:, kept]), -rk, rk).astype(np.int64) + rk
-            flat = (np.arange(len(kept)) * width)[None, :] + sym
-            counts = np.bincount(flat.reshape(-1), minlength=len(kept) * width)
-            freq = rans.quantize_frequencies(counts.reshape(len(kept), width), 2 * rk + 1)
-            tables.extend(freq[j, : 2 * rk[j] + 1] for j in range(len(kept)))
-    return radius, step, tables
+            radius[layer, k] = np.clip(
+                np.round(TCQ_RADIUS_MARGIN * np.abs(y).max(axis=0)), 0, MAX_RADIUS
+            )
+    return radius, step
+
+
+def _level_tables(
+    coefficients: list[list[np.ndarray]],
+    radius: np.ndarray,
+    step: np.ndarray,
+    predictors: dict,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """One level's frequency tables: the histograms of its kept components' calibration
+    symbols, in (layer, K/V, component) order, and those of its predicted layers' targets'
+    coded residuals (``predictors``: layer -> its integer predictor), in the same order."""
+    L = radius.shape[0]
+    kept = [[np.flatnonzero(radius[layer, k]) for k in (0, 1)] for layer in range(L)]
+    symbols = [
+        [_symbols(coefficients[layer][k][:, kept[layer][k]], step[layer, k], radius[layer, k],
+                  kept[layer][k]) for k in (0, 1)]
+        for layer in range(L)
+    ]  # fmt: skip
+    tables, residual_tables = [], []
+    for layer in range(L):
+        for k in (0, 1):
+            r = radius[layer, k][kept[layer][k]].astype(np.int64)
+            tables.extend(_histogram_tables(symbols[layer][k] + r, r))
+        if layer not in predictors:
+            continue
+        pair = slice(layer - 1, layer + 1)
+        coded = _residuals(predictors[layer], symbols[layer - 1], symbols[layer], radius[pair],
+                           kept[pair])  # fmt: skip
+        for k in (0, 1):
+            n = predictors[layer].targets[k]
+            r = radius[layer, k][kept[layer][k][:n]].astype(np.int64)
+            residual_tables.extend(_histogram_tables(coded[k][:, :n] + r, r))
+    return tables, residual_tables
+
+
+def _histogram_tables(symbols: np.ndarray, radius: np.ndarray) -> list[np.ndarray]:
+    """One frequency table per column of ``symbols`` [tokens, columns] (``0 .. 2r``)."""
+    if not symbols.shape[1]:
+        return []
+    width = 2 * MAX_RADIUS + 1
+    flat = (np.arange(symbols.shape[1]) * width)[None, :] + symbols
+    counts = np.bincount(flat.reshape(-1), minlength=symbols.shape[1] * width)
+    freq = rans.quantize_frequencies(counts.reshape(-1, width), 2 * radius + 1)
+    return [freq[j, : 2 * radius[j] + 1] for j in range(len(radius))]
+
+
+def _residuals(predictor, below: list, symbols: list, radius: np.ndarray, kept: list) -> list:
+    """``symbols`` (centred, [tokens, kept] per K/V) with the predicted targets replaced by
+    their wrapped residuals, predicted from the layer before's ``below`` (centred, with its
+    radii in ``radius[0]``) without offsets, as the encoder codes them."""
+    radii = [radius[at][k][kept[at][k]].astype(np.int64) for at in (0, 1) for k in (0, 1)]
+    streams = [*below, *symbols]
+    coded = residual_symbols(
+        [(1, predictor)],
+        radii,
+        [(q + r).T.astype(np.uint8) for q, r in zip(streams, radii)],
+        [np.zeros(len(r), np.int8) for r in radii],
+    )
+    return [coded[2 + k].T.astype(np.int64) - radii[2 + k] for k in (0, 1)]
 
 
 def _calibration_bits(coefficients: list[list[np.ndarray]], steps: np.ndarray) -> float:
@@ -167,15 +233,26 @@ def fit_tcq_model(
         ]
         for layer in range(L)
     ]
-    steps_of, radii, steps, tables = {}, [], [], []
+    steps_of, radii, steps = {}, [], []
     for level, bits in levels.items():
         step = _step_for_bits(coefficients, weights, bits)
         steps_of[level] = (step, step)
-        radius, level_steps, level_tables = _level_tables(coefficients, weights, steps_of[level])
-        radii.append(radius)
+        level_radius, level_steps = _level_quantizer(coefficients, weights, steps_of[level])
+        radii.append(level_radius)
         steps.append(level_steps)
-        tables.extend(level_tables)
-    freq = np.concatenate(tables).astype(np.uint16) if tables else np.zeros(0, np.uint16)
+    radius, step = np.stack(radii), np.stack(steps)
+    # the predictor is fitted on most of the calibration tokens and judged on the rest
+    split = len(coefficients[0][0]) * 3 // 4
+    predictor = fit_predictor([[y[:split] for y in pair] for pair in coefficients])
+    shifts = predictor_shifts(
+        predictor, radius, step, [[y[split:] for y in pair] for pair in coefficients]
+    )
+    tables, residual_tables = [], []
+    for x in range(len(levels)):
+        predictors = _layer_predictors(predictor, radius[x], step[x], shifts[x])
+        level, residual = _level_tables(coefficients, radius[x], step[x], predictors)
+        tables += level
+        residual_tables += residual
     return tcq_model.TcqModel(
         identity,
         calibration,
@@ -184,11 +261,108 @@ def fit_tcq_model(
         basis.mean,
         basis.components,
         weights,
-        np.stack(radii),
-        np.stack(steps),
-        freq,
+        radius,
+        step,
+        _joined(tables),
         tcq_model.family_weights(),
+        predictor,
+        shifts,
+        _joined(residual_tables),
     )
+
+
+def _joined(tables: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(tables).astype(np.uint16) if tables else np.zeros(0, np.uint16)
+
+
+def _layer_predictors(predictor, radius, step, shifts) -> dict:
+    """A level's integer predictor of each predicted layer (``shifts`` [L]: 0 not)."""
+    kept = [[np.flatnonzero(radius[layer, k]) for k in (0, 1)] for layer in range(len(radius))]
+    return {
+        layer: layer_predictor(predictor[layer], kept, step, radius, layer, int(shift))
+        for layer, shift in enumerate(shifts)
+        if shift
+    }
+
+
+def fit_predictor(coefficients: list[list[np.ndarray]]) -> np.ndarray:
+    """The cross-layer predictor [L, 2, 2C, T] (float16): each layer's first ``T`` key and
+    value coefficients from all of the layer before's (keys then values), by ridge regression
+    on the calibration coefficients ([L][2] of [tokens, C]); layer 0 has none (zeros)."""
+    L, C = len(coefficients), coefficients[0][0].shape[1]
+    targets = max(1, int(C * TCQ_PREDICTED_FRACTION))
+    out = np.zeros((L, 2, 2 * C, targets), dtype=np.float16)
+    for layer in range(1, L):
+        x = np.concatenate(coefficients[layer - 1], axis=1).astype(np.float64)
+        gram = x.T @ x
+        gram += TCQ_PREDICTOR_RIDGE * np.trace(gram) / len(gram) * np.eye(len(gram))
+        for k in (0, 1):
+            cross = x.T @ coefficients[layer][k][:, :targets].astype(np.float64)
+            weights = np.linalg.solve(gram, cross)
+            out[layer, k] = np.clip(weights, -65504, 65504).astype(np.float16)
+    return out
+
+
+def predictor_shifts(
+    predictor: np.ndarray,
+    radius: np.ndarray,
+    steps: np.ndarray,
+    coefficients: list[list[np.ndarray]],
+) -> np.ndarray:
+    """[levels, L] (uint8): per level and layer the largest fixed-point shift (at most
+    ``TCQ_PREDICTOR_MAX_SHIFT``) whose integer predictor keeps every sum exact in float32, or
+    0 (the layer is not predicted) for layer 0 and where the prediction does not save
+    ``TCQ_PREDICTION_MIN_SAVING`` of its targets' bits on ``coefficients`` (calibration
+    coefficients the predictor was not fitted on)."""
+    levels, L = radius.shape[:2]
+    shifts = np.zeros((levels, L), dtype=np.uint8)
+    sample = coefficients
+    for x in range(levels):
+        kept = [[np.flatnonzero(radius[x, layer, k]) for k in (0, 1)] for layer in range(L)]
+        for layer in range(1, L):
+            shift = largest_shift(
+                predictor[layer], kept, steps[x], radius[x], layer, TCQ_PREDICTOR_MAX_SHIFT
+            )
+            level = (predictor[layer], kept, steps[x], radius[x])
+            if shift and _saving(*level, layer, shift, sample) >= TCQ_PREDICTION_MIN_SAVING:
+                shifts[x, layer] = shift
+    return shifts
+
+
+def _saving(weights, kept, steps, radius, layer: int, shift: int, coefficients) -> float:
+    """The fraction of layer ``layer``'s targets' bits (plug-in entropy of their symbols on
+    ``coefficients``, [L][2] of [tokens, C]) its integer prediction saves."""
+    predictor = layer_predictor(weights, kept, steps, radius, layer, shift)
+    symbols = [
+        [_symbols(coefficients[at][k][:, kept[at][k]], steps[at, k], radius[at, k], kept[at][k])
+         for k in (0, 1)]
+        for at in (layer - 1, layer)
+    ]  # fmt: skip
+    residuals = _residuals(predictor, symbols[0], symbols[1], radius[layer - 1 : layer + 1],
+                           kept[layer - 1 : layer + 1])  # fmt: skip
+    before = after = 0.0
+    for k in (0, 1):
+        n = predictor.targets[k]
+        before += _column_bits(symbols[1][k][:, :n])
+        after += _column_bits(residuals[k][:, :n])
+    return 1 - after / before if before else 0.0
+
+
+def _symbols(y: np.ndarray, steps: np.ndarray, radius: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """Centred symbols of coefficients ``y`` [tokens, kept] at the kept components' steps."""
+    r = radius[kept].astype(np.float64)
+    return np.clip(np.round(y / steps[kept]), -r, r).astype(np.int64)
+
+
+def _column_bits(symbols: np.ndarray) -> float:
+    """Plug-in entropy in bits of each column of ``symbols`` [tokens, columns], summed."""
+    values = symbols.astype(np.int64)
+    values -= values.min(initial=0)
+    width = int(values.max(initial=0)) + 1
+    cells = values + np.arange(values.shape[1])[None, :] * width
+    counts = np.bincount(cells.reshape(-1), minlength=values.shape[1] * width)
+    counts = counts[counts > 0].astype(np.float64)
+    return float(np.sum(counts * np.log2(len(values) / counts)))
 
 
 def ensure_tcq_model(model: str | models.ModelSpec) -> tcq_model.TcqModel:

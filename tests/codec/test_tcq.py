@@ -80,7 +80,12 @@ def static_model(model_file, profiles) -> tcq_model.TcqModel:
     """The model file as format version 1 wrote it: no table family, frames without choices."""
     import dataclasses
 
-    old = dataclasses.replace(model_file, family=np.zeros((0, tcq_model.MAX_RADIUS + 1), np.uint32))
+    old = dataclasses.replace(
+        model_file,
+        family=np.zeros((0, tcq_model.MAX_RADIUS + 1), np.uint32),
+        predictor=np.zeros((0, 2, 0, 0), np.float16),
+        predictor_shift=np.zeros((0, 0), np.uint8),
+    )
     return tcq_model.save_tcq_model(old)
 
 
@@ -125,7 +130,7 @@ def test_choices_follow_a_shift_and_a_spread_the_calibration_never_saw(kv, stati
     level = BY_STEP[2]
     old = get_codec("tcq", tcq=static_model).encode(moved, level)
     new = codec_for("tcq", static_model.model.name).encode(moved, level)
-    assert parse_header(new).version == tcq.ADAPTIVE_BITSTREAM_VERSION
+    assert parse_header(new).version == tcq.PREDICTED_BITSTREAM_VERSION
     assert len(new) < 0.9 * len(old)
     assert relative_error(decode(new), moved) <= 1.02 * relative_error(decode(old), moved)
 
@@ -146,7 +151,8 @@ def test_each_component_takes_the_table_that_codes_it_in_the_fewest_bits(model_f
                 sym[c] = np.clip(np.round(rng.normal(0, 0.4, 300)), -r, r) + r
             else:
                 sym[c] = rng.choice(2 * r + 1, size=300, p=freq / freq.sum())
-        choice = tcq_encode.choose_tables(code, layer, kind, sym)
+        rows = code.calibrated_rows(layer, kind, predicted=False)
+        choice = tcq_encode.choose_tables(code, rows, radius, sym)
         for c, r in enumerate(radius):
             first = code.family_row[r]
             rows = [base + c] + list(range(first, first + code.family_size))
@@ -339,14 +345,21 @@ def test_model_file_with_a_bad_table_is_refused(model_file):
     data = model_file.file_bytes
     (length,) = struct.unpack_from("<I", data, 4)
     payload = bytearray(data[8 + length :])
-    first_table = len(payload) - 2 * model_file.freq.size - 4 * model_file.family.size
+    residual = 2 * model_file.residual_freq.size
+    after_family = 2 * model_file.predictor.size + model_file.predictor_shift.size + residual
+    family_at = len(payload) - after_family - 4 * model_file.family.size
+    first_table = family_at - 2 * model_file.freq.size
     struct.pack_into("<H", payload, first_table, model_file.freq[0] + 1)
     with pytest.raises(CodecError, match=f"does not sum to {rans.PROB_SCALE}"):
         tcq_model.parse_tcq_model(_rehashed(data, bytes(payload)), "test")
     with pytest.raises(CodecError, match="do not match the radii"):
         tcq_model.parse_tcq_model(_rehashed(data, bytes(payload[:-2])), "test")
     payload = bytearray(data[8 + length :])
-    centre = len(payload) - 4 * model_file.family.size  # the family's first weight
+    struct.pack_into("<H", payload, len(payload) - residual, model_file.residual_freq[0] + 1)
+    with pytest.raises(CodecError, match=f"a residual table does not sum to {rans.PROB_SCALE}"):
+        tcq_model.parse_tcq_model(_rehashed(data, bytes(payload)), "test")
+    payload = bytearray(data[8 + length :])
+    centre = family_at  # the family's first weight
     struct.pack_into("<I", payload, centre, 0)
     with pytest.raises(CodecError, match="each with a centre"):
         tcq_model.parse_tcq_model(_rehashed(data, bytes(payload)), "test")
@@ -368,14 +381,28 @@ def test_model_of_another_model_or_level_is_refused(kv, tiny_llama, tiny_qwen2, 
 def test_a_frame_layout_the_header_cannot_hold_is_refused(kv, tiny_llama, model_file, static_model):
     import dataclasses
 
-    header = parse_header(codec_for("tcq", tiny_llama).encode(kv, level=BY_STEP[0]))
-    assert header.version == tcq.ADAPTIVE_BITSTREAM_VERSION and header.params[16] == 1
+    codec = codec_for("tcq", tiny_llama)
+    header = parse_header(codec.encode(kv, level=BY_STEP[0]))
+    assert header.version == tcq.PREDICTED_BITSTREAM_VERSION and header.params[16] == 3
+    packed = parse_header(codec.encode(kv, level=BY_STEP[0], form="packed"))
+    assert packed.version == tcq.ADAPTIVE_BITSTREAM_VERSION and packed.params[16] == 1
+    unpredicted = tcq_model.save_tcq_model(
+        dataclasses.replace(
+            model_file,
+            predictor=np.zeros((0, 2, 0, 0), np.float16),
+            predictor_shift=np.zeros((0, 0), np.uint8),
+        )
+    )
     cases = [
-        (dataclasses.replace(header, version=4), "frame layout"),  # choices need version 5
+        (dataclasses.replace(header, version=5), "frame layout"),  # predictions need version 6
+        (dataclasses.replace(packed, version=4), "frame layout"),  # choices need version 5
         (dataclasses.replace(header, params=header.params[:16] + b"\x02"), "frame layout"),
+        (dataclasses.replace(header, form="packed"), "frame layout"),  # packed never predicts
         (dataclasses.replace(header, params=header.params + b"\x01"), "parameters"),
         # choices, but the model file named has no family to choose from
         (dataclasses.replace(header, params=bytes.fromhex(static_model.id) + b"\x01"), "family"),
+        # predicted frames, but the model file named has no predictor
+        (dataclasses.replace(header, params=bytes.fromhex(unpredicted.id) + b"\x03"), "predictor"),
     ]
     for forged, why in cases:
         with pytest.raises(CodecError, match=why):
@@ -455,6 +482,42 @@ def _documented_rans(words: np.ndarray, tables: list[np.ndarray], tokens: int) -
     return out
 
 
+def _documented_restore(doc, x, kept_of, symbols, offsets, first) -> None:
+    """The predicted targets of a frame's decoded symbols back to their symbols, in place, in
+    int64 by docs/bitstream.md's arithmetic (layer after layer, keys then values)."""
+    T = doc["predictor"].shape[3]
+    for i in range(1, len(kept_of)):
+        shift = int(doc["predictor_shift"][x, i])
+        if not shift:
+            continue
+        src, steps, rows = [], [], []
+        for k in (0, 1):
+            kept = kept_of[i - 1][k]
+            if not len(kept):
+                continue
+            r = doc["radius"][x, i - 1, k][kept].astype(np.int64)
+            o = offsets[first[2 * (i - 1) + k] : first[2 * (i - 1) + k + 1]].astype(np.int64)
+            src.append(4 * (symbols[i - 1, k] - r) + o)
+            steps.append(doc["steps"][x, i - 1, k][kept])
+            rows.append(kept + k * doc["predictor"].shape[2] // 2)
+        sources = np.concatenate(src, axis=1)
+        source_steps = np.concatenate(steps).astype(np.float64)[:, None]
+        for k in (0, 1):
+            targets = kept_of[i][k][kept_of[i][k] < T]
+            if not len(targets):
+                continue
+            weights = doc["predictor"][i, k].astype(np.float64)[np.concatenate(rows)][:, targets]
+            target_steps = doc["steps"][x, i, k][targets].astype(np.float64)[None, :]
+            scaled = weights * source_steps / target_steps
+            matrix = np.round(scaled * 2.0**shift).astype(np.int64)
+            o = offsets[first[2 * i + k] : first[2 * i + k] + len(targets)].astype(np.int64)
+            total = sources @ matrix - o * 2**shift
+            guess = np.round(total / 2.0 ** (shift + 2)).astype(np.int64)
+            r = doc["radius"][x, i, k][targets].astype(np.int64)
+            coded = symbols[i, k][:, : len(targets)] - r
+            symbols[i, k][:, : len(targets)] = np.mod(coded + guess + r, 2 * r + 1)
+
+
 def _documented_model_file(path, model_id: str) -> dict:
     """The arrays and JSON header of a CGTQ file, read by the documented layout."""
     data = path.read_bytes()
@@ -466,9 +529,11 @@ def _documented_model_file(path, model_id: str) -> dict:
         "arrays",
         "freq_entries",
         "family",
+        "predictor",
+        "residual_freq_entries",
         "payload_sha256",
     }
-    assert (head["schema"], head["version"]) == ("cachegen-tcq-model", 2)
+    assert (head["schema"], head["version"]) == ("cachegen-tcq-model", 3)
     payload = data[8 + length :]
     assert hashlib.sha256(payload).hexdigest() == head["payload_sha256"]
     m = head["model"]
@@ -484,12 +549,35 @@ def _documented_model_file(path, model_id: str) -> dict:
         pos += count * np.dtype(dtype).itemsize
     sizes = np.where(doc["radius"] > 0, 2 * doc["radius"].astype(np.int64) + 1, 0)
     J, R = head["family"]
-    assert R == 128 and head["freq_entries"] == sizes.sum()
-    assert pos + 2 * sizes.sum() + 4 * J * R == len(payload)
-    arrays = 8 * L * C * (C + 2) + 10 * N * L * C + 2 * sizes.sum() + 4 * J * R
-    assert len(data) == 8 + length + arrays
+    P = head["predictor"]
+    assert R == 128 and head["freq_entries"] == sizes.sum() and P[:3] == [L, 2, 2 * C]
+    E = head["residual_freq_entries"]
+    tail = 2 * sizes.sum() + 4 * J * R + 2 * int(np.prod(P)) + N * L + 2 * E
+    assert pos + tail == len(payload)
+    assert len(data) == 8 + length + 8 * L * C * (C + 2) + 10 * N * L * C + tail
     freq = np.frombuffer(payload, "<u2", count=int(sizes.sum()), offset=pos)
-    family = np.frombuffer(payload, "<u4", offset=pos + 2 * int(sizes.sum())).reshape(J, R)
+    pos += 2 * int(sizes.sum())
+    family = np.frombuffer(payload, "<u4", count=J * R, offset=pos).reshape(J, R)
+    pos += 4 * J * R
+    doc["predictor"] = np.frombuffer(payload, "<f2", int(np.prod(P)), pos).reshape(P)
+    pos += 2 * int(np.prod(P))
+    doc["predictor_shift"] = np.frombuffer(payload, "u1", N * L, pos).reshape(N, L)
+    residual = np.frombuffer(payload, "<u2", offset=pos + N * L)
+    # the residual tables: per level, predicted layer (shift > 0) and K/V, one per kept
+    # component below T, in that order
+    doc["residual_tables"], at = {}, 0
+    for x in range(N):
+        for layer in range(L):
+            for k in (0, 1):
+                if not doc["predictor_shift"][x, layer]:
+                    continue
+                for c in np.flatnonzero(doc["radius"][x, layer, k]):
+                    if c >= P[3]:
+                        break
+                    n = 2 * int(doc["radius"][x, layer, k, c]) + 1
+                    doc["residual_tables"][x, layer, k, c] = residual[at : at + n]
+                    at += n
+    assert at == E
     # a family table of radius r: the weights at |s| for s in -r..r, made frequencies
     # summing to 1024 with at least 1 each, as quantize_frequencies does
     doc["family_table"] = lambda j, r: rans.quantize_frequencies(
@@ -512,7 +600,7 @@ def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, tiny_llam
     magic, version, codec_id, got_level, dtype, flags, L, H, D, start, tokens, chunk = fixed
     assert (magic, version, codec_id, got_level, start, tokens, chunk) == (
         b"CGKV",
-        5,
+        6,
         12,
         level,
         0,
@@ -527,7 +615,7 @@ def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, tiny_llam
     pos += 33
     (p,) = struct.unpack_from("<H", blob, pos)
     params = blob[pos + 2 : pos + 2 + p]
-    assert p == 17 and params[:16].hex() == model_file.id and params[16] == 1
+    assert p == 17 and params[:16].hex() == model_file.id and params[16] == 3
     assert fingerprint == part.model.fingerprint
     pos += 2 + p
     assert struct.unpack_from("<I", blob, pos)[0] == zlib.crc32(blob[:pos])
@@ -559,29 +647,37 @@ def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, tiny_llam
         words = struct.unpack_from(f"<{2 * L}I", body, exact + 4 + side)
         at = exact + 4 + side + 8 * L
         assert at + 2 * sum(words) == len(body)
-        chosen = 0
+        kept_of = [[np.flatnonzero(doc["radius"][x, i, k]) for k in (0, 1)] for i in range(L)]
+        first = np.cumsum([0] + [len(c) for pair in kept_of for c in pair])
+        symbols = {}
         for i in range(L):
             for k in range(2):
                 stream = np.frombuffer(body, "<u2", words[2 * i + k], at)
                 at += 2 * words[2 * i + k]
-                kept = np.flatnonzero(doc["radius"][x, i, k])
+                kept = kept_of[i][k]
                 if not len(kept) or not m:
                     assert len(stream) == 0
                     continue
-                radius = doc["radius"][x, i, k][kept].astype(np.float32)
-                picks = tables_of[chosen : chosen + len(kept)]
-                shift = offsets[chosen : chosen + len(kept)].astype(np.float32) / 4
-                chosen += len(kept)
+                radius = doc["radius"][x, i, k][kept]
+                picks = tables_of[first[2 * i + k] : first[2 * i + k + 1]]
+                own = [doc["residual_tables"].get((x, i, k, c)) for c in kept]  # predicted
+                own = [t if t is not None else doc["tables"](x, i, k, c) for t, c in zip(own, kept)]
                 tables = [
-                    doc["family_table"](j - 1, int(r)) if j else doc["tables"](x, i, k, c)
-                    for c, j, r in zip(kept, picks, radius)
+                    doc["family_table"](j - 1, int(r)) if j else table
+                    for table, j, r in zip(own, picks, radius)
                 ]
-                sym = _documented_rans(stream, tables, m)
-                y = (sym.astype(np.float32) - radius + shift) * doc["steps"][x, i, k][kept]
-                rows = y @ doc["components"][i, k][kept] + doc["mean"][i, k]
-                positions = np.arange(64 * index + e, 64 * index + n)
-                coded = got[k, i, :, offset + e : offset + n]
-                shared.check_synthesized(rows, coded, thetas[i] if k == 0 else 0, positions)
+                symbols[i, k] = _documented_rans(stream, tables, m)
+        if m:
+            _documented_restore(doc, x, kept_of, symbols, offsets, first)
+        for (i, k), sym in symbols.items():
+            kept = kept_of[i][k]
+            radius = doc["radius"][x, i, k][kept].astype(np.float32)
+            shift = offsets[first[2 * i + k] : first[2 * i + k + 1]].astype(np.float32) / 4
+            y = (sym.astype(np.float32) - radius + shift) * doc["steps"][x, i, k][kept]
+            rows = y @ doc["components"][i, k][kept] + doc["mean"][i, k]
+            positions = np.arange(64 * index + e, 64 * index + n)
+            coded = got[k, i, :, offset + e : offset + n]
+            shared.check_synthesized(rows, coded, thetas[i] if k == 0 else 0, positions)
         offset += n
     assert pos == len(blob) and offset == part.num_tokens
     assert torch.equal(decoded.keys[:, :, :1], part.keys[:, :, :1].float())

@@ -82,6 +82,22 @@ def _register_tcq(names) -> None:
     p.add_argument("--sources", default="64,all", help="predictor inputs per kind, or 'all'")
     p.add_argument("--seed", type=int, default=0)
     _tcq_outputs(p)
+    p = options.command(
+        names,
+        "tcq-prediction",
+        _tcq_prediction,
+        help="what tcq's cross-layer prediction saves, at the same decoded KV",
+        description="Bits per element of tcq levels on held-out windows with the model file's "
+        "cross-layer predictor and without it, and whether both decode to the same KV.",
+    )
+    _tcq_data(p, "comma-separated evaluation domains", 16, "windows per domain")
+    p.add_argument("--context-tokens", type=int, default=1024)
+    p.add_argument(
+        "--continuation-tokens", type=int, default=128, help="(chooses the windows as eval does)"
+    )
+    p.add_argument("--levels", default="22,23,24,25", help="comma-separated tcq levels")
+    p.add_argument("--seed", type=int, default=0)
+    _tcq_outputs(p)
 
 
 def _tcq_data(p, datasets: str, windows: int, windows_help: str | None) -> None:
@@ -166,6 +182,25 @@ def _tcq_redundancy(args: argparse.Namespace) -> int:
         )
 
     return _finish(args, compute, tcq_redundancy.table)
+
+
+def _tcq_prediction(args: argparse.Namespace) -> int:
+    from cachegen.lab.experiments import tcq_prediction
+
+    def compute(command: str) -> dict:
+        return tcq_prediction.run(
+            args.model,
+            _datasets(args),
+            args.windows,
+            args.context_tokens,
+            args.continuation_tokens,
+            _level_ids(args.levels),
+            args.seed,
+            command,
+            progress=not args.no_progress,
+        )
+
+    return _finish(args, compute, tcq_prediction.table)
 
 
 def _register_packed_fit(names) -> None:

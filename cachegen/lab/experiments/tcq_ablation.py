@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from cachegen.codec import tcq, tcq_code, tcq_model
+from cachegen.codec import tcq, tcq_model
 from cachegen.codec.bitstream import parse_frames, parse_header
 from cachegen.codec.transform import TransformBasis
 from cachegen.errors import InputError
@@ -106,7 +106,7 @@ def roundtrip(model: tcq_model.TcqModel, level: int, tally: LayerBytes):
         blob = codec.encode(kv, level=level)
         header = parse_header(blob)
         frames = parse_frames(blob, header)
-        decoder = tcq.TcqDecoder(header, model, tcq_code.level_code(model, level), model.adaptive)
+        decoder = tcq.decoder_with(header, model)
         for frame in frames:
             tally.bytes += decoder.layer_bytes(frame)
         tally.elements += kv.num_elements / (2 * header.num_layers)
