@@ -166,7 +166,9 @@ def apply_predictions(
         sources = np.empty((values.shape[1], count), dtype=np.float32)
         gather_sources(values, below, predictor.sources[0], predictor.sources[1], offsets,
                        first, sources)  # fmt: skip
-        totals = (torch.from_numpy(sources) @ torch.from_numpy(predictor.matrix)).numpy()
+        totals = torch.empty((len(sources), predictor.matrix.shape[1]))
+        torch.mm(torch.from_numpy(sources), torch.from_numpy(predictor.matrix), out=totals)
+        totals = totals.numpy()
         column = 0
         for k in (0, 1):
             stream, n = 2 * i + k, predictor.targets[k]
@@ -194,9 +196,13 @@ def add_guesses(values, totals, stream, column, count, radius, offsets, at, shif
     quantity is an integer below 2**24."""
     lift = np.float32(2.0**shift)
     scale = np.float32(2.0 ** -(shift + QUARTER))
-    for t in range(values.shape[1]):
-        for c in range(count):
-            guess = np.rint((totals[t, column + c] - offsets[at + c] * lift) * scale)
-            r = radius[at + c]
+    for c in range(count):
+        r = radius[at + c]
+        span = 2 * r + 1
+        lifted = np.float32(offsets[at + c]) * lift
+        for t in range(values.shape[1]):
+            guess = np.rint((totals[t, column + c] - lifted) * scale)
             z = np.int64(values[stream, t, c] + sign * guess) + r
-            values[stream, t, c] = np.float32(z % (2 * r + 1) - r)
+            if z < 0 or z >= span:  # the guess left the alphabet: wrap (a division, seldom)
+                z %= span
+            values[stream, t, c] = np.float32(z - r)
