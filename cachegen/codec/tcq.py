@@ -22,8 +22,10 @@ codes the frame's symbols in the fewest bits. The choices travel DEFLATE-compres
 Everything the decoder shares with the encoder (basis, weights, steps, radii, tables) is one
 file, a :class:`TcqModel` (``profiles/transforms/<id>.cgtq``; built from the model only by
 ``cachegen.fitting.tcq.ensure_tcq_model``), named by its content hash in the bitstream's
-header (16 bytes; a 17th byte ``ADAPTIVE_LAYOUT`` marks frames with choices, format
-version 5). Frame body::
+header (16 bytes; a 17th byte, the frame layout: ``ADAPTIVE_LAYOUT`` marks frames with
+choices, format version 5; ``PREDICTED_LAYOUT`` frames whose layers' first components are
+coded as residuals of a prediction from the layer before, format version 6,
+:mod:`cachegen.codec.tcq_predict`). Frame body::
 
     exact      tokens at positions below EXACT_TOKENS: keys then values [L, H, e, D] in the
                KV's dtype (empty in most frames)
@@ -37,7 +39,9 @@ version 5). Frame body::
                component or no token has no words)
 
 A model file without a family (format version 1, written before the choices) encodes and
-decodes frames without them.
+decodes frames without them; one without a predictor (version 2) frames without predictions.
+The packed form (:mod:`cachegen.codec.tcq_packed`) holds the same symbols bit-packed, never
+predicted.
 """
 
 from __future__ import annotations

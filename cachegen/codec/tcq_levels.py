@@ -14,10 +14,10 @@ A model's calibration may also ship with the package (the ``tcq`` entry of its
 ``cachegen/codec/calibrated/<model>.json``), so that a fresh install gets a calibrated
 default; a calibration run on this machine takes precedence. A shipped calibration counts for
 the model file it measured and for any model file fitted by the same recipe (the model file's
-``calibration``: text, levels, fitting settings): the fit runs the model's forward pass, whose
-float rounding differs between CPUs (bf16 kernels with and without AMX), so a model file fitted
-here from the same recipe has another id while its steps and tables differ only by that
-rounding.
+``calibration``: text, levels, fitting settings, less its cross-layer prediction, which never
+changes what a level decodes to): the fit runs the model's forward pass, whose float rounding
+differs between CPUs (bf16 kernels with and without AMX), so a model file fitted here from the
+same recipe has another id while its steps and tables differ only by that rounding.
 """
 
 from __future__ import annotations
