@@ -173,7 +173,8 @@ def _command_line(args: argparse.Namespace) -> str:
 
 def _plot(args: argparse.Namespace) -> int:
     from cachegen.lab.bench import results
-    from cachegen.lab.bench.plots import DOCUMENTS, plot_all, plot_document
+    from cachegen.lab.bench.document_plots import DOCUMENTS, plot_document
+    from cachegen.lab.bench.plots import plot_all
     from cachegen.lab.fleet import summary as fleet
     from cachegen.lab.fleet.plots import plot_fleet
 

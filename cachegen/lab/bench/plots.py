@@ -1,5 +1,5 @@
-"""PNG figures from results.json, and from the stored-forms documents of ``cachegen
-stream-bench --forms`` and ``cachegen ttft table`` (``cachegen plot``).
+"""PNG figures from results.json (``cachegen plot``; the stored-forms documents' figures are
+``document_plots``'s).
 
 Every figure is drawn from the medians (error bars span the repeats' min..max), names its
 units, and says so in the panel when a mode was asked for but not measured, instead of
@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cachegen.fileio import check_version
-from cachegen.lab.bench.links import link_label, link_order
-from cachegen.lab.bench.modes import mode_name
+from cachegen.lab.bench.links import link_order
+from cachegen.lab.bench.plot_kit import footnote, link_x, log_axes, panels, runs_spread, save
 from cachegen.lab.bench.results import lookup
-from cachegen.modes import RECOMPUTE, Mode
+from cachegen.modes import Mode
 
 FIGURES = (
     "ttft_by_mode",
@@ -25,8 +24,6 @@ FIGURES = (
     "decode_time",
     "quality_vs_size",
 )
-DPI = 110
-UNLIMITED_X = 4.0  # the unlimited link's place on a bandwidth axis, past the fastest rate
 
 
 def plot_all(doc: dict, out_dir: str | Path) -> list[Path]:
@@ -38,21 +35,11 @@ def plot_all(doc: dict, out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name in FIGURES:
-        fig = globals()[f"_{name}"](doc)
-        path = out / f"{name}.png"
-        fig.savefig(path, dpi=DPI, bbox_inches="tight")
-        _close(fig)
-        paths.append(path)
+        paths.append(save(globals()[f"_{name}"](doc), out / f"{name}.png"))
     return paths
 
 
 # ---- helpers -----------------------------------------------------------------------------
-
-
-def _close(fig) -> None:
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
 
 
 def _label(row: dict) -> str:
@@ -62,13 +49,6 @@ def _label(row: dict) -> str:
 def _order(doc: dict) -> list[str]:
     """Mode labels in the order the sweep was configured with."""
     return list(doc["config"]["modes"])
-
-
-def _link_x(bandwidth: float | None, bandwidths: list[float | None]) -> float:
-    """Where a link sits on a bandwidth axis: its rate, or the unlimited link past the rest."""
-    if bandwidth is not None:
-        return bandwidth
-    return max((b for b in bandwidths if b is not None), default=1000.0) * UNLIMITED_X
 
 
 def _spread(doc: dict, row: dict, metric: str) -> tuple[float, float]:
@@ -81,7 +61,7 @@ def _spread(doc: dict, row: dict, metric: str) -> tuple[float, float]:
     ]
     if row.get(metric) is None:
         return 0.0, 0.0
-    return _runs_spread(row[metric], values)
+    return runs_spread(row[metric], values)
 
 
 def _missing_note(doc: dict, kind: str, model: str | None = None) -> str:
@@ -92,15 +72,6 @@ def _missing_note(doc: dict, kind: str, model: str | None = None) -> str:
         return ""
     labels = sorted({Mode(m["mode"], m["level"]).label for m in rows})
     return "not measured: " + ", ".join(labels)
-
-
-def _panels(n: int, title: str, width: float = 6.4, height: float = 4.2):
-    import matplotlib.pyplot as plt
-
-    n = max(n, 1)
-    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False, layout="constrained")
-    fig.suptitle(title, fontsize=13)
-    return fig, list(axes[0])
 
 
 def _empty(ax, text: str) -> None:
@@ -119,29 +90,6 @@ def _empty(ax, text: str) -> None:
     ax.set_yticks([])
 
 
-def _footnote(fig, text: str) -> None:
-    """A note under the whole figure (constrained layout keeps it clear of the tick labels)."""
-    if text.strip():
-        fig.supxlabel(text.strip(), fontsize=8, color="0.35", wrap=True)
-
-
-def _log_axes(ax, bandwidths: list[float | None]) -> None:
-    """Log-log axes with plain-number ticks at the configured bandwidths (the unlimited link,
-    None, at the right: ``_link_x``)."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    plain = FuncFormatter(lambda v, _: f"{v:g}")
-    xs = [_link_x(b, bandwidths) for b in bandwidths]
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xticks(xs, [link_label(b) for b in bandwidths])
-    ax.set_xlim(min(xs) / 1.4, max(xs) * 1.4)
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
-    ax.yaxis.set_minor_formatter(plain)
-
-
 def _models(doc: dict) -> list[str]:
     return list(doc["config"]["models"])
 
@@ -158,8 +106,8 @@ def _model_panels(doc: dict, title: str, kind: str, *, largest_context: bool = F
     rows of ``kind`` (only its largest context's, if asked); the panel of a model without
     any says so, and what was not measured."""
     models = _models(doc)
-    fig, axes = _panels(len(models), title)
-    panels = []
+    fig, axes = panels(len(models), title)
+    found = []
     for ax, model in zip(axes, models):
         if kind == "quality":
             rows = [q for q in doc["quality"] if q["model"] == model]
@@ -172,8 +120,8 @@ def _model_panels(doc: dict, title: str, kind: str, *, largest_context: bool = F
             _empty(ax, f"{model}: {NOTHING[kind]}\n{_missing_note(doc, kind, model)}")
             continue
         labels = [m for m in _order(doc) if any(_label(r) == m for r in rows)]
-        panels.append((ax, model, rows, labels))
-    return fig, panels
+        found.append((ax, model, rows, labels))
+    return fig, found
 
 
 def _bars(
@@ -205,10 +153,10 @@ def _bars(
 
 
 def _ttft_by_mode(doc: dict):
-    fig, panels = _model_panels(
+    fig, model_panels = _model_panels(
         doc, "Time to first token by mode (vLLM, lower is better)", "e2e", largest_context=True
     )
-    for ax, model, rows, labels in panels:
+    for ax, model, rows, labels in model_panels:
         context = rows[0]["context_tokens"]
         # One bar per link rate; recompute (no link) repeats its one value in each.
         bandwidths = sorted(
@@ -230,7 +178,7 @@ def _ttft_by_mode(doc: dict):
         _bars(ax, labels, series, "TTFT (s)")
         ax.set_title(f"{model}, {context}-token context")
         ax.legend(title="KV link", fontsize=8)
-    _footnote(
+    footnote(
         fig,
         "recompute moves no KV: its bar is the same at every bandwidth. "
         + _missing_note(doc, "e2e"),
@@ -242,20 +190,20 @@ def _lines_vs_bandwidth(
     doc: dict, kind: str, metric: str, ylabel: str, title: str, flat_modes: tuple[str, ...]
 ):
     models = _models(doc)
-    panels = [
+    cells = [
         (m, c)
         for m in models
         for c in sorted({r["context_tokens"] for r in lookup(doc, kind=kind, model=m)})
     ]
-    fig, axes = _panels(len(panels), title)
-    if not panels:
+    fig, axes = panels(len(cells), title)
+    if not cells:
         _empty(axes[0], f"no {kind} runs\n{_missing_note(doc, kind)}")
         return fig
     # Stream runs also cover rates above the end-to-end grid and the unlimited link (None).
     links = doc["config"]["bandwidth_mbps"]
     if kind == "stream":
         links = doc["config"].get("stream_bandwidth_mbps") or links
-    for ax, (model, context) in zip(axes, panels):
+    for ax, (model, context) in zip(axes, cells):
         rows = lookup(doc, kind=kind, model=model, context_tokens=context)
         values = [r[metric] for r in rows if r.get(metric)]
         for label in _order(doc):
@@ -272,11 +220,11 @@ def _lines_vs_bandwidth(
                     mine[0][metric], linestyle="--", color="0.3", label=f"{label} (no KV link)"
                 )
                 continue
-            xs = [_link_x(r["bandwidth_mbps"], links) for r in mine]
+            xs = [link_x(r["bandwidth_mbps"], links) for r in mine]
             ys = [r[metric] for r in mine]
             err = list(zip(*[_spread(doc, r, metric) for r in mine]))
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=2, label=label)
-        _log_axes(ax, links)
+        log_axes(ax, links)
         if values:  # horizontal lines do not widen the autoscaled range by themselves
             ax.set_ylim(min(values) / 1.5, max(values) * 1.5)
         ax.set_xlabel("bandwidth of the KV link (Mbit/s)")
@@ -292,7 +240,7 @@ def _lines_vs_bandwidth(
         fig.legend(
             handles.values(), handles.keys(), loc="outside right upper", fontsize=8, title="mode"
         )
-    _footnote(fig, _missing_note(doc, kind))
+    footnote(fig, _missing_note(doc, kind))
     return fig
 
 
@@ -319,8 +267,10 @@ def _transfer_vs_bandwidth(doc: dict):
 
 
 def _throughput(doc: dict):
-    fig, panels = _model_panels(doc, "Output rate per request (vLLM, higher is better)", "e2e")
-    for ax, model, rows, labels in panels:
+    fig, model_panels = _model_panels(
+        doc, "Output rate per request (vLLM, higher is better)", "e2e"
+    )
+    for ax, model, rows, labels in model_panels:
         contexts = sorted({r["context_tokens"] for r in rows})
         bw = max(
             (r["bandwidth_mbps"] for r in rows if r["bandwidth_mbps"] is not None), default=None
@@ -345,7 +295,7 @@ def _throughput(doc: dict):
         _bars(ax, labels, series, "output tokens/s after the first token")
         ax.set_title(f"{model}" + (f", KV link {bw:g} Mbit/s" if bw else ""))
         ax.legend(title="context", fontsize=8)
-    _footnote(
+    footnote(
         fig,
         "output_tokens_per_s: output tokens after the first / time from the first token to the "
         "last (docs/benchmarks.md, Vocabulary)",
@@ -354,10 +304,10 @@ def _throughput(doc: dict):
 
 
 def _compression_ratio(doc: dict):
-    fig, panels = _model_panels(
+    fig, model_panels = _model_panels(
         doc, "KV size reduction (higher is better)", "stream", largest_context=True
     )
-    for ax, model, rows, labels in panels:
+    for ax, model, rows, labels in model_panels:
         context = rows[0]["context_tokens"]
         series = {}
         for metric, name in (("ratio_vs_fp16", "vs fp16"), ("ratio_vs_int8", "vs int8 per-token")):
@@ -372,13 +322,15 @@ def _compression_ratio(doc: dict):
         ax.axhline(1.0, color="0.3", linewidth=0.8)
         ax.set_title(f"{model}, {context}-token context (all overhead counted)")
         ax.legend(fontsize=8)
-    _footnote(fig, _missing_note(doc, "stream"))
+    footnote(fig, _missing_note(doc, "stream"))
     return fig
 
 
 def _decode_time(doc: dict):
-    fig, panels = _model_panels(doc, "Decode time of the whole context (lower is better)", "stream")
-    for ax, model, rows, labels in panels:
+    fig, model_panels = _model_panels(
+        doc, "Decode time of the whole context (lower is better)", "stream"
+    )
+    for ax, model, rows, labels in model_panels:
         contexts = sorted({r["context_tokens"] for r in rows})
         series = {}
         for context in contexts:
@@ -397,7 +349,7 @@ def _decode_time(doc: dict):
         _bars(ax, labels, series, "decode time (s)")
         ax.set_title(f"{model}: entropy decode + dequantize")
         ax.legend(title="context", fontsize=8)
-    _footnote(fig, _missing_note(doc, "stream"))
+    footnote(fig, _missing_note(doc, "stream"))
     return fig
 
 
@@ -411,8 +363,8 @@ def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def _quality_vs_size(doc: dict):
-    fig, panels = _model_panels(doc, "Quality vs size (lower-left is better)", "quality")
-    for ax, model, rows, _ in panels:
+    fig, model_panels = _model_panels(doc, "Quality vs size (lower-left is better)", "quality")
+    for ax, model, rows, _ in model_panels:
         for i, row in enumerate(sorted(rows, key=lambda r: r["bits_per_element"])):
             ax.scatter(row["bits_per_element"], row["ppl_change_pct"], s=40, zorder=3)
             # Alternate above/below so neighbours of similar size (int8, fp8) stay legible.
@@ -440,134 +392,5 @@ def _quality_vs_size(doc: dict):
         ax.set_title(f"{model}, {windows_text} windows of {contexts_text} tokens")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    _footnote(fig, _missing_note(doc, "quality"))
-    return fig
-
-
-# ---- the stored forms: stream-bench --forms and ttft table documents ------------------------
-
-FORMS_SCHEMA = "cachegen-stream-forms-bench"
-TTFT_TABLE_SCHEMA = "cachegen-ttft-table"
-DOCUMENTS = {FORMS_SCHEMA: (1,), TTFT_TABLE_SCHEMA: (1,)}  # the versions these figures read
-
-
-def plot_document(doc: dict, path: str | Path, where: str) -> Path:
-    """Draw the figure of a ``cachegen stream-bench --forms`` document (load time per form and
-    adaptive's vs bandwidth) or of a ``cachegen ttft table`` document (TTFT per mode vs
-    bandwidth) into the PNG ``path``; a version these figures do not read is refused, naming
-    ``where`` the document came from."""
-    import matplotlib
-
-    check_version(doc, doc["schema"], DOCUMENTS[doc["schema"]], where)
-    matplotlib.use("Agg")
-    draw = {FORMS_SCHEMA: _forms_vs_bandwidth, TTFT_TABLE_SCHEMA: _ttft_table}[doc["schema"]]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig = draw(doc)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    _close(fig)
-    return path
-
-
-def _runs_spread(median: float, runs: list[float]) -> tuple[float, float]:
-    return (median - min(runs), max(runs) - median) if runs else (0.0, 0.0)
-
-
-def _forms_vs_bandwidth(doc: dict):
-    """Load time of every stored form alone and of adaptive, per link rate (medians, bars
-    over the repeats), recomputation as a dashed line; forms over the bound drawn faint."""
-    columns = sorted(doc["columns"], key=lambda c: link_order(c["bandwidth_mbps"]))
-    links = [c["bandwidth_mbps"] for c in columns]
-    xs = [_link_x(b, links) for b in links]
-    fig, (ax,) = _panels(
-        1,
-        f"Load time per stored form and adaptive's ({doc['model']}, {doc['tokens']} tokens, "
-        f"bound {doc['max_loss_pct']:g}% perplexity)",
-        width=8.0,
-    )
-    for form in doc["forms"]:
-        name = form["name"]
-        ys = [c["load_s"][name] for c in columns]
-        err = list(
-            zip(*[_runs_spread(y, c["fixed_runs_load_s"][name]) for y, c in zip(ys, columns)])
-        )
-        label = f"{name} ({form['bytes'] / 1e6:.1f} MB)"
-        if not form["allowed"]:
-            label += ", over the bound"
-        ax.errorbar(
-            xs,
-            ys,
-            yerr=err,
-            marker="o",
-            capsize=2,
-            label=label,
-            alpha=1.0 if form["allowed"] else 0.35,
-        )
-    ys = [c["adaptive_s"] for c in columns]
-    err = list(
-        zip(
-            *[
-                _runs_spread(y, [r["completion_s"] for r in c["adaptive_runs"]])
-                for y, c in zip(ys, columns)
-            ]
-        )
-    )
-    ax.errorbar(
-        xs, ys, yerr=err, marker="s", capsize=2, color="black", linewidth=2.5, label="adaptive"
-    )
-    recompute = {c["recompute_s"] for c in columns}
-    if len(recompute) == 1:
-        ax.axhline(recompute.pop(), linestyle="--", color="0.3", label="recompute (no KV link)")
-    _log_axes(ax, links)
-    ax.set_xlabel("bandwidth of the KV link (Mbit/s)")
-    ax.set_ylabel("load time (s, log scale)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, loc="upper right")
-    ratios = ", ".join(
-        f"{link_label(c['bandwidth_mbps'])}: {c['adaptive_vs_best']:.2f}" for c in columns
-    )
-    _footnote(fig, f"adaptive / best allowed fixed form, per link: {ratios}")
-    return fig
-
-
-def _ttft_table(doc: dict):
-    """TTFT per mode (and stored level) vs the link's rate through vLLM, one panel per
-    context (medians, bars over the repeats); recomputation as a dashed line."""
-    rows = doc["rows"]
-    contexts = sorted({r["context_tokens"] for r in rows})
-    fig, axes = _panels(
-        len(contexts), f"Time to first token vs bandwidth ({rows[0]['model']}, vLLM)"
-    )
-    for ax, context in zip(axes, contexts):
-        mine = [r for r in rows if r["context_tokens"] == context]
-        links = sorted(
-            {r["bandwidth_mbps"] for r in mine if r["mode"] != RECOMPUTE}, key=link_order
-        )
-        for mode, level in dict.fromkeys((r["mode"], r["level"]) for r in mine):
-            line = sorted(
-                (r for r in mine if (r["mode"], r["level"]) == (mode, level)),
-                key=lambda r: link_order(r["bandwidth_mbps"]),
-            )
-            if mode == RECOMPUTE:
-                ax.axhline(line[0]["ttft_s"], linestyle="--", color="0.3", label="recompute")
-                continue
-            ys = [r["ttft_s"] for r in line]
-            err = list(zip(*[_runs_spread(r["ttft_s"], r["ttft_runs_s"]) for r in line]))
-            bold = mode == "adaptive"
-            ax.errorbar(
-                [_link_x(r["bandwidth_mbps"], links) for r in line],
-                ys,
-                yerr=err,
-                marker="s" if bold else "o",
-                capsize=2,
-                color="black" if bold else None,
-                linewidth=2.5 if bold else None,
-                label=mode_name(mode, level),
-            )
-        _log_axes(ax, links)
-        ax.set_xlabel("bandwidth of the KV link (Mbit/s)")
-        ax.set_ylabel("TTFT (s, log scale)")
-        ax.set_title(f"{context}-token context")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8, loc="upper right")
+    footnote(fig, _missing_note(doc, "quality"))
     return fig
