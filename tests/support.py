@@ -70,7 +70,7 @@ def connector_engine(spec, store: str, **options):
 def generate_with_params(engine, ids: list[int], params: dict, max_tokens: int = 12):
     """The greedy answer and the connector's report of a request to ``engine`` (a
     ConnectorEngine) that loads and does not save, with ``params`` as its further
-    ``kv_transfer_params`` (ConnectorEngine.run names a mode and takes no max_loss_pct)."""
+    ``kv_transfer_params`` (ConnectorEngine.run always names a mode)."""
     from vllm import SamplingParams
 
     sampling = SamplingParams(

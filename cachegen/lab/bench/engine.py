@@ -35,7 +35,7 @@ from cachegen.cpu import engine_dtype
 from cachegen.errors import InputError
 from cachegen.lab.bench.store_client import StoreClient
 from cachegen.models import EMBEDDED_DEFAULT, ModelSpec, resolve
-from cachegen.modes import MODES, RECOMPUTE
+from cachegen.modes import CONNECTOR_MODES, RECOMPUTE
 
 
 @dataclass
@@ -240,6 +240,7 @@ class ConnectorEngine(StoreClient):
         level: int | None = None,
         bandwidth_mbps: float | None = None,
         slo_ms: float | None = None,
+        max_loss_pct: float | None = None,
         rtt_ms: float = 0.0,
         save: bool = False,
         max_tokens: int = 16,
@@ -248,11 +249,13 @@ class ConnectorEngine(StoreClient):
         margins: bool = False,
     ) -> Submitted:
         """Add a request without waiting for it; drive it with :meth:`step_until_done`.
-        ``margins`` records how far each greedy token led the runner-up."""
+        ``mode`` is ``recompute`` or a connector mode; ``margins`` records how far each greedy
+        token led the runner-up."""
         from vllm import SamplingParams
 
-        if mode not in MODES:
-            raise InputError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        modes = (RECOMPUTE, *CONNECTOR_MODES)
+        if mode not in modes:
+            raise InputError(f"unknown mode {mode!r}; choose one of {', '.join(modes)}")
         if max_tokens < 2:
             raise InputError(
                 "max_tokens must be >= 2 (the connector's report arrives after the first step)"
@@ -265,6 +268,7 @@ class ConnectorEngine(StoreClient):
                 ("level", level),
                 ("bandwidth_mbps", bandwidth_mbps),
                 ("slo_ms", slo_ms),
+                ("max_loss_pct", max_loss_pct),
                 ("skip_out_of_window", skip_out_of_window),
             ):
                 if value is not None:

@@ -40,7 +40,7 @@ from cachegen.modes import RECOMPUTE
 GPU_MEMORY_UTILIZATION = 0.3  # on CPU: the share of RAM vLLM may plan with (docs/connector.md)
 STARTUP_TIMEOUT_S = 600.0
 PROTOCOL_SCHEMA = "cachegen-engine-protocol"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a run request carries max_loss_pct
 
 
 class EngineError(RuntimeError):
@@ -116,9 +116,11 @@ class EngineSession:
         level: int | None = None,
         bandwidth_mbps: float | None = None,
         slo_ms: float | None = None,
+        max_loss_pct: float | None = None,
         max_tokens: int = 16,
     ) -> RequestRow:
-        """One request; ``mode`` is ``recompute`` or a connector mode."""
+        """One request; ``mode`` is ``recompute`` or a connector mode (``adaptive`` takes
+        ``slo_ms`` or ``max_loss_pct``)."""
         event = self._call(
             {
                 "op": "run",
@@ -127,6 +129,7 @@ class EngineSession:
                 "level": level,
                 "bandwidth_mbps": bandwidth_mbps,
                 "slo_ms": slo_ms,
+                "max_loss_pct": max_loss_pct,
                 "max_tokens": int(max_tokens),
             }
         )

@@ -152,9 +152,9 @@ def test_calibration_refuses_an_unknown_version_naming_the_file(tmp_path):
 
 
 def test_the_engine_protocol_is_checked():
-    ready = {"schema": "cachegen-engine-protocol", "version": 1, "event": "ready"}
+    ready = {"schema": "cachegen-engine-protocol", "version": 2, "event": "ready"}
     assert check_ready(ready) == ready
-    with pytest.raises(EngineError, match="ready event is 'cachegen-engine-protocol' version 2"):
-        check_ready({**ready, "version": 2})
+    with pytest.raises(EngineError, match="ready event is 'cachegen-engine-protocol' version 1"):
+        check_ready({**ready, "version": 1})  # its run requests carry no max_loss_pct
     with pytest.raises(EngineError, match='ready event has no "schema"'):
         check_ready({"event": "ready"})
