@@ -14,7 +14,7 @@ from cachegen.lab.bench.codec_report import measure, text_windows
 from cachegen.modes import Mode
 from cachegen.profiles import codec_for
 
-from .common import CODEC_MODES, MODELS, QUICK
+from .common import CODEC_MODES, MODEL_MODES, MODELS, PROFILE, QUICK
 
 CONTEXT_TOKENS = 512 if QUICK else 1024
 KV_DIR = "codec-kv"
@@ -33,7 +33,8 @@ extract_kv.timeout = 600
 
 
 class CodecSpeed:
-    """Whole-context encode and decode of ``CONTEXT_TOKENS`` tokens of each model's KV."""
+    """Whole-context encode and decode of ``CONTEXT_TOKENS`` tokens of each model's KV, for
+    the codec modes the sweep measures of that model."""
 
     params = (MODELS, CODEC_MODES)
     param_names = ("model", "mode")
@@ -44,6 +45,10 @@ class CodecSpeed:
     warmup_time = 0
 
     def setup(self, kv_dir, model, mode):
+        if mode not in MODEL_MODES[model]:
+            raise NotImplementedError(
+                f"{mode} is not one of {model}'s modes in the {PROFILE} profile"
+            )
         parsed = Mode.parse(mode)
         self.kv = KVCache.load(os.path.join(kv_dir, model.replace("/", "--")))
         self.codec = codec_for(parsed.codec_name, model)

@@ -30,6 +30,7 @@ _ORDERED = sorted(CONFIG.modes, key=lambda m: (m.mode == "cachegen", m.level or 
 MODES = [m.label for m in _ORDERED]
 KV_MODES = [m.label for m in _ORDERED if m.moves_kv]
 CODEC_MODES = [m.label for m in _ORDERED if m.codec_name is not None]
+MODEL_MODES = {model: {m.label for m in CONFIG.modes_of(model)} for model in MODELS}
 QUICK = PROFILE == "quick"
 BANDWIDTHS = [int(b) if float(b).is_integer() else b for b in CONFIG.bandwidth_mbps]
 CONTEXTS = list(CONFIG.context_tokens)

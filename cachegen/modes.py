@@ -8,6 +8,9 @@ results and plots.
                      ``cachegen`` plus ``level`` L)
   ``tcq-<L>``        the transform codec ``tcq`` at level L (``mode`` ``tcq`` plus ``level``)
   ``adaptive``       CacheGen with a per-chunk level choice under a load-time budget
+  ``adaptive-fastest``  per chunk the fastest stored form within a quality bound (the
+                     connector takes ``mode`` ``adaptive`` plus ``max_loss_pct``); the bench
+                     measures it over the connector's default save ladder
 
 A fixed mode stores one :class:`Form` per chunk; a level of cachegen or tcq has a second form,
 ``cachegen-<L>-packed``, ``tcq-<L>-packed``: the same symbols bit-packed (larger, decoded
@@ -26,6 +29,7 @@ CACHEGEN = "cachegen"
 TCQ = "tcq"
 LEVELED = (CACHEGEN, TCQ)  # codecs whose modes name a level
 ADAPTIVE = "adaptive"
+ADAPTIVE_FASTEST = "adaptive-fastest"  # adaptive with max_loss_pct, named apart from slo_ms's
 KV_BASELINES = ("raw", "int8", "fp8")
 CONNECTOR_MODES = (
     *KV_BASELINES,
@@ -33,7 +37,7 @@ CONNECTOR_MODES = (
     TCQ,
     ADAPTIVE,
 )  # the modes that load KV through the connector
-MODES = (RECOMPUTE, *CONNECTOR_MODES)
+MODES = (RECOMPUTE, *CONNECTOR_MODES, ADAPTIVE_FASTEST)
 
 CODED, PACKED = "coded", "packed"
 FORMS = (CODED, PACKED)  # how a level's symbols are stored: entropy-coded or bit-packed
@@ -127,8 +131,15 @@ class Mode:
 
     @property
     def codec_name(self) -> str | None:
-        """The codec that encodes this mode's KV (None: recompute; adaptive mixes levels)."""
-        return None if self.mode in (RECOMPUTE, ADAPTIVE) else self.mode
+        """The codec that encodes this mode's KV (None: recompute; the adaptive modes mix
+        levels and forms)."""
+        return None if self.mode in (RECOMPUTE, ADAPTIVE, ADAPTIVE_FASTEST) else self.mode
+
+    @property
+    def connector_mode(self) -> str:
+        """The ``mode`` a request names: ``adaptive`` for ``adaptive-fastest`` (which adds
+        ``max_loss_pct``), else this mode."""
+        return ADAPTIVE if self.mode == ADAPTIVE_FASTEST else self.mode
 
     @property
     def form(self) -> Form | None:
@@ -137,8 +148,8 @@ class Mode:
 
     @classmethod
     def parse(cls, label: str) -> Mode:
-        """``recompute``, ``raw``, ``int8``, ``fp8``, ``adaptive``, ``cachegen-<level>`` or
-        ``tcq-<level>``."""
+        """``recompute``, ``raw``, ``int8``, ``fp8``, ``adaptive``, ``adaptive-fastest``,
+        ``cachegen-<level>`` or ``tcq-<level>``."""
         if label in MODES and label not in LEVELED:
             return cls(label)
         prefix, _, level = label.partition("-")

@@ -50,11 +50,16 @@ def test_tcq_modes_parse_and_name_their_forms():
 
 
 def test_the_bench_stores_the_tcq_levels_it_measures():
+    import inspect
+
+    from cachegen.lab.bench.engine import ConnectorEngine
     from cachegen.lab.bench.measure_e2e import connector_options
 
     modes = [Mode("tcq", 23), Mode("int8"), Mode("tcq", 21)]
-    options = connector_options("file:///tmp/unused", CHUNK, modes, [11])
-    assert options["save_modes"] == ["int8", "tcq"] and options["tcq_levels"] == [21, 23]
+    options = connector_options(CHUNK, modes, [11])
+    assert options["save_modes"] == ["int8", "tcq"]
+    assert options["connector_extra"] == {"tcq_levels": [21, 23]}
+    assert set(options) <= set(inspect.signature(ConnectorEngine).parameters)
 
 
 def test_a_tcq_level_the_model_lacks_is_refused(tiny_llama, tmp_path):

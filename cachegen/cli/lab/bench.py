@@ -80,7 +80,7 @@ def _register_bench(subparsers) -> None:
         "--profile",
         choices=("default", "quick"),
         default="default",
-        help="default: what `make bench` runs (<= 20 min on 2 cores); quick: a smoke run "
+        help="default: what `make bench` runs (<= 25 min on 2 cores); quick: a smoke run "
         "(<= 3 min)",
     )
     p.add_argument(
@@ -108,9 +108,10 @@ def _sweep_overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--modes",
         nargs="+",
-        help="recompute raw int8 fp8 cachegen-<level> adaptive, or the groups "
-        "baseline (recompute raw int8 fp8), cachegen (paper levels 1-3, the model's default level, "
-        "adaptive), all (default: all)",
+        help="recompute raw int8 fp8 cachegen-<level> tcq-<level> adaptive adaptive-fastest, or "
+        "the groups baseline (recompute raw int8 fp8), cachegen (paper levels 1-3, the model's "
+        "default level, adaptive), tcq (the model's tcq default level, adaptive-fastest over the "
+        "connector's default save ladder), all (default: recompute raw int8 cachegen tcq)",
     )
     rates = "link rates in Mbit/s (default: 100 500 1000)"
     p.add_argument("--bandwidth-mbps", nargs="+", type=float, help=rates)

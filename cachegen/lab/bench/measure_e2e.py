@@ -1,12 +1,17 @@
 """End-to-end measurements through real vLLM: TTFT, latency and output rate per mode.
 
-One engine per model serves every mode: the connector's ``ConnectorEngine`` (vLLM with the
-CacheGenConnector), whose per-request options pick the mode, level and link bandwidth (see
-``cachegen.lab.bench.engine_process``). Per context the engine first prefills the context
-once with saving on and waits until every encoding the sweep needs is stored; then for each
-KV mode one unmeasured warm-up request checks that the mode loads and pays its one-time
+Two engines per model serve the modes, one after the other, each the connector's
+``ConnectorEngine`` (vLLM with the CacheGenConnector) on a store of its own, whose per-request
+options pick the mode, level, quality bound and link bandwidth (see
+``cachegen.lab.bench.engine_process``): one stores every encoding the fixed modes and
+adaptive need (every cachegen level, the baselines, tcq levels that are named); the other
+runs in the connector's default configuration and serves the modes a user gets by default,
+the model's tcq default level and ``adaptive-fastest``, which then chooses among the forms of
+the default save ladder only (``DEFAULT_CONFIGURATION_MODES``). Per context each engine first
+prefills the context once with saving on and waits until every encoding is stored; then for
+each KV mode one unmeasured warm-up request checks that the mode loads and pays its one-time
 costs (codec tables, kernels), and only then are the measured requests sent. Text recompute
-runs on the same engine with loading and saving off; when the connector cannot start at all
+runs on the first engine with loading and saving off; when the connector cannot start at all
 it runs on a plain engine instead, and every KV mode is recorded as missing with the reason.
 
 A KV-mode request that loaded nothing is not a measurement of that mode (vLLM simply
@@ -22,28 +27,43 @@ import tempfile
 from pathlib import Path
 
 from cachegen.lab.bench.engine_process import EngineError, EngineSession, RequestFailed
+from cachegen.lab.bench.modes import tcq_default
 from cachegen.lab.bench.prompts import Context, question
 from cachegen.lab.rows import RequestRow, Run
-from cachegen.modes import RECOMPUTE, TCQ, Mode
+from cachegen.modes import ADAPTIVE, ADAPTIVE_FASTEST, CACHEGEN, RECOMPUTE, TCQ, Mode
 
 MARGIN_TOKENS = 64  # room for the question after the context
 WARM_UP_REPEAT = 999  # question number of unmeasured requests (never one of the measured repeats)
 
 
-def connector_options(
-    store_url: str, chunk_tokens: int, kv_modes: list[Mode], cachegen_levels: list[int]
-) -> dict:
-    """Engine-wide connector options: the store, chunking, and every encoding to save. Every
-    cachegen level is stored (the connector's default stores a small ladder), so that each
-    measured level loads and adaptive chooses among all the calibrated levels."""
-    save_modes = sorted({"cachegen" if m.mode == "adaptive" else m.mode for m in kv_modes})
-    options = {"store": store_url, "chunk_tokens": chunk_tokens, "save_modes": save_modes}
-    if "cachegen" in save_modes:
+def connector_options(chunk_tokens: int, kv_modes: list[Mode], cachegen_levels: list[int]) -> dict:
+    """Engine-wide connector options (``ConnectorEngine``'s, but the store): chunking and
+    every encoding to save. Every cachegen level is stored (the connector's default stores a
+    small ladder), so that each measured level loads and adaptive chooses among all the
+    calibrated levels."""
+    save_modes = sorted({CACHEGEN if m.mode == ADAPTIVE else m.mode for m in kv_modes})
+    options = {"chunk_tokens": chunk_tokens, "save_modes": save_modes}
+    if CACHEGEN in save_modes:
         options["cachegen_levels"] = list(cachegen_levels)
     tcq_levels = sorted({m.level for m in kv_modes if m.mode == TCQ and m.level is not None})
-    if tcq_levels:  # the measured ones (the connector's default stores one)
-        options["tcq_levels"] = tcq_levels
+    if tcq_levels:  # the measured ones (the connector's default stores its save ladder)
+        options["connector_extra"] = {"tcq_levels": tcq_levels}
     return options
+
+
+def default_options(chunk_tokens: int) -> dict:
+    """The connector's default configuration (but the store and chunking): it saves the
+    model's default mode, in its default save ladder."""
+    return {"chunk_tokens": chunk_tokens, "save_modes": None}
+
+
+def default_configuration(mode: Mode, model: str) -> bool:
+    """Whether ``mode`` is measured on the engine in the connector's default configuration:
+    ``adaptive-fastest``, and the model's tcq default level."""
+    default = tcq_default(model)
+    return mode.mode == ADAPTIVE_FASTEST or (
+        default is not None and mode == Mode(TCQ, default.level)
+    )
 
 
 class E2EMeasurer:
@@ -74,12 +94,24 @@ class E2EMeasurer:
     # ---- planning ---------------------------------------------------------------------
 
     def run(self) -> None:
-        kv_modes = [m for m in self.cfg.modes if m.moves_kv]
-        recompute = Mode("recompute") in self.cfg.modes
+        modes = self.cfg.modes_of(self.model)
+        kv_modes = [m for m in modes if m.moves_kv and self._has_bound(m)]
+        recompute = Mode(RECOMPUTE) in modes
+        shared = [m for m in kv_modes if not default_configuration(m, self.model)]
+        default = [m for m in kv_modes if default_configuration(m, self.model)]
         done_recompute = False
-        if kv_modes:
-            with tempfile.TemporaryDirectory(prefix="cachegen-bench-store-") as store_dir:
-                done_recompute = self._with_connector(kv_modes, recompute, Path(store_dir).as_uri())
+        if shared:
+            options = connector_options(self.cfg.chunk_tokens, shared, self._cachegen_levels())
+            done_recompute = self._with_connector(shared, recompute, options)
+        if default:
+            options = default_options(self.cfg.chunk_tokens)
+            done_recompute |= self._with_connector(
+                default, recompute and not done_recompute, options
+            )
+            self.notes.append(
+                f"{', '.join(m.label for m in default)} ran on an engine of their own in the "
+                "connector's default configuration (its default save ladder only)"
+            )
         if recompute and not done_recompute:
             try:
                 with self._session(None) as engine:
@@ -87,26 +119,45 @@ class E2EMeasurer:
                     self._recompute(engine)
                 self.notes.append("recompute ran on a plain vLLM engine (no connector)")
             except EngineError as exc:
-                for context in self.contexts:
-                    self._missing(Mode("recompute"), f"vLLM engine failed: {exc}", context)
+                for context in self._contexts_of(Mode(RECOMPUTE)):
+                    self._missing(Mode(RECOMPUTE), f"vLLM engine failed: {exc}", context)
+
+    def _has_bound(self, mode: Mode) -> bool:
+        """False for ``adaptive-fastest`` without a quality bound for this model, recorded as
+        missing at each of its contexts."""
+        if mode.mode != ADAPTIVE_FASTEST or self.model in self.cfg.max_loss_pct:
+            return True
+        for context in self._contexts_of(mode):
+            self._missing(
+                mode,
+                f"{self.model} ships no tcq calibration with a default level, whose target is "
+                "the quality bound (max_loss_pct) of adaptive-fastest",
+                context,
+            )
+            self.tick(len(self.cfg.bandwidth_mbps) * self.cfg.repeats)
+        return False
+
+    def _contexts_of(self, mode: Mode) -> list[Context]:
+        """The contexts at which ``mode`` is measured."""
+        return [c for c in self.contexts if mode in self.cfg.modes_at(self.model, c.tokens)]
 
     def _cachegen_levels(self) -> list[int]:
         from cachegen.profiles import codec_for
 
-        return list(codec_for("cachegen", self.model).levels)
+        return list(codec_for(CACHEGEN, self.model).levels)
 
     def _session(self, connector: dict | None) -> EngineSession:
         return EngineSession(self.model, self.max_model_len, connector=connector, log=self.log)
 
-    def _with_connector(self, kv_modes: list[Mode], recompute: bool, store_url: str) -> bool:
-        """Measure with one connector engine; True when recompute was measured on it."""
+    def _with_connector(self, kv_modes: list[Mode], recompute: bool, options: dict) -> bool:
+        """Measure ``kv_modes`` (and ``recompute``) with one connector engine of ``options``
+        on a fresh store; True when recompute was measured on it."""
         done_recompute = False
         try:
-            with self._session(
-                connector_options(
-                    store_url, self.cfg.chunk_tokens, kv_modes, self._cachegen_levels()
-                )
-            ) as engine:
+            with (
+                tempfile.TemporaryDirectory(prefix="cachegen-bench-store-") as store_dir,
+                self._session({**options, "store": Path(store_dir).as_uri()}) as engine,
+            ):
                 self._warm_up(engine)
                 if recompute:
                     self._recompute(engine)
@@ -115,7 +166,8 @@ class E2EMeasurer:
                         "recompute ran on the connector engine with loading and saving off"
                     )
                 for context in self.contexts:
-                    self._store(engine, context, kv_modes)
+                    modes = self.cfg.modes_at(self.model, context.tokens)
+                    self._store(engine, context, [m for m in kv_modes if m in modes])
         except EngineError as exc:
             self._missing_unless_done(
                 kv_modes, f"vLLM engine with the CacheGenConnector failed: {exc}"
@@ -133,14 +185,14 @@ class E2EMeasurer:
         )
 
     def _recompute(self, engine: EngineSession) -> None:
-        for context in self.contexts:
+        for context in self._contexts_of(Mode(RECOMPUTE)):
             for repeat in range(self.cfg.repeats):
                 request = engine.run(
                     context.prompt(question(self.tokenizer, repeat)),
                     mode=RECOMPUTE,
                     max_tokens=self.cfg.output_tokens,
                 )
-                self.runs.append(self._run(request, context, repeat))
+                self.runs.append(self._run(request, context, repeat, Mode(RECOMPUTE)))
                 self.tick()
 
     def _store(self, engine: EngineSession, context: Context, kv_modes: list[Mode]) -> None:
@@ -193,7 +245,7 @@ class E2EMeasurer:
                         bandwidth,
                     )
                 else:
-                    self.runs.append(self._run(request, context, repeat))
+                    self.runs.append(self._run(request, context, repeat, mode))
                 self.tick()
 
     def _request(
@@ -207,10 +259,13 @@ class E2EMeasurer:
     ) -> RequestRow:
         return engine.run(
             context.prompt(question(self.tokenizer, repeat)),
-            mode=mode.mode,
+            mode=mode.connector_mode,
             level=mode.level,
             bandwidth_mbps=bandwidth,
-            slo_ms=self.cfg.slo_ms if mode.mode == "adaptive" else None,
+            slo_ms=self.cfg.slo_ms if mode.mode == ADAPTIVE else None,
+            max_loss_pct=self.cfg.max_loss_pct[self.model]
+            if mode.mode == ADAPTIVE_FASTEST
+            else None,
             max_tokens=max_tokens,
         )
 
@@ -237,20 +292,24 @@ class E2EMeasurer:
             for m in self.missing
             if m["model"] == self.model and m["kind"] == "e2e"
         }
-        for context in self.contexts:
-            for mode in kv_modes:
+        for mode in kv_modes:
+            for context in self._contexts_of(mode):
                 if (mode.mode, mode.level, context.tokens) not in done:
                     self._missing(mode, reason, context)
 
     # ---- rows -------------------------------------------------------------------------
 
-    def _run(self, request: RequestRow, context: Context, repeat: int) -> dict:
+    def _run(self, request: RequestRow, context: Context, repeat: int, mode: Mode) -> dict:
+        """The results run of ``request``, made for ``mode`` (the sweep's name of what the
+        request asked the connector for)."""
         loaded, nbytes = request.loaded_tokens, request.bytes
         g = self.identity  # 2 tensors (K, V) x 2 bytes per element in 16-bit floats
         fp16_bytes = loaded * g.num_layers * g.num_kv_heads * g.head_dim * 4 if loaded else None
         return Run.of(
             request,
             kind="e2e",
+            mode=mode.mode,
+            level=mode.level,
             context_tokens=context.tokens,
             repeat=repeat,
             ratio_vs_fp16=fp16_bytes / nbytes if fp16_bytes and nbytes else None,

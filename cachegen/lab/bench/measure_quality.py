@@ -15,7 +15,7 @@ CONTINUATION_TOKENS = 128  # scored tokens per window
 
 
 def measure_quality(cfg, model: str, *, quality: list, missing: list, tick) -> None:
-    modes = [m for m in cfg.modes if m.codec_name is not None]
+    modes = [m for m in cfg.modes_of(model) if m.codec_name is not None]
     if not modes or cfg.quality_windows == 0:
         return
 

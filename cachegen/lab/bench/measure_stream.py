@@ -9,8 +9,9 @@ fetching and decoding pipelined, every chunk checked against its tokens (``run_l
 Each load's ``StreamRow`` becomes a results ``Run`` with the encoding's sizes
 (``codec_report.size_stats``).
 
-Adaptive mode has no fixed size and is measured end to end only (``measure_e2e``); text
-recompute moves no KV.
+The adaptive modes have no fixed size and are measured end to end only (``measure_e2e``);
+text recompute moves no KV. Each context gets the model's modes measured at its length
+(``SweepConfig.modes_at``).
 """
 
 from __future__ import annotations
@@ -41,14 +42,17 @@ def measure_stream(
     from cachegen.extract import extract_kv
     from cachegen.store import open_store
 
-    modes = stream_modes(cfg.modes)
-    if not modes:
+    measured = {c.tokens: stream_modes(cfg.modes_at(model, c.tokens)) for c in contexts}
+    if not any(measured.values()):
         return
     spec = models.resolve(model)
     with tempfile.TemporaryDirectory(prefix="cachegen-bench-stream-") as root:
         store = open_store(Path(root).as_uri())
         try:
             for context in contexts:
+                modes = measured[context.tokens]
+                if not modes:
+                    continue
                 ids = torch.tensor(context.ids)
                 kv = extract_kv(spec, token_ids=ids, prefill_chunk_tokens=PREFILL_CHUNK_TOKENS)
                 for mode in modes:

@@ -21,7 +21,8 @@ from cachegen.lab import rows
 
 SCHEMA_PATH = Path(__file__).with_name("results.schema.json")
 SCHEMA_NAME = "cachegen-bench-results"
-SCHEMA_VERSION = 2  # 2: rows of rows.schema.json, output_tokens_per_s
+SCHEMA_VERSION = 3  # 2: rows of rows.schema.json, output_tokens_per_s; 3: tcq, adaptive-fastest
+READ_VERSIONS = (2, SCHEMA_VERSION)  # a version 2 file is a version 3 file without tcq's modes
 CELL = ("kind", "model", "mode", "level", "bandwidth_mbps", "context_tokens")
 # Run fields that get a median per cell (everything numeric that varies between repeats).
 METRICS = (
@@ -144,7 +145,7 @@ def load(path: str | os.PathLike) -> dict:
         ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ResultsError(f"{path} is not readable JSON: {exc}") from None
-    check_version(doc, SCHEMA_NAME, (SCHEMA_VERSION,), str(path))
+    check_version(doc, SCHEMA_NAME, READ_VERSIONS, str(path))
     validate(doc)
     return doc
 

@@ -14,6 +14,7 @@ import pytest
 
 from cachegen.lab.bench import results
 from cachegen.lab.bench.plots import FIGURES
+from cachegen.modes import Mode
 from tests.support import REPO
 
 MODES = [
@@ -23,7 +24,8 @@ MODES = [
     "cachegen-2",
     "adaptive",
     "cachegen-99",
-]  # tiny-llama has no level 99
+    "adaptive-fastest",
+]  # tiny-llama has no level 99, and no tcq calibration that bounds adaptive-fastest
 CONTEXT = 256
 
 
@@ -69,10 +71,11 @@ def test_every_requested_mode_is_measured_or_explained(quick):
     e2e = {(r["mode"], r["level"]) for r in doc["runs"] if r["kind"] == "e2e"}
     missing = {(m["mode"], m["level"]) for m in doc["missing"] if m["kind"] == "e2e"}
     for label in MODES:
-        mode, _, level = label.partition("-")
-        key = (mode, int(level) if level else None)
-        assert key in e2e or key in missing, label
+        mode = Mode.parse(label)
+        assert (mode.mode, mode.level) in e2e | missing, label
     assert all(m["reason"] for m in doc["missing"])
+    (unbounded,) = {m["reason"] for m in doc["missing"] if m["mode"] == "adaptive-fastest"}
+    assert "ships no tcq calibration" in unbounded
 
 
 def test_a_mode_that_cannot_be_measured_is_reported_never_invented(quick):

@@ -12,8 +12,8 @@ import pytest
 from cachegen.errors import InputError
 from cachegen.lab import rows
 from cachegen.lab.bench import results
-from cachegen.lab.bench.modes import expand
-from cachegen.modes import Mode
+from cachegen.lab.bench.modes import TcqDefault, expand, tcq_default
+from cachegen.modes import Form, Mode
 from tests.support import FIXTURES
 
 FIXTURE = FIXTURES / "bench_results.json"
@@ -134,6 +134,97 @@ def test_mode_groups_expand_like_the_earlier_reproduction():
     assert Mode.parse("cachegen-2") == Mode("cachegen", 2)
     with pytest.raises(InputError, match="unknown mode"):
         expand(["cachegen-x"])
+
+
+def _shipped(model: str) -> dict:
+    """The calibrated levels document shipped for ``model``: its cachegen default level, and
+    its tcq default level with the perplexity target it was calibrated for."""
+    from cachegen.codec.profile import SHIPPED_DIR
+
+    return json.loads((SHIPPED_DIR / f"{model}.json").read_text())
+
+
+def test_adaptive_fastest_is_a_mode_of_its_own_that_asks_for_adaptive():
+    mode = Mode.parse("adaptive-fastest")
+    assert mode == Mode("adaptive-fastest") and mode.label == "adaptive-fastest"
+    assert (mode.connector_mode, mode.codec_name, mode.form, mode.moves_kv) == (
+        "adaptive",
+        None,
+        None,
+        True,
+    )
+    assert Mode("adaptive").connector_mode == "adaptive" and Mode("tcq", 24).connector_mode == "tcq"
+    with pytest.raises(InputError, match="unknown form"):
+        Form.parse("adaptive-fastest")
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_the_tcq_group_is_each_models_default_level_and_adaptive_fastest(model):
+    shipped = _shipped(model)
+    level = shipped["tcq"]["default_level"]
+    assert expand(["tcq"], model) == [Mode("tcq", level), Mode("adaptive-fastest")]
+    assert tcq_default(model) == TcqDefault(level, shipped["tcq"]["targets"][str(level)])
+    # the cachegen group takes this model's default level, not another model's
+    cachegen = [m.level for m in expand(["cachegen"], model) if m.mode == "cachegen"]
+    assert cachegen == sorted({1, 2, 3, shipped["default_level"]})
+
+
+def test_a_model_without_a_shipped_tcq_default_has_no_tcq_modes():
+    assert tcq_default("tiny-llama") is None
+    assert expand(["tcq"], "tiny-llama") == [] and expand(["tcq"]) == []
+    assert Mode("adaptive-fastest") not in expand(["all"], "tiny-llama")
+
+
+def test_the_default_profile_measures_each_models_defaults_and_makes_room(monkeypatch):
+    from cachegen.lab.bench.sweep import DEFAULT_MODELS_ENV, _cells, profile
+    from cachegen.models import EMBEDDED
+
+    monkeypatch.delenv(DEFAULT_MODELS_ENV, raising=False)
+    cfg = profile("default")
+    small, large = cfg.context_tokens
+    for model in EMBEDDED:
+        shipped = _shipped(model)
+        tcq = Mode("tcq", shipped["tcq"]["default_level"])
+        modes = cfg.modes_of(model)
+        assert {tcq, Mode("adaptive-fastest"), Mode("cachegen", shipped["default_level"])} <= set(
+            modes
+        )
+        assert Mode("fp8") not in modes  # left out to make room
+        others = {_shipped(m)["default_level"] for m in EMBEDDED} - {shipped["default_level"]}
+        assert not {Mode("cachegen", level) for level in others} & set(modes)
+        assert cfg.max_loss_pct[model] == shipped["tcq"]["targets"][str(tcq.level)]
+        # raw and the paper's levels at the largest context only; the defaults at both
+        assert set(cfg.modes_at(model, large)) == set(modes)
+        assert set(modes) - set(cfg.modes_at(model, small)) == {
+            Mode("raw"),
+            *(Mode("cachegen", level) for level in (1, 2, 3)),
+        }
+        # e2e: recompute at both contexts, 9 KV modes at the largest, 5 at the other; stream:
+        # the 7 and 3 codec modes of those; quality: one step
+        e2e = cfg.repeats * (2 + len(cfg.bandwidth_mbps) * (9 + 5))
+        assert _cells(cfg, model) == e2e + 7 + 3 + 1
+    written = cfg.to_json()
+    assert written["model_modes"]["smollm2-135m"] == [m.label for m in cfg.modes_of("smollm2-135m")]
+    assert written["largest_context_modes"] == ["raw", "cachegen-1", "cachegen-2", "cachegen-3"]
+    assert profile("default", context_tokens=[512, 1024]).largest_context_modes == []
+    assert profile("default", modes=["all"]).largest_context_modes == []
+
+
+def test_a_version_2_document_still_reads(doc, tmp_path):
+    assert doc["version"] == 2  # the tiny-llama fixture predates tcq's modes
+    path = results.save(doc, tmp_path / "v2.json")
+    assert results.load(path)["version"] == 2
+
+
+def test_the_synthetic_document_follows_the_schema_and_only_runs_are_adaptive_fastest():
+    from tests.lab.bench.synthetic_results import document
+
+    synthetic = document()
+    assert synthetic["version"] == results.SCHEMA_VERSION == 3
+    assert {"tcq", "adaptive-fastest"} <= {r["mode"] for r in synthetic["runs"]}
+    bad = _broken(synthetic, lambda d: d["quality"][0].update(mode="adaptive-fastest", level=None))
+    with pytest.raises(results.ResultsError, match="quality/0/mode"):
+        results.validate(bad)
 
 
 def test_default_profile_sweeps_every_embedded_model_and_quick_the_default_one(monkeypatch):
