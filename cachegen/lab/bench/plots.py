@@ -3,7 +3,8 @@
 
 Every figure is drawn from the medians (error bars span the repeats' min..max), names its
 units, and says so in the panel when a mode was asked for but not measured, instead of
-leaving it out silently.
+leaving it out silently. Lines and points have one colour per mode, the same in every figure
+(``mode_colours``); the adaptive modes are drawn bold with square markers.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from cachegen.lab.bench.links import link_order
 from cachegen.lab.bench.plot_kit import footnote, link_x, log_axes, panels, runs_spread, save
 from cachegen.lab.bench.results import lookup
-from cachegen.modes import Mode
+from cachegen.modes import ADAPTIVE, ADAPTIVE_FASTEST, RECOMPUTE, Mode
 
 FIGURES = (
     "ttft_by_mode",
@@ -51,6 +52,25 @@ def _order(doc: dict) -> list[str]:
     return list(doc["config"]["modes"])
 
 
+def mode_colours(doc: dict) -> dict[str, tuple]:
+    """One colour per mode label of the sweep, in its configured order, for every figure
+    (recompute, drawn dashed grey, has none)."""
+    import matplotlib
+
+    grey = 7  # tab10's grey is recompute's
+    tab10 = [c for i, c in enumerate(matplotlib.colormaps["tab10"].colors) if i != grey]
+    palette = [*tab10, *matplotlib.colormaps["Dark2"].colors]
+    labels = [label for label in _order(doc) if label != RECOMPUTE]
+    return {label: palette[i % len(palette)] for i, label in enumerate(labels)}
+
+
+def _line_style(label: str) -> dict:
+    """The adaptive modes bold with square markers, the fixed ones plain with round ones."""
+    if Mode.parse(label).mode in (ADAPTIVE, ADAPTIVE_FASTEST):
+        return {"marker": "s", "linewidth": 2.4}
+    return {"marker": "o"}
+
+
 def _spread(doc: dict, row: dict, metric: str) -> tuple[float, float]:
     """(median - min, max - median) of ``metric`` over the runs of ``row``'s cell."""
     keys = ("kind", "model", "mode", "level", "bandwidth_mbps", "context_tokens")
@@ -62,6 +82,22 @@ def _spread(doc: dict, row: dict, metric: str) -> tuple[float, float]:
     if row.get(metric) is None:
         return 0.0, 0.0
     return runs_spread(row[metric], values)
+
+
+def _modes_note(doc: dict, contexts: bool = True) -> str:
+    """What the figures' mode labels leave unsaid: the modes measured at the largest context
+    only (for a figure of every context), and adaptive-fastest's quality bound per model."""
+    cfg, notes = doc["config"], []
+    if contexts and cfg.get("largest_context_modes"):
+        notes.append(f"largest context only: {', '.join(cfg['largest_context_modes'])}.")
+    bounds = cfg.get("max_loss_pct") or {}
+    if ADAPTIVE_FASTEST in _order(doc) and bounds:
+        each = ", ".join(f"{model} {bound:g}%" for model, bound in bounds.items())
+        notes.append(
+            "adaptive-fastest: per chunk the fastest form of the connector's default save ladder "
+            f"within a perplexity change of {each}."
+        )
+    return " ".join(notes)
 
 
 def _missing_note(doc: dict, kind: str, model: str | None = None) -> str:
@@ -181,6 +217,8 @@ def _ttft_by_mode(doc: dict):
     footnote(
         fig,
         "recompute moves no KV: its bar is the same at every bandwidth. "
+        + _modes_note(doc, contexts=False)
+        + " "
         + _missing_note(doc, "e2e"),
     )
     return fig
@@ -199,6 +237,7 @@ def _lines_vs_bandwidth(
     if not cells:
         _empty(axes[0], f"no {kind} runs\n{_missing_note(doc, kind)}")
         return fig
+    colours = mode_colours(doc)
     # Stream runs also cover rates above the end-to-end grid and the unlimited link (None).
     links = doc["config"]["bandwidth_mbps"]
     if kind == "stream":
@@ -223,7 +262,9 @@ def _lines_vs_bandwidth(
             xs = [link_x(r["bandwidth_mbps"], links) for r in mine]
             ys = [r[metric] for r in mine]
             err = list(zip(*[_spread(doc, r, metric) for r in mine]))
-            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=2, label=label)
+            ax.errorbar(
+                xs, ys, yerr=err, capsize=2, label=label, color=colours[label], **_line_style(label)
+            )
         log_axes(ax, links)
         if values:  # horizontal lines do not widen the autoscaled range by themselves
             ax.set_ylim(min(values) / 1.5, max(values) * 1.5)
@@ -231,17 +272,23 @@ def _lines_vs_bandwidth(
         ax.set_ylabel(ylabel)
         ax.set_title(f"{model}, {context}-token context")
         ax.grid(alpha=0.3, which="both")
-    # One legend beside the panels, so it never hides a line.
+    _one_legend(fig, axes, _order(doc))
+    footnote(fig, _modes_note(doc) + " " + _missing_note(doc, kind))
+    return fig
+
+
+def _one_legend(fig, axes, order: list[str]) -> None:
+    """One legend beside the panels, so it never hides a line, in the modes' ``order``."""
     handles = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
+    rank = {label: i for i, label in enumerate(order)}
+    handles = dict(sorted(handles.items(), key=lambda kv: rank.get(kv[0].split(" (")[0], 0)))
     if handles:
         fig.legend(
             handles.values(), handles.keys(), loc="outside right upper", fontsize=8, title="mode"
         )
-    footnote(fig, _missing_note(doc, kind))
-    return fig
 
 
 def _ttft_vs_bandwidth(doc: dict):
@@ -298,7 +345,7 @@ def _throughput(doc: dict):
     footnote(
         fig,
         "output_tokens_per_s: output tokens after the first / time from the first token to the "
-        "last (docs/benchmarks.md, Vocabulary)",
+        "last (docs/benchmarks.md, Vocabulary). " + _modes_note(doc),
     )
     return fig
 
@@ -349,7 +396,7 @@ def _decode_time(doc: dict):
         _bars(ax, labels, series, "decode time (s)")
         ax.set_title(f"{model}: entropy decode + dequantize")
         ax.legend(title="context", fontsize=8)
-    footnote(fig, _missing_note(doc, "stream"))
+    footnote(fig, _modes_note(doc) + " " + _missing_note(doc, "stream"))
     return fig
 
 
@@ -364,9 +411,16 @@ def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def _quality_vs_size(doc: dict):
     fig, model_panels = _model_panels(doc, "Quality vs size (lower-left is better)", "quality")
+    colours = mode_colours(doc)
     for ax, model, rows, _ in model_panels:
         for i, row in enumerate(sorted(rows, key=lambda r: r["bits_per_element"])):
-            ax.scatter(row["bits_per_element"], row["ppl_change_pct"], s=40, zorder=3)
+            ax.scatter(
+                row["bits_per_element"],
+                row["ppl_change_pct"],
+                s=40,
+                zorder=3,
+                color=colours.get(_label(row), "0.3"),
+            )
             # Alternate above/below so neighbours of similar size (int8, fp8) stay legible.
             ax.annotate(
                 _label(row),
