@@ -235,6 +235,10 @@ def _ls(args) -> int:
 
 
 def _stats(args) -> int:
+    """The store's chunks, entries and payload bytes (per namespace), and ``raw_bf16_bytes``:
+    the raw bf16 KV the stored chunks hold, each chunk's once whatever codecs and levels it is
+    stored in (:func:`_raw_bf16_bytes`), with ``payload_to_raw`` their ratio and
+    ``raw_bf16_skipped_keys`` the keys whose record is not a bitstream (not counted)."""
     with open_store(args.store) as store:
         stats = store.stats().to_dict()
         raw, skipped = _raw_bf16_bytes(store)
@@ -247,40 +251,77 @@ def _stats(args) -> int:
 
 
 # Enough for any bitstream header (fixed part, model name and fingerprint, codec parameters,
-# layer list); a longer one is read whole.
+# layer list) and a connector chunk's token ids; a record that needs more is read whole.
 _HEADER_READ = 4096
 
 
 def _raw_bf16_bytes(store) -> tuple[int, int]:
-    """What the stored chunks hold as raw bf16 KV, one copy per key whatever its levels: 2 bytes
-    per element (keys and values of the layers its header lists), read from the header of the
-    key's lowest stored level. Returns (bytes, keys whose record is not a bitstream)."""
-    from cachegen.codec.bitstream import parse_header
+    """What the stored chunks hold as raw bf16 KV: 2 bytes per key and value element, each
+    chunk's KV counted once whatever codecs and levels it is stored in. Returns (bytes, keys
+    whose record is not a bitstream).
+
+    A key's levels are forms of one KV, so each key is read once, at its lowest stored level,
+    and only the start of its record: the bitstream header and the frames' token ids, nothing
+    decoded or verified. Records hold the same KV when they name the same model (name,
+    fingerprint, geometry), start and token count, and the same token ids (a SHA-256 of
+    them); chunk keys cannot tell, as they differ per codec profile (a mixed save ladder
+    stores a chunk under tcq's key and cachegen's). A record counts only the layers its header
+    lists, so a chunk stored as parts (full-attention and sliding layers) adds up to one copy.
+    Copies under several keys of one namespace (one model, codec profile and chunking: two
+    tenants' or cache_salts' keys, or the same tokens after different prefixes) are separate
+    KV and each counted: a layer of a KV counts as many times as the most keys of any one
+    namespace hold it. (A record does not say what came before its tokens, so the same
+    tokens at the same position after different prefixes, stored only under different
+    codecs' keys, count once.)"""
+    import hashlib
+
     from cachegen.codec.errors import CodecError
     from cachegen.errors import CacheGenError
 
     first: dict[str, int] = {}
     for info in store.list():
         first[info.key] = min(info.level, first.get(info.key, info.level))
-    total = skipped = 0
+    held: dict[tuple, dict[str, int]] = {}  # (KV, layer) -> namespace -> keys holding it
+    layer_bytes: dict[tuple, int] = {}  # KV -> raw bf16 bytes of one of its layers
+    skipped = 0
     for key, level in sorted(first.items()):
         try:
-            stream = store.get_stream(key, level, block_size=_HEADER_READ)
+            head = _record_start(store, key, level)
             try:
-                head = next(stream, b"")  # unverified: only the header is read, not checked
-            finally:
-                stream.close()
-            try:
-                header = parse_header(head)
+                header, ids = _header_and_token_ids(head)
             except CodecError:
-                if len(head) < _HEADER_READ:
+                if len(head) < _HEADER_READ:  # the whole record: not a bitstream
                     raise
-                header = parse_header(store.get(key, level))
+                header, ids = _header_and_token_ids(store.get(key, level))
         except CacheGenError:  # not a bitstream, damaged, or removed since the listing
             skipped += 1
             continue
-        total += 2 * header.num_elements
+        digest = hashlib.sha256(ids.astype("<i8").tobytes()).digest()
+        kv = (header.model, header.start, header.num_tokens, digest)
+        layer_bytes[kv] = 2 * 2 * header.num_kv_heads * header.head_dim * header.num_tokens
+        namespace = key.split("/", 1)[0]
+        for layer in header.layer_indices:
+            keys = held.setdefault((kv, layer), {})
+            keys[namespace] = keys.get(namespace, 0) + 1
+    total = sum(max(keys.values()) * layer_bytes[kv] for (kv, _), keys in held.items())
     return total, skipped
+
+
+def _record_start(store, key: str, level: int) -> bytes:
+    """The first ``_HEADER_READ`` bytes of a record's payload (all of a shorter one), read
+    without the checksum that covers the whole payload."""
+    stream = store.get_stream(key, level, block_size=_HEADER_READ)
+    try:
+        return next(stream, b"")
+    finally:
+        stream.close()
+
+
+def _header_and_token_ids(blob: bytes):
+    from cachegen.codec.bitstream import parse_header, read_token_ids
+
+    header = parse_header(blob)
+    return header, read_token_ids(blob, header)
 
 
 def _evict(args) -> int:

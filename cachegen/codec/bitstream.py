@@ -367,3 +367,26 @@ def parse_frames(blob: bytes | memoryview, header: Header) -> list[Frame]:
     if pos != len(view):
         raise CodecError(f"bitstream has {len(view) - pos} unexpected trailing bytes")
     return frames
+
+
+def read_token_ids(blob: bytes | memoryview, header: Header) -> np.ndarray:
+    """The token ids of every frame, in order (int64), read from the frame headers' lengths
+    and the start of each payload; ``blob`` may end after the last frame's ids. Unverified:
+    no frame checksum is checked (what ids a stream holds, e.g. to tell which KV it is, without
+    reading its bodies; a decoder uses :func:`parse_frames`). Raises ``CodecError`` when the
+    bytes end first or a frame is too short for its ids."""
+    view = memoryview(blob)
+    dtype = "<u4" if header.token_width == 4 else "<u2"
+    parts = []
+    pos = header.size
+    for index in range(header.num_frames):
+        id_bytes = header.frame_tokens(index) * header.token_width
+        if pos + _FRAME.size + id_bytes > len(view):
+            raise CodecError(f"bitstream ends before the token ids of frame {index}")
+        (length, _) = _FRAME.unpack_from(view, pos)
+        if length < id_bytes:
+            raise CodecError(f"frame {index} is too short for its token ids")
+        begin = pos + _FRAME.size
+        parts.append(np.frombuffer(view[begin : begin + id_bytes], dtype=dtype))
+        pos = begin + length
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)

@@ -108,3 +108,54 @@ def test_put_blob_and_errors(tmp_path, capsys):
     )
     assert "invalid chunk key" in capsys.readouterr().err
     assert main(["store", "stats", "--store", "gopher://x"]) == 1
+
+
+def test_stats_count_each_chunks_raw_bf16_once(tmp_path, tiny_llama, capsys):
+    """``raw_bf16_bytes`` counts a chunk's KV once whatever codecs' keys hold it (a mixed save
+    ladder's), its layer parts add up to one copy, and separate copies count each: the same
+    tokens under another key scope of one codec, other tokens at the same position."""
+    from cachegen.codec import get_codec
+    from cachegen.store import chunk_keys, open_store
+    from cachegen.store.keys import sliding_key
+
+    ident = tiny_llama.identity()
+    g = torch.Generator().manual_seed(0)
+    shape = (ident.num_layers, ident.num_kv_heads, 512, ident.head_dim)
+    kv = KVCache(torch.randn(shape, generator=g).bfloat16(),
+                 torch.randn(shape, generator=g).bfloat16(), torch.arange(512), ident)  # fmt: skip
+    other = KVCache(kv.keys, kv.values, torch.arange(1000, 1512), ident)  # other tokens
+    copy = kv.nbytes  # both chunks' raw bf16 KV, once
+    url = (tmp_path / "store").as_uri()
+
+    def put(store, name: str, kv: KVCache, *, parts=False, salt=None, frame_tokens=256) -> None:
+        codec = get_codec(name, chunk_tokens=frame_tokens)
+        keys = chunk_keys(ident, codec.profile_id, kv.token_ids, 256, salt=salt)
+        for key, chunk in zip(keys, kv.chunks(256)):
+            if parts:  # as a model with sliding-window layers stores a chunk: two records
+                store.put(key, 0, codec.encode(chunk.select_layers([0, 1])))
+                store.put(sliding_key(key), 0, codec.encode(chunk.select_layers([2, 3])))
+            else:
+                store.put(key, 0, codec.encode(chunk))
+
+    def stats() -> dict:
+        return run(capsys, "store", "stats", "--store", url, "--json")
+
+    with open_store(url) as store:
+        put(store, "int8", kv)
+    assert stats()["raw_bf16_bytes"] == copy
+    with open_store(url) as store:
+        put(store, "raw", kv, parts=True)  # another codec's keys, in parts
+        # a third's, two frames a record: the second frame's ids are past the first read
+        put(store, "fp8", kv, frame_tokens=128)
+    got = stats()
+    assert (got["chunks"], got["entries"]) == (8, 8)
+    assert got["raw_bf16_bytes"] == copy
+    assert got["payload_to_raw"] == round(got["payload_bytes"] / copy, 4)
+    with open_store(url) as store:
+        put(store, "raw", kv, parts=True, salt="tenant-b")  # another scope: a second copy
+    assert stats()["raw_bf16_bytes"] == 2 * copy
+    with open_store(url) as store:
+        put(store, "int8", other)  # other tokens: other KV
+        store.put("ns/not-a-bitstream", 0, b"bits")
+    got = stats()
+    assert got["raw_bf16_bytes"] == 3 * copy and got["raw_bf16_skipped_keys"] == 1

@@ -21,7 +21,7 @@ from cachegen.codec import (
     quant,
 )
 from cachegen.codec import tables as tables_mod
-from cachegen.codec.bitstream import parse_header
+from cachegen.codec.bitstream import parse_frames, parse_header, read_token_ids
 from cachegen.errors import CacheGenError
 from cachegen.kv import KVCache
 from cachegen.profiles import add_level, codec_for, ensure_profile
@@ -224,6 +224,21 @@ def test_header_is_small(tiny_kv, tiny_llama):
     for name in available_codecs():
         info = inspect(codec_for(name, tiny_llama).encode(tiny_kv.slice(0, 16)))
         assert info["header_bytes"] <= 200, name
+
+
+def test_token_ids_are_read_from_the_frames_alone(tiny_kv):
+    """``read_token_ids``: every frame's ids, from the frame lengths and payload starts, out of
+    a stream that may end right after the last frame's ids; a shorter one is refused."""
+    blob = get_codec("int8", chunk_tokens=64).encode(tiny_kv)
+    header = parse_header(blob)
+    assert header.num_frames > 2
+    ids = tiny_kv.token_ids.tolist()
+    assert read_token_ids(blob, header).tolist() == ids
+    last = parse_frames(blob, header)[-1]
+    end = len(blob) - last.size + 8 + header.frame_tokens(last.index) * header.token_width
+    assert read_token_ids(blob[:end], header).tolist() == ids
+    with pytest.raises(CodecError, match="ends before the token ids of frame"):
+        read_token_ids(blob[: end - 1], header)
 
 
 def test_empty_token_range_round_trips(tiny_kv, tiny_llama):
