@@ -12,8 +12,8 @@ from cachegen.cli import options
 from cachegen.fileio import write_atomic
 from cachegen.lab.bench.links import UNLIMITED
 from cachegen.lab.fleet import client, configs, router, workloads
-from cachegen.lab.fleet.drive import Stop
-from cachegen.lab.fleet.run import LOCAL_CLUSTER
+from cachegen.lab.fleet.drive import FleetError, Stop
+from cachegen.lab.fleet.run import KV_CACHE_GIB, LOCAL_CLUSTER, MAX_TOKENS, SERVERS
 from cachegen.models import EMBEDDED_DEFAULT
 from cachegen.workload import DOMAINS
 
@@ -35,7 +35,8 @@ def register(subparsers) -> None:
         "server mid-run and fail its requests over; record every request (server, send time, "
         "TTFT, end time, tokens, the connector's report, error, failed attempts) and summarize "
         "per run (TTFT p50/p90/p99, requests/s, output tokens/s, connector hit rate, loaded "
-        "bytes, errors, failovers). Progress goes to stderr.",
+        "bytes, errors, failovers). Progress goes to stderr. A configuration that fails ends "
+        "the command with an error; --json keeps the runs done before it and the failure.",
     )
     options.model(p, "model name", default=EMBEDDED_DEFAULT)
     p.add_argument(
@@ -45,7 +46,7 @@ def register(subparsers) -> None:
         choices=configs.CONFIGS,
         help="configurations to run, in this order, each on fresh servers" + options.DEFAULT,
     )
-    options.integer(p, "--servers", 2, "servers of the fleet")
+    options.integer(p, "--servers", SERVERS, "servers of the fleet")
     p.add_argument(
         "--router",
         default=router.ROUND_ROBIN,
@@ -84,7 +85,7 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
 
 
 def _sending_options(p: argparse.ArgumentParser) -> None:
-    options.integer(p, "--max-tokens", 16, "greedy output tokens per request (at least 2)")
+    options.integer(p, "--max-tokens", MAX_TOKENS, "greedy output tokens per request (at least 2)")
     options.switch(p, "--ignore-eos", "generate --max-tokens tokens always (vLLM's ignore_eos)")
     p.add_argument(
         "--api",
@@ -118,9 +119,26 @@ def _fleet_options(p: argparse.ArgumentParser) -> None:
     options.integer(
         p, "--stop-server", None, "stop (SIGTERM) this server mid-run; its requests fail over"
     )
-    options.integer(p, "--stop-after", 4, "--stop-server: after this many answered requests")
+    options.integer(
+        p,
+        "--stop-after",
+        4,
+        "--stop-server: once this many requests of the run have ended, answered or failed "
+        "(fewer than the run's requests)",
+    )
     options.number(p, "--slo-ms", configs.SLO_MS, "adaptive: time budget of a load in ms")
-    options.integer(p, "--kv-cache-gib", 1, "VLLM_CPU_KVCACHE_SPACE of each server (GiB)")
+    options.integer(
+        p, "--kv-cache-gib", KV_CACHE_GIB, "VLLM_CPU_KVCACHE_SPACE of each server (GiB)"
+    )
+    p.add_argument(
+        "--kv-cache-blocks",
+        type=int,
+        metavar="BLOCKS",
+        help="hold each server's KV cache (vLLM's prefix cache included) to this many blocks "
+        "(vLLM's --num-gpu-blocks-override; a block holds 128 tokens on CPU), so that long "
+        "documents exceed it; at least the longest prompt's blocks plus one (default: what "
+        "--kv-cache-gib holds)",
+    )
     p.add_argument("--log-dir", type=Path, help="keep each server's log here")
 
 
@@ -159,7 +177,7 @@ def _fleet_bench(args: argparse.Namespace) -> int:
     from cachegen.lab.fleet.run import fleet_bench
     from cachegen.lab.fleet.summary import markdown
 
-    options.require_positive(args, "servers", "max_tokens", "kv_cache_gib")
+    options.require_positive(args, "servers", "max_tokens")
     work = _workload(args)
     stop = None if args.stop_server is None else Stop(args.stop_server, args.stop_after)
     doc = fleet_bench(
@@ -168,7 +186,6 @@ def _fleet_bench(args: argparse.Namespace) -> int:
         args.configs,
         bandwidths=args.bandwidth_mbps,
         stop=stop,
-        env={"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)},
         **options.values(
             args,
             "servers",
@@ -179,6 +196,8 @@ def _fleet_bench(args: argparse.Namespace) -> int:
             "ignore_eos",
             "store",
             "slo_ms",
+            "kv_cache_gib",
+            "kv_cache_blocks",
             "log_dir",
         ),
     )
@@ -187,4 +206,13 @@ def _fleet_bench(args: argparse.Namespace) -> int:
         print(f"fleet-bench: wrote {args.json}", file=sys.stderr)
     else:
         print(markdown(doc))
+    _fail_on(doc["failure"], len(doc["runs"]), args.json)
     return 0
+
+
+def _fail_on(failure: dict[str, str] | None, runs: int, json_path: Path | None) -> None:
+    """The command's error when a configuration failed, after what was measured is out."""
+    if failure is None:
+        return
+    kept = f" (the {runs} runs before it are in {json_path})" if json_path else ""
+    raise FleetError(f"configuration {failure['config']} failed{kept}: {failure['error']}")

@@ -5,7 +5,8 @@ Requests are sent in the workload's order, at most ``concurrency`` in flight (as
 client per server). A request waits for the request whose answer its chat ends with
 (multi-round QA's closed loop); a failed request's answer is empty text. With a ``Stop``, the
 server it names is stopped (SIGTERM, as an operator or an orchestrator stops a replica) once
-``after`` requests of the run have been answered: the router sends it nothing more, and a
+``after`` requests of the run have ended (answered or failed, so the stop comes at the same
+point of every run): the router sends it nothing more, and a
 request that fails on it is sent again to the next live server (an attempt in its record).
 """
 
@@ -18,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cachegen.errors import CacheGenError
+from cachegen.lab.bench.links import link_label
 from cachegen.lab.fleet import client, summary
 from cachegen.lab.fleet.router import Router
 from cachegen.lab.fleet.workloads import Workload
@@ -28,9 +31,13 @@ if TYPE_CHECKING:  # imported where used: it loads torch, and `cachegen --help` 
 REQUEST_TIMEOUT_S = 1800.0
 
 
+class FleetError(CacheGenError):
+    """A run could not be measured: a warm-up request failed."""
+
+
 @dataclass(frozen=True)
 class Stop:
-    """Stop ``server`` once ``after`` requests of the run have been answered."""
+    """Stop ``server`` once ``after`` requests of the run have ended (answered or failed)."""
 
     server: int
     after: int
@@ -44,6 +51,13 @@ class Run:
     bandwidth_mbps: float | None
     cache_salt: str
     connector: bool
+
+    @property
+    def label(self) -> str:
+        """``raw at 100`` for the connector, the configuration alone otherwise."""
+        if not self.connector:
+            return self.config
+        return f"{self.config} at {link_label(self.bandwidth_mbps)}"
 
     def extra_body(self, ignore_eos: bool) -> dict[str, Any]:
         """vLLM's request fields: the run's ``cache_salt`` (so that neither vLLM's prefix
@@ -82,7 +96,7 @@ class Driver:
         self.servers, self.work, self.router = servers, work, router
         self.run, self.sending, self.stop = run, sending, stop
         self.stops: list[dict[str, Any]] = []
-        self._answered = 0
+        self._ended = 0
         self._halts: list[asyncio.Future] = []
 
     async def records(self) -> list[dict[str, Any]]:
@@ -112,7 +126,7 @@ class Driver:
             {"role": "user", "content": request.user},
             {"role": "assistant", "content": answer.text},
         ]
-        self._count_answer()  # before the waiters wake: none of them is sent to a stopped server
+        self._count_end()  # before the waiters wake: none of them is sent to a stopped server
         self._done[request.index].set_result(None)
         run = (self.run.config, self.run.bandwidth_mbps)
         return summary.record(
@@ -146,10 +160,11 @@ class Driver:
             attempts.append({"server": index, "error": answer.error})
             index = self.router.server(request)
 
-    def _count_answer(self) -> None:
-        """Count an answer; at the stop's count, mark its server down and stop it."""
-        self._answered += 1
-        if self.stop is None or self._answered != self.stop.after:
+    def _count_end(self) -> None:
+        """Count a request that ended, answered or failed; at the stop's count, mark its
+        server down and stop it."""
+        self._ended += 1
+        if self.stop is None or self._ended != self.stop.after:
             return
         server = self.stop.server
         self.router.mark_down(server)
@@ -163,7 +178,7 @@ async def warm_up(servers: Sequence[OpenAIServer], work: Workload, sending: Send
     reuses it), sent to every server in turn, twice, starting from another server the second
     time, so that each server has prefilled, stored and (with the connector) loaded once, and
     no run pays a first request's costs (kernels loaded, buffers sized). Nothing is recorded;
-    a failure here fails the run."""
+    a failed request raises ``FleetError``."""
     request = work.requests[0]
     body = dataclasses.replace(run, cache_salt=f"{run.cache_salt}-warm-up").extra_body(True)
     clients = [s.async_client(timeout=REQUEST_TIMEOUT_S) for s in servers]
@@ -175,7 +190,9 @@ async def warm_up(servers: Sequence[OpenAIServer], work: Workload, sending: Send
                     clients[i], servers[i].model, request.messages([]), 2, sending.api, body
                 )
                 if answer.error is not None:
-                    raise RuntimeError(f"warm-up request on server {i} failed: {answer.error}")
+                    raise FleetError(
+                        f"{run.label}: the warm-up request on server {i} failed: {answer.error}"
+                    )
             body = {**body, "cache_salt": body["cache_salt"] + "-again"}
     finally:
         for c in clients:

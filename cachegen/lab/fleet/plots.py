@@ -6,7 +6,8 @@ each, one group of bars per run (configuration x link rate) in the document's or
 ``fleet_throughput.png``
     requests/s and output tokens/s of each run, one panel each.
 
-Runs with failed or failed-over requests are named under the figure.
+Runs with failed or failed-over requests, and a configuration that ended the bench early, are
+named under the figure.
 """
 
 from __future__ import annotations
@@ -84,13 +85,16 @@ def _subtitle(settings: dict[str, Any]) -> str:
     )
 
 
-def _note(text: str, runs: list[dict[str, Any]]) -> str:
-    """``text``, then the runs with errors or failovers: the note under a figure."""
+def _note(text: str, doc: dict[str, Any]) -> str:
+    """``text``, then the runs with errors or failovers and the configuration that ended the
+    bench early: the note under a figure."""
     troubles = [
         f"{_run_label(r)}: {r['summary']['errors']} failed, {r['summary']['failovers']} failed over"
-        for r in runs
+        for r in doc["runs"]
         if r["summary"]["errors"] or r["summary"]["failovers"]
     ]
+    if doc["failure"] is not None:
+        troubles.append(f"ended early: {doc['failure']['config']} failed")
     return "; ".join([text, *troubles])
 
 
@@ -136,7 +140,7 @@ def _ttft(doc: dict[str, Any]):
         len(runs),
         "Time to first token per run (lower is better)",
         _subtitle(doc["settings"]),
-        _note("TTFT of the requests without error", runs),
+        _note("TTFT of the requests without error", doc),
     )
     _bars(ax, runs, PERCENTILES, 1000.0)
     ax.set_ylabel("TTFT (ms)")
@@ -155,7 +159,7 @@ def _throughput(doc: dict[str, Any]):
         _note(
             "over each run's wall time, first send to last end; requests/s counts failed "
             "requests too, output tokens/s only those without error",
-            runs,
+            doc,
         ),
     )
     for ax, (name, field) in zip(axes, RATES):

@@ -14,7 +14,9 @@ failed try), TTFT p50/p90/p99, requests/s and output tokens/s over the wall time
 to last end), requests per server, prompt and cached tokens, answers equal to the recompute
 run's (when one ran), and for the connector: requests with a report, hits (reports with
 ``loaded_tokens`` > 0), the hit rate (hits per request), loaded tokens and bytes, and load
-errors (reports with ``load_error`` or ``error``: part of a prefix recomputed).
+errors (reports with ``load_error`` or ``error``: part of a prefix recomputed). The document
+holds the settings, every run (its setup, summary, stops and records) and the failure that
+ended the bench early (null when every configuration ran).
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from cachegen.fileio import versioned
 from cachegen.lab.bench.links import link_label
 
 SCHEMA = "cachegen-fleet-bench"
-VERSION = 2
+VERSION = 3
 
 _NUM = {"type": ["number", "null"]}
 _INT = {"type": ["integer", "null"]}
+_STR = {"type": ["string", "null"]}
 ATTEMPT = {
     "type": "object",
     "required": ["server", "error"],
@@ -40,6 +43,44 @@ STOP = {
     "type": "object",
     "required": ["server", "at_s"],
     "properties": {"server": {"type": "integer"}, "at_s": {"type": "number"}},
+}
+STOP_SETTING = {
+    "required": ["server", "after"],
+    "properties": {"server": {"type": "integer"}, "after": {"type": "integer"}},
+}
+FAILURE = {
+    "type": ["object", "null"],
+    "required": ["config", "error"],
+    "properties": {"config": {"type": "string"}, "error": {"type": "string"}},
+}
+SETTINGS_FIELDS = {
+    "model": {"type": "string"},
+    "workload": {"type": "string"},
+    "workload_settings": {"type": "object"},
+    "seed": {"type": "integer"},
+    "requests": {"type": "integer"},
+    "servers": {"type": "integer"},
+    "router": {"type": "string"},
+    "concurrency": {"type": "integer"},
+    "max_tokens": {"type": "integer"},
+    "api": {"type": "string"},
+    "ignore_eos": {"type": "boolean"},
+    "bandwidths_mbps": {"type": "array", "items": _NUM},
+    "store": _STR,
+    "slo_ms": {"type": "number"},
+    "stop": {**STOP_SETTING, "type": ["object", "null"]},
+    "kv_cache_gib": {"type": "integer"},
+    "kv_cache_blocks": _INT,
+}
+SETUP_FIELDS = {
+    "config": {"type": "string"},
+    "mode": {"type": "string"},
+    "prefix_caching": {"type": "boolean"},
+    "connector": {"type": "boolean"},
+    "connector_extra": {"type": "object"},
+    "store": _STR,
+    "tenant": _STR,
+    "cache_salt": {"type": "string"},
 }
 RECORD_FIELDS = {
     "config": {"type": "string"},
@@ -93,11 +134,11 @@ JSON_SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": SCHEMA,
     "type": "object",
-    "required": ["schema", "version", "settings", "runs"],
+    "required": ["schema", "version", "settings", "runs", "failure"],
     "properties": {
         "schema": {"const": SCHEMA},
         "version": {"const": VERSION},
-        "settings": {"type": "object"},
+        "settings": _object(SETTINGS_FIELDS),
         "runs": {
             "type": "array",
             "items": {
@@ -106,13 +147,14 @@ JSON_SCHEMA = {
                 "properties": {
                     "config": {"type": "string"},
                     "bandwidth_mbps": _NUM,
-                    "setup": {"type": "object"},
+                    "setup": _object(SETUP_FIELDS),
                     "summary": _object(SUMMARY_FIELDS),
                     "stops": {"type": "array", "items": STOP},
                     "records": {"type": "array", "items": _object(RECORD_FIELDS)},
                 },
             },
         },
+        "failure": FAILURE,
     },
 }
 
@@ -225,8 +267,12 @@ def compare_answers(runs: list[dict[str, Any]], reference: str) -> None:
         )
 
 
-def document(settings: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return versioned(SCHEMA, VERSION, {"settings": settings, "runs": runs})
+def document(
+    settings: dict[str, Any], runs: list[dict[str, Any]], failure: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The versioned document: ``failure`` (``{"config", "error"}``) names the configuration
+    that ended the bench early, the runs being those done before it."""
+    return versioned(SCHEMA, VERSION, {"settings": settings, "runs": runs, "failure": failure})
 
 
 def validate(doc: object) -> None:
@@ -256,11 +302,12 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{s['servers']} servers, router {s['router']}, concurrency {s['concurrency']}, "
         f"{s['max_tokens']} greedy output tokens",
         "",
-        "| config | link (Mbit/s) | requests | errors | failovers | TTFT p50 (ms) "
-        "| TTFT p90 (ms) | TTFT p99 (ms) | requests/s | output tokens/s | per server "
-        "| cached tokens | connector hit rate | loaded tokens | loaded bytes | load errors |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: "
-        "| ---: | ---: | ---: | ---: |",
+        "| config | link (Mbit/s) | requests | errors | failovers | as recompute "
+        "| TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | requests/s | output tokens/s "
+        "| per server | prompt tokens | cached tokens | connector hit rate | loaded tokens "
+        "| loaded bytes | load errors |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- "
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for c in doc["runs"]:
         m = c["summary"]
@@ -268,12 +315,17 @@ def markdown(doc: dict[str, Any]) -> str:
         link = "-" if c["setup"]["connector"] is False else link_label(c["bandwidth_mbps"])
         lines.append(
             f"| {c['config']} | {link} | {m['requests']} | {m['errors']} | {m['failovers']} "
-            f"| {_ms(m['ttft_p50_s'])} "
+            f"| {_opt(m['answers_as_recompute'])} | {_ms(m['ttft_p50_s'])} "
             f"| {_ms(m['ttft_p90_s'])} | {_ms(m['ttft_p99_s'])} "
             f"| {_num(m['requests_per_s'], 2)} | {_num(m['output_tokens_per_s'], 1)} "
-            f"| {' / '.join(map(str, m['requests_per_server']))} | {m['cached_tokens']} "
+            f"| {' / '.join(map(str, m['requests_per_server']))} | {m['prompt_tokens']} "
+            f"| {m['cached_tokens']} "
             f"| {'-' if hit_rate is None else f'{hit_rate:.0%}'} "
             f"| {_opt(m['loaded_tokens'])} | {_opt(m['loaded_bytes'])} "
             f"| {_opt(m['load_errors'])} |"
         )
+    failure = doc["failure"]
+    if failure is not None:
+        first_line = (failure["error"].splitlines() or [""])[0]
+        lines += ["", f"Ended early: {failure['config']} failed: {first_line}"]
     return "\n".join(lines)

@@ -1,11 +1,12 @@
 """``cachegen fleet-bench`` end to end: two tiny-llama vLLM OpenAI-compatible servers in the
 ``raw`` configuration (the connector over one shared directory store, vLLM's prefix cache on),
-three users x three rounds of multi-round QA, round robin, and server 1 stopped (SIGTERM) once
-six requests are answered. One configuration only, to keep the suite short: the others differ
-in the servers' options, not in the command's path. A user's second round runs on the other
-server than its first, so the chunks of its history that the first server stored can only come
-from the shared store: vLLM's prefix cache cannot give that reuse. After the stop, the
-requests the router's policy names server 1 for are answered by server 0."""
+three users x three rounds of multi-round QA, round robin, each server's KV cache held to 24
+blocks (--kv-cache-blocks), and server 1 stopped (SIGTERM) once six requests have ended. One
+configuration only, to keep the suite short: the others differ in the servers' options, not in
+the command's path. A user's second round runs on the other server than its first, so the
+chunks of its history that the first server stored can only come from the shared store: vLLM's
+prefix cache cannot give that reuse. After the stop, the requests the router's policy names
+server 1 for are answered by server 0."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import json
 from cachegen.cli import main
 from cachegen.lab.fleet import summary
 
-USERS, ROUNDS, STOP_AFTER = 3, 3, 6
+USERS, ROUNDS, STOP_AFTER, BLOCKS = 3, 3, 6, 24
 ARGS = [
     "fleet-bench",
     "--model", "tiny-llama",
@@ -29,6 +30,7 @@ ARGS = [
     "--ignore-eos",
     "--stop-server", "1",
     "--stop-after", str(STOP_AFTER),
+    "--kv-cache-blocks", str(BLOCKS),  # 1 GiB holds 2048 of tiny-llama's blocks
 ]  # fmt: skip
 
 
@@ -39,7 +41,11 @@ def test_two_servers_share_one_store_and_every_request_is_recorded(tmp_path, cap
 
     doc = json.loads(out.read_text())
     summary.validate(doc)
-    assert (doc["schema"], doc["version"]) == ("cachegen-fleet-bench", 2)
+    assert (doc["schema"], doc["version"]) == ("cachegen-fleet-bench", 3)
+    assert doc["failure"] is None and doc["settings"]["kv_cache_blocks"] == BLOCKS
+    for i in range(2):  # vLLM says it sized the KV cache to the blocks asked for
+        log = (tmp_path / "logs" / f"raw-server{i}.log").read_text()
+        assert f"with num_gpu_blocks_override={BLOCKS}" in log
     assert [(c["config"], c["bandwidth_mbps"]) for c in doc["runs"]] == [("raw", None)]
     (raw,) = doc["runs"]
     records = raw["records"]

@@ -1,7 +1,8 @@
-"""`cachegen plot` on a fleet-bench document: a small version-2 document built by hand (three
+"""`cachegen plot` on a fleet-bench document: a small version-3 document built by hand (three
 runs: prefix-cache, raw at 100 Mbit/s, raw unlimited with a failover and an error) becomes
-fleet_ttft.png and fleet_throughput.png; a document of another schema, an older version or
-one that does not follow the schema is refused with a one-line error."""
+fleet_ttft.png and fleet_throughput.png, and so does one that ended early (a configuration
+failed); a document of another schema, an older version or one that does not follow the
+schema is refused with a one-line error."""
 
 from __future__ import annotations
 
@@ -12,25 +13,9 @@ import pytest
 
 from cachegen.cli import main
 from cachegen.lab.fleet import summary
+from tests.lab.fleet.document_support import SETTINGS, setup
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SETTINGS = {
-    "model": "tiny-llama",
-    "workload": "multi-round-qa",
-    "workload_settings": {"users": 2, "rounds": 2},
-    "seed": 0,
-    "requests": 4,
-    "servers": 2,
-    "router": "round-robin",
-    "concurrency": 2,
-    "max_tokens": 4,
-    "api": "responses",
-    "ignore_eos": True,
-    "bandwidths_mbps": [100.0, None],
-    "store": None,
-    "slo_ms": 500.0,
-    "stop": None,
-}
 
 
 def _record(config: str, rate: float | None, index: int, ttft: float, **changes) -> dict:
@@ -62,14 +47,14 @@ def _run(config: str, rate: float | None, records: list[dict]) -> dict:
     return {
         "config": config,
         "bandwidth_mbps": rate,
-        "setup": {"config": config, "connector": connector},
+        "setup": setup(config, connector),
         "summary": summary.summarize(records, 2, connector=connector),
         "stops": [],
         "records": records,
     }
 
 
-def _document() -> dict:
+def _document(failure: dict | None = None) -> dict:
     failed = {"attempts": [{"server": 1, "error": "APIConnectionError()"}], "server": 0}
     runs = [
         _run("prefix-cache", None, [_record("prefix-cache", None, i, 0.2) for i in range(4)]),
@@ -85,7 +70,7 @@ def _document() -> dict:
             ],
         ),
     ]
-    doc = summary.document(SETTINGS, runs)
+    doc = summary.document(SETTINGS, runs, failure)
     summary.validate(doc)
     return doc
 
@@ -95,8 +80,13 @@ def _write(path: Path, doc: dict) -> Path:
     return path
 
 
-def test_plot_draws_the_ttft_and_throughput_of_every_run(tmp_path, capsys):
-    path = _write(tmp_path / "fleet.json", _document())
+@pytest.mark.parametrize(
+    "failure",
+    [None, {"config": "int8", "error": "int8 at 100: the warm-up request on server 1 failed"}],
+    ids=["every configuration ran", "ended early"],
+)
+def test_plot_draws_the_ttft_and_throughput_of_every_run(failure, tmp_path, capsys):
+    path = _write(tmp_path / "fleet.json", _document(failure))
     out = tmp_path / "png"
     assert main(["plot", str(path), "--out", str(out)]) == 0
     pngs = [out / "fleet_ttft.png", out / "fleet_throughput.png"]
@@ -111,14 +101,20 @@ def _broken_record(doc: dict) -> dict:
     return doc
 
 
+def _without_failure(doc: dict) -> dict:
+    del doc["failure"]
+    return doc
+
+
 @pytest.mark.parametrize(
     "change, says",
     [
         (lambda d: {**d, "schema": "cachegen-fleet-bench-x"}, "cachegen-fleet-bench-x"),
-        (lambda d: {**d, "version": 1}, "version 1"),
+        (lambda d: {**d, "version": 2}, "version 2"),
         (_broken_record, "'server' is a required property"),
+        (_without_failure, "'failure' is a required property"),
     ],
-    ids=["unknown schema", "older version", "record without its server"],
+    ids=["unknown schema", "older version", "record without its server", "no failure field"],
 )
 def test_plot_refuses_a_document_it_cannot_draw(change, says, tmp_path, capsys):
     path = _write(tmp_path / "fleet.json", change(_document()))

@@ -1,8 +1,12 @@
 """The fleet's workloads, router and summary, without servers: seeded workloads are the same
 for a seed and differ across seeds, multi-round QA's closed loop and long-document QA's
-shuffled questions, both routers, the summary's counts and the document's schema."""
+shuffled questions, both routers, the summary's counts and the document's schema, the refused
+options, a failed warm-up, a failed configuration that leaves the runs before it in the
+document, and the servers' command line."""
 
 from __future__ import annotations
+
+import json
 
 import jsonschema
 import pytest
@@ -11,6 +15,7 @@ from cachegen.errors import InputError
 from cachegen.lab.fleet import summary, workloads
 from cachegen.lab.fleet.client import Answer
 from cachegen.lab.fleet.router import ROUND_ROBIN, STICKY, Router
+from tests.lab.fleet.document_support import SETTINGS, setup
 
 
 @pytest.fixture(scope="module")
@@ -136,26 +141,12 @@ def test_the_summary_counts_hits_errors_and_servers_and_the_document_validates(t
     assert result["connector_hit_rate"] == pytest.approx(1 / 3)
     assert (result["loaded_tokens"], result["loaded_bytes"]) == (256, 1000)
     assert result["output_tokens"] == 8 and result["wall_s"] == pytest.approx(3.0)
-    run = {"config": "raw", "bandwidth_mbps": 1000.0, "setup": {"connector": True}}
-    doc = summary.document({"x": 1}, [{**run, "summary": result, "stops": [], "records": records}])
+    run = {"config": "raw", "bandwidth_mbps": 1000.0, "setup": setup("raw", True)}
+    doc = summary.document(SETTINGS, [{**run, "summary": result, "stops": [], "records": records}])
     summary.validate(doc)
-    assert "| raw | 1000 | 3 | 1 | 1 |" in summary.markdown(
-        {
-            **doc,
-            "settings": {
-                "model": "m",
-                "workload": work.name,
-                "requests": 3,
-                "seed": 0,
-                "servers": 2,
-                "router": ROUND_ROBIN,
-                "concurrency": 2,
-                "max_tokens": 4,
-            },
-        }
-    )
+    assert "| raw | 1000 | 3 | 1 | 1 | - |" in summary.markdown(doc)
     with pytest.raises(jsonschema.ValidationError):
-        summary.validate({**doc, "version": 1})
+        summary.validate({**doc, "version": 2})
     del records[0]["server"]
     with pytest.raises(jsonschema.ValidationError):
         summary.validate(doc)
@@ -194,11 +185,12 @@ def test_answers_equal_to_the_recompute_runs_are_counted_per_run():
     assert alone[0]["summary"]["answers_as_recompute"] is None
 
 
-def test_a_stop_needs_two_servers_and_one_link_rate():
+def test_a_stop_needs_two_servers_one_link_rate_and_a_request_left_after_it():
     from cachegen.lab.fleet.drive import Stop
     from cachegen.lab.fleet.run import _check
 
-    _check(2, 4, 2, [None], Stop(1, 3))
+    _check(2, 4, 2, [None], Stop(1, 3), 6)
+    _check(2, 4, 2, [None], Stop(1, 5), 6)
     for servers, bandwidths, stop in [
         (1, [None], Stop(0, 3)),
         (2, [None], Stop(2, 3)),
@@ -206,6 +198,216 @@ def test_a_stop_needs_two_servers_and_one_link_rate():
         (2, [100.0, None], Stop(1, 3)),
     ]:
         with pytest.raises(InputError, match="stop"):
-            _check(servers, 4, 2, bandwidths, stop)
+            _check(servers, 4, 2, bandwidths, stop, 6)
+    for after in (6, 7):
+        with pytest.raises(InputError, match=f"--stop-after {after}: a run has 6 requests"):
+            _check(2, 4, 2, [None], Stop(1, after), 6)
     with pytest.raises(InputError, match="bandwidth"):
-        _check(2, 4, 2, [0.0], None)
+        _check(2, 4, 2, [0.0], None, 6)
+
+
+def test_a_kv_cache_that_cannot_hold_the_longest_request_is_refused_before_any_server():
+    from cachegen.lab.fleet.run import _check_server
+
+    _check_server(None, 1, None, 1024)
+    _check_server(None, 1, 9, 1024)  # 8 blocks of 128 tokens, and the one vLLM keeps back
+    with pytest.raises(InputError, match="--kv-cache-blocks 8: .* 1024 tokens .* at least 9"):
+        _check_server(None, 1, 8, 1024)
+    with pytest.raises(InputError, match="at least 11"):
+        _check_server(None, 1, 10, 1152 + 1)
+    with pytest.raises(InputError, match="--kv-cache-gib"):
+        _check_server(None, 0, None, 1024)
+    with pytest.raises(InputError, match="file://, redis://"):
+        _check_server("s3://bucket", 1, None, 1024)
+
+
+def test_the_library_and_the_command_share_their_defaults():
+    import inspect
+
+    from cachegen.cli import build_parser
+    from cachegen.lab.fleet.run import fleet_bench
+
+    args = build_parser().parse_args(["fleet-bench"])
+    defaults = inspect.signature(fleet_bench).parameters
+    for name in ("servers", "max_tokens", "kv_cache_gib", "kv_cache_blocks", "slo_ms", "router"):
+        assert getattr(args, name) == defaults[name].default, name
+
+
+class _Client:
+    async def close(self) -> None:
+        pass
+
+
+class _Server:
+    model = "tiny-llama"
+
+    def async_client(self, **_) -> _Client:
+        return _Client()
+
+
+def test_a_failed_warm_up_request_is_a_one_line_error_naming_the_run(tokenizer, monkeypatch):
+    import asyncio
+
+    from cachegen.errors import CacheGenError
+    from cachegen.lab.fleet import drive
+
+    async def refused(*_, **__) -> Answer:
+        return Answer(sent=0.0, error="APIConnectionError(message='Connection error.')")
+
+    monkeypatch.setattr(drive.client, "send", refused)
+    run = drive.Run("raw", 100.0, "salt", connector=True)
+    with pytest.raises(CacheGenError) as caught:
+        sending = drive.Sending(concurrency=2, max_tokens=4, api="responses")
+        asyncio.run(drive.warm_up([_Server(), _Server()], _multi(tokenizer), sending, run))
+    assert str(caught.value) == (
+        "raw at 100: the warm-up request on server 0 failed: "
+        "APIConnectionError(message='Connection error.')"
+    )
+
+
+def _fake_runs(monkeypatch, fail: str):
+    """Runs without servers: ``start_fleet`` starts nothing (its keyword arguments are kept
+    in the list returned), every request of a run answers "a", and the warm-up of
+    configuration ``fail`` fails."""
+    from cachegen.lab.fleet import run as fleet_run
+    from cachegen.lab.fleet.drive import FleetError
+
+    started: list[dict] = []
+
+    def start_fleet(stack, model, config, count, **kwargs):
+        started.append({"config": config.name, **kwargs})
+        return [None] * count
+
+    def run_one(bench, fleet, run):
+        if run.config == fail:
+            raise FleetError(f"{run.label}: the warm-up request on server 1 failed: boom")
+        records = [
+            summary.record(
+                (run.config, run.bandwidth_mbps),
+                bench.work.name,
+                request,
+                Answer(sent=1.0, first=1.5, end=2.0, text="a", prompt_tokens=90, output_tokens=4),
+                1.0,
+                routed=0,
+                server=0,
+                attempts=[],
+            )
+            for request in bench.work.requests
+        ]
+        result = summary.summarize(records, bench.servers, connector=run.connector)
+        return {"summary": result, "stops": [], "records": records}
+
+    monkeypatch.setattr(fleet_run, "start_fleet", start_fleet)
+    monkeypatch.setattr(fleet_run, "run_one", run_one)
+    return started
+
+
+FAILING = [
+    "fleet-bench",
+    "--model", "tiny-llama",
+    "--configs", "recompute", "raw", "int8", "default",
+    "--users", "3",
+    "--rounds", "1",
+    "--system-tokens", "64",
+    "--question-tokens", "32",
+    "--bandwidth-mbps", "100", "unlimited",
+    "--store", "redis://:pw@127.0.0.1:1/0",
+    "--kv-cache-blocks", "40",
+]  # fmt: skip
+
+
+def test_a_failed_configuration_keeps_the_runs_before_it_and_exits_with_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    from cachegen.cli import main
+
+    started = _fake_runs(monkeypatch, fail="int8")
+    out = tmp_path / "fleet.json"
+    assert main([*FAILING, "--json", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"cachegen fleet-bench: error: configuration int8 failed (the 3 runs before it are in "
+        f"{out}): int8 at 100: the warm-up request on server 1 failed: boom"
+    )
+    doc = json.loads(out.read_text())
+    summary.validate(doc)
+    assert doc["version"] == 3
+    assert doc["failure"] == {
+        "config": "int8",
+        "error": "int8 at 100: the warm-up request on server 1 failed: boom",
+    }
+    runs = [(r["config"], r["bandwidth_mbps"]) for r in doc["runs"]]
+    assert runs == [("recompute", None), ("raw", 100.0), ("raw", None)]
+    assert [s["config"] for s in started] == ["recompute", "raw", "int8"]  # default never ran
+
+    # The tenant of the Redis store, per configuration; none without the connector.
+    recompute, raw, _ = doc["runs"]
+    assert recompute["setup"]["tenant"] is None and recompute["setup"]["store"] is None
+    assert raw["setup"]["tenant"].startswith("fleet-") and raw["setup"]["tenant"].endswith("-raw")
+    assert raw["setup"]["store"] == "redis://:***@127.0.0.1:1/0"
+    assert [s["store_extra"] for s in started[1:]] == [
+        {"tenant": raw["setup"]["tenant"]},
+        {"tenant": raw["setup"]["tenant"][: -len("raw")] + "int8"},
+    ]
+
+    # One KV cache size for every server, recorded.
+    settings = doc["settings"]
+    assert (settings["kv_cache_gib"], settings["kv_cache_blocks"], settings["max_tokens"]) == (
+        1,
+        40,
+        16,
+    )
+    for s in started:
+        assert s["server_args"] == ("--num-gpu-blocks-override", "40")
+        assert s["env"] == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert [r["summary"]["answers_as_recompute"] for r in doc["runs"]] == [3, 3, 3]
+
+
+def test_the_table_shows_answers_as_recompute_prompt_tokens_and_the_failure(monkeypatch, capsys):
+    from cachegen.cli import main
+
+    _fake_runs(monkeypatch, fail="default")
+    assert main(FAILING) == 1
+    out, err = capsys.readouterr()
+    assert "| failovers | as recompute | TTFT p50 (ms) |" in out
+    assert "| per server | prompt tokens | cached tokens |" in out
+    assert "| int8 | 100 | 3 | 0 | 0 | 3 | 500 | 500 | 500 |" in out
+    assert "| 3 / 0 | 270 | 0 |" in out
+    assert out.rstrip().endswith(
+        "Ended early: default failed: default at 100: the warm-up request on server 1 failed: boom"
+    )
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith("cachegen fleet-bench: error: configuration default failed: default at 100:")
+    )
+
+
+def test_every_server_of_a_fleet_gets_the_kv_cache_blocks_on_its_command_line(
+    tmp_path, monkeypatch
+):
+    import contextlib
+
+    from cachegen.lab.bench.openai_server import OpenAIServer
+    from cachegen.lab.fleet import configs
+    from cachegen.lab.fleet.run import server_args, start_fleet
+
+    monkeypatch.setattr(OpenAIServer, "start", lambda self: self)
+    assert server_args(None) == ()
+    with contextlib.ExitStack() as stack:
+        fleet = start_fleet(
+            stack,
+            "tiny-llama",
+            configs.config("raw", "tiny-llama"),
+            2,
+            store=tmp_path.as_uri(),
+            store_extra={},
+            max_model_len=1024,
+            env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+            server_args=server_args(40),
+            log_dir=None,
+        )
+        for server in fleet:
+            command = server.command()
+            at = command.index("--num-gpu-blocks-override")
+            assert command[at + 1] == "40" and "--enable-prefix-caching" in command
