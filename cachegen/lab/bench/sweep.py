@@ -138,17 +138,18 @@ def profile(name: str, **overrides) -> SweepConfig:
     context only (``LARGEST_CONTEXT_MODES``: the report compares at the largest context; raw is
     the dearest cell, 188 MB per 4,096 SmolLM2 tokens in a float32 engine); 3 repeats instead
     of 2 would overrun the budget. Overriding the modes or the contexts measures every mode at
-    every context. ``quick`` is its smoke version, at most 3 minutes: the default model plus
-    ``$CACHEGEN_BENCH_MODELS`` (each model costs two vLLM engine starts, about half a minute
-    each, whatever the grid).
+    every context. ``quick`` is its smoke version (the same modes at one short context), at most
+    3 minutes on a quiet machine: the default model plus ``$CACHEGEN_BENCH_MODELS`` (each model
+    costs two vLLM engine starts, about half a minute each, whatever the grid).
     """
     extra = [m.strip() for m in os.environ.get(DEFAULT_MODELS_ENV, "").split(",") if m.strip()]
     base_models = list(EMBEDDED) if name == "default" else [EMBEDDED_DEFAULT]
     chosen = overrides.get("models") or list(dict.fromkeys([*base_models, *extra]))
-    common = dict(models=chosen, modes=PROFILE_MODES, largest_context_modes=LARGEST_CONTEXT_MODES)
+    common = dict(models=chosen, modes=PROFILE_MODES)
     if name == "default":
         base = dict(
             common,
+            largest_context_modes=LARGEST_CONTEXT_MODES,
             bandwidth_mbps=[100.0, 500.0, 1000.0],
             stream_bandwidth_mbps=[100.0, 500.0, 1000.0, 5000.0, 20000.0, None],
             context_tokens=[1536, 4096],
@@ -174,7 +175,7 @@ def profile(name: str, **overrides) -> SweepConfig:
     if "bandwidth_mbps" in given and "stream_bandwidth_mbps" not in given:
         merged["stream_bandwidth_mbps"] = None  # the stream part follows the given rates
     if "modes" in given or "context_tokens" in given:
-        merged["largest_context_modes"] = []  # a custom grid is measured whole
+        merged.pop("largest_context_modes", None)  # a custom grid is measured whole
     cfg = SweepConfig(profile=name if not given else "custom", **_modes(merged))
     if given:
         cfg.notes.append(f"based on the {name} profile")
@@ -192,7 +193,7 @@ def _modes(settings: dict) -> dict:
         **settings,
         "modes": union(model_modes.values()),
         "model_modes": model_modes,
-        "largest_context_modes": [Mode.parse(m) for m in settings["largest_context_modes"]],
+        "largest_context_modes": [Mode.parse(m) for m in settings.get("largest_context_modes", [])],
         "max_loss_pct": {m: d.target_pct for m, d in defaults.items() if d is not None},
     }
 
