@@ -24,11 +24,14 @@ from cachegen.fitting.kvtc import (
 
 
 def tcq_calibration_spec(
-    levels: dict[int, float] | None = None, spec: models.ModelSpec | None = None
+    levels: dict[int, float] | None = None,
+    spec: models.ModelSpec | None = None,
+    prediction: bool = False,
 ) -> dict:
     """What a tcq model (of ``spec``) is fitted on; recorded in the model file and its
-    reference."""
-    return {
+    reference. ``prediction``: with the cross-layer predictor (not the default recipe: it
+    costs the decoder more than it saves on fast links, docs/codec.md)."""
+    recipe = {
         "basis": kvtc_calibration_spec(),
         "levels": {str(k): v for k, v in (levels or tcq_model.LEVELS).items()},
         "radius_margin": TCQ_RADIUS_MARGIN,
@@ -40,13 +43,15 @@ def tcq_calibration_spec(
             "family_shapes": list(tcq_model.FAMILY_SHAPES),
             "family_scales": [tcq_model.FAMILY_SCALES, *tcq_model.FAMILY_SCALE_RANGE],
         },
-        "prediction": {
+    }
+    if prediction:
+        recipe["prediction"] = {
             "targets_fraction": TCQ_PREDICTED_FRACTION,
             "ridge": TCQ_PREDICTOR_RIDGE,
             "max_shift": TCQ_PREDICTOR_MAX_SHIFT,
             "min_saving": TCQ_PREDICTION_MIN_SAVING,
-        },
-    }
+        }
+    return recipe
 
 
 TCQ_RADIUS_MARGIN = 1.5  # alphabet radius over the largest calibration coefficient
@@ -196,6 +201,7 @@ def fit_tcq_model(
     *,
     basis: TransformBasis | None = None,
     unit_weights: bool = False,
+    prediction: bool = False,
 ) -> tcq_model.TcqModel:
     """Fit the tcq model of ``spec`` on the ``calibrate`` split: the KVTC basis, the component
     weights, and for each level (``levels``: id -> bits per element on the calibration text;
@@ -204,11 +210,12 @@ def fit_tcq_model(
 
     For ablations (``cachegen.lab.experiments.tcq_ablation``): ``basis`` replaces the KVTC basis
     (the weights are computed for it), ``unit_weights`` gives every component the weight 1
-    (one step for all); the model's calibration records either."""
+    (one step for all); the model's calibration records either. ``prediction`` adds the
+    cross-layer predictor (:func:`fit_predictor`) and its residual tables."""
     from cachegen.extract import load_model
 
     levels = dict(sorted((levels or tcq_model.LEVELS).items()))  # the file keeps levels in order
-    calibration = tcq_calibration_spec(levels, spec)
+    calibration = tcq_calibration_spec(levels, spec, prediction)
     if basis is None:
         basis = ensure_kvtc_basis(spec)
     else:
@@ -241,18 +248,7 @@ def fit_tcq_model(
         radii.append(level_radius)
         steps.append(level_steps)
     radius, step = np.stack(radii), np.stack(steps)
-    # the predictor is fitted on most of the calibration tokens and judged on the rest
-    split = len(coefficients[0][0]) * 3 // 4
-    predictor = fit_predictor([[y[:split] for y in pair] for pair in coefficients])
-    shifts = predictor_shifts(
-        predictor, radius, step, [[y[split:] for y in pair] for pair in coefficients]
-    )
-    tables, residual_tables = [], []
-    for x in range(len(levels)):
-        predictors = _layer_predictors(predictor, radius[x], step[x], shifts[x])
-        level, residual = _level_tables(coefficients, radius[x], step[x], predictors)
-        tables += level
-        residual_tables += residual
+    freq, extra = _tables_and_predictor(coefficients, radius, step, prediction)
     return tcq_model.TcqModel(
         identity,
         calibration,
@@ -263,24 +259,49 @@ def fit_tcq_model(
         weights,
         radius,
         step,
-        _joined(tables),
+        freq,
         tcq_model.family_weights(),
-        predictor,
-        shifts,
-        _joined(residual_tables),
+        **extra,
     )
+
+
+def _tables_and_predictor(coefficients, radius, step, prediction: bool) -> tuple:
+    """Every level's tables (``freq``) and, with ``prediction``, the model file's predictor
+    fields (the predictor, its shifts and the residual tables) as keywords."""
+    predicted = _fitted_prediction(coefficients, radius, step) if prediction else None
+    tables, residual_tables = [], []
+    for x in range(len(radius)):
+        predictors = _layer_predictors(*predicted, radius[x], step[x], x) if predicted else {}
+        level, residual = _level_tables(coefficients, radius[x], step[x], predictors)
+        tables += level
+        residual_tables += residual
+    if not predicted:
+        return _joined(tables), {}
+    return _joined(tables), dict(
+        predictor=predicted[0], predictor_shift=predicted[1], residual_freq=_joined(residual_tables)
+    )
+
+
+def _fitted_prediction(coefficients, radius, step) -> tuple[np.ndarray, np.ndarray]:
+    """The predictor, fitted on most of the calibration tokens, and its shifts [levels, L],
+    judged on the rest."""
+    split = len(coefficients[0][0]) * 3 // 4
+    predictor = fit_predictor([[y[:split] for y in pair] for pair in coefficients])
+    check = [[y[split:] for y in pair] for pair in coefficients]
+    return predictor, predictor_shifts(predictor, radius, step, check)
 
 
 def _joined(tables: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(tables).astype(np.uint16) if tables else np.zeros(0, np.uint16)
 
 
-def _layer_predictors(predictor, radius, step, shifts) -> dict:
-    """A level's integer predictor of each predicted layer (``shifts`` [L]: 0 not)."""
+def _layer_predictors(predictor, shifts, radius, step, level: int) -> dict:
+    """Level ``level``'s integer predictor of each predicted layer (``shifts`` [levels, L]:
+    0 not)."""
     kept = [[np.flatnonzero(radius[layer, k]) for k in (0, 1)] for layer in range(len(radius))]
     return {
         layer: layer_predictor(predictor[layer], kept, step, radius, layer, int(shift))
-        for layer, shift in enumerate(shifts)
+        for layer, shift in enumerate(shifts[level])
         if shift
     }
 

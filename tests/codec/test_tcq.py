@@ -43,6 +43,12 @@ def model_file(tiny_llama, profiles) -> tcq_model.TcqModel:
     return ensure_tcq_model(tiny_llama)
 
 
+@pytest.fixture(scope="module")
+def predicted(tiny_llama, profiles) -> tcq_model.TcqModel:
+    """A model file of the default recipe plus the cross-layer predictor (saved)."""
+    return tcq_model.save_tcq_model(fit_tcq_model(tiny_llama, prediction=True))
+
+
 def test_tcq_is_registered():
     assert "tcq" in available_codecs()
     with pytest.raises(CodecError, match="needs a model"):
@@ -130,7 +136,7 @@ def test_choices_follow_a_shift_and_a_spread_the_calibration_never_saw(kv, stati
     level = BY_STEP[2]
     old = get_codec("tcq", tcq=static_model).encode(moved, level)
     new = codec_for("tcq", static_model.model.name).encode(moved, level)
-    assert parse_header(new).version == tcq.PREDICTED_BITSTREAM_VERSION
+    assert parse_header(new).version == tcq.ADAPTIVE_BITSTREAM_VERSION
     assert len(new) < 0.9 * len(old)
     assert relative_error(decode(new), moved) <= 1.02 * relative_error(decode(old), moved)
 
@@ -341,11 +347,13 @@ def _rehashed(data: bytes, payload: bytes) -> bytes:
     return tcq_model.MAGIC + struct.pack("<I", len(raw)) + raw + payload
 
 
-def test_model_file_with_a_bad_table_is_refused(model_file):
+def test_model_file_with_a_bad_table_is_refused(predicted):
+    model_file = predicted  # every kind of table: calibrated, family, residual
     data = model_file.file_bytes
     (length,) = struct.unpack_from("<I", data, 4)
     payload = bytearray(data[8 + length :])
     residual = 2 * model_file.residual_freq.size
+    assert residual  # the fit predicted some layer
     after_family = 2 * model_file.predictor.size + model_file.predictor_shift.size + residual
     family_at = len(payload) - after_family - 4 * model_file.family.size
     first_table = family_at - 2 * model_file.freq.size
@@ -378,31 +386,28 @@ def test_model_of_another_model_or_level_is_refused(kv, tiny_llama, tiny_qwen2, 
         get_codec("tcq", tcq=model_file).decoder(_with_level(header, 7))
 
 
-def test_a_frame_layout_the_header_cannot_hold_is_refused(kv, tiny_llama, model_file, static_model):
+def test_a_frame_layout_the_header_cannot_hold_is_refused(
+    kv, tiny_llama, model_file, static_model, predicted
+):
     import dataclasses
 
-    codec = codec_for("tcq", tiny_llama)
-    header = parse_header(codec.encode(kv, level=BY_STEP[0]))
-    assert header.version == tcq.PREDICTED_BITSTREAM_VERSION and header.params[16] == 3
-    packed = parse_header(codec.encode(kv, level=BY_STEP[0], form="packed"))
+    header = parse_header(codec_for("tcq", tiny_llama).encode(kv, level=BY_STEP[0]))
+    assert header.version == tcq.ADAPTIVE_BITSTREAM_VERSION and header.params[16] == 1
+    with_prediction = get_codec("tcq", tcq=predicted)
+    coded = parse_header(with_prediction.encode(kv, level=BY_STEP[0]))
+    assert coded.version == tcq.PREDICTED_BITSTREAM_VERSION and coded.params[16] == 3
+    packed = parse_header(with_prediction.encode(kv, level=BY_STEP[0], form="packed"))
     assert packed.version == tcq.ADAPTIVE_BITSTREAM_VERSION and packed.params[16] == 1
-    unpredicted = tcq_model.save_tcq_model(
-        dataclasses.replace(
-            model_file,
-            predictor=np.zeros((0, 2, 0, 0), np.float16),
-            predictor_shift=np.zeros((0, 0), np.uint8),
-        )
-    )
     cases = [
-        (dataclasses.replace(header, version=5), "frame layout"),  # predictions need version 6
-        (dataclasses.replace(packed, version=4), "frame layout"),  # choices need version 5
+        (dataclasses.replace(header, version=4), "frame layout"),  # choices need version 5
+        (dataclasses.replace(coded, version=5), "frame layout"),  # predictions need version 6
         (dataclasses.replace(header, params=header.params[:16] + b"\x02"), "frame layout"),
-        (dataclasses.replace(header, form="packed"), "frame layout"),  # packed never predicts
+        (dataclasses.replace(coded, form="packed"), "frame layout"),  # packed never predicts
         (dataclasses.replace(header, params=header.params + b"\x01"), "parameters"),
         # choices, but the model file named has no family to choose from
         (dataclasses.replace(header, params=bytes.fromhex(static_model.id) + b"\x01"), "family"),
         # predicted frames, but the model file named has no predictor
-        (dataclasses.replace(header, params=bytes.fromhex(unpredicted.id) + b"\x03"), "predictor"),
+        (dataclasses.replace(coded, params=bytes.fromhex(model_file.id) + b"\x03"), "predictor"),
     ]
     for forged, why in cases:
         with pytest.raises(CodecError, match=why):
@@ -525,15 +530,14 @@ def _documented_model_file(path, model_id: str) -> dict:
     (length,) = struct.unpack_from("<I", data, 4)
     head = json.loads(data[8 : 8 + length])
     assert data[8 : 8 + length] == json.dumps(head, sort_keys=True, separators=(",", ":")).encode()
+    predicted = head["version"] == 3  # the predictor and residual tables follow the family
     assert set(head) == {"schema", "version", "model", "calibration", "rope_thetas", "levels"} | {
         "arrays",
         "freq_entries",
         "family",
-        "predictor",
-        "residual_freq_entries",
         "payload_sha256",
-    }
-    assert (head["schema"], head["version"]) == ("cachegen-tcq-model", 3)
+    } | ({"predictor", "residual_freq_entries"} if predicted else set())
+    assert head["schema"] == "cachegen-tcq-model" and head["version"] in (2, 3)
     payload = data[8 + length :]
     assert hashlib.sha256(payload).hexdigest() == head["payload_sha256"]
     m = head["model"]
@@ -549,10 +553,10 @@ def _documented_model_file(path, model_id: str) -> dict:
         pos += count * np.dtype(dtype).itemsize
     sizes = np.where(doc["radius"] > 0, 2 * doc["radius"].astype(np.int64) + 1, 0)
     J, R = head["family"]
-    P = head["predictor"]
+    P = head["predictor"] if predicted else [L, 2, 2 * C, 0]
     assert R == 128 and head["freq_entries"] == sizes.sum() and P[:3] == [L, 2, 2 * C]
-    E = head["residual_freq_entries"]
-    tail = 2 * sizes.sum() + 4 * J * R + 2 * int(np.prod(P)) + N * L + 2 * E
+    E = head["residual_freq_entries"] if predicted else 0
+    tail = 2 * sizes.sum() + 4 * J * R + (2 * int(np.prod(P)) + N * L + 2 * E if predicted else 0)
     assert pos + tail == len(payload)
     assert len(data) == 8 + length + 8 * L * C * (C + 2) + 10 * N * L * C + tail
     freq = np.frombuffer(payload, "<u2", count=int(sizes.sum()), offset=pos)
@@ -561,15 +565,16 @@ def _documented_model_file(path, model_id: str) -> dict:
     pos += 4 * J * R
     doc["predictor"] = np.frombuffer(payload, "<f2", int(np.prod(P)), pos).reshape(P)
     pos += 2 * int(np.prod(P))
-    doc["predictor_shift"] = np.frombuffer(payload, "u1", N * L, pos).reshape(N, L)
-    residual = np.frombuffer(payload, "<u2", offset=pos + N * L)
+    shifts = N * L if predicted else 0
+    doc["predictor_shift"] = np.frombuffer(payload, "u1", shifts, pos).reshape(N, -1)
+    residual = np.frombuffer(payload[pos + shifts :], "<u2")
     # the residual tables: per level, predicted layer (shift > 0) and K/V, one per kept
     # component below T, in that order
     doc["residual_tables"], at = {}, 0
     for x in range(N):
         for layer in range(L):
             for k in (0, 1):
-                if not doc["predictor_shift"][x, layer]:
+                if not predicted or not doc["predictor_shift"][x, layer]:
                     continue
                 for c in np.flatnonzero(doc["radius"][x, layer, k]):
                     if c >= P[3]:
@@ -590,17 +595,20 @@ def _documented_model_file(path, model_id: str) -> dict:
     return doc
 
 
-def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, tiny_llama, model_file):
+@pytest.mark.parametrize("which", ["default", "predicted"])
+def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, which, request):
     import zlib
 
+    model_file = request.getfixturevalue("model_file" if which == "default" else "predicted")
     part = kv.slice(0, 100)  # frame 0 starts at position 0: 1 exact token; frame 1 none
     level = BY_STEP[-1]  # the coarsest step: some components dropped
-    blob = codec_for("tcq", tiny_llama, chunk_tokens=64).encode(part, level=level)
+    blob = get_codec("tcq", tcq=model_file, chunk_tokens=64).encode(part, level=level)
     fixed = struct.unpack_from("<4sBBHBBHHHQII", blob, 0)
     magic, version, codec_id, got_level, dtype, flags, L, H, D, start, tokens, chunk = fixed
+    layout = 3 if which == "predicted" else 1
     assert (magic, version, codec_id, got_level, start, tokens, chunk) == (
         b"CGKV",
-        6,
+        5 + (layout == 3),
         12,
         level,
         0,
@@ -615,7 +623,7 @@ def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, tiny_llam
     pos += 33
     (p,) = struct.unpack_from("<H", blob, pos)
     params = blob[pos + 2 : pos + 2 + p]
-    assert p == 17 and params[:16].hex() == model_file.id and params[16] == 3
+    assert p == 17 and params[:16].hex() == model_file.id and params[16] == layout
     assert fingerprint == part.model.fingerprint
     pos += 2 + p
     assert struct.unpack_from("<I", blob, pos)[0] == zlib.crc32(blob[:pos])
@@ -668,7 +676,8 @@ def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, tiny_llam
                 ]
                 symbols[i, k] = _documented_rans(stream, tables, m)
         if m:
-            _documented_restore(doc, x, kept_of, symbols, offsets, first)
+            if doc["head"]["version"] == 3:
+                _documented_restore(doc, x, kept_of, symbols, offsets, first)
         for (i, k), sym in symbols.items():
             kept = kept_of[i][k]
             radius = doc["radius"][x, i, k][kept].astype(np.float32)

@@ -19,14 +19,15 @@ from cachegen.codec.tcq_predict import (
     apply_predictions,
     layer_predictor,
 )
-from cachegen.fitting.tcq import TCQ_PREDICTOR_MAX_SHIFT, ensure_tcq_model
+from cachegen.fitting.tcq import TCQ_PREDICTOR_MAX_SHIFT, ensure_tcq_model, fit_tcq_model
 
 LEVELS = sorted(tcq_model.LEVELS)
 
 
 @pytest.fixture(scope="module")
 def model_file(tiny_llama, profiles) -> tcq_model.TcqModel:
-    return ensure_tcq_model(tiny_llama)
+    """The default recipe's model file plus the predictor (saved, so its streams decode)."""
+    return tcq_model.save_tcq_model(fit_tcq_model(tiny_llama, prediction=True))
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,9 @@ def _same(a, b) -> bool:
     return torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-def test_the_fit_predicts_every_layer_after_the_first(model_file):
+def test_the_default_recipe_has_no_predictor_and_the_fit_adds_one(tiny_llama, model_file):
+    assert not ensure_tcq_model(tiny_llama).predicted  # prediction is opt-in
+    assert model_file.calibration["prediction"]["targets_fraction"] == 0.25
     L = model_file.model.num_layers
     C = model_file.model.num_kv_heads * model_file.model.head_dim
     assert model_file.predicted and model_file.predictor.shape == (L, 2, 2 * C, C // 4)

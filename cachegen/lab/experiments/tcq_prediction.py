@@ -1,6 +1,10 @@
 """What tcq's cross-layer prediction saves: the bits per element of a model file's levels on
 held-out windows with its predictor and without it, and that both decode to the same KV.
 
+The model file is fitted here by the default recipe plus the predictor
+(``fit_tcq_model(spec, prediction=True)``, a few minutes); without its predictor it is the
+default recipe's file (the same quantizer and tables).
+
 The prediction (``cachegen.codec.tcq_predict``) changes which symbols a coded stream holds,
 never the values they decode to, so a level's quality is the same with and without it; this
 lab measures the size and checks the sameness, bit for bit, on every window and level. The
@@ -89,13 +93,11 @@ def run(
 ) -> dict:
     from cachegen.constants import CHUNK_TOKENS
     from cachegen.extract import extract_kv, load_model
-    from cachegen.fitting.tcq import ensure_tcq_model
+    from cachegen.fitting.tcq import fit_tcq_model
     from cachegen.lab.quality.datasets import DataSettings, load_windows
 
     _, tokenizer, spec = load_model(model)
-    fitted = ensure_tcq_model(spec)
-    if not fitted.predicted:
-        raise InputError(f"the tcq model file {fitted.id[:16]} of {spec.name} has no predictor")
+    fitted = fit_tcq_model(spec, prediction=True)  # the default recipe's, plus the predictor
     unknown = sorted(set(levels) - set(fitted.levels))
     if unknown:
         raise InputError(f"--levels {unknown} are not levels of the model file {fitted.levels}")
