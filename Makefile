@@ -59,7 +59,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 test: models services lint
-	$(PY) -m pytest --benchmark-skip -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest --benchmark-skip -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
 # The main job: the asv suite on the embedded models (one sweep, shared by every suite through
 # setup_cache), the dashboard, results.json, the figures and the reproduction report. The

@@ -17,6 +17,34 @@ from cachegen import models
 from cachegen.lab.redis_cluster import LocalRedisCluster
 from tests.support import free_cluster_port, free_port, require_tool
 
+# The suite runs as `pytest -n 2 --dist loadfile --no-loadscope-reorder` (Makefile): each file
+# is one unit of work, handed out in this order, and the run ends when the last file ends. The
+# files that start vLLM engines, servers or fits take longest on 2 cores, so they go first,
+# longest first, and the many short files fill the tail (xdist's own reorder puts the files
+# with most tests first, which left the fleet's single long test for last).
+LONGEST_FIRST = (
+    "tests/connector/test_gemma.py",
+    "tests/connector/test_disagg.py",
+    "tests/connector/test_adapters.py",
+    "tests/connector/test_hma.py",
+    "tests/connector/test_cluster.py",
+    "tests/lab/fleet/test_fleet.py",
+    "tests/connector/test_openai.py",
+    "tests/connector/test_smollm2.py",
+    "tests/connector/test_tensor_parallel.py",
+    "tests/codec/test_codec.py",
+    "tests/codec/test_shipped_tcq.py",
+    "tests/connector/test_vllm_load.py",
+    "tests/lab/bench/test_quick.py",
+    "tests/connector/test_head_shards.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    root = config.rootpath
+    items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix(), len(rank)))
+
 
 @pytest.fixture
 def isolated_profiles(tmp_path, monkeypatch):
