@@ -137,12 +137,11 @@ def profile(name: str, **overrides) -> SweepConfig:
     paper's 8-bit baseline), and raw and the paper's levels 1-3 are measured at the largest
     context only (``LARGEST_CONTEXT_MODES``: the report compares at the largest context; raw is
     the dearest cell, 188 MB per 4,096 SmolLM2 tokens in a float32 engine); 3 repeats instead
-    of 2 would overrun the budget. Estimated from the last run's part times at 0.94 of the
-    profile it replaced, about 23.5 minutes where that took 25 (docs/benchmarks.md, "How long
-    it takes"). Overriding the modes or the contexts measures every mode at
-    every context. ``quick`` is its smoke version (the same modes at one short context), at most
-    3 minutes on a quiet machine: the default model plus ``$CACHEGEN_BENCH_MODELS`` (each model
-    costs two vLLM engine starts, about half a minute each, whatever the grid).
+    of 2 would overrun the budget. Overriding the modes or the contexts measures every mode at
+    every context. ``quick`` is its smoke version (the same modes at one short context): the
+    default model plus ``$CACHEGEN_BENCH_MODELS`` (each model costs two vLLM engine starts,
+    whatever the grid). What each profile takes is measured in docs/benchmarks.md, "How long
+    it takes".
     """
     extra = [m.strip() for m in os.environ.get(DEFAULT_MODELS_ENV, "").split(",") if m.strip()]
     base_models = list(EMBEDDED) if name == "default" else [EMBEDDED_DEFAULT]
