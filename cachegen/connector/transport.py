@@ -157,9 +157,20 @@ class ChunkTransport:
         chunks and, for a model with sliding-window layers, the sliding part of each chunk that
         load fetches (with ``skip_out_of_window``, only those within the window before its
         end). A prefix that ends inside a chunk is possible only through ``limit``."""
-        C = self.chunk_tokens
         keys = self.keys(self.ladder.lookup_codec(options), token_ids, options.salt)
-        levels = self.load_levels(options)
+        return self._loadable_end(keys, self.load_levels(options), options, begin, limit)
+
+    def _loadable_end(
+        self,
+        keys: Sequence[str],
+        levels: Sequence[int],
+        options: RequestOptions,
+        begin: int = 0,
+        limit: int | None = None,
+    ) -> int:
+        """:meth:`loadable_tokens` for the chunks of ``keys``, stored at every one of
+        ``levels``."""
+        C = self.chunk_tokens
         stored = longest_prefix(self.store, keys, levels)
         end = stored * C if limit is None else min(stored * C, limit)
         if not self.parts.split or end <= begin:
@@ -183,10 +194,16 @@ class ChunkTransport:
     def saved_chunks(
         self, token_ids: Sequence[int], modes: Sequence[str], salt: str | None = None
     ) -> int:
-        """Leading whole chunks of ``token_ids`` already stored, every part, in every form a
-        save of ``modes`` writes (``LevelPolicy.stored_slots``), in the key scope ``salt``."""
+        """Leading whole chunks of ``token_ids`` that a load with the default request options
+        finds in every form a save of ``modes`` writes (``LevelPolicy.stored_slots``), in the
+        key scope ``salt``. For a model with sliding-window layers that is the full part of
+        each chunk and the sliding part of those within the window before the prefix's end:
+        vLLM's hybrid allocator frees the sliding blocks behind the window between the steps
+        of a long prefill, so a save cannot write the sliding part of earlier chunks."""
+        options = RequestOptions()
         counts = [
-            self._longest(self.keys(codec, token_ids, salt), slots)
+            self._loadable_end(self.keys(codec, token_ids, salt), slots, options)
+            // self.chunk_tokens
             for codec, slots in self.ladder.stored_slots(modes).items()
         ]
         return min(counts, default=0)

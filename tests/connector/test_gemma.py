@@ -628,6 +628,29 @@ def test_gemma_chunks_are_stored_as_two_parts_and_loads_skip_out_of_window(gemma
         transport.close()
 
 
+def test_a_save_without_early_sliding_parts_counts_as_saved(gemma3, tmp_path):
+    """A long prefill runs in several steps, and vLLM's hybrid allocator frees the sliding
+    blocks behind the window between them, so the save writes no sliding part of the early
+    chunks. A load of the prefix fetches none of them either: the save check (and the
+    bench's wait for a save) counts the prefix as saved."""
+    from cachegen.connector.config import RequestOptions
+    from cachegen.store.keys import sliding_key
+
+    transport = connector_transport(gemma3, tmp_path)
+    try:
+        kv = _random_kv(gemma3, 8 * CHUNK)
+        ids = kv.token_ids.tolist()
+        transport.save(ids, kv, ["raw"], sliding_from=6)
+        assert _chunks_in_window(8 * CHUNK) == [6, 7]
+        assert transport.stored_chunks(ids, RequestOptions(mode="raw")) == 0  # every part
+        assert transport.saved_chunks(ids, ["raw"]) == 8
+        assert transport.saved_chunks(ids[: 7 * CHUNK], ["raw"]) == 0  # needs chunk 5's
+        transport.store.delete(sliding_key(transport.keys("raw", ids)[7]))
+        assert transport.saved_chunks(ids, ["raw"]) == 0
+    finally:
+        transport.close()
+
+
 @pytest.mark.parametrize("model", ["tiny_llama", "smollm2"])
 def test_models_without_sliding_layers_keep_one_record_per_chunk(model, request, tmp_path):
     from cachegen.connector.config import RequestOptions

@@ -80,8 +80,8 @@ def _register_bench(subparsers) -> None:
         "--profile",
         choices=("default", "quick"),
         default="default",
-        help="default: what `make bench` runs (<= 25 min on 2 cores); quick: a smoke run "
-        "(<= 3 min)",
+        help="default: what `make bench` runs (both embedded models; its time on 2 cores is in "
+        "docs/benchmarks.md); quick: a smoke run (the default model, one short context)",
     )
     p.add_argument(
         "--quick",
