@@ -158,38 +158,9 @@ class ChunkTransport:
         load fetches (with ``skip_out_of_window``, only those within the window before its
         end). A prefix that ends inside a chunk is possible only through ``limit``."""
         keys = self.keys(self.ladder.lookup_codec(options), token_ids, options.salt)
-        return self._loadable_end(keys, self.load_levels(options), options, begin, limit)
-
-    def _loadable_end(
-        self,
-        keys: Sequence[str],
-        levels: Sequence[int],
-        options: RequestOptions,
-        begin: int = 0,
-        limit: int | None = None,
-    ) -> int:
-        """:meth:`loadable_tokens` for the chunks of ``keys``, stored at every one of
-        ``levels``."""
-        C = self.chunk_tokens
-        stored = longest_prefix(self.store, keys, levels)
-        end = stored * C if limit is None else min(stored * C, limit)
-        if not self.parts.split or end <= begin:
-            return end
-        first, last = begin // C, -(-end // C)
-        present = [True] * (last - first)
-        sliding = [self.parts.record_key(k, SLIDING) for k in keys[first:last]]
-        for level in levels:
-            present = [a and b for a, b in zip(present, self.store.exists_many(sliding, level))]
-        while end > begin:
-            missing = [
-                j
-                for j in range(max(first, self.sliding_from(end, options)), -(-end // C))
-                if not present[j - first]
-            ]
-            if not missing:
-                break
-            end = min(missing) * C  # any shorter prefix still needing chunk j fails too
-        return end
+        return _loadable_end(
+            self.store, self.parts, keys, self.load_levels(options), options, begin, limit
+        )
 
     def saved_chunks(
         self, token_ids: Sequence[int], modes: Sequence[str], salt: str | None = None
@@ -202,7 +173,7 @@ class ChunkTransport:
         of a long prefill, so a save cannot write the sliding part of earlier chunks."""
         options = RequestOptions()
         counts = [
-            self._loadable_end(self.keys(codec, token_ids, salt), slots, options)
+            _loadable_end(self.store, self.parts, self.keys(codec, token_ids, salt), slots, options)
             // self.chunk_tokens
             for codec, slots in self.ladder.stored_slots(modes).items()
         ]
@@ -394,6 +365,39 @@ class ChunkTransport:
         self.links.close()
         self.codecs.close()
         self.store.close()
+
+
+def _loadable_end(
+    store: Any,
+    parts: RecordParts,
+    keys: Sequence[str],
+    levels: Sequence[int],
+    options: RequestOptions,
+    begin: int = 0,
+    limit: int | None = None,
+) -> int:
+    """:meth:`ChunkTransport.loadable_tokens` for the chunks of ``keys`` in ``store``, stored
+    at every one of ``levels``."""
+    C = parts.chunk_tokens
+    stored = longest_prefix(store, keys, levels)
+    end = stored * C if limit is None else min(stored * C, limit)
+    if not parts.split or end <= begin:
+        return end
+    first, last = begin // C, -(-end // C)
+    present = [True] * (last - first)
+    sliding = [parts.record_key(k, SLIDING) for k in keys[first:last]]
+    for level in levels:
+        present = [a and b for a, b in zip(present, store.exists_many(sliding, level))]
+    while end > begin:
+        missing = [
+            j
+            for j in range(max(first, parts.sliding_from(end, options)), -(-end // C))
+            if not present[j - first]
+        ]
+        if not missing:
+            break
+        end = min(missing) * C  # any shorter prefix still needing chunk j fails too
+    return end
 
 
 def _chunks_done(plan: Plan, n_loaded: int) -> int:

@@ -5,8 +5,7 @@ blocks (--kv-cache-blocks), and server 1 stopped (SIGTERM) once six requests hav
 configuration only, to keep the suite short: the others differ in the servers' options, not in
 the command's path. A user's second round runs on the other server than its first, so the
 chunks of its history that the first server stored can only come from the shared store: vLLM's
-prefix cache cannot give that reuse. After the stop, the requests the router's policy names
-server 1 for are answered by server 0."""
+prefix cache cannot give that reuse. After the stop, every request goes to server 0."""
 
 from __future__ import annotations
 
@@ -61,14 +60,15 @@ def test_two_servers_share_one_store_and_every_request_is_recorded(tmp_path, cap
         assert r["answer"]
         assert all(a["server"] == 1 for a in r["attempts"])  # only the stopped one failed
 
-    # The stop: server 1 once, after STOP_AFTER answers; what was sent later went to server 0,
-    # and the last round's request of user 1 (routed to server 1) is answered by server 0.
+    # The stop: server 1 once, after STOP_AFTER answers; what was sent later went to server 0.
+    # With at most 2 requests in flight, at least one of the 9 is sent after the 6th end. Which
+    # one depends on which answers come first, so which the router's policy names server 1 for
+    # may have been sent before the stop (in one CI run the last round's of user 1 was).
     (stop,) = raw["stops"]
     assert stop["server"] == 1
     assert sorted(r["end_s"] for r in records)[STOP_AFTER - 1] <= stop["at_s"]
-    assert all(r["server"] == 0 for r in records if r["send_s"] > stop["at_s"])
-    last_of_user_1 = records[(ROUNDS - 1) * USERS + 1]
-    assert (last_of_user_1["routed"], last_of_user_1["server"]) == (1, 0)
+    later = [r for r in records if r["send_s"] > stop["at_s"]]
+    assert later and all(r["server"] == 0 for r in later)
     assert raw["summary"]["failovers"] == sum(1 for r in records if r["attempts"])
     reports = [r["report"] for r in raw["records"]]
     assert all(rep["schema"] == "cachegen-connector-report" for rep in reports)
