@@ -72,6 +72,12 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
     options.integer(p, "--rounds", 3, "multi-round-qa: questions per user, one per round")
     options.integer(p, "--system-tokens", 1024, "multi-round-qa: tokens of the system prompt")
     options.integer(p, "--question-tokens", 256, "multi-round-qa: tokens of a question's passage")
+    options.integer(
+        p,
+        "--history-tokens",
+        0,
+        "multi-round-qa: tokens of each user's own context, sent with its first question",
+    )
     options.integer(p, "--documents", 2, "long-doc-qa: documents")
     options.integer(p, "--document-tokens", 2048, "long-doc-qa: tokens per document")
     options.integer(p, "--questions", 3, "long-doc-qa: questions per document")
@@ -167,7 +173,14 @@ def _workload(args: argparse.Namespace) -> workloads.Workload:
     return workloads.multi_round_qa(
         tokenizer,
         **options.values(
-            args, "users", "rounds", "system_tokens", "question_tokens", "max_tokens", "seed"
+            args,
+            "users",
+            "rounds",
+            "system_tokens",
+            "history_tokens",
+            "question_tokens",
+            "max_tokens",
+            "seed",
         ),
         domain=args.domain,
     )

@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 
 from cachegen.errors import CacheGenError, InputError
 from cachegen.lab.bench.links import link_label
-from cachegen.lab.fleet import client, configs, summary
+from cachegen.lab.fleet import census, client, configs, summary
 from cachegen.lab.fleet.drive import Driver, Run, Sending, Stop, warm_up
 from cachegen.lab.fleet.router import ROUND_ROBIN, Router
 from cachegen.lab.fleet.workloads import Workload
@@ -187,8 +187,10 @@ def server_args(kv_cache_blocks: int | None) -> tuple[str, ...]:
     return ("--num-gpu-blocks-override", str(kv_cache_blocks))
 
 
-def run_one(bench: Bench, fleet: list, run: Run) -> dict[str, Any]:
-    """One run on a started fleet: its summary, the servers it stopped and its records."""
+def run_one(bench: Bench, fleet: list, run: Run, store: str | None) -> dict[str, Any]:
+    """One run on a started fleet: its summary, the servers it stopped, its records and, for a
+    fleet with the connector on ``store``, what its requests wrote there (the warm-up's
+    entries left out)."""
     progress(f"{run.label}: {len(bench.work.requests)} requests, {bench.router}")
     driver = Driver(
         fleet,
@@ -199,10 +201,17 @@ def run_one(bench: Bench, fleet: list, run: Run) -> dict[str, Any]:
         bench.stop,
     )
     asyncio.run(warm_up(fleet, bench.work, bench.sending, run))
+    before = None if store is None else census.entries(store)
     records = asyncio.run(driver.records())
     result = summary.summarize(records, bench.servers, connector=run.connector)
     progress(f"{run.label}: {result['errors']} errors, {result['failovers']} failovers")
-    return {"summary": result, "stops": driver.stops, "records": records}
+    wrote = None if before is None else census.written(store, before)
+    if wrote is not None:
+        progress(
+            f"{run.label}: the store gained {wrote['entries']} entries, "
+            f"{wrote['payload_bytes']} bytes; {wrote['unreadable']} unreadable"
+        )
+    return {"summary": result, "stops": driver.stops, "records": records, "store": wrote}
 
 
 def run_config(bench: Bench, config: configs.Config) -> Iterator[dict[str, Any]]:
@@ -234,7 +243,7 @@ def run_config(bench: Bench, config: configs.Config) -> Iterator[dict[str, Any]]
                 "cache_salt": salt,
             }
             entry = {"config": config.name, "bandwidth_mbps": rate, "setup": setup}
-            yield {**entry, **run_one(bench, fleet, run)}
+            yield {**entry, **run_one(bench, fleet, run, url)}
 
 
 def measure(

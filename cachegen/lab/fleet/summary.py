@@ -14,9 +14,12 @@ failed try), TTFT p50/p90/p99, requests/s and output tokens/s over the wall time
 to last end), requests per server, prompt and cached tokens, answers equal to the recompute
 run's (when one ran), and for the connector: requests with a report, hits (reports with
 ``loaded_tokens`` > 0), the hit rate (hits per request), loaded tokens and bytes, and load
-errors (reports with ``load_error`` or ``error``: part of a prefix recomputed). The document
-holds the settings, every run (its setup, summary, stops and records) and the failure that
-ended the bench early (null when every configuration ran).
+errors (reports with ``load_error`` or ``error``: part of a prefix recomputed). A run's
+``store`` (null without the connector) is what its requests wrote to the store
+(``cachegen.lab.fleet.census``): keys, entries and payload bytes, per kind and level, and how
+many of them do not read back verified. The document holds the settings, every run (its setup,
+summary, stops, records and store census) and the failure that ended the bench early (null
+when every configuration ran). Version 3 documents, without the store census, are still read.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from cachegen.fileio import versioned
 from cachegen.lab.bench.links import link_label
 
 SCHEMA = "cachegen-fleet-bench"
-VERSION = 3
+VERSION = 4
 
 _NUM = {"type": ["number", "null"]}
 _INT = {"type": ["integer", "null"]}
@@ -130,33 +133,46 @@ def _object(fields: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "required": sorted(fields), "properties": fields}
 
 
-JSON_SCHEMA = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "title": SCHEMA,
-    "type": "object",
-    "required": ["schema", "version", "settings", "runs", "failure"],
-    "properties": {
-        "schema": {"const": SCHEMA},
-        "version": {"const": VERSION},
-        "settings": _object(SETTINGS_FIELDS),
-        "runs": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["config", "bandwidth_mbps", "setup", "summary", "stops", "records"],
-                "properties": {
-                    "config": {"type": "string"},
-                    "bandwidth_mbps": _NUM,
-                    "setup": _object(SETUP_FIELDS),
-                    "summary": _object(SUMMARY_FIELDS),
-                    "stops": {"type": "array", "items": STOP},
-                    "records": {"type": "array", "items": _object(RECORD_FIELDS)},
-                },
-            },
-        },
-        "failure": FAILURE,
-    },
+TALLY = _object({"entries": {"type": "integer"}, "payload_bytes": {"type": "integer"}})
+TALLIES = {"type": "object", "additionalProperties": TALLY}
+STORE_FIELDS = {
+    "keys": {"type": "integer"},
+    "entries": {"type": "integer"},
+    "payload_bytes": {"type": "integer"},
+    "kinds": TALLIES,
+    "levels": TALLIES,
+    "unreadable": {"type": "integer"},
 }
+RUN_FIELDS = {
+    "config": {"type": "string"},
+    "bandwidth_mbps": _NUM,
+    "setup": _object(SETUP_FIELDS),
+    "summary": _object(SUMMARY_FIELDS),
+    "stops": {"type": "array", "items": STOP},
+    "records": {"type": "array", "items": _object(RECORD_FIELDS)},
+    "store": {**_object(STORE_FIELDS), "type": ["object", "null"]},
+}
+READABLE = (3, VERSION)  # version 3: the same without the runs' store census
+
+
+def json_schema(version: int = VERSION) -> dict[str, Any]:
+    """The JSON Schema of a fleet-bench document of ``version`` (one of ``READABLE``)."""
+    run = (
+        RUN_FIELDS if version == VERSION else {k: v for k, v in RUN_FIELDS.items() if k != "store"}
+    )
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": SCHEMA,
+        "type": "object",
+        "required": ["schema", "version", "settings", "runs", "failure"],
+        "properties": {
+            "schema": {"const": SCHEMA},
+            "version": {"const": version},
+            "settings": _object(SETTINGS_FIELDS),
+            "runs": {"type": "array", "items": _object(run)},
+            "failure": FAILURE,
+        },
+    }
 
 
 def record(
@@ -276,11 +292,13 @@ def document(
 
 
 def validate(doc: object) -> None:
-    """Raise ``jsonschema.ValidationError`` unless ``doc`` is a fleet-bench document of this
-    version."""
+    """Raise ``jsonschema.ValidationError`` unless ``doc`` is a fleet-bench document of one of
+    the ``READABLE`` versions (this one unless it says another)."""
     import jsonschema
 
-    jsonschema.validate(doc, JSON_SCHEMA, cls=jsonschema.Draft202012Validator)
+    version = doc.get("version") if isinstance(doc, dict) else None
+    schema = json_schema(version if version in READABLE else VERSION)
+    jsonschema.validate(doc, schema, cls=jsonschema.Draft202012Validator)
 
 
 def _ms(seconds: float | None) -> str:
@@ -295,6 +313,12 @@ def _num(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _stored(census: dict[str, Any] | None) -> str:
+    if census is None:
+        return "- | - | -"
+    return f"{census['entries']} | {census['payload_bytes']} | {census['unreadable']}"
+
+
 def markdown(doc: dict[str, Any]) -> str:
     s = doc["settings"]
     lines = [
@@ -305,9 +329,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "| config | link (Mbit/s) | requests | errors | failovers | as recompute "
         "| TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | requests/s | output tokens/s "
         "| per server | prompt tokens | cached tokens | connector hit rate | loaded tokens "
-        "| loaded bytes | load errors |",
+        "| loaded bytes | load errors | stored entries | stored bytes | unreadable |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- "
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for c in doc["runs"]:
         m = c["summary"]
@@ -322,7 +346,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {m['cached_tokens']} "
             f"| {'-' if hit_rate is None else f'{hit_rate:.0%}'} "
             f"| {_opt(m['loaded_tokens'])} | {_opt(m['loaded_bytes'])} "
-            f"| {_opt(m['load_errors'])} |"
+            f"| {_opt(m['load_errors'])} | {_stored(c.get('store'))} |"
         )
     failure = doc["failure"]
     if failure is not None:

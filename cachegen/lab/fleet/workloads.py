@@ -4,10 +4,12 @@ the calibration split) and deterministic for a seed.
 ``multi-round-qa``
     ``users`` users share one system prompt of ``system_tokens`` tokens; each asks ``rounds``
     questions, one per round, each a passage of ``question_tokens`` tokens of its own and a
-    question about it. A request's chat is the system prompt, that user's earlier questions and
-    the server's actual answers to them (closed loop: round r of a user is sent once round r-1
-    of that user has been answered), and the new question. Requests are listed round by round,
-    users in order within a round.
+    question about it. With ``history_tokens``, each user's first question starts with a
+    passage of that many tokens of its own (the user's long context, as LMCache's multi-round
+    QA gives each user a history). A request's chat is the system prompt, that user's earlier
+    questions and the server's actual answers to them (closed loop: round r of a user is sent
+    once round r-1 of that user has been answered), and the new question. Requests are listed
+    round by round, users in order within a round.
 ``long-doc-qa``
     ``documents`` documents of ``document_tokens`` tokens each (the system message), each asked
     ``questions`` different questions; the requests are shuffled (seeded), none waits for
@@ -103,16 +105,21 @@ def multi_round_qa(
     system_tokens: int,
     question_tokens: int,
     max_tokens: int,
+    history_tokens: int = 0,
     seed: int = 0,
     domain: str = "pydoc",
 ) -> Workload:
     """``users`` x ``rounds`` requests over one shared system prompt (see the module)."""
     _positive(users=users, rounds=rounds, system_tokens=system_tokens)
     _positive(question_tokens=question_tokens, max_tokens=max_tokens)
+    if history_tokens < 0:
+        raise InputError("--history-tokens must be at least 0")
     rng = random.Random(seed)
-    system, *passages = _passages(
-        tokenizer, domain, [system_tokens] + [question_tokens] * (users * rounds), rng
-    )
+    histories = [history_tokens] * users if history_tokens else []
+    lengths = [system_tokens, *histories] + [question_tokens] * (users * rounds)
+    system, *passages = _passages(tokenizer, domain, lengths, rng)
+    history = passages[: len(histories)] or [""] * users
+    passages = passages[len(histories) :]
     order = list(range(users * rounds))
     rng.shuffle(order)  # which passage each user gets in each round
     requests = []
@@ -125,15 +132,17 @@ def multi_round_qa(
                     key=f"user-{u}",
                     round=r,
                     system=system,
-                    user=_question(passages[order[index]], r),
+                    user=(history[u] if r == 0 else "") + _question(passages[order[index]], r),
                     after=None if r == 0 else index - users,
                 )
             )
-    bound = system_tokens + rounds * (question_tokens + max_tokens + 2 * TEMPLATE_TOKENS)
+    per_round = question_tokens + max_tokens + 2 * TEMPLATE_TOKENS
+    bound = system_tokens + history_tokens + rounds * per_round
     settings = {
         "users": users,
         "rounds": rounds,
         "system_tokens": system_tokens,
+        "history_tokens": history_tokens,
         "question_tokens": question_tokens,
         "domain": domain,
     }

@@ -1,4 +1,4 @@
-"""`cachegen plot` on a fleet-bench document: a small version-3 document built by hand (three
+"""`cachegen plot` on a fleet-bench document: a small version-4 document built by hand (three
 runs: prefix-cache, raw at 100 Mbit/s, raw unlimited with a failover and an error) becomes
 fleet_ttft.png and fleet_throughput.png, and so does one that ended early (a configuration
 failed); a document of another schema, an older version or one that does not follow the
@@ -51,6 +51,18 @@ def _run(config: str, rate: float | None, records: list[dict]) -> dict:
         "summary": summary.summarize(records, 2, connector=connector),
         "stops": [],
         "records": records,
+        "store": _census(len(records)) if connector else None,
+    }
+
+
+def _census(entries: int) -> dict:
+    tally = {"entries": entries, "payload_bytes": 1000 * entries}
+    return {
+        "keys": entries,
+        **tally,
+        "kinds": {"full": tally},
+        "levels": {"0": tally},
+        "unreadable": 0,
     }
 
 

@@ -67,6 +67,28 @@ def test_multi_round_users_share_the_system_prompt_and_wait_for_their_own_last_a
     assert abs(len(system_ids) - 64) <= 4  # cut at 64 tokens, re-tokenized
 
 
+def test_a_user_history_opens_each_users_first_question_and_only_that(tokenizer):
+    plain = _multi(tokenizer)
+    work = workloads.multi_round_qa(
+        tokenizer, users=3, rounds=2, system_tokens=64, question_tokens=32, max_tokens=4,
+        history_tokens=100,
+    )  # fmt: skip
+    assert work.settings["history_tokens"] == 100 and plain.settings["history_tokens"] == 0
+    assert work.prompt_tokens_bound == plain.prompt_tokens_bound + 100
+    firsts = [r.user for r in work.requests if r.round == 0]
+    later = [r.user for r in work.requests if r.round == 1]
+    assert len(set(firsts)) == 3 and all(r.system == work.requests[0].system for r in work.requests)
+    for first, again in zip(firsts, later):
+        tokens = len(tokenizer(first, add_special_tokens=False)["input_ids"])
+        assert 100 + 32 <= tokens <= 100 + 32 + 40  # the history, the passage, the question
+        assert len(tokenizer(again, add_special_tokens=False)["input_ids"]) < 32 + 40
+    with pytest.raises(InputError, match="--history-tokens"):
+        workloads.multi_round_qa(
+            tokenizer, users=1, rounds=1, system_tokens=8, question_tokens=8, max_tokens=4,
+            history_tokens=-1,
+        )  # fmt: skip
+
+
 def test_long_doc_asks_each_document_its_questions_in_a_shuffled_order(tokenizer):
     work = _docs(tokenizer)
     keys = [r.key for r in work.requests]
@@ -142,11 +164,20 @@ def test_the_summary_counts_hits_errors_and_servers_and_the_document_validates(t
     assert (result["loaded_tokens"], result["loaded_bytes"]) == (256, 1000)
     assert result["output_tokens"] == 8 and result["wall_s"] == pytest.approx(3.0)
     run = {"config": "raw", "bandwidth_mbps": 1000.0, "setup": setup("raw", True)}
-    doc = summary.document(SETTINGS, [{**run, "summary": result, "stops": [], "records": records}])
+    tally = {"entries": 3, "payload_bytes": 3000}
+    census = {"keys": 3, **tally, "kinds": {"full": tally}, "levels": {"0": tally}}
+    run |= {"summary": result, "stops": [], "records": records, "store": census | {"unreadable": 0}}
+    doc = summary.document(SETTINGS, [run])
     summary.validate(doc)
     assert "| raw | 1000 | 3 | 1 | 1 | - |" in summary.markdown(doc)
+    assert summary.markdown(doc).splitlines()[-1].endswith("| 1 | 3 | 3000 | 0 |")
     with pytest.raises(jsonschema.ValidationError):
         summary.validate({**doc, "version": 2})
+    # A version 3 document has no store census; this version needs one.
+    without = {**doc, "runs": [{k: v for k, v in run.items() if k != "store"}]}
+    summary.validate({**without, "version": 3})
+    with pytest.raises(jsonschema.ValidationError):
+        summary.validate(without)
     del records[0]["server"]
     with pytest.raises(jsonschema.ValidationError):
         summary.validate(doc)
@@ -278,7 +309,7 @@ def _fake_runs(monkeypatch, fail: str):
         started.append({"config": config.name, **kwargs})
         return [None] * count
 
-    def run_one(bench, fleet, run):
+    def run_one(bench, fleet, run, store):
         if run.config == fail:
             raise FleetError(f"{run.label}: the warm-up request on server 1 failed: boom")
         records = [
@@ -295,7 +326,7 @@ def _fake_runs(monkeypatch, fail: str):
             for request in bench.work.requests
         ]
         result = summary.summarize(records, bench.servers, connector=run.connector)
-        return {"summary": result, "stops": [], "records": records}
+        return {"summary": result, "stops": [], "records": records, "store": None}
 
     monkeypatch.setattr(fleet_run, "start_fleet", start_fleet)
     monkeypatch.setattr(fleet_run, "run_one", run_one)
@@ -331,7 +362,7 @@ def test_a_failed_configuration_keeps_the_runs_before_it_and_exits_with_one_line
     )
     doc = json.loads(out.read_text())
     summary.validate(doc)
-    assert doc["version"] == 3
+    assert doc["version"] == 4
     assert doc["failure"] == {
         "config": "int8",
         "error": "int8 at 100: the warm-up request on server 1 failed: boom",
