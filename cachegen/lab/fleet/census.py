@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from cachegen.store import StoreError, open_store
+from cachegen.store import ChunkStore, StoreError, open_store
 from cachegen.store.keys import SLIDING_SUFFIX
 
 Entry = tuple[str, int]  # (key, level)
@@ -21,7 +21,11 @@ READ_BATCH = 16  # entries read back per round trip: a few MB of raw chunks at m
 def entries(url: str) -> dict[Entry, int]:
     """Every ``(key, level)`` in the store at ``url`` with its payload size in bytes."""
     with open_store(url) as store:
-        return {(info.key, info.level): info.size for info in store.list()}
+        return _listing(store)
+
+
+def _listing(store: ChunkStore) -> dict[Entry, int]:
+    return {(info.key, info.level): info.size for info in store.list()}
 
 
 def written(url: str, before: dict[Entry, int]) -> dict[str, Any]:
@@ -30,15 +34,16 @@ def written(url: str, before: dict[Entry, int]) -> dict[str, Any]:
     full-attention part of a chunk of a model with sliding-window layers; ``sliding``: that
     part) and per level, and ``unreadable``: how many of them do not read back whole and
     verified (missing, corrupt, forged or too large)."""
-    after = entries(url)
-    new = {entry: size for entry, size in after.items() if entry not in before}
+    with open_store(url) as store:
+        new = {entry: size for entry, size in _listing(store).items() if entry not in before}
+        unreadable = _unreadable(store, sorted(new))
     return {
         "keys": len({key for key, _ in new}),
         "entries": len(new),
         "payload_bytes": sum(new.values()),
         "kinds": _by(new, lambda e: "sliding" if e[0].endswith(SLIDING_SUFFIX) else "full"),
         "levels": _by(new, lambda e: str(e[1])),
-        "unreadable": _unreadable(url, sorted(new)),
+        "unreadable": unreadable,
     }
 
 
@@ -51,13 +56,12 @@ def _by(new: dict[Entry, int], group) -> dict[str, dict[str, int]]:
     return out
 
 
-def _unreadable(url: str, items: list[Entry]) -> int:
-    with open_store(url) as store:
-        return sum(
-            isinstance(found, StoreError)
-            for batch in _batches(items, READ_BATCH)
-            for found in store.get_many(batch)
-        )
+def _unreadable(store: ChunkStore, items: list[Entry]) -> int:
+    return sum(
+        isinstance(found, StoreError)
+        for batch in _batches(items, READ_BATCH)
+        for found in store.get_many(batch)
+    )
 
 
 def _batches(items: list[Entry], size: int) -> Iterable[list[Entry]]:

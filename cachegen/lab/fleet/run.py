@@ -205,8 +205,9 @@ def run_one(bench: Bench, fleet: list, run: Run, store: str | None) -> dict[str,
     records = asyncio.run(driver.records())
     result = summary.summarize(records, bench.servers, connector=run.connector)
     progress(f"{run.label}: {result['errors']} errors, {result['failovers']} failovers")
-    wrote = None if before is None else census.written(store, before)
-    if wrote is not None:
+    wrote = None
+    if before is not None:
+        wrote = census.written(store, before)
         progress(
             f"{run.label}: the store gained {wrote['entries']} entries, "
             f"{wrote['payload_bytes']} bytes; {wrote['unreadable']} unreadable"
