@@ -34,7 +34,14 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 	$(PIP) install --quiet --no-deps -e .
 	@touch $@
 
-install: $(STAMP)
+# tcq's integer synthesis kernel (C, setup.py) is compiled by the editable install: again when
+# its source changes, since the package's Python files are read in place but the kernel is not.
+KERNEL_STAMP := $(VENV)/.cachegen-kernel
+$(KERNEL_STAMP): $(STAMP) cachegen/codec/synthesis.c setup.py
+	$(PIP) install --quiet --no-deps -e .
+	@touch $@
+
+install: $(KERNEL_STAMP)
 
 # Preparing the models converts them, builds their codec profiles and compiles the codec's
 # kernels (numba), so that no first request (nor test) waits minutes for either.

@@ -10,16 +10,24 @@ the 11.8 M elements of ``test_transform_codec_speed.py``, for which 300 M elemen
 39 ms in all. The cases: ``float32`` (``torch.bmm``, what a CPU without bf16 instructions
 runs), ``bf16`` (``torch.bmm``, emulated where the CPU lacks bf16 instructions) and ``int8``
 (``torch._int_mm``, int8 x int8 -> int32, one stream at a time: torch has no batched integer
-product), the candidate for an integer synthesis on small-integer symbols (docs/codec.md,
-"Decode speed"). The coefficients are random small integers: the time does not depend on the
-values. Nothing is asserted about the times.
+product), and ``int16``, the decoder's own integer kernel (``cachegen.codec.int_synthesis``:
+int16 x int16 -> int32 with AVX2's ``vpmaddwd``, streams split over the codec's threads as a
+decode runs it; skipped where it was not built or the CPU has no AVX2). The int16 kernel also
+writes its rows as bf16 into the output's head layout, the pass the other arithmetics leave
+to ``tcq_kernels.write_rows``: its time includes more work than theirs. The coefficients are
+random small integers: the time does not depend on the values. Nothing is asserted about the
+times.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from cachegen.codec import int_synthesis
+from cachegen.codec.int_synthesis import IntegerSynthesis
+from cachegen.codec.parallel import run_batches
 from cachegen.codec.tcq_code import level_code
 from cachegen.profiles import codec_for
 from tests.support import CHUNK
@@ -45,12 +53,41 @@ def _int8(matrices: torch.Tensor) -> torch.Tensor:
     return torch.round(matrices / scale).to(torch.int8)
 
 
-@pytest.mark.parametrize("arithmetic", ["float32", "bf16", "int8"])
+def _bf16_values(streams: int, channels: int) -> tuple[int_synthesis.Destination, np.ndarray]:
+    """A bf16 output of ``CHUNK`` tokens for every stream, nothing turned, SmolLM2's head dim
+    (the int16 kernel writes the output's head layout itself), and zero means."""
+    head_dim = 64
+    heads = channels // head_dim
+    out = np.empty(streams * heads * CHUNK * head_dim, dtype=np.uint16)
+    base = np.arange(streams, dtype=np.int64) * heads * CHUNK * head_dim
+    angles = np.zeros((0, 0), dtype=np.float32)
+    unturned = np.full(streams, -1, dtype=np.int64)
+    to = int_synthesis.Destination(out, base, CHUNK, head_dim, angles, angles, unturned)
+    return to, np.zeros((streams, channels), dtype=np.float32)
+
+
+@pytest.mark.parametrize("arithmetic", ["float32", "bf16", "int8", "int16"])
 def test_synthesis_product(benchmark, synthesis, arithmetic):
     streams, kept, channels = synthesis.shape
     generator = torch.Generator().manual_seed(0)
     symbols = torch.randint(-8, 9, (FRAMES, streams, CHUNK, kept), generator=generator)
-    if arithmetic == "int8":
+    if arithmetic == "int16":
+        if not int_synthesis.available():
+            pytest.skip("the int16 kernel is not built here or the CPU has no AVX2")
+        matrices = IntegerSynthesis.of(synthesis)
+        frames = symbols.to(torch.int16).numpy()
+        to, mean = _bf16_values(streams, channels)
+
+        def product():
+            for frame in frames:
+                run_batches(
+                    lambda todo, frame=frame: int_synthesis.synthesize(
+                        frame, matrices, mean, to, todo
+                    ),
+                    np.ones(streams),
+                )
+
+    elif arithmetic == "int8":
         matrices, frames = _int8(synthesis), symbols.to(torch.int8)
 
         def product():

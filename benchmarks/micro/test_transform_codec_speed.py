@@ -9,8 +9,10 @@ Data: the same SmolLM2 KV as ``test_codec_speed.py`` (1,024 tokens of Python doc
 tensor, as a server decodes a fetched chunk, on both cores. Target (docs/codec.md): every
 ``tcq`` level >= 300 M elements/s, recorded in ``extra_info`` with the bits per element
 (timings on a shared machine are noisy, so nothing is asserted about them). The tcq levels
-synthesize as this CPU does (``tcq_decode.bf16_synthesis``: a bfloat16 GEMM where the CPU has
-bfloat16 matrix instructions); ``tcq-24-f32`` forces the float32 synthesis beside them;
+synthesize as this CPU does (``tcq_decode.synthesis_arithmetic``: a bfloat16 GEMM where the CPU
+has bfloat16 matrix instructions, else the int16 kernel where it was built and the CPU has
+AVX2, else float32); ``tcq-24-f32`` and ``tcq-24-int16`` force the float32 and the int16
+synthesis beside them;
 ``tcq-<L>-packed`` decode the packed form (the same symbols bit-packed, no rANS pass).
 The encode cases code level 23 with and without the choices (the same model file, its table
 family left out).
@@ -24,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import decode, get_codec, tcq_decode, tcq_model
+from cachegen.codec import decode, get_codec, int_synthesis, tcq_decode, tcq_model
 from cachegen.lab.bench.codec_report import text_windows
 from cachegen.modes import CODED, PACKED
 from cachegen.profiles import codec_for
@@ -41,17 +43,22 @@ def kv():
 
 
 CASES = (
-    [pytest.param("cachegen", 2, CODED, False, id="cachegen-2")]
-    + [pytest.param("tcq", level, CODED, False, id=f"tcq-{level}") for level in range(20, 27)]
-    + [pytest.param("tcq", 24, CODED, True, id="tcq-24-f32")]
-    + [pytest.param("tcq", lv, PACKED, False, id=f"tcq-{lv}-packed") for lv in (22, 24, 25)]
+    [pytest.param("cachegen", 2, CODED, None, id="cachegen-2")]
+    + [pytest.param("tcq", level, CODED, None, id=f"tcq-{level}") for level in range(20, 27)]
+    + [pytest.param("tcq", 24, CODED, tcq_decode.FLOAT32, id="tcq-24-f32")]
+    + [pytest.param("tcq", 24, CODED, tcq_decode.INT16, id="tcq-24-int16")]
+    + [pytest.param("tcq", lv, PACKED, None, id=f"tcq-{lv}-packed") for lv in (22, 24, 25)]
 )
 
 
-@pytest.mark.parametrize("name,level,form,f32_synthesis", CASES)
-def test_transform_decode(benchmark, kv, name, level, form, f32_synthesis, monkeypatch):
-    if f32_synthesis:
+@pytest.mark.parametrize("name,level,form,arithmetic", CASES)
+def test_transform_decode(benchmark, kv, name, level, form, arithmetic, monkeypatch):
+    """``arithmetic``: the synthesis forced (None: this CPU's choice)."""
+    if arithmetic is not None:
+        if arithmetic == tcq_decode.INT16 and not int_synthesis.available():
+            pytest.skip("the int16 kernel is not built here or the CPU has no AVX2")
         monkeypatch.setattr(tcq_decode, "bf16_synthesis", lambda: False)
+        monkeypatch.setattr(tcq_decode, "int16_synthesis", lambda: arithmetic == "int16")
     codec = codec_for(name, "smollm2-135m", chunk_tokens=CHUNK)
     if level not in codec.levels:
         pytest.fail(f"{name} has no level {level}: its levels are {codec.levels}")
@@ -62,7 +69,7 @@ def test_transform_decode(benchmark, kv, name, level, form, f32_synthesis, monke
         {
             "elements": int(kv.num_elements),
             "what": f"{name} level {level} ({form}) -> bf16, 2 thread(s)"
-            + (", float32 synthesis" if f32_synthesis else ""),
+            + (f", {arithmetic} synthesis" if arithmetic else ""),
             "bits_per_element": len(blob) * 8 / kv.num_elements,
         }
     )

@@ -423,13 +423,19 @@ def store_value(out, at, value):  # only meaningful inside kernels (see the over
 @overload(store_value, inline="always")
 def _store_value(out, at, value):
     """``out[at] = value``: float32, or bfloat16 bits (:func:`f32_to_bf16`) if ``out`` is
-    uint16."""
+    uint16, or an integer-valued ``value`` as int16 if ``out`` is int16."""
     if out.dtype == types.uint16:
 
         def store_bf16(out, at, value):
             out[at] = f32_to_bf16(value)
 
         return store_bf16
+    if out.dtype == types.int16:
+
+        def store_int16(out, at, value):
+            out[at] = np.int16(value)
+
+        return store_int16
 
     def store_f32(out, at, value):
         out[at] = value

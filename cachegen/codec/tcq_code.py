@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from cachegen.codec import rans
+from cachegen.codec.int_synthesis import IntegerSynthesis
 from cachegen.codec.tcq_model import (
     MAX_RADIUS,
     TcqModel,
@@ -104,7 +105,9 @@ class StreamTables:
     stream order: kept component counts, first table rows, the kept radii (float32, one
     stream after another from ``radius_off``), channel means [streams, channels] and the
     synthesis matrices [streams, width, channels] (kept components' rows scaled by their
-    steps, zero rows up to ``width``, the largest kept count), in float32 and bfloat16."""
+    steps, zero rows up to ``width``, the largest kept count rounded up to even: the integer
+    product takes rows in pairs), in float32 and bfloat16, and in int16
+    (:attr:`integer_synthesis`, made on first use)."""
 
     kept: np.ndarray
     table_base: np.ndarray
@@ -121,6 +124,10 @@ class StreamTables:
     def width(self) -> int:
         return self.synthesis.shape[1]
 
+    @functools.cached_property
+    def integer_synthesis(self) -> IntegerSynthesis:
+        return IntegerSynthesis.of(self.synthesis)
+
 
 def _stream_tables(
     tcq: TcqModel, code: LevelCode, layers: tuple[int, ...], predicted: bool
@@ -129,7 +136,8 @@ def _stream_tables(
     positions = {i for i, _ in code.predicted_layers(layers)} if predicted else set()
     kept = np.array([len(code.kept[layer][k]) for layer, k in pairs], dtype=np.int64)
     channels = tcq.mean.shape[-1]
-    width = max(1, int(kept.max(initial=0)))
+    most = int(kept.max(initial=0))
+    width = max(2, most + most % 2)
     synthesis = torch.zeros((len(pairs), width, channels))
     for s, (layer, k) in enumerate(pairs):
         synthesis[s, : kept[s]] = torch.from_numpy(code.synthesis[layer][k])

@@ -1,18 +1,21 @@
 """The ``tcq`` decoder: frame bodies (layout in :mod:`cachegen.codec.tcq`) back into KV.
 
 A frame decodes in three passes over its (layer, K/V) streams (:mod:`cachegen.codec.tcq_kernels`):
-rANS symbols into coefficients, one batched GEMM with the synthesis matrices, then the channel
-means added and keys turned into the output."""
+rANS symbols into coefficients, one batched product with the synthesis matrices (in the
+arithmetic :func:`synthesis_arithmetic` picks for the CPU), then the channel means added and keys
+turned into the output; the int16 arithmetic does the last two in one pass
+(:mod:`cachegen.codec.int_synthesis`)."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from cachegen.codec import rans, tcq_kernels
+from cachegen.codec import int_synthesis, rans, tcq_kernels
 from cachegen.codec.base import FrameDecoder
 from cachegen.codec.bitstream import Frame, Header
 from cachegen.codec.errors import CodecError
@@ -37,6 +40,32 @@ def bf16_synthesis() -> bool:
         bool(getattr(cpu, probe, lambda: False)())
         for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     )
+
+
+def int16_synthesis() -> bool:
+    """Whether the product can run in integers (:mod:`cachegen.codec.int_synthesis`: the
+    kernel was built and the CPU has AVX2), about twice as fast as float32 there."""
+    return int_synthesis.available()
+
+
+BF16, INT16, FLOAT32 = "bf16", "int16", "float32"
+# per arithmetic: the coefficients' dtype and the product rows' dtype
+_DTYPES: dict[str, tuple[torch.dtype, torch.dtype | None]] = {
+    BF16: (torch.bfloat16, torch.bfloat16),
+    INT16: (torch.int16, None),  # no rows: the kernel writes the output
+    FLOAT32: (torch.float32, torch.float32),
+}
+
+
+def synthesis_arithmetic(out_dtype: torch.dtype, width: int, head_dim: int) -> str:
+    """The synthesis product's arithmetic for output ``out_dtype``, ``width`` kept rows and
+    ``head_dim``: bf16 for bf16 output where the CPU has bf16 matrix instructions, else int16
+    where the kernel runs and takes the shape (:func:`int_synthesis.fits`), else float32."""
+    if out_dtype == torch.bfloat16 and bf16_synthesis():
+        return BF16
+    if int16_synthesis() and int_synthesis.fits(width, head_dim):
+        return INT16
+    return FLOAT32
 
 
 @dataclass
@@ -73,11 +102,11 @@ class TcqDecoder(FrameDecoder):
         self._checked: dict[int, tuple[object, _Layout]] = {}  # frame index -> (body, layout)
 
     def _scratch_for(
-        self, tokens: int, dtype: torch.dtype, row_dtype: torch.dtype
+        self, tokens: int, dtype: torch.dtype, row_dtype: torch.dtype | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Coefficients [streams, tokens, width] (``dtype``) and rows [streams, tokens,
-        channels] (the synthesis's ``row_dtype``), kept for the next frame of the same length:
-        fresh pages cost as much as filling them."""
+        channels] (the synthesis's ``row_dtype``; None: no rows), kept for the next frame of
+        the same length: fresh pages cost as much as filling them."""
         scratch = self._scratch
         if (
             scratch is None
@@ -88,7 +117,7 @@ class TcqDecoder(FrameDecoder):
             count = len(streams.kept)
             self._scratch = (
                 torch.empty((count, tokens, streams.width), dtype=dtype),
-                torch.empty((count, tokens, channels), dtype=row_dtype),
+                torch.empty((count, tokens, channels) if row_dtype else 0, dtype=row_dtype),
             )
         return self._scratch
 
@@ -167,23 +196,32 @@ class TcqDecoder(FrameDecoder):
         if not m:
             return
         streams = self.streams
-        bf16 = out.dtype == torch.bfloat16 and bf16_synthesis()
-        synthesis_dtype = torch.bfloat16 if bf16 else torch.float32
+        arithmetic = synthesis_arithmetic(out.dtype, streams.width, h.head_dim)
+        coefficient_dtype, row_dtype = _DTYPES[arithmetic]
         # the prediction chain restores symbols in float32 before the synthesis
-        coefficient_dtype = torch.float32 if self.predicted else synthesis_dtype
-        coefficients, rows = self._scratch_for(m, coefficient_dtype, synthesis_dtype)
+        scratch_dtype = torch.float32 if self.predicted else coefficient_dtype
+        coefficients, rows = self._scratch_for(m, scratch_dtype, row_dtype)
         self._coefficients(frame, layout, _numpy_of(coefficients).reshape(-1), m)
         if self.predicted:
             self._restore(coefficients, layout.offsets)
-            coefficients = coefficients.to(synthesis_dtype)
+            coefficients = coefficients.to(coefficient_dtype)
         mean = streams.mean if layout.offsets is None else self._centred_mean(layout.offsets)
-        # one batched GEMM for all streams (torch's BLAS, in its own threads)
-        torch.bmm(coefficients, streams.synthesis_bf16 if bf16 else streams.synthesis, out=rows)
-        self._write(_numpy_of(rows), mean, self._frame_start(frame) + e, out, token_offset + e)
+        to, finish = self._destination(self._frame_start(frame) + e, m, out, token_offset + e)
+        if arithmetic == INT16:  # the product and the write in one pass
+            matrices, values = streams.integer_synthesis, coefficients.numpy()
+            run_batches(
+                lambda todo: int_synthesis.synthesize(values, matrices, mean, to, todo),
+                np.ones(len(streams.kept)),
+            )
+        else:  # one batched GEMM for all streams (torch's BLAS, in its own threads)
+            matrices = streams.synthesis_bf16 if arithmetic == BF16 else streams.synthesis
+            torch.bmm(coefficients, matrices, out=rows)
+            self._write(_numpy_of(rows), mean, to)
+        finish()
 
     def _coefficients(self, frame: Frame, layout: _Layout, out: np.ndarray, m: int) -> None:
         """Each stream's symbols less their radii into ``out``, flat [streams, m, width]
-        (float32, or bfloat16 bits if uint16): the frame's rANS streams decoded."""
+        (float32, int16, or bfloat16 bits if uint16): the frame's rANS streams decoded."""
         streams, code, words = self.streams, self.code, layout.words
         table_row = streams.table_row
         if layout.choices is not None:
@@ -232,24 +270,19 @@ class TcqDecoder(FrameDecoder):
         shift = torch.bmm(torch.from_numpy(moved)[:, None], streams.synthesis)[:, 0]
         return streams.mean + shift.numpy() / OFFSET_UNITS
 
-    def _write(
-        self, rows: np.ndarray, mean: np.ndarray, start: int, out: torch.Tensor, offset: int
-    ) -> None:
-        """Rows [streams, m, channels] (float32 or bfloat16 bits) plus the channel means
-        ``mean``, keys turned, into ``out`` from token ``offset`` (absolute position
-        ``start``): bf16 or float32 in place, else through a float32 scratch."""
+    def _destination(
+        self, start: int, m: int, out: torch.Tensor, offset: int
+    ) -> tuple[int_synthesis.Destination, Callable[[], None]]:
+        """Where ``m`` tokens at absolute position ``start`` go: ``out`` from token ``offset``
+        in place when it is contiguous bf16 or float32, else a float32 scratch that the
+        returned ``finish`` copies into ``out``."""
         h = self.header
         L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
-        m = rows.shape[1]
         direct = out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous()
         if direct:
             target, T, t0 = out, out.shape[3], offset
         else:
             target, T, t0 = torch.empty((2, L, H, m, D), dtype=torch.float32), m, 0
-        flat = target.view(-1)
-        bf16 = target.dtype == torch.bfloat16
-        out16 = _numpy_of(flat) if bf16 else _NO_BF16
-        out32 = _NO_F32 if bf16 else flat.numpy()
         thetas = sorted({t for t in self.thetas if t})
         cos_sin = [rotary_cos_sin(start, m, D, theta) for theta in thetas]
         cos = torch.cat([c for c, _ in cos_sin]).numpy() if thetas else _NO_ANGLES
@@ -261,15 +294,40 @@ class TcqDecoder(FrameDecoder):
         base = np.array(
             [((k * L + i) * H * T + t0) * D for i in range(L) for k in (0, 1)], dtype=np.int64
         )
+        flat = _numpy_of(target.view(-1))
+        to = int_synthesis.Destination(flat, base, T, D, cos, sin, first_angle)
+
+        def finish() -> None:
+            if not direct:
+                out[:, :, :, offset : offset + m] = target
+
+        return to, finish
+
+    def _write(self, rows: np.ndarray, mean: np.ndarray, to: int_synthesis.Destination) -> None:
+        """Rows [streams, m, channels] (float32 or bfloat16 bits) plus the channel means
+        ``mean``, keys turned, into ``to`` (:func:`tcq_kernels.write_rows`)."""
+        bf16 = to.out.dtype == np.uint16
+        out16 = to.out if bf16 else _NO_BF16
+        out32 = _NO_F32 if bf16 else to.out
+        H, D = self.header.num_kv_heads, to.head_dim
 
         def write_kernel(todo: np.ndarray) -> None:
             tcq_kernels.write_rows(
-                rows, mean, first_angle, cos, sin, H, D, out16, out32, base, T, todo
+                rows,
+                mean,
+                to.first_angle,
+                to.cos,
+                to.sin,
+                H,
+                D,
+                out16,
+                out32,
+                to.base,
+                to.out_tokens,
+                todo,
             )
 
-        run_batches(write_kernel, np.ones(2 * L))
-        if not direct:
-            out[:, :, :, offset : offset + m] = target
+        run_batches(write_kernel, np.ones(len(to.base)))
 
     def inspect_extras(self) -> dict:
         tcq = self.tcq

@@ -5,12 +5,13 @@ decodes in three passes, each over all its (layer, K/V) streams:
 
 1. :func:`decode_coefficients` (codec threads): each stream's rANS symbols, centred on their
    component's radius, into one row per token of a ``[streams, tokens, width]`` array of
-   float32 or bfloat16 bits (small integers, exact in both; columns past the stream's kept
-   components are zero), so that
+   float32, int16 or bfloat16 bits (small integers, exact in all three; columns past the
+   stream's kept components are zero), so that
 2. one batched product with every stream's synthesis matrix (the kept components' rows
-   scaled by their steps, padded with zero rows to ``width``) is a single dense GEMM that
-   torch hands to its BLAS (vectorized and register-blocked, far faster than a numba loop;
-   in bfloat16 on CPUs with bfloat16 matrix instructions, where it is several times faster);
+   scaled by their steps, padded with zero rows to ``width``) is a single dense GEMM: torch's
+   BLAS (vectorized and register-blocked, far faster than a numba loop; in bfloat16 on CPUs
+   with bfloat16 matrix instructions, where it is several times faster), or on other CPUs
+   with AVX2 the int16 kernel of :mod:`cachegen.codec.int_synthesis`;
 3. :func:`write_rows` (codec threads) adds the channel means in float32, turns keys by their
    rotary angles and writes bfloat16 bits (or float32) into the output's ``[heads, tokens,
    head_dim]`` layout.
@@ -54,7 +55,7 @@ def decode_coefficients(
     status,
 ):
     """rANS-decode streams ``todo`` into ``out``, flat [streams, T, width] (float32, or
-    bfloat16 bits if uint16). Stream ``k`` has ``kept[k]`` components, component ``c``
+    bfloat16 bits if uint16, or int16). Stream ``k`` has ``kept[k]`` components, component ``c``
     coded with table row ``table_row[radius_off[k] + c]``; its symbol ``s`` of component
     ``c`` and token ``t`` becomes ``out[k, t, c] = s - radius[radius_off[k] + c]``, and
     ``out[k, t, c]`` is 0 for ``c >= kept[k]``. A stream without components has no words.

@@ -170,7 +170,7 @@ def unpack_coefficients(
     data, stream_off, kept, radius_off, radius, low, width, out, T, out_width, todo
 ):
     """Streams ``todo`` of a packed frame's ``data`` into ``out``, flat [streams, T,
-    out_width] (float32, or bfloat16 bits if uint16): stream ``k``'s component ``c`` (kept
+    out_width] (float32, int16, or bfloat16 bits if uint16): stream ``k``'s component ``c`` (kept
     component ``j = radius_off[k] + c``) decodes to ``out[k, t, c] = low[j] + field - radius[j]``
     (the coded form's ``symbol - radius``), and ``out[k, t, c]`` is 0 for ``c >= kept[k]``."""
     for i in range(todo.shape[0]):

@@ -113,9 +113,10 @@ def test_without_a_family_each_token_decodes_alike_in_any_chunking(kv, static_mo
         assert rows_differing <= 0.01, f"{rows_differing:.1%} of token rows differ"
 
 
-def test_frames_without_choices_still_decode(kv, static_model, model_file):
+def test_frames_without_choices_still_decode(kv, static_model, model_file, monkeypatch):
     """A stream written before the choices (16-byte parameters, format version 1) decodes
     with its version 1 model file, which reads and writes back byte for byte."""
+    monkeypatch.setattr(tcq_decode, "int16_synthesis", lambda: False)  # float32's arithmetic
     blob = get_codec("tcq", tcq=static_model).encode(kv, BY_STEP[1])
     header = parse_header(blob)
     assert (header.version, header.params.hex()) == (1, static_model.id)
@@ -186,6 +187,7 @@ def reference_decode(
     level: int,
     chunk_tokens: int | None,
     magnitude: bool = False,
+    sums: bool = False,
 ) -> torch.Tensor:
     """Tokens 1.. of ``kv`` through the encoder's quantizer (its offsets chosen per chunk of
     ``chunk_tokens``; None: a model without a family, no offsets) and back by the model
@@ -193,7 +195,9 @@ def reference_decode(
     ((sym - radius + offset / 4) * step) @ components[kept]``, keys turned by their rotary
     angles; float32 [2, L, H, n - 1, D]. With ``magnitude``: the sum of the product's terms'
     magnitudes instead, ``(|sym - radius| + |offset / 4|) * step @ |components[kept]|`` (no
-    mean, nothing turned), what bounds the rounding of the product's terms."""
+    mean, nothing turned), what bounds the rounding of the product's terms. With ``sums``: each
+    token's ``sum(|sym - radius| + |offset / 4|)`` over the kept components (no step), in every
+    channel of its stream, what bounds the rounding of the integer synthesis's entries."""
     code = tcq_code.level_code(model, level)
     x = f32(kv)[:, :, :, 1:]
     L, H, n, D = x.shape[1:]
@@ -213,15 +217,19 @@ def reference_decode(
                 centred = torch.from_numpy(sym.T.copy()).float() - radius
                 shift = torch.from_numpy(offset).float() / tcq_code.OFFSET_UNITS
                 coefficients.append(
-                    (centred.abs() + shift.abs()) if magnitude else (centred + shift)
+                    (centred.abs() + shift.abs()) if magnitude or sums else (centred + shift)
                 )
+            if sums:
+                total = torch.cat(coefficients).sum(dim=-1, keepdim=True).expand(-1, H * D)
+                out[k, layer] = total.reshape(n, H, D).permute(1, 0, 2)
+                continue
             coefficients = torch.cat(coefficients) * code.step[layer][k]
             if magnitude:
                 synthesized = coefficients @ basis.abs()
             else:
                 synthesized = torch.from_numpy(model.mean[layer, k]) + coefficients @ basis
             out[k, layer] = synthesized.reshape(n, H, D).permute(1, 0, 2)
-    if not magnitude:
+    if not (magnitude or sums):
         out[0] = rotate_layer_keys(out[0], 1, model.rope_thetas)
     return out
 
@@ -234,8 +242,10 @@ def test_decoder_matches_a_reference_synthesis(
     # the decoder's kernels (rANS to centred coefficients, one batched product, rotary and the
     # output dtype in one pass) against the arithmetic written plainly; only the order of the
     # float32 sums may differ, then the output's rounding. Both syntheses are forced, so
-    # each is checked on any CPU (bf16 only ever applies to bf16 output).
+    # each is checked on any CPU (bf16 only ever applies to bf16 output); the int16 one is
+    # checked in test_int_synthesis.py.
     monkeypatch.setattr(tcq_decode, "bf16_synthesis", lambda: bf16_gemm)
+    monkeypatch.setattr(tcq_decode, "int16_synthesis", lambda: False)
     assert any(model_file.rope_thetas)  # keys are turned
     level = BY_STEP[1]
     out = decode(codec_for("tcq", tiny_llama, chunk_tokens=64).encode(kv, level), out_dtype)

@@ -1,0 +1,183 @@
+"""tcq's synthesis product in integers, fused with the pass that writes the output, on CPUs
+with AVX2 (``synthesis.c``, loaded through ctypes).
+
+A frame's coefficients are small integers (symbols less their radii, at most 127 in
+magnitude), so the product ``coefficients @ synthesis`` can run in int16 x int16 -> int32
+multiply-adds: AVX2's ``vpmaddwd`` does 16 of them per instruction where a float32 FMA does 8,
+and on CPUs without bfloat16 matrix instructions that makes the product about twice as fast
+as torch's float32 one (``benchmarks/micro/test_synthesis_gemm.py``; docs/codec.md, "Decode
+speed"). The synthesis matrices are rounded to int16 with one scale per stream and channel,
+as large as the int32 sums allow: an error far below the bfloat16 output's rounding. The
+sums are exact, so every CPU decodes the same rows. The kernel then adds the channel means,
+turns keys and writes bfloat16 bits or float32 into the output's head layout as
+``tcq_kernels.write_rows`` does, so the rows never go through memory as float32.
+
+The kernel is compiled when the package is installed (``setup.py``); without a C compiler it
+is absent, and :func:`available` is False: the decoder keeps the float32 product.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MAX_COEFFICIENT = 127  # a tcq radius's bound (cachegen.fitting.tcq), hence a symbol's
+_INT32_MAX = 2**31 - 1
+LANES = 8  # float32 lanes of an AVX2 register: the kernel's channels per load (synthesis.c)
+CACHE_LINE = 64
+
+_POINTER = ctypes.c_void_p
+_INT = ctypes.c_int64
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernel, when it was built and the CPU runs it; else None."""
+    spec = importlib.util.find_spec("cachegen.codec._synthesis")
+    if spec is None or spec.origin is None:
+        return None
+    library = ctypes.CDLL(spec.origin)
+    if not library.cachegen_synthesis_supported():
+        return None
+    library.cachegen_synthesize.restype = None
+    library.cachegen_synthesize.argtypes = (
+        [_POINTER] * 4
+        + [_INT] * 4
+        + [_POINTER] * 4
+        + [ctypes.c_int, _POINTER, _INT, _POINTER, _INT]
+    )
+    return library
+
+
+def available() -> bool:
+    """Whether the integer product runs here (the kernel was built and the CPU has AVX2)."""
+    return _library() is not None
+
+
+@dataclass(frozen=True)
+class IntegerSynthesis:
+    """Synthesis matrices [streams, width, channels] in the kernel's form: int16 rows in
+    pairs ``[streams, width / 2, channels, 2]`` and one float32 scale per stream and channel
+    ``[streams, channels]``."""
+
+    pairs: np.ndarray
+    scale: np.ndarray
+
+    @classmethod
+    def of(cls, synthesis: torch.Tensor) -> IntegerSynthesis:
+        """``synthesis`` (float32, an even ``width``) rounded to int16 with one scale per stream
+        and channel, each stream's entries as large as int32 sums over its nonzero rows allow
+        (coefficients of magnitude up to ``MAX_COEFFICIENT``): a stream rounds alike in every
+        set of layers it is decoded with."""
+        streams, width, channels = synthesis.shape
+        matrices = synthesis.numpy().astype(np.float64)
+        rows = np.maximum(1, np.count_nonzero(np.abs(matrices).max(axis=2), axis=1))
+        top = np.minimum(32767, _INT32_MAX // (MAX_COEFFICIENT * rows))  # [streams]
+        largest = np.abs(matrices).max(axis=1)  # [streams, channels]
+        scale = np.where(largest > 0, largest / top[:, None], 1.0).astype(np.float32)
+        entries = np.rint(matrices / scale[:, None, :]).astype(np.int16)
+        pairs = entries.reshape(streams, width // 2, 2, channels).transpose(0, 1, 3, 2)
+        return cls(_aligned(pairs), scale)
+
+
+def _aligned(array: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of ``array`` starting on a 64-byte boundary (the kernel's loads of
+    one pair row of 16 channels then stay within one cache line)."""
+    room = np.empty(array.nbytes + CACHE_LINE, dtype=np.uint8)
+    start = -room.ctypes.data % CACHE_LINE
+    out = room[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
+def fits(width: int, head_dim: int) -> bool:
+    """Whether the kernel takes matrices of this shape: an even width (pairs of rows), and
+    head dims whose halves are whole vectors of 8 channels."""
+    return width % 2 == 0 and head_dim % (2 * LANES) == 0
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where a frame's rows go: head ``h`` of token ``t`` of stream ``k`` at ``base[k] + (h *
+    out_tokens + t) * head_dim`` of ``out`` (flat: bfloat16 bits as uint16, or float32), keys
+    turned by angle row ``first_angle[k] + t`` of ``cos`` / ``sin`` ([angles, head_dim],
+    float32; ``first_angle[k]`` -1: not turned)."""
+
+    out: np.ndarray
+    base: np.ndarray
+    out_tokens: int
+    head_dim: int
+    cos: np.ndarray
+    sin: np.ndarray
+    first_angle: np.ndarray
+
+
+def synthesize(
+    coefficients: np.ndarray,
+    matrices: IntegerSynthesis,
+    mean: np.ndarray,
+    to: Destination,
+    todo: np.ndarray,
+) -> None:
+    """Streams ``todo`` of ``coefficients`` [streams, tokens, width] (int16) times their
+    matrices, plus their channel means ``mean`` [streams, channels] (float32), into ``to``.
+    The caller checks :func:`available` and :func:`fits` first; the arrays are C-contiguous."""
+    library = _library()
+    if library is None:
+        raise ValueError("integer synthesis: the kernel is not built here, or the CPU lacks AVX2")
+    _check(coefficients, matrices, mean, to)
+    streams, tokens, width = coefficients.shape
+    channels = mean.shape[1]
+    todo = np.ascontiguousarray(todo, dtype=np.int64)
+    if len(todo) and not (0 <= todo.min() and todo.max() < streams):
+        raise ValueError("integer synthesis: a stream index out of range")
+    library.cachegen_synthesize(
+        coefficients.ctypes.data,
+        matrices.pairs.ctypes.data,
+        matrices.scale.ctypes.data,
+        mean.ctypes.data,
+        tokens,
+        width,
+        channels,
+        to.head_dim,
+        to.cos.ctypes.data,
+        to.sin.ctypes.data,
+        to.first_angle.ctypes.data,
+        to.out.ctypes.data,
+        int(to.out.dtype == np.uint16),
+        to.base.ctypes.data,
+        to.out_tokens,
+        todo.ctypes.data,
+        len(todo),
+    )
+
+
+def _check(
+    coefficients: np.ndarray, matrices: IntegerSynthesis, mean: np.ndarray, to: Destination
+) -> None:
+    """The kernel reads raw memory: every array's dtype, layout and shape, checked first."""
+    streams, _, width = coefficients.shape
+    channels = mean.shape[1]
+    wanted = [
+        (coefficients, np.int16, (streams, coefficients.shape[1], width)),
+        (matrices.pairs, np.int16, (streams, width // 2, channels, 2)),
+        (matrices.scale, np.float32, (streams, channels)),
+        (mean, np.float32, (streams, channels)),
+        (to.base, np.int64, (streams,)),
+        (to.first_angle, np.int64, (streams,)),
+    ]
+    turned = bool((to.first_angle >= 0).any())
+    angles = (to.cos.shape[0], to.head_dim) if turned else to.cos.shape
+    wanted += [(to.cos, np.float32, angles), (to.sin, np.float32, angles)]
+    for array, dtype, shape in wanted:
+        if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
+            raise ValueError(f"integer synthesis: an array of {array.dtype} {array.shape}")
+    if to.out.dtype not in (np.uint16, np.float32) or not fits(width, to.head_dim):
+        raise ValueError("integer synthesis: bfloat16 bits or float32 out, and a shape it fits")
+    if channels % to.head_dim:
+        raise ValueError("integer synthesis: channels are not whole heads")

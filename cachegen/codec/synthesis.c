@@ -1,0 +1,180 @@
+/* The integer synthesis product of tcq's decoder (cachegen/codec/int_synthesis.py).
+
+   row[k, t, c] = scale[k, c] * sum_j coefficients[k, t, j] * matrix[k, j, c] + mean[k, c]
+
+   then keys turned by their rotary angles and written as bfloat16 bits or float32 into the
+   output's [heads, tokens, head_dim] layout (the arithmetic of qkernels.store_row: the turn
+   as two fused multiply-adds, bfloat16 rounded to nearest even), 
+   for every stream k of `todo`: the coefficients are a frame's symbols less their radii
+   (int16, |value| <= 127), the matrices the synthesis matrices rounded to int16 with one
+   scale per stream and channel, stored as pairs of rows ([width / 2][channels][2], so that
+   AVX2's vpmaddwd multiplies two coefficients of a token by two matrix rows and adds the
+   products in one instruction). The sums are exact in int32 (int_synthesis.py bounds the
+   matrix entries so that no sum can overflow), so every CPU computes the same rows. On CPUs
+   without AVX2 int16 multiply-adds are no faster than float32 ones: there
+   cachegen_synthesis_supported() is 0 and the decoder keeps the float32 product.
+
+   A tile of 4 tokens by 16 channels (8 channels of a head and the 8 its rotation pairs them
+   with, head_dim / 2 further) keeps its 8 accumulators in registers while the matrix rows
+   stream through (at 6 or 8 tokens the accumulators spill); 8 channels of a pair row are one
+   aligned 32-byte load when the matrices are 64-byte aligned, as int_synthesis.py allocates
+   them. Plain C loaded through ctypes: no Python object is
+   touched, so the call runs without the GIL. */
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define CACHEGEN_AVX2 1
+#endif
+
+#define TILE_TOKENS 4
+#define LANES 8
+
+int cachegen_synthesis_supported(void) {
+#ifdef CACHEGEN_AVX2
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+/* Where a stream's rows go, and how: the arguments of cachegen_synthesize that do not change
+   from stream to stream. */
+typedef struct {
+    int64_t tokens, width, channels, head_dim, out_tokens;
+    const float *cos, *sin;  /* [angles, head_dim] */
+    void *out;               /* bfloat16 bits (uint16) or float32 */
+    int bf16;
+} Target;
+
+#ifdef CACHEGEN_AVX2
+#define AVX2 __attribute__((target("avx2,fma")))
+#define MADD(acc, a, b) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+
+AVX2 static inline __m256i load_pair(const int16_t *at) {
+    int32_t pair;
+    memcpy(&pair, at, sizeof pair);
+    return _mm256_set1_epi32(pair);
+}
+
+/* float32 -> bfloat16 bits, rounded to nearest even (qkernels.f32_to_bf16), 8 lanes. */
+AVX2 static inline void store_bf16(uint16_t *at, __m256 x) {
+    __m256i bits = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i up = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd);
+    __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(up, 16), _mm256_setzero_si256());
+    packed = _mm256_permute4x64_epi64(packed, 0x08);  /* qwords 0 and 2: lanes 0-3, 4-7 */
+    _mm_storeu_si128((__m128i *)at, _mm256_castsi256_si128(packed));
+}
+
+AVX2 static inline void store8(const Target *target, int64_t at, __m256 x) {
+    if (target->bf16)
+        store_bf16((uint16_t *)target->out + at, x);
+    else
+        _mm256_storeu_ps((float *)target->out + at, x);
+}
+
+/* One token's 8 channels from d and their 8 partners from d + head_dim / 2: scaled, the means
+   added, turned by angle row `angle` when it is not negative, stored at `at`. */
+AVX2 static inline void put(const Target *target, __m256i low, __m256i high, const float *scale,
+                            const float *mean, int64_t half, int64_t angle, int64_t d,
+                            int64_t at) {
+    __m256 x1 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(low), _mm256_loadu_ps(scale)),
+                              _mm256_loadu_ps(mean));
+    __m256 x2 = _mm256_add_ps(
+        _mm256_mul_ps(_mm256_cvtepi32_ps(high), _mm256_loadu_ps(scale + half)),
+        _mm256_loadu_ps(mean + half));
+    if (angle >= 0) {
+        const float *c = target->cos + angle * target->head_dim + d;
+        const float *s = target->sin + angle * target->head_dim + d;
+        __m256 y1 = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), _mm256_loadu_ps(s),
+                                    _mm256_mul_ps(x1, _mm256_loadu_ps(c)));
+        __m256 y2 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(s + half),
+                                    _mm256_mul_ps(x2, _mm256_loadu_ps(c + half)));
+        x1 = y1, x2 = y2;
+    }
+    store8(target, at, x1);
+    store8(target, at + half, x2);
+}
+
+/* Tokens t .. t + n - 1 (n is 4 or 1) of channels c .. c + 7 and c + half .. c + half + 7 of
+   head h, d = c - h * head_dim. */
+AVX2 static inline void tile(const Target *target, const int16_t *coefficients,
+                             const int16_t *pairs, const float *scale, const float *mean,
+                             int64_t first_angle, int64_t base, int64_t t, const int n,
+                             int64_t h, int64_t d) {
+    const int64_t width = target->width, channels = target->channels;
+    const int64_t half = target->head_dim / 2, c = h * target->head_dim + d;
+    const int16_t *x = coefficients + t * width, *b = pairs + 2 * c;
+    __m256i acc[TILE_TOKENS][2];
+    for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+    for (int64_t j = 0; j < width; j += 2, b += 2 * channels) {
+        __m256i low = _mm256_loadu_si256((const __m256i *)b);
+        __m256i high = _mm256_loadu_si256((const __m256i *)(b + 2 * half));
+        for (int i = 0; i < n; i++) {
+            __m256i a = load_pair(x + i * width + j);
+            MADD(acc[i][0], a, low);
+            MADD(acc[i][1], a, high);
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        int64_t angle = first_angle < 0 ? -1 : first_angle + t + i;
+        int64_t at = base + (h * target->out_tokens + t + i) * target->head_dim + d;
+        put(target, acc[i][0], acc[i][1], scale + c, mean + c, half, angle, d, at);
+    }
+}
+
+AVX2 static void four(const Target *target, const int16_t *coefficients, const int16_t *pairs,
+                      const float *scale, const float *mean, int64_t first_angle, int64_t base,
+                      int64_t t, int64_t h, int64_t d) {
+    tile(target, coefficients, pairs, scale, mean, first_angle, base, t, TILE_TOKENS, h, d);
+}
+
+AVX2 static void one(const Target *target, const int16_t *coefficients, const int16_t *pairs,
+                     const float *scale, const float *mean, int64_t first_angle, int64_t base,
+                     int64_t t, int64_t h, int64_t d) {
+    tile(target, coefficients, pairs, scale, mean, first_angle, base, t, 1, h, d);
+}
+
+AVX2 static void stream(const Target *target, const int16_t *coefficients, const int16_t *pairs,
+                        const float *scale, const float *mean, int64_t first_angle,
+                        int64_t base) {
+    const int64_t heads = target->channels / target->head_dim, half = target->head_dim / 2;
+    int64_t t = 0;
+    for (; t + TILE_TOKENS <= target->tokens; t += TILE_TOKENS)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t d = 0; d < half; d += LANES)
+                four(target, coefficients, pairs, scale, mean, first_angle, base, t, h, d);
+    for (; t < target->tokens; t++)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t d = 0; d < half; d += LANES)
+                one(target, coefficients, pairs, scale, mean, first_angle, base, t, h, d);
+}
+#endif
+
+/* Streams todo[0 .. count) of [streams, tokens, width] int16 coefficients, synthesized with
+   their pairs [streams, width / 2, channels, 2] and scales [streams, channels], plus their
+   means [streams, channels], into `out`: head h of token t of stream k at base[k] + (h *
+   out_tokens + t) * head_dim, keys turned by angle row first_angle[k] + t of cos / sin
+   (first_angle[k] < 0: not turned), as bfloat16 bits when bf16 is nonzero, else float32.
+   width even, head_dim a multiple of 16, channels a multiple of head_dim (int_synthesis.fits). */
+void cachegen_synthesize(const int16_t *coefficients, const int16_t *pairs, const float *scale,
+                         const float *mean, int64_t tokens, int64_t width, int64_t channels,
+                         int64_t head_dim, const float *cos, const float *sin,
+                         const int64_t *first_angle, void *out, int bf16, const int64_t *base,
+                         int64_t out_tokens, const int64_t *todo, int64_t count) {
+    Target target = {tokens, width, channels, head_dim, out_tokens, cos, sin, out, bf16};
+#ifdef CACHEGEN_AVX2
+    for (int64_t i = 0; i < count; i++) {
+        int64_t k = todo[i];
+        stream(&target, coefficients + k * tokens * width, pairs + k * width * channels,
+               scale + k * channels, mean + k * channels, first_angle[k], base[k]);
+    }
+#else
+    (void)target, (void)coefficients, (void)pairs, (void)scale, (void)mean, (void)first_angle;
+    (void)base, (void)todo, (void)count;
+#endif
+}

@@ -1,0 +1,165 @@
+"""tcq's integer synthesis (cachegen.codec.int_synthesis, the AVX2 kernel of synthesis.c):
+the kernel's sums are exact, its matrices round within their bound, and a decode through it
+stays within that bound of the model file's arithmetic, in every output dtype."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from cachegen.codec import decode, int_synthesis, tcq_code, tcq_decode
+from cachegen.codec.int_synthesis import MAX_COEFFICIENT, IntegerSynthesis
+from cachegen.fitting.tcq import ensure_tcq_model
+from cachegen.profiles import codec_for
+from tests.codec.test_tcq import BY_STEP, reference_decode
+
+needs_kernel = pytest.mark.skipif(
+    not int_synthesis.available(),
+    reason="the int16 kernel is not here: the package was installed without a C compiler, "
+    "or the CPU has no AVX2 (the decoder then keeps the float32 product, tested in test_tcq.py)",
+)
+
+
+@pytest.fixture(scope="module")
+def model_file(tiny_llama, profiles):
+    return ensure_tcq_model(tiny_llama)
+
+
+def _matrices(streams: int, width: int, channels: int, kept: list[int]) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    synthesis = torch.randn((streams, width, channels), generator=generator)
+    for s, rows in enumerate(kept):
+        synthesis[s, rows:] = 0
+    return synthesis
+
+
+def test_matrices_round_within_half_a_scale_and_no_sum_can_overflow():
+    synthesis = _matrices(3, 600, 32, [600, 100, 0])
+    matrices = IntegerSynthesis.of(synthesis)
+    entries = matrices.pairs.transpose(0, 1, 3, 2).reshape(3, 600, 32).astype(np.float64)
+    scale = matrices.scale.astype(np.float64)
+    error = np.abs(entries * scale[:, None, :] - synthesis.numpy())
+    assert np.all(error <= 0.5 * scale[:, None, :] * (1 + 1e-6))
+    worst = MAX_COEFFICIENT * np.abs(entries).sum(axis=1)  # every coefficient at its bound
+    assert worst.max() <= 2**31 - 1
+    assert np.abs(entries[0]).max() < 32767  # over 516 rows int32 binds, not int16
+    assert np.abs(entries[1]).max() == 32767 and not entries[2].any()
+
+
+def _kernel_case(tokens: int, turned: bool, bf16: bool):
+    """Random int16 coefficients of 4 streams (one not asked for), 3 heads of 16 channels,
+    through the kernel into a [streams, heads, tokens, head_dim] output; with the exact
+    float32 arithmetic it should do, written plainly."""
+    streams, width, heads, head_dim = 4, 194, 3, 16
+    channels, half = heads * head_dim, head_dim // 2
+    matrices = IntegerSynthesis.of(_matrices(streams, width, channels, [194, 7, 194, 0]))
+    rng = np.random.default_rng(tokens)
+    coefficients = rng.integers(-127, 128, (streams, tokens, width)).astype(np.int16)
+    mean = rng.normal(size=(streams, channels)).astype(np.float32)
+    angles = rng.uniform(0, 6.3, (tokens + 3, head_dim)).astype(np.float32)
+    cos, sin = np.cos(angles), np.sin(angles)
+    first = np.array([3 if turned else -1, -1, 0 if turned else -1, -1], dtype=np.int64)
+    size = streams * heads * tokens * head_dim
+    out = np.full(size, 0x7FC0 if bf16 else np.nan, np.uint16 if bf16 else np.float32)
+    base = np.arange(streams, dtype=np.int64) * heads * tokens * head_dim
+    to = int_synthesis.Destination(out, base, tokens, head_dim, cos, sin, first)
+    todo = np.array([3, 0, 1])
+    int_synthesis.synthesize(coefficients, matrices, mean, to, todo)
+    entries = matrices.pairs.transpose(0, 1, 3, 2).reshape(streams, width, channels)
+    sums = np.einsum("stw,swc->stc", coefficients.astype(np.int64), entries.astype(np.int64))
+    x = sums.astype(np.float32) * matrices.scale[:, None, :] + mean[:, None, :]
+    x = x.reshape(streams, tokens, heads, head_dim).transpose(0, 2, 1, 3).astype(np.float64)
+    want = x.copy()
+    for k in np.flatnonzero(first >= 0):
+        c, s = cos[first[k] : first[k] + tokens], sin[first[k] : first[k] + tokens]
+        x1, x2 = x[k][..., :half], x[k][..., half:]
+        want[k][..., :half] = -x2 * s[:, :half] + (x1 * c[:, :half]).astype(np.float32)
+        want[k][..., half:] = x1 * s[:, half:] + (x2 * c[:, half:]).astype(np.float32)
+    got = out.reshape(streams, heads, tokens, head_dim)
+    if bf16:
+        got = torch.from_numpy(got.astype(np.int32) << 16).view(torch.float32).numpy()
+        want = torch.from_numpy(want.astype(np.float32)).to(torch.bfloat16).float().numpy()
+    return todo, got, want.astype(np.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [1, 5, 256])
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_the_kernel_sums_exactly_then_adds_the_means(tokens, bf16):
+    todo, got, want = _kernel_case(tokens, turned=False, bf16=bf16)
+    np.testing.assert_array_equal(got[todo], want[todo])  # int32 exact, then float32 ops
+    assert np.isnan(got[2]).all()  # a stream not asked for is not written
+
+
+@needs_kernel
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_the_kernel_turns_keys_as_the_row_writer_does(bf16):
+    # two fused multiply-adds per pair of channels (qkernels.store_row): the float64
+    # reference rounds the sum once more, so at most one float32 ulp of the operands apart
+    # (bf16: a tie rounded the other way)
+    todo, got, want = _kernel_case(9, turned=True, bf16=bf16)
+    ulp = 2.0**-8 if bf16 else 2.0**-23
+    largest = float(np.abs(want[todo]).max())
+    np.testing.assert_allclose(got[todo], want[todo], rtol=ulp, atol=2 * ulp * largest)
+    assert not np.array_equal(got[0], _kernel_case(9, turned=False, bf16=bf16)[1][0])
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or not torch.backends.cpu.get_cpu_capability().startswith("AVX"),
+    reason="the kernel is for x86-64 CPUs with AVX2",
+)
+def test_the_kernel_is_built_where_a_compiler_is():
+    # setup.py builds it optionally (a machine without a C compiler still installs), so a
+    # broken build would only show as a slower decode
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the package installs without the kernel")
+    assert int_synthesis.available(), "reinstall: pip install --no-deps -e . (see setup.py)"
+
+
+def test_the_kernel_takes_even_widths_and_head_dims_of_whole_vectors():
+    assert int_synthesis.fits(192, 64) and int_synthesis.fits(2, 16)
+    assert not int_synthesis.fits(191, 64) and not int_synthesis.fits(192, 24)
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decoder_stays_within_the_integer_synthesis_bound(
+    kv, tiny_llama, model_file, out_dtype, monkeypatch
+):
+    # each synthesis entry is off by at most half its scale, so a row by at most half the
+    # scale times the sum of the token's coefficient magnitudes; keys mix a pair of channels
+    # by their rotation; then the output's rounding and the float32 differences.
+    monkeypatch.setattr(tcq_decode, "bf16_synthesis", lambda: False)
+    monkeypatch.setattr(tcq_decode, "int16_synthesis", lambda: True)
+    level = BY_STEP[1]
+    codec = codec_for("tcq", tiny_llama, chunk_tokens=64)
+    out = decode(codec.encode(kv, level), out_dtype)
+    got = torch.stack([out.keys, out.values])[:, :, :, 1:].float()
+    ref = reference_decode(model_file, kv, level, 64)
+    sums = reference_decode(model_file, kv, level, 64, sums=True)
+    L, H, _, D = kv.keys.shape
+    layers = tuple(range(L))
+    tables = tcq_code.level_code(model_file, level).stream_tables(model_file, layers)
+    scale = torch.from_numpy(tables.integer_synthesis.scale).view(L, 2, H, D).transpose(0, 1)
+    bound = 0.5 * scale[:, :, :, None, :] * sums
+    half = D // 2
+    bound[0] = bound[0] + torch.cat([bound[0][..., half:], bound[0][..., :half]], dim=-1)
+    ulp = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[out_dtype]
+    bound = bound + ulp * ref.abs() + 1e-5 * float(ref.abs().max())
+    excess = float(((got - ref).abs() - bound).max())
+    assert excess <= 0, f"an element is {excess:.3g} beyond the integer synthesis's bound"
+
+
+@needs_kernel
+def test_decoders_pick_the_integer_product_where_bf16_is_not_native(monkeypatch):
+    monkeypatch.setattr(tcq_decode, "bf16_synthesis", lambda: False)
+    assert tcq_decode.synthesis_arithmetic(torch.bfloat16, 192, 64) == tcq_decode.INT16
+    assert tcq_decode.synthesis_arithmetic(torch.float32, 192, 64) == tcq_decode.INT16
+    assert tcq_decode.synthesis_arithmetic(torch.float32, 191, 64) == tcq_decode.FLOAT32
+    monkeypatch.setattr(tcq_decode, "bf16_synthesis", lambda: True)
+    assert tcq_decode.synthesis_arithmetic(torch.bfloat16, 192, 64) == tcq_decode.BF16
+    assert tcq_decode.synthesis_arithmetic(torch.float32, 192, 64) == tcq_decode.INT16
