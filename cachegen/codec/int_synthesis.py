@@ -4,9 +4,9 @@ with AVX2 (``synthesis.c``, loaded through ctypes).
 A frame's coefficients are small integers (symbols less their radii, at most 127 in
 magnitude), so the product ``coefficients @ synthesis`` can run in int16 x int16 -> int32
 multiply-adds: AVX2's ``vpmaddwd`` does 16 of them per instruction where a float32 FMA does 8,
-and on CPUs without bfloat16 matrix instructions that makes the product about twice as fast
-as torch's float32 one (``benchmarks/micro/test_synthesis_gemm.py``; docs/codec.md, "Decode
-speed"). The synthesis matrices are rounded to int16 with one scale per stream and channel,
+and on CPUs without bfloat16 matrix instructions that makes the product faster than torch's
+float32 one (``benchmarks/micro/test_synthesis_gemm.py``; docs/codec.md, "Decode speed").
+The synthesis matrices are rounded to int16 with one scale per stream and channel,
 as large as the int32 sums allow: an error far below the bfloat16 output's rounding. The
 sums are exact, so every CPU decodes the same rows. The kernel then adds the channel means,
 turns keys and writes bfloat16 bits or float32 into the output's head layout as
@@ -55,7 +55,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the integer product runs here (the kernel was built and the CPU has AVX2)."""
+    """Whether the integer product runs here (the kernel was built and the CPU has AVX2
+    and FMA)."""
     return _library() is not None
 
 

@@ -44,7 +44,8 @@ def bf16_synthesis() -> bool:
 
 def int16_synthesis() -> bool:
     """Whether the product can run in integers (:mod:`cachegen.codec.int_synthesis`: the
-    kernel was built and the CPU has AVX2), about twice as fast as float32 there."""
+    kernel was built and the CPU has AVX2 and FMA), faster than float32 there (docs/codec.md,
+    "The product in integers")."""
     return int_synthesis.available()
 
 
