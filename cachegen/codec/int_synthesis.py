@@ -46,7 +46,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     library.cachegen_synthesize.restype = None
     library.cachegen_synthesize.argtypes = (
-        [_POINTER] * 4
+        [_POINTER] * 5
+        + [ctypes.c_float, _POINTER]
         + [_INT] * 4
         + [_POINTER] * 4
         + [ctypes.c_int, _POINTER, _INT, _POINTER, _INT]
@@ -118,20 +119,34 @@ class Destination:
     first_angle: np.ndarray
 
 
+@dataclass(frozen=True)
+class Shift:
+    """A frame's offsets of the coefficients, ``offsets`` [streams, width] (int16, at most
+    ``MAX_COEFFICIENT`` in magnitude) in units of ``unit``: they move the channel means by
+    ``unit * offsets @ matrix``, which the kernel computes per stream into ``means`` [streams,
+    channels] (float32, overwritten) before the stream's rows."""
+
+    offsets: np.ndarray
+    unit: float
+    means: np.ndarray
+
+
 def synthesize(
     coefficients: np.ndarray,
     matrices: IntegerSynthesis,
     mean: np.ndarray,
     to: Destination,
     todo: np.ndarray,
+    shift: Shift | None = None,
 ) -> None:
     """Streams ``todo`` of ``coefficients`` [streams, tokens, width] (int16) times their
-    matrices, plus their channel means ``mean`` [streams, channels] (float32), into ``to``.
-    The caller checks :func:`available` and :func:`fits` first; the arrays are C-contiguous."""
+    matrices, plus their channel means ``mean`` [streams, channels] (float32) moved by
+    ``shift`` if given, into ``to``. The caller checks :func:`available` and :func:`fits`
+    first; the arrays are C-contiguous."""
     library = _library()
     if library is None:
         raise ValueError("integer synthesis: the kernel is not built here, or the CPU lacks AVX2")
-    _check(coefficients, matrices, mean, to)
+    _check(coefficients, matrices, mean, to, shift)
     streams, tokens, width = coefficients.shape
     channels = mean.shape[1]
     todo = np.ascontiguousarray(todo, dtype=np.int64)
@@ -142,6 +157,9 @@ def synthesize(
         matrices.pairs.ctypes.data,
         matrices.scale.ctypes.data,
         mean.ctypes.data,
+        None if shift is None else shift.offsets.ctypes.data,
+        0.0 if shift is None else shift.unit,
+        None if shift is None else shift.means.ctypes.data,
         tokens,
         width,
         channels,
@@ -159,7 +177,11 @@ def synthesize(
 
 
 def _check(
-    coefficients: np.ndarray, matrices: IntegerSynthesis, mean: np.ndarray, to: Destination
+    coefficients: np.ndarray,
+    matrices: IntegerSynthesis,
+    mean: np.ndarray,
+    to: Destination,
+    shift: Shift | None,
 ) -> None:
     """The kernel reads raw memory: every array's dtype, layout and shape, checked first."""
     streams, _, width = coefficients.shape
@@ -172,6 +194,13 @@ def _check(
         (to.base, np.int64, (streams,)),
         (to.first_angle, np.int64, (streams,)),
     ]
+    if shift is not None:
+        wanted += [
+            (shift.offsets, np.int16, (streams, width)),
+            (shift.means, np.float32, (streams, channels)),
+        ]
+        if np.abs(shift.offsets.astype(np.int32)).max(initial=0) > MAX_COEFFICIENT:
+            raise ValueError(f"integer synthesis: offsets beyond {MAX_COEFFICIENT}")
     turned = bool((to.first_angle >= 0).any())
     angles = (to.cos.shape[0], to.head_dim) if turned else to.cos.shape
     wanted += [(to.cos, np.float32, angles), (to.sin, np.float32, angles)]

@@ -427,7 +427,7 @@ def _store_value(out, at, value):
     if out.dtype == types.uint16:
 
         def store_bf16(out, at, value):
-            out[at] = f32_to_bf16(value)
+            out[at] = f32_to_bf16(np.float32(value))
 
         return store_bf16
     if out.dtype == types.int16:

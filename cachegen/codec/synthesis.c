@@ -48,6 +48,7 @@ typedef struct {
     const float *cos, *sin;  /* [angles, head_dim] */
     void *out;               /* bfloat16 bits (uint16) or float32 */
     int bf16;
+    float offset_unit;
 } Target;
 
 #ifdef CACHEGEN_AVX2
@@ -139,6 +140,23 @@ AVX2 static void one(const Target *target, const int16_t *coefficients, const in
     tile(target, coefficients, pairs, scale, mean, first_angle, base, t, 1, h, d);
 }
 
+/* The channel means moved by a frame's component offsets: shifted[c] = mean[c] + unit *
+   scale[c] * sum_j offsets[j] * matrix[j, c] (offsets bounded like coefficients, so the sums
+   are exact too). */
+AVX2 static void shift_means(const Target *target, const int16_t *offsets, const int16_t *pairs,
+                             const float *scale, const float *mean, float *shifted) {
+    const int64_t width = target->width, channels = target->channels;
+    const __m256 unit = _mm256_set1_ps(target->offset_unit);
+    for (int64_t c = 0; c < channels; c += LANES) {
+        __m256i acc = _mm256_setzero_si256();
+        const int16_t *b = pairs + 2 * c;
+        for (int64_t j = 0; j < width; j += 2, b += 2 * channels)
+            MADD(acc, load_pair(offsets + j), _mm256_loadu_si256((const __m256i *)b));
+        __m256 moved = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(scale + c)), unit);
+        _mm256_storeu_ps(shifted + c, _mm256_add_ps(_mm256_loadu_ps(mean + c), moved));
+    }
+}
+
 AVX2 static void stream(const Target *target, const int16_t *coefficients, const int16_t *pairs,
                         const float *scale, const float *mean, int64_t first_angle,
                         int64_t base) {
@@ -157,24 +175,36 @@ AVX2 static void stream(const Target *target, const int16_t *coefficients, const
 
 /* Streams todo[0 .. count) of [streams, tokens, width] int16 coefficients, synthesized with
    their pairs [streams, width / 2, channels, 2] and scales [streams, channels], plus their
-   means [streams, channels], into `out`: head h of token t of stream k at base[k] + (h *
+   means [streams, channels] (moved by their frame's offsets [streams, width] in units of
+   offset_unit when offsets is not NULL: the moved means go to shifted [streams, channels]),
+   into `out`: head h of token t of stream k at base[k] + (h *
    out_tokens + t) * head_dim, keys turned by angle row first_angle[k] + t of cos / sin
    (first_angle[k] < 0: not turned), as bfloat16 bits when bf16 is nonzero, else float32.
    width even, head_dim a multiple of 16, channels a multiple of head_dim (int_synthesis.fits). */
 void cachegen_synthesize(const int16_t *coefficients, const int16_t *pairs, const float *scale,
-                         const float *mean, int64_t tokens, int64_t width, int64_t channels,
+                         const float *mean, const int16_t *offsets, float offset_unit,
+                         float *shifted, int64_t tokens, int64_t width, int64_t channels,
                          int64_t head_dim, const float *cos, const float *sin,
                          const int64_t *first_angle, void *out, int bf16, const int64_t *base,
                          int64_t out_tokens, const int64_t *todo, int64_t count) {
-    Target target = {tokens, width, channels, head_dim, out_tokens, cos, sin, out, bf16};
+    Target target = {tokens, width, channels, head_dim, out_tokens, cos, sin, out, bf16,
+                     offset_unit};
 #ifdef CACHEGEN_AVX2
     for (int64_t i = 0; i < count; i++) {
         int64_t k = todo[i];
-        stream(&target, coefficients + k * tokens * width, pairs + k * width * channels,
-               scale + k * channels, mean + k * channels, first_angle[k], base[k]);
+        const int16_t *matrix = pairs + k * width * channels;
+        const float *moved = mean + k * channels;
+        if (offsets) {
+            shift_means(&target, offsets + k * width, matrix, scale + k * channels, moved,
+                        shifted + k * channels);
+            moved = shifted + k * channels;
+        }
+        stream(&target, coefficients + k * tokens * width, matrix, scale + k * channels, moved,
+               first_angle[k], base[k]);
     }
 #else
     (void)target, (void)coefficients, (void)pairs, (void)scale, (void)mean, (void)first_angle;
+    (void)offsets, (void)shifted;
     (void)base, (void)todo, (void)count;
 #endif
 }

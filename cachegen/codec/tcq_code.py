@@ -102,7 +102,7 @@ class LevelCode:
 @dataclass
 class StreamTables:
     """A level's decoding state for a set of layers, one entry per (layer, K/V) stream in
-    stream order: kept component counts, first table rows, the kept radii (float32, one
+    stream order: kept component counts, first table rows, the kept radii (int64, one
     stream after another from ``radius_off``), channel means [streams, channels] and the
     synthesis matrices [streams, width, channels] (kept components' rows scaled by their
     steps, zero rows up to ``width``, the largest kept count rounded up to even: the integer
@@ -114,7 +114,6 @@ class StreamTables:
     table_row: np.ndarray  # calibrated table row of every kept component, from radius_off
     slot: np.ndarray  # each kept component's flat index in [streams, width]
     radius_int: np.ndarray
-    radius: np.ndarray
     radius_off: np.ndarray
     mean: np.ndarray
     synthesis: torch.Tensor
@@ -157,7 +156,6 @@ def _stream_tables(
             np.int64
         ),
         radius_int=radius.astype(np.int64),
-        radius=radius.astype(np.float32),
         radius_off=np.concatenate([[0], np.cumsum(kept)[:-1]]).astype(np.int64),
         mean=np.ascontiguousarray(tcq.mean[list(layers)].reshape(len(pairs), channels)),
         synthesis=synthesis,

@@ -3,8 +3,9 @@
 A frame decodes in three passes over its (layer, K/V) streams (:mod:`cachegen.codec.tcq_kernels`):
 rANS symbols into coefficients, one batched product with the synthesis matrices (in the
 arithmetic :func:`synthesis_arithmetic` picks for the CPU), then the channel means added and keys
-turned into the output; the int16 arithmetic does the last two in one pass
-(:mod:`cachegen.codec.int_synthesis`)."""
+turned into the output. The int16 arithmetic does the last two in one pass
+(:mod:`cachegen.codec.int_synthesis`), and without a prediction chain each codec thread runs a
+stream's product right after its symbols, while they are still in cache."""
 
 from __future__ import annotations
 
@@ -81,6 +82,16 @@ class _Layout:
     choices: np.ndarray | None = None  # uint8 per kept component (adaptive frames)
 
 
+@dataclass
+class SymbolPass:
+    """A frame's symbol pass: ``kernel(todo)`` decodes streams ``todo`` (``work``: each
+    stream's relative cost), then ``verify()`` raises ``CodecError`` if one was corrupt."""
+
+    kernel: Callable[[np.ndarray], None]
+    work: np.ndarray
+    verify: Callable[[], None]
+
+
 class TcqDecoder(FrameDecoder):
     def __init__(
         self,
@@ -140,7 +151,7 @@ class TcqDecoder(FrameDecoder):
             f"{where} choices do not inflate",
             f"{where} choices are not one entry per kept component",
         )
-        offsets = np.frombuffer(raw, dtype=np.int8, count=kept)
+        offsets = checked_offsets(np.frombuffer(raw, dtype=np.int8, count=kept), where)
         choices = np.frombuffer(raw, dtype=np.uint8, offset=kept)
         if int(choices.max(initial=0)) > len(self.tcq.family):
             raise CodecError(f"{where} choices name a table the family does not have")
@@ -202,27 +213,51 @@ class TcqDecoder(FrameDecoder):
         # the prediction chain restores symbols in float32 before the synthesis
         scratch_dtype = torch.float32 if self.predicted else coefficient_dtype
         coefficients, rows = self._scratch_for(m, scratch_dtype, row_dtype)
-        self._coefficients(frame, layout, _numpy_of(coefficients).reshape(-1), m)
+        symbols = self._symbols(frame, layout, _numpy_of(coefficients).reshape(-1), m)
+        to, finish = self._destination(self._frame_start(frame) + e, m, out, token_offset + e)
+        if arithmetic == INT16 and not self.predicted:  # each stream's symbols, then its product
+            product = self._int16_product(coefficients.numpy(), layout.offsets, to)
+            work = symbols.work + streams.width * m  # the product's share, about as large
+            run_batches(lambda todo: (symbols.kernel(todo), product(todo)), work)
+            symbols.verify()
+            return finish()
+        run_batches(symbols.kernel, symbols.work)
+        symbols.verify()
         if self.predicted:
             self._restore(coefficients, layout.offsets)
             coefficients = coefficients.to(coefficient_dtype)
-        mean = streams.mean if layout.offsets is None else self._centred_mean(layout.offsets)
-        to, finish = self._destination(self._frame_start(frame) + e, m, out, token_offset + e)
         if arithmetic == INT16:  # the product and the write in one pass
-            matrices, values = streams.integer_synthesis, coefficients.numpy()
-            run_batches(
-                lambda todo: int_synthesis.synthesize(values, matrices, mean, to, todo),
-                np.ones(len(streams.kept)),
-            )
+            product = self._int16_product(coefficients.numpy(), layout.offsets, to)
+            run_batches(product, np.ones(len(streams.kept)))
         else:  # one batched GEMM for all streams (torch's BLAS, in its own threads)
             matrices = streams.synthesis_bf16 if arithmetic == BF16 else streams.synthesis
             torch.bmm(coefficients, matrices, out=rows)
+            mean = streams.mean if layout.offsets is None else self._centred_mean(layout.offsets)
             self._write(_numpy_of(rows), mean, to)
         finish()
 
-    def _coefficients(self, frame: Frame, layout: _Layout, out: np.ndarray, m: int) -> None:
-        """Each stream's symbols less their radii into ``out``, flat [streams, m, width]
-        (float32, int16, or bfloat16 bits if uint16): the frame's rANS streams decoded."""
+    def _int16_product(
+        self, coefficients: np.ndarray, offsets: np.ndarray | None, to: int_synthesis.Destination
+    ) -> Callable[[np.ndarray], None]:
+        """The int16 kernel's product and write of streams ``todo``, the means moved by the
+        frame's ``offsets`` (int8 per kept component) if it has them."""
+        streams = self.streams
+        matrices, mean = streams.integer_synthesis, streams.mean
+        shift = None
+        if offsets is not None:
+            moved = np.zeros((len(streams.kept), streams.width), dtype=np.int16)
+            moved.reshape(-1)[streams.slot] = offsets
+            shift = int_synthesis.Shift(moved, 1 / OFFSET_UNITS, np.empty_like(mean))
+
+        def product(todo: np.ndarray) -> None:
+            int_synthesis.synthesize(coefficients, matrices, mean, to, todo, shift)
+
+        return product
+
+    def _symbols(self, frame: Frame, layout: _Layout, out: np.ndarray, m: int) -> SymbolPass:
+        """The pass that writes each stream's symbols less their radii into ``out``, flat
+        [streams, m, width] (float32, int16, or bfloat16 bits if uint16): the frame's rANS
+        streams decoded."""
         streams, code, words = self.streams, self.code, layout.words
         table_row = streams.table_row
         if layout.choices is not None:
@@ -239,7 +274,7 @@ class TcqDecoder(FrameDecoder):
                 word_off,
                 streams.kept,
                 table_row,
-                streams.radius,
+                streams.radius_int,
                 streams.radius_off,
                 code.slot_sym,
                 code.freq_cum,
@@ -250,9 +285,12 @@ class TcqDecoder(FrameDecoder):
                 status,
             )
 
-        run_batches(decode_kernel, words + streams.kept * m + 1)
-        if status.any():
-            raise CodecError(f"frame {frame.index} is corrupt: a tcq rANS stream does not decode")
+        def verify() -> None:
+            if status.any():
+                where = f"frame {frame.index} is corrupt"
+                raise CodecError(f"{where}: a tcq rANS stream does not decode")
+
+        return SymbolPass(decode_kernel, words + streams.kept * m + 1, verify)
 
     def _restore(self, coefficients: torch.Tensor, offsets: np.ndarray) -> None:
         """The predicted layers' targets, decoded as residuals, back to their symbols (less
@@ -345,6 +383,14 @@ class TcqDecoder(FrameDecoder):
         per_stream = 2 * words.astype(np.float64).reshape(h.num_layers, 2)
         shared = layout.exact_bytes + layout.side_bytes + 4 * len(words)
         return per_stream + shared / (2 * h.num_layers)
+
+
+def checked_offsets(offsets: np.ndarray, where: str) -> np.ndarray:
+    """A frame's offsets (int8), refused (``CodecError``) where one is -128: encoders clip
+    them to 127 in magnitude, the integer product's bound."""
+    if np.any(offsets == -128):
+        raise CodecError(f"{where} offsets hold -128, beyond 127 in magnitude")
+    return offsets
 
 
 def _numpy_of(x: torch.Tensor) -> np.ndarray:

@@ -32,10 +32,36 @@ from cachegen.codec.qkernels import (
     store_row,
     store_value,
 )
-from cachegen.codec.rans import LANES, PROB_SCALE, RANS_L, STATE_WORDS, read_states
-from cachegen.codec.rans import _decode_step as decode_step  # the coder's own step
+from cachegen.codec.rans import LANES, PROB_BITS, PROB_SCALE, RANS_L, STATE_WORDS, read_states
 
-_U_L = np.uint64(RANS_L)
+# The decode kernels index with unsigned integers: numba then leaves out the wraparound of
+# negative indices, and the lane group's values fit in registers.
+_U = np.uint64
+_U_L = _U(RANS_L)
+_U_1 = _U(1)
+_U_MASK = _U(PROB_SCALE - 1)
+_U_PB = _U(PROB_BITS)
+_U_16 = _U(16)
+_U_FFFF = _U(0xFFFF)
+_U_SCALE = _U(PROB_SCALE)
+_U_LANES = _U(LANES)
+_TABLE_LINES = _U(PROB_SCALE // 64)  # 64-byte cache lines of one slot table
+
+
+@numba.njit(inline="always")
+def _step(x, slots, cums, slot_flat, fc_flat, words, p, last):
+    """One rANS decode step of a state ``x`` whose table starts at ``slots`` in ``slot_flat``
+    and at ``cums`` in ``fc_flat`` (:func:`cachegen.codec.rans._decode_step`'s arithmetic):
+    (new state, new read position, symbol)."""
+    slot = x & _U_MASK
+    s = _U(slot_flat[slots + slot])
+    fc = _U(fc_flat[cums + s])
+    x = (fc >> _U_16) * (x >> _U_PB) + slot - (fc & _U_FFFF)
+    w = _U(words[min(p, last)])
+    if x < _U_L:
+        x = (x << _U_16) | w
+        p += _U_1
+    return x, p, np.int64(s)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -57,43 +83,45 @@ def decode_coefficients(
     """rANS-decode streams ``todo`` into ``out``, flat [streams, T, width] (float32, or
     bfloat16 bits if uint16, or int16). Stream ``k`` has ``kept[k]`` components, component ``c``
     coded with table row ``table_row[radius_off[k] + c]``; its symbol ``s`` of component
-    ``c`` and token ``t`` becomes ``out[k, t, c] = s - radius[radius_off[k] + c]``, and
-    ``out[k, t, c]`` is 0 for ``c >= kept[k]``. A stream without components has no words.
-    ``status[k]``: 0 when the stream decoded cleanly, 1 when it is corrupt (wrong word count
-    or final states)."""
+    ``c`` and token ``t`` becomes ``out[k, t, c] = s - radius[radius_off[k] + c]`` (radii
+    int64), and ``out[k, t, c]`` is 0 for ``c >= kept[k]``. A stream without components has
+    no words. ``status[k]``: 0 when the stream decoded cleanly, 1 when it is corrupt (wrong
+    word count or final states)."""
     states = np.empty(LANES, dtype=np.uint64)
+    slot_flat, fc_flat = slot_sym.reshape(-1), freq_cum.reshape(-1)
+    fc_width, W, UT = _U(freq_cum.shape[1]), _U(width), _U(T)
     for i in range(todo.shape[0]):
-        k = todo[i]
-        C = kept[k]
+        k = _U(todo[i])
+        C = _U(kept[k])
         for t in range(T):  # the columns past the kept components
-            out[(k * T + t) * width + C : (k * T + t + 1) * width] = 0
-        w0 = word_off[k]
-        end = word_off[k + 1]
+            out[(k * UT + _U(t)) * W + C : (k * UT + _U(t) + _U_1) * W] = 0
+        w0, end = _U(word_off[k]), _U(word_off[k + _U_1])
         if C == 0 or T == 0:
             status[k] = 0 if end == w0 else 1
             continue
-        if end - w0 < STATE_WORDS:
+        if end - w0 < _U(STATE_WORDS):
             status[k] = 1
             continue
-        p = read_states(words, w0, states)
-        last = end - 1
+        p = _U(read_states(words, np.int64(w0), states))
         for g in range(0, C, LANES):
-            ro, at = radius_off[k] + g, k * T * width + g  # at: component g of token 0
-            if C - g >= LANES:
+            ro, at = _U(radius_off[k]) + _U(g), k * UT * W + _U(g)  # component g of token 0
+            if C - _U(g) >= _U_LANES:
+                ahead = _U(g) + _U(2 * LANES) <= C  # another full group follows
                 p = _decode_group(
                     states,
                     words,
                     p,
-                    last,
+                    end - _U_1,
                     ro,
                     at,
-                    g + 2 * LANES <= C,  # another full group follows: prefetch its tables
+                    ahead,
                     T,
-                    width,
+                    W,
                     table_row,
+                    fc_width,
+                    slot_flat,
+                    fc_flat,
                     radius,
-                    slot_sym,
-                    freq_cum,
                     out,
                 )
             else:
@@ -101,16 +129,17 @@ def decode_coefficients(
                     states,
                     words,
                     p,
-                    last,
+                    end - _U_1,
                     ro,
                     at,
-                    C - g,
+                    C - _U(g),
                     T,
-                    width,
+                    W,
                     table_row,
+                    fc_width,
+                    slot_flat,
+                    fc_flat,
                     radius,
-                    slot_sym,
-                    freq_cum,
                     out,
                 )
         ok = p == end
@@ -120,55 +149,83 @@ def decode_coefficients(
         status[k] = 0 if ok else 1
 
 
+@numba.njit(inline="always")
+def _prefetch_next(t, ro, table_row, fc_width, slot_flat, fc_flat):
+    """Token ``t``'s share of fetching the next lane group's tables (components ``ro + LANES``
+    on) into cache: one cache line per token (:func:`_prefetch_lines` in all), slot tables
+    first."""
+    slot_lines = _U_LANES * _TABLE_LINES
+    if t < slot_lines:
+        row = _U(table_row[ro + _U_LANES + t // _TABLE_LINES])
+        prefetch(slot_flat, row * _U_SCALE + (t % _TABLE_LINES) * _U(64))
+    else:
+        fc_lines = (fc_width * _U(4) + _U(63)) // _U(64)
+        u = t - slot_lines
+        row = _U(table_row[ro + _U_LANES + u // fc_lines])
+        prefetch(fc_flat, row * fc_width + (u % fc_lines) * _U(16))
+
+
+@numba.njit(inline="always")
+def _prefetch_lines(fc_width):
+    """Cache lines of a lane group's tables."""
+    return _U_LANES * (_TABLE_LINES + (fc_width * _U(4) + _U(63)) // _U(64))
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def _decode_group(
-    states, words, p, last, ro, at, ahead, T, width, table_row, radius, slot_sym, freq_cum, out
+    states,
+    words,
+    p,
+    last,
+    ro,
+    at,
+    ahead,
+    T,
+    width,
+    table_row,
+    fc_width,
+    slot_flat,
+    fc_flat,
+    radius,
+    out,
 ):
     """``LANES`` components (kept components ``ro`` on, coefficients from ``out[at]``, rows
     ``width`` apart), every token, each lane's state in a register; prefetches the next
-    group's tables if ``ahead``. Returns the next word's position."""
-    slot_flat = slot_sym.reshape(-1)
-    fc_flat = freq_cum.reshape(-1)
-    fc_width = freq_cum.shape[1]
-    table_lines = PROB_SCALE // 64  # 64-byte cache lines of one slot table
-    slot_lines = LANES * table_lines  # ... of a group's slot tables
-    fc_table_lines = (fc_width * 4 + 63) // 64
+    group's tables if ``ahead`` (short streams stall on fetching them on demand). Returns the
+    next word's position."""
     x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
     x4, x5, x6, x7 = states[4], states[5], states[6], states[7]
-    r0, r1, r2, r3 = radius[ro], radius[ro + 1], radius[ro + 2], radius[ro + 3]
-    r4, r5, r6, r7 = radius[ro + 4], radius[ro + 5], radius[ro + 6], radius[ro + 7]
-    t0, t1 = table_row[ro], table_row[ro + 1]
-    t2, t3 = table_row[ro + 2], table_row[ro + 3]
-    t4, t5 = table_row[ro + 4], table_row[ro + 5]
-    t6, t7 = table_row[ro + 6], table_row[ro + 7]
-    # prefetch the next group's tables while this one decodes (short streams
-    # stall on fetching them on demand)
+    r0, r1, r2, r3 = radius[ro], radius[ro + _U(1)], radius[ro + _U(2)], radius[ro + _U(3)]
+    r4, r5, r6, r7 = radius[ro + _U(4)], radius[ro + _U(5)], radius[ro + _U(6)], radius[ro + _U(7)]
+    t0, t1 = _U(table_row[ro]), _U(table_row[ro + _U(1)])
+    t2, t3 = _U(table_row[ro + _U(2)]), _U(table_row[ro + _U(3)])
+    t4, t5 = _U(table_row[ro + _U(4)]), _U(table_row[ro + _U(5)])
+    t6, t7 = _U(table_row[ro + _U(6)]), _U(table_row[ro + _U(7)])
+    s0, s1, s2, s3 = t0 * _U_SCALE, t1 * _U_SCALE, t2 * _U_SCALE, t3 * _U_SCALE
+    s4, s5, s6, s7 = t4 * _U_SCALE, t5 * _U_SCALE, t6 * _U_SCALE, t7 * _U_SCALE
+    c0, c1, c2, c3 = t0 * fc_width, t1 * fc_width, t2 * fc_width, t3 * fc_width
+    c4, c5, c6, c7 = t4 * fc_width, t5 * fc_width, t6 * fc_width, t7 * fc_width
+    lines = _prefetch_lines(fc_width) if ahead else _U(0)
     for t in range(T):
-        if ahead:
-            if t < slot_lines:
-                row = table_row[ro + LANES + t // table_lines]
-                prefetch(slot_flat, row * PROB_SCALE + (t % table_lines) * 64)
-            elif t < slot_lines + LANES * fc_table_lines:
-                u = t - slot_lines
-                row = table_row[ro + LANES + u // fc_table_lines]
-                prefetch(fc_flat, row * fc_width + (u % fc_table_lines) * 16)
-        row_at = at + t * width
-        x0, p, y = decode_step(x0, t0, slot_sym, freq_cum, words, p, last)
-        store_value(out, row_at, np.float32(y) - r0)
-        x1, p, y = decode_step(x1, t1, slot_sym, freq_cum, words, p, last)
-        store_value(out, row_at + 1, np.float32(y) - r1)
-        x2, p, y = decode_step(x2, t2, slot_sym, freq_cum, words, p, last)
-        store_value(out, row_at + 2, np.float32(y) - r2)
-        x3, p, y = decode_step(x3, t3, slot_sym, freq_cum, words, p, last)
-        store_value(out, row_at + 3, np.float32(y) - r3)
-        x4, p, y = decode_step(x4, t4, slot_sym, freq_cum, words, p, last)
-        store_value(out, row_at + 4, np.float32(y) - r4)
-        x5, p, y = decode_step(x5, t5, slot_sym, freq_cum, words, p, last)
-        store_value(out, row_at + 5, np.float32(y) - r5)
-        x6, p, y = decode_step(x6, t6, slot_sym, freq_cum, words, p, last)
-        store_value(out, row_at + 6, np.float32(y) - r6)
-        x7, p, y = decode_step(x7, t7, slot_sym, freq_cum, words, p, last)
-        store_value(out, row_at + 7, np.float32(y) - r7)
+        if _U(t) < lines:
+            _prefetch_next(_U(t), ro, table_row, fc_width, slot_flat, fc_flat)
+        o = at + _U(t) * width
+        x0, p, y = _step(x0, s0, c0, slot_flat, fc_flat, words, p, last)
+        store_value(out, o, y - r0)
+        x1, p, y = _step(x1, s1, c1, slot_flat, fc_flat, words, p, last)
+        store_value(out, o + _U(1), y - r1)
+        x2, p, y = _step(x2, s2, c2, slot_flat, fc_flat, words, p, last)
+        store_value(out, o + _U(2), y - r2)
+        x3, p, y = _step(x3, s3, c3, slot_flat, fc_flat, words, p, last)
+        store_value(out, o + _U(3), y - r3)
+        x4, p, y = _step(x4, s4, c4, slot_flat, fc_flat, words, p, last)
+        store_value(out, o + _U(4), y - r4)
+        x5, p, y = _step(x5, s5, c5, slot_flat, fc_flat, words, p, last)
+        store_value(out, o + _U(5), y - r5)
+        x6, p, y = _step(x6, s6, c6, slot_flat, fc_flat, words, p, last)
+        store_value(out, o + _U(6), y - r6)
+        x7, p, y = _step(x7, s7, c7, slot_flat, fc_flat, words, p, last)
+        store_value(out, o + _U(7), y - r7)
     states[0], states[1], states[2], states[3] = x0, x1, x2, x3
     states[4], states[5], states[6], states[7] = x4, x5, x6, x7
     return p
@@ -176,17 +233,33 @@ def _decode_group(
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def _decode_tail(
-    states, words, p, last, ro, at, lanes, T, width, table_row, radius, slot_sym, freq_cum, out
+    states,
+    words,
+    p,
+    last,
+    ro,
+    at,
+    lanes,
+    T,
+    width,
+    table_row,
+    fc_width,
+    slot_flat,
+    fc_flat,
+    radius,
+    out,
 ):
     """The last ``lanes`` (< LANES) components of a stream, like :func:`_decode_group`
     without the registers; returns the next word's position."""
     for t in range(T):
         for lane in range(lanes):
-            x, p, y = decode_step(
-                states[lane], table_row[ro + lane], slot_sym, freq_cum, words, p, last
+            j = ro + _U(lane)
+            row = _U(table_row[j])
+            x, p, y = _step(
+                states[lane], row * _U_SCALE, row * fc_width, slot_flat, fc_flat, words, p, last
             )
             states[lane] = x
-            store_value(out, at + t * width + lane, np.float32(y) - radius[ro + lane])
+            store_value(out, at + _U(t) * width + _U(lane), y - radius[j])
     return p
 
 

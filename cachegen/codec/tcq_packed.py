@@ -32,10 +32,9 @@ import numpy as np
 from cachegen.codec.bitstream import Frame
 from cachegen.codec.errors import CodecError
 from cachegen.codec.packed import load_u64le
-from cachegen.codec.parallel import run_batches
 from cachegen.codec.qkernels import store_value
 from cachegen.codec.tcq_code import LevelCode, StreamTables, exact_count
-from cachegen.codec.tcq_decode import TcqDecoder
+from cachegen.codec.tcq_decode import SymbolPass, TcqDecoder, checked_offsets
 from cachegen.codec.tcq_encode import frame_symbols
 from cachegen.codec.tcq_model import TcqModel
 from cachegen.kv import KVCache
@@ -86,7 +85,7 @@ class PackedLayout:
             raise CodecError(f"{where} body is {len(body)} bytes, too short for its side data")
         raw = np.frombuffer(body, dtype=np.uint8, count=side, offset=exact)
         fields = raw.reshape(-1, kept) if m else np.zeros((3, 0), np.uint8)
-        self.offsets = fields[0].view(np.int8) if adaptive else None
+        self.offsets = checked_offsets(fields[0].view(np.int8), where) if adaptive else None
         self.low, self.width = fields[-2], fields[-1]
         room = 2 * streams.radius_int - self.low
         if np.any(room < 0) or np.any(self.width > _bit_length(np.maximum(room, 0))):
@@ -117,7 +116,7 @@ class TcqPackedDecoder(TcqDecoder):
         exact = 2 * h.num_layers * h.num_kv_heads * e * h.head_dim * h.dtype.itemsize
         return PackedLayout(frame, self.streams, e, exact, n - e, self.adaptive)
 
-    def _coefficients(self, frame: Frame, layout: PackedLayout, out: np.ndarray, m: int) -> None:
+    def _symbols(self, frame: Frame, layout: PackedLayout, out: np.ndarray, m: int) -> SymbolPass:
         streams = self.streams
         data = layout.data(frame.body)
 
@@ -136,7 +135,7 @@ class TcqPackedDecoder(TcqDecoder):
                 todo,
             )
 
-        run_batches(unpack_kernel, layout.stream_bytes + streams.kept + 1)
+        return SymbolPass(unpack_kernel, layout.stream_bytes + streams.kept + 1, lambda: None)
 
     def layer_bytes(self, frame: Frame) -> np.ndarray:
         layout = self._layout(frame)

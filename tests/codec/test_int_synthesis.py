@@ -50,10 +50,11 @@ def test_matrices_round_within_half_a_scale_and_no_sum_can_overflow():
     assert np.abs(entries[1]).max() == 32767 and not entries[2].any()
 
 
-def _kernel_case(tokens: int, turned: bool, bf16: bool):
+def _kernel_case(tokens: int, turned: bool, bf16: bool, shifted: bool = False):
     """Random int16 coefficients of 4 streams (one not asked for), 3 heads of 16 channels,
-    through the kernel into a [streams, heads, tokens, head_dim] output; with the exact
-    float32 arithmetic it should do, written plainly."""
+    through the kernel into a [streams, heads, tokens, head_dim] output, the means moved by
+    random offsets if ``shifted``; with the exact float32 arithmetic it should do, written
+    plainly."""
     streams, width, heads, head_dim = 4, 194, 3, 16
     channels, half = heads * head_dim, head_dim // 2
     matrices = IntegerSynthesis.of(_matrices(streams, width, channels, [194, 7, 194, 0]))
@@ -68,9 +69,16 @@ def _kernel_case(tokens: int, turned: bool, bf16: bool):
     base = np.arange(streams, dtype=np.int64) * heads * tokens * head_dim
     to = int_synthesis.Destination(out, base, tokens, head_dim, cos, sin, first)
     todo = np.array([3, 0, 1])
-    int_synthesis.synthesize(coefficients, matrices, mean, to, todo)
+    offsets = rng.integers(-127, 128, (streams, width)).astype(np.int16)
+    moved = np.full_like(mean, np.nan)
+    shift = int_synthesis.Shift(offsets, 0.25, moved) if shifted else None
+    int_synthesis.synthesize(coefficients, matrices, mean, to, todo, shift)
     entries = matrices.pairs.transpose(0, 1, 3, 2).reshape(streams, width, channels)
     sums = np.einsum("stw,swc->stc", coefficients.astype(np.int64), entries.astype(np.int64))
+    if shifted:
+        moves = np.einsum("sw,swc->sc", offsets.astype(np.int64), entries.astype(np.int64))
+        mean = mean + moves.astype(np.float32) * matrices.scale * np.float32(0.25)
+        np.testing.assert_array_equal(moved[todo], mean[todo])
     x = sums.astype(np.float32) * matrices.scale[:, None, :] + mean[:, None, :]
     x = x.reshape(streams, tokens, heads, head_dim).transpose(0, 2, 1, 3).astype(np.float64)
     want = x.copy()
@@ -93,6 +101,33 @@ def test_the_kernel_sums_exactly_then_adds_the_means(tokens, bf16):
     todo, got, want = _kernel_case(tokens, turned=False, bf16=bf16)
     np.testing.assert_array_equal(got[todo], want[todo])  # int32 exact, then float32 ops
     assert np.isnan(got[2]).all()  # a stream not asked for is not written
+
+
+@needs_kernel
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_the_kernel_moves_the_means_by_the_offsets_exactly(bf16):
+    # the offsets' sums are exact in int32 too, then scaled in float32
+    todo, got, want = _kernel_case(5, turned=False, bf16=bf16, shifted=True)
+    np.testing.assert_array_equal(got[todo], want[todo])
+    assert not np.array_equal(got[0], _kernel_case(5, turned=False, bf16=bf16)[1][0])
+
+
+@needs_kernel
+def test_the_kernel_refuses_offsets_past_the_coefficients_bound():
+    # an offset of -128 (a corrupt frame; encoders clip to 127) could overflow the sums
+    streams, width, channels = 1, 4, 16
+    matrices = IntegerSynthesis.of(_matrices(streams, width, channels, [width]))
+    mean = np.zeros((streams, channels), np.float32)
+    offsets = np.full((streams, width), -128, np.int16)
+    shift = int_synthesis.Shift(offsets, 0.25, mean.copy())
+    angles = np.zeros((0, 0), np.float32)
+    out = np.zeros(channels, np.float32)
+    to = int_synthesis.Destination(
+        out, np.zeros(1, np.int64), 1, 16, angles, angles, -np.ones(1, np.int64)
+    )
+    coefficients = np.zeros((streams, 1, width), np.int16)
+    with pytest.raises(ValueError, match="offsets"):
+        int_synthesis.synthesize(coefficients, matrices, mean, to, np.array([0]), shift)
 
 
 @needs_kernel

@@ -456,6 +456,7 @@ def test_truncated_and_flipped_frames_are_refused(kv, tiny_llama, model_file):
         (body + b"\0\0", "corrupt"),
         (bytes(shifted), "corrupt"),
         (with_choices(past), "a table the family does not have"),
+        (with_choices(b"\x80" + choices[1:]), "offsets hold -128"),
         (with_choices(choices[:-1]), "one entry per kept component"),
         (with_choices(choices + b"\0"), "one entry per kept component"),
         (garbage, "do not inflate"),

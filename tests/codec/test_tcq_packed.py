@@ -143,6 +143,7 @@ def test_truncated_flipped_and_impossible_packed_frames_are_refused(kv, tiny_lla
         (body[: exact + kept], "too short"),
         (with_byte(widths + wide, 9), "widths do not fit"),
         (with_byte(lows, 255), "lows or widths do not fit"),
+        (with_byte(exact, 0x80), "offsets hold -128"),  # past the integer product's bound
     ):
         with pytest.raises(CodecError, match=why):
             decode(shared.reframe(blob, bad_body))
