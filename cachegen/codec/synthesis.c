@@ -101,6 +101,44 @@ AVX2 static inline void put(const Target *target, __m256i low, __m256i high, con
     store8(target, at + half, x2);
 }
 
+/* The int32 sums of 4 tokens (coefficients x, rows `width` apart) by the pair rows b (pair rows
+   `step` apart): channels at b into sums[0..3], those `high` further into sums[4..7]. Named
+   accumulators, not an array: with an array GCC copies every accumulator once per row. */
+AVX2 static inline void sum_four(const int16_t *x, int64_t width, const int16_t *b, int64_t step,
+                                 int64_t high, __m256i sums[8]) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0,
+            s7 = s0;
+    for (int64_t j = 0; j < width; j += 2, b += step) {
+        __m256i low = _mm256_loadu_si256((const __m256i *)b);
+        __m256i up = _mm256_loadu_si256((const __m256i *)(b + high));
+        __m256i a0 = load_pair(x + j), a1 = load_pair(x + width + j);
+        __m256i a2 = load_pair(x + 2 * width + j), a3 = load_pair(x + 3 * width + j);
+        s0 = _mm256_add_epi32(_mm256_madd_epi16(a0, low), s0);
+        s4 = _mm256_add_epi32(_mm256_madd_epi16(a0, up), s4);
+        s1 = _mm256_add_epi32(_mm256_madd_epi16(a1, low), s1);
+        s5 = _mm256_add_epi32(_mm256_madd_epi16(a1, up), s5);
+        s2 = _mm256_add_epi32(_mm256_madd_epi16(a2, low), s2);
+        s6 = _mm256_add_epi32(_mm256_madd_epi16(a2, up), s6);
+        s3 = _mm256_add_epi32(_mm256_madd_epi16(a3, low), s3);
+        s7 = _mm256_add_epi32(_mm256_madd_epi16(a3, up), s7);
+    }
+    sums[0] = s0, sums[1] = s1, sums[2] = s2, sums[3] = s3;
+    sums[4] = s4, sums[5] = s5, sums[6] = s6, sums[7] = s7;
+}
+
+/* The sums of one token, as sum_four's. */
+AVX2 static inline void sum_one(const int16_t *x, int64_t width, const int16_t *b, int64_t step,
+                                int64_t high, __m256i sums[8]) {
+    __m256i s0 = _mm256_setzero_si256(), s4 = s0;
+    for (int64_t j = 0; j < width; j += 2, b += step) {
+        __m256i a = load_pair(x + j);
+        s0 = _mm256_add_epi32(_mm256_madd_epi16(a, _mm256_loadu_si256((const __m256i *)b)), s0);
+        s4 = _mm256_add_epi32(
+            _mm256_madd_epi16(a, _mm256_loadu_si256((const __m256i *)(b + high))), s4);
+    }
+    sums[0] = s0, sums[4] = s4;
+}
+
 /* Tokens t .. t + n - 1 (n is 4 or 1) of channels c .. c + 7 and c + half .. c + half + 7 of
    head h, d = c - h * head_dim. */
 AVX2 static inline void tile(const Target *target, const int16_t *coefficients,
@@ -110,21 +148,15 @@ AVX2 static inline void tile(const Target *target, const int16_t *coefficients,
     const int64_t width = target->width, channels = target->channels;
     const int64_t half = target->head_dim / 2, c = h * target->head_dim + d;
     const int16_t *x = coefficients + t * width, *b = pairs + 2 * c;
-    __m256i acc[TILE_TOKENS][2];
-    for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-    for (int64_t j = 0; j < width; j += 2, b += 2 * channels) {
-        __m256i low = _mm256_loadu_si256((const __m256i *)b);
-        __m256i high = _mm256_loadu_si256((const __m256i *)(b + 2 * half));
-        for (int i = 0; i < n; i++) {
-            __m256i a = load_pair(x + i * width + j);
-            MADD(acc[i][0], a, low);
-            MADD(acc[i][1], a, high);
-        }
-    }
+    __m256i sums[8];
+    if (n == TILE_TOKENS)
+        sum_four(x, width, b, 2 * channels, 2 * half, sums);
+    else
+        sum_one(x, width, b, 2 * channels, 2 * half, sums);
     for (int i = 0; i < n; i++) {
         int64_t angle = first_angle < 0 ? -1 : first_angle + t + i;
         int64_t at = base + (h * target->out_tokens + t + i) * target->head_dim + d;
-        put(target, acc[i][0], acc[i][1], scale + c, mean + c, half, angle, d, at);
+        put(target, sums[i], sums[4 + i], scale + c, mean + c, half, angle, d, at);
     }
 }
 
@@ -161,15 +193,15 @@ AVX2 static void stream(const Target *target, const int16_t *coefficients, const
                         const float *scale, const float *mean, int64_t first_angle,
                         int64_t base) {
     const int64_t heads = target->channels / target->head_dim, half = target->head_dim / 2;
-    int64_t t = 0;
-    for (; t + TILE_TOKENS <= target->tokens; t += TILE_TOKENS)
-        for (int64_t h = 0; h < heads; h++)
-            for (int64_t d = 0; d < half; d += LANES)
+    const int64_t whole = target->tokens - target->tokens % TILE_TOKENS;
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t d = 0; d < half; d += LANES) {  /* these channels' rows stay in L1 */
+            int64_t t = 0;
+            for (; t < whole; t += TILE_TOKENS)
                 four(target, coefficients, pairs, scale, mean, first_angle, base, t, h, d);
-    for (; t < target->tokens; t++)
-        for (int64_t h = 0; h < heads; h++)
-            for (int64_t d = 0; d < half; d += LANES)
+            for (; t < target->tokens; t++)
                 one(target, coefficients, pairs, scale, mean, first_angle, base, t, h, d);
+        }
 }
 #endif
 
