@@ -80,12 +80,7 @@ def test_synthesis_product(benchmark, synthesis, arithmetic):
 
         def product():
             for frame in frames:
-                run_batches(
-                    lambda todo, frame=frame: int_synthesis.synthesize(
-                        frame, matrices, mean, to, todo
-                    ),
-                    np.ones(streams),
-                )
+                run_batches(int_synthesis.product(frame, matrices, mean, to), np.ones(streams))
 
     elif arithmetic == "int8":
         matrices, frames = _int8(synthesis), symbols.to(torch.int8)

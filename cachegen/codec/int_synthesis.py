@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,28 +132,24 @@ class Shift:
     means: np.ndarray
 
 
-def synthesize(
+def product(
     coefficients: np.ndarray,
     matrices: IntegerSynthesis,
     mean: np.ndarray,
     to: Destination,
-    todo: np.ndarray,
     shift: Shift | None = None,
-) -> None:
-    """Streams ``todo`` of ``coefficients`` [streams, tokens, width] (int16) times their
-    matrices, plus their channel means ``mean`` [streams, channels] (float32) moved by
-    ``shift`` if given, into ``to``. The caller checks :func:`available` and :func:`fits`
+) -> Callable[[np.ndarray], None]:
+    """The product of ``coefficients`` [streams, tokens, width] (int16) with their matrices,
+    plus their channel means ``mean`` [streams, channels] (float32) moved by ``shift`` if
+    given, into ``to``: a function that runs it for streams ``todo`` (in any thread; the
+    arrays are checked once, here). The caller checks :func:`available` and :func:`fits`
     first; the arrays are C-contiguous."""
     library = _library()
     if library is None:
         raise ValueError("integer synthesis: the kernel is not built here, or the CPU lacks AVX2")
     _check(coefficients, matrices, mean, to, shift)
     streams, tokens, width = coefficients.shape
-    channels = mean.shape[1]
-    todo = np.ascontiguousarray(todo, dtype=np.int64)
-    if len(todo) and not (0 <= todo.min() and todo.max() < streams):
-        raise ValueError("integer synthesis: a stream index out of range")
-    library.cachegen_synthesize(
+    arguments = (
         coefficients.ctypes.data,
         matrices.pairs.ctypes.data,
         matrices.scale.ctypes.data,
@@ -162,7 +159,7 @@ def synthesize(
         None if shift is None else shift.means.ctypes.data,
         tokens,
         width,
-        channels,
+        mean.shape[1],
         to.head_dim,
         to.cos.ctypes.data,
         to.sin.ctypes.data,
@@ -171,9 +168,25 @@ def synthesize(
         int(to.out.dtype == np.uint16),
         to.base.ctypes.data,
         to.out_tokens,
-        todo.ctypes.data,
-        len(todo),
     )
+    return _Product(library, arguments, streams, (coefficients, matrices, mean, to, shift))
+
+
+@dataclass(frozen=True)
+class _Product:
+    """:func:`product`'s kernel call, its arrays' addresses in ``arguments``; ``arrays`` keeps
+    them alive as long as the call is."""
+
+    library: ctypes.CDLL
+    arguments: tuple
+    streams: int
+    arrays: tuple
+
+    def __call__(self, todo: np.ndarray) -> None:
+        todo = np.ascontiguousarray(todo, dtype=np.int64)
+        if len(todo) and not (0 <= todo.min() and todo.max() < self.streams):
+            raise ValueError("integer synthesis: a stream index out of range")
+        self.library.cachegen_synthesize(*self.arguments, todo.ctypes.data, len(todo))
 
 
 def _check(

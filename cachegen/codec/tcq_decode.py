@@ -187,7 +187,9 @@ class TcqDecoder(FrameDecoder):
         return _Layout(e, exact, side, words, offsets, choices)
 
     def check(self, frame: Frame) -> None:
-        self._checked[frame.index] = (frame.body, self._layout(frame))
+        body, _ = self._checked.get(frame.index, (None, None))
+        if body is not frame.body:  # a frame is checked before decoding, and again in it
+            self._checked[frame.index] = (frame.body, self._layout(frame))
 
     def _checked_layout(self, frame: Frame) -> _Layout:
         """The layout :meth:`check` found for this frame (so its choices inflate once), else
@@ -242,17 +244,13 @@ class TcqDecoder(FrameDecoder):
         """The int16 kernel's product and write of streams ``todo``, the means moved by the
         frame's ``offsets`` (int8 per kept component) if it has them."""
         streams = self.streams
-        matrices, mean = streams.integer_synthesis, streams.mean
         shift = None
         if offsets is not None:
             moved = np.zeros((len(streams.kept), streams.width), dtype=np.int16)
             moved.reshape(-1)[streams.slot] = offsets
-            shift = int_synthesis.Shift(moved, 1 / OFFSET_UNITS, np.empty_like(mean))
-
-        def product(todo: np.ndarray) -> None:
-            int_synthesis.synthesize(coefficients, matrices, mean, to, todo, shift)
-
-        return product
+            shift = int_synthesis.Shift(moved, 1 / OFFSET_UNITS, np.empty_like(streams.mean))
+        matrices = streams.integer_synthesis
+        return int_synthesis.product(coefficients, matrices, streams.mean, to, shift)
 
     def _symbols(self, frame: Frame, layout: _Layout, out: np.ndarray, m: int) -> SymbolPass:
         """The pass that writes each stream's symbols less their radii into ``out``, flat

@@ -72,7 +72,7 @@ def _kernel_case(tokens: int, turned: bool, bf16: bool, shifted: bool = False):
     offsets = rng.integers(-127, 128, (streams, width)).astype(np.int16)
     moved = np.full_like(mean, np.nan)
     shift = int_synthesis.Shift(offsets, 0.25, moved) if shifted else None
-    int_synthesis.synthesize(coefficients, matrices, mean, to, todo, shift)
+    int_synthesis.product(coefficients, matrices, mean, to, shift)(todo)
     entries = matrices.pairs.transpose(0, 1, 3, 2).reshape(streams, width, channels)
     sums = np.einsum("stw,swc->stc", coefficients.astype(np.int64), entries.astype(np.int64))
     if shifted:
@@ -127,7 +127,7 @@ def test_the_kernel_refuses_offsets_past_the_coefficients_bound():
     )
     coefficients = np.zeros((streams, 1, width), np.int16)
     with pytest.raises(ValueError, match="offsets"):
-        int_synthesis.synthesize(coefficients, matrices, mean, to, np.array([0]), shift)
+        int_synthesis.product(coefficients, matrices, mean, to, shift)
 
 
 @needs_kernel
