@@ -65,8 +65,8 @@ def available() -> bool:
 @dataclass(frozen=True)
 class IntegerSynthesis:
     """Synthesis matrices [streams, width, channels] in the kernel's form: int16 rows in
-    pairs ``[streams, width / 2, channels, 2]`` and one float32 scale per stream and channel
-    ``[streams, channels]``."""
+    pairs per octet of channels ``[streams, channels / 8, width / 2, 8, 2]`` and one float32
+    scale per stream and channel ``[streams, channels]``."""
 
     pairs: np.ndarray
     scale: np.ndarray
@@ -84,8 +84,14 @@ class IntegerSynthesis:
         largest = np.abs(matrices).max(axis=1)  # [streams, channels]
         scale = np.where(largest > 0, largest / top[:, None], 1.0).astype(np.float32)
         entries = np.rint(matrices / scale[:, None, :]).astype(np.int16)
-        pairs = entries.reshape(streams, width // 2, 2, channels).transpose(0, 1, 3, 2)
-        return cls(_aligned(pairs), scale)
+        octets = entries.reshape(streams, width // 2, 2, channels // LANES, LANES)
+        return cls(_aligned(octets.transpose(0, 3, 1, 4, 2)), scale)
+
+    def entries(self) -> np.ndarray:
+        """The int16 matrices [streams, width, channels]."""
+        streams, octets, pairs, _, _ = self.pairs.shape
+        rows = self.pairs.transpose(0, 2, 4, 1, 3)
+        return rows.reshape(streams, 2 * pairs, octets * LANES)
 
 
 def _aligned(array: np.ndarray) -> np.ndarray:
@@ -201,7 +207,7 @@ def _check(
     channels = mean.shape[1]
     wanted = [
         (coefficients, np.int16, (streams, coefficients.shape[1], width)),
-        (matrices.pairs, np.int16, (streams, width // 2, channels, 2)),
+        (matrices.pairs, np.int16, (streams, channels // LANES, width // 2, LANES, 2)),
         (matrices.scale, np.float32, (streams, channels)),
         (mean, np.float32, (streams, channels)),
         (to.base, np.int64, (streams,)),

@@ -7,9 +7,10 @@
    as two fused multiply-adds, bfloat16 rounded to nearest even), 
    for every stream k of `todo`: the coefficients are a frame's symbols less their radii
    (int16, |value| <= 127), the matrices the synthesis matrices rounded to int16 with one
-   scale per stream and channel, stored as pairs of rows ([width / 2][channels][2], so that
-   AVX2's vpmaddwd multiplies two coefficients of a token by two matrix rows and adds the
-   products in one instruction). The sums are exact in int32 (int_synthesis.py bounds the
+   scale per stream and channel, stored as pairs of rows per octet of channels ([channels / 8]
+   [width / 2][8][2], so that AVX2's vpmaddwd multiplies two coefficients of a token by two
+   matrix rows of 8 channels and adds the products in one instruction, and the rows of one
+   octet are contiguous: rows a power of two apart would fall into a few cache sets). The sums are exact in int32 (int_synthesis.py bounds the
    matrix entries so that no sum can overflow), so every CPU computes the same rows. On CPUs
    without AVX2 int16 multiply-adds are no faster than float32 ones: there
    cachegen_synthesis_supported() is 0 and the decoder keeps the float32 product.
@@ -145,14 +146,14 @@ AVX2 static inline void tile(const Target *target, const int16_t *coefficients,
                              const int16_t *pairs, const float *scale, const float *mean,
                              int64_t first_angle, int64_t base, int64_t t, const int n,
                              int64_t h, int64_t d) {
-    const int64_t width = target->width, channels = target->channels;
+    const int64_t width = target->width;
     const int64_t half = target->head_dim / 2, c = h * target->head_dim + d;
-    const int16_t *x = coefficients + t * width, *b = pairs + 2 * c;
+    const int16_t *x = coefficients + t * width, *b = pairs + c * width;  /* octet c / 8 */
     __m256i sums[8];
     if (n == TILE_TOKENS)
-        sum_four(x, width, b, 2 * channels, 2 * half, sums);
+        sum_four(x, width, b, 2 * LANES, half * width, sums);
     else
-        sum_one(x, width, b, 2 * channels, 2 * half, sums);
+        sum_one(x, width, b, 2 * LANES, half * width, sums);
     for (int i = 0; i < n; i++) {
         int64_t angle = first_angle < 0 ? -1 : first_angle + t + i;
         int64_t at = base + (h * target->out_tokens + t + i) * target->head_dim + d;
@@ -181,8 +182,8 @@ AVX2 static void shift_means(const Target *target, const int16_t *offsets, const
     const __m256 unit = _mm256_set1_ps(target->offset_unit);
     for (int64_t c = 0; c < channels; c += LANES) {
         __m256i acc = _mm256_setzero_si256();
-        const int16_t *b = pairs + 2 * c;
-        for (int64_t j = 0; j < width; j += 2, b += 2 * channels)
+        const int16_t *b = pairs + c * width;
+        for (int64_t j = 0; j < width; j += 2, b += 2 * LANES)
             MADD(acc, load_pair(offsets + j), _mm256_loadu_si256((const __m256i *)b));
         __m256 moved = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(scale + c)), unit);
         _mm256_storeu_ps(shifted + c, _mm256_add_ps(_mm256_loadu_ps(mean + c), moved));
@@ -206,7 +207,7 @@ AVX2 static void stream(const Target *target, const int16_t *coefficients, const
 #endif
 
 /* Streams todo[0 .. count) of [streams, tokens, width] int16 coefficients, synthesized with
-   their pairs [streams, width / 2, channels, 2] and scales [streams, channels], plus their
+   their pairs [streams, channels / 8, width / 2, 8, 2] and scales [streams, channels], plus their
    means [streams, channels] (moved by their frame's offsets [streams, width] in units of
    offset_unit when offsets is not NULL: the moved means go to shifted [streams, channels]),
    into `out`: head h of token t of stream k at base[k] + (h *

@@ -40,7 +40,7 @@ def _matrices(streams: int, width: int, channels: int, kept: list[int]) -> torch
 def test_matrices_round_within_half_a_scale_and_no_sum_can_overflow():
     synthesis = _matrices(3, 600, 32, [600, 100, 0])
     matrices = IntegerSynthesis.of(synthesis)
-    entries = matrices.pairs.transpose(0, 1, 3, 2).reshape(3, 600, 32).astype(np.float64)
+    entries = matrices.entries().astype(np.float64)
     scale = matrices.scale.astype(np.float64)
     error = np.abs(entries * scale[:, None, :] - synthesis.numpy())
     assert np.all(error <= 0.5 * scale[:, None, :] * (1 + 1e-6))
@@ -73,7 +73,7 @@ def _kernel_case(tokens: int, turned: bool, bf16: bool, shifted: bool = False):
     moved = np.full_like(mean, np.nan)
     shift = int_synthesis.Shift(offsets, 0.25, moved) if shifted else None
     int_synthesis.product(coefficients, matrices, mean, to, shift)(todo)
-    entries = matrices.pairs.transpose(0, 1, 3, 2).reshape(streams, width, channels)
+    entries = matrices.entries()
     sums = np.einsum("stw,swc->stc", coefficients.astype(np.int64), entries.astype(np.int64))
     if shifted:
         moves = np.einsum("sw,swc->sc", offsets.astype(np.int64), entries.astype(np.int64))
