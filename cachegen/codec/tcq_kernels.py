@@ -80,13 +80,11 @@ def decode_coefficients(
     todo,
     status,
 ):
-    """rANS-decode streams ``todo`` into ``out``, flat [streams, T, width] (float32, or
-    bfloat16 bits if uint16, or int16). Stream ``k`` has ``kept[k]`` components, component ``c``
-    coded with table row ``table_row[radius_off[k] + c]``; its symbol ``s`` of component
-    ``c`` and token ``t`` becomes ``out[k, t, c] = s - radius[radius_off[k] + c]`` (radii
-    int64), and ``out[k, t, c]`` is 0 for ``c >= kept[k]``. A stream without components has
-    no words. ``status[k]``: 0 when the stream decoded cleanly, 1 when it is corrupt (wrong
-    word count or final states)."""
+    """rANS-decode streams ``todo`` into ``out``, flat [streams, T, width] (float32, bfloat16
+    bits if uint16, or int16): component ``c < kept[k]`` of stream ``k`` (table row
+    ``table_row[j]``, ``j = radius_off[k] + c``) and token ``t`` into ``out[k, t, c] = s -
+    radius[j]`` (int64 radii), 0 past ``kept[k]``. ``status[k]``: 0 decoded cleanly, 1 corrupt
+    (wrong word count or final states; a stream without components has no words)."""
     states = np.empty(LANES, dtype=np.uint64)
     slot_flat, fc_flat = slot_sym.reshape(-1), freq_cum.reshape(-1)
     fc_width, W, UT = _U(freq_cum.shape[1]), _U(width), _U(T)
