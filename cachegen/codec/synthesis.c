@@ -10,8 +10,9 @@
    scale per stream and channel, stored as pairs of rows per octet of channels ([channels / 8]
    [width / 2][8][2], so that AVX2's vpmaddwd multiplies two coefficients of a token by two
    matrix rows of 8 channels and adds the products in one instruction, and the rows of one
-   octet are contiguous: rows a power of two apart would fall into a few cache sets). The sums are exact in int32 (int_synthesis.py bounds the
-   matrix entries so that no sum can overflow), so every CPU computes the same rows. On CPUs
+   octet are contiguous: rows a power of two apart would fall into a few cache sets). The sums
+   are exact in int32 (int_synthesis.py bounds the matrix entries so that no sum can
+   overflow), so every CPU computes the same rows. On CPUs
    without AVX2 int16 multiply-adds are no faster than float32 ones: there
    cachegen_synthesis_supported() is 0 and the decoder keeps the float32 product.
 
@@ -185,7 +186,8 @@ AVX2 static void shift_means(const Target *target, const int16_t *offsets, const
         const int16_t *b = pairs + c * width;
         for (int64_t j = 0; j < width; j += 2, b += 2 * LANES)
             MADD(acc, load_pair(offsets + j), _mm256_loadu_si256((const __m256i *)b));
-        __m256 moved = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(scale + c)), unit);
+        __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(scale + c));
+        __m256 moved = _mm256_mul_ps(sum, unit);
         _mm256_storeu_ps(shifted + c, _mm256_add_ps(_mm256_loadu_ps(mean + c), moved));
     }
 }

@@ -52,7 +52,9 @@ _TABLE_LINES = _U(PROB_SCALE // 64)  # 64-byte cache lines of one slot table
 def _step(x, slots, cums, slot_flat, fc_flat, words, p, last):
     """One rANS decode step of a state ``x`` whose table starts at ``slots`` in ``slot_flat``
     and at ``cums`` in ``fc_flat`` (:func:`cachegen.codec.rans._decode_step`'s arithmetic):
-    (new state, new read position, symbol)."""
+    (new state, new read position, symbol). Not that function itself, nor a helper sharing its
+    update: both measured slower here (2D tables and a signed read position; a returned flag
+    for the renormalisation), docs/codec.md "Decode speed"."""
     slot = x & _U_MASK
     s = _U(slot_flat[slots + slot])
     fc = _U(fc_flat[cums + s])
