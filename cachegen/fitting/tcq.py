@@ -14,6 +14,7 @@ from cachegen.codec.tcq_code import OFFSET_UNITS
 from cachegen.codec.tcq_model import MAX_RADIUS
 from cachegen.codec.tcq_predict import largest_shift, layer_predictor, residual_symbols
 from cachegen.codec.transform import TransformBasis
+from cachegen.fitting import sensitivity
 from cachegen.fitting.attention import attention_stats, component_weights
 from cachegen.fitting.kvtc import (
     calibration_ids,
@@ -38,6 +39,7 @@ def tcq_calibration_spec(
         "query_rows": TCQ_QUERY_ROWS,
         "layer_exponent": tcq_layer_exponent(spec),
         "weights": "attention output error per unit of component error",
+        "sensitivity": sensitivity.sensitivity_spec(),
         "frame_choices": {
             "offset_units": OFFSET_UNITS,
             "family_shapes": list(tcq_model.FAMILY_SHAPES),
@@ -201,6 +203,7 @@ def fit_tcq_model(
     *,
     basis: TransformBasis | None = None,
     unit_weights: bool = False,
+    sensitivity: bool = True,
     prediction: bool = False,
 ) -> tcq_model.TcqModel:
     """Fit the tcq model of ``spec`` on the ``calibrate`` split: the KVTC basis, the component
@@ -210,8 +213,10 @@ def fit_tcq_model(
 
     For ablations (``cachegen.lab.experiments.tcq_ablation``): ``basis`` replaces the KVTC basis
     (the weights are computed for it), ``unit_weights`` gives every component the weight 1
-    (one step for all); the model's calibration records either. ``prediction`` adds the
-    cross-layer predictor (:func:`fit_predictor`) and its residual tables."""
+    (one step for all), ``sensitivity=False`` leaves out the measured stream sensitivities
+    (:mod:`cachegen.fitting.sensitivity`); the model's calibration records each.
+    ``prediction`` adds the cross-layer predictor (:func:`fit_predictor`) and its residual
+    tables."""
     from cachegen.extract import load_model
 
     levels = dict(sorted((levels or tcq_model.LEVELS).items()))  # the file keeps levels in order
@@ -230,16 +235,11 @@ def fit_tcq_model(
         calibration["weights"] = "none: every component weighs 1"
     else:
         weights = component_weights(hf_model, kv, stats, basis, calibration["layer_exponent"])
-    keys, values = pre_rope_kv(kv, basis.rope_thetas, skip)
-    L, H, n, D = keys.shape
-    coefficients = [
-        [
-            (x[layer].permute(1, 0, 2).reshape(n, H * D).numpy() - basis.mean[layer, k])
-            @ basis.components[layer, k].T
-            for k, x in enumerate((keys, values))
-        ]
-        for layer in range(L)
-    ]
+    coefficients = _coefficients(kv, basis, skip)
+    if unit_weights or not sensitivity:
+        calibration.pop("sensitivity")
+    else:
+        weights = _sensitive_weights(hf_model, tokenizer, spec, basis, weights, coefficients)
     steps_of, radii, steps = {}, [], []
     for level, bits in levels.items():
         step = _step_for_bits(coefficients, weights, bits)
@@ -263,6 +263,30 @@ def fit_tcq_model(
         tcq_model.family_weights(),
         **extra,
     )
+
+
+def _coefficients(kv, basis: TransformBasis, skip: int) -> list[list[np.ndarray]]:
+    """The basis's coefficients [L][K/V] ([tokens, C]) of ``kv`` from token ``skip`` on."""
+    keys, values = pre_rope_kv(kv, basis.rope_thetas, skip)
+    L, H, n, D = keys.shape
+    return [
+        [
+            (x[layer].permute(1, 0, 2).reshape(n, H * D).numpy() - basis.mean[layer, k])
+            @ basis.components[layer, k].T
+            for k, x in enumerate((keys, values))
+        ]
+        for layer in range(L)
+    ]
+
+
+def _sensitive_weights(hf_model, tokenizer, spec, basis, weights, coefficients) -> np.ndarray:
+    """``weights`` times each stream's measured sensitivity, at the step that costs
+    ``SENSITIVITY_BITS`` on the calibration coefficients."""
+    step = _step_for_bits(coefficients, weights, sensitivity.SENSITIVITY_BITS)
+    _, steps = _level_quantizer(coefficients, weights, (step, step))
+    windows = sensitivity.sensitivity_windows(tokenizer, spec)
+    scale = sensitivity.stream_sensitivities(hf_model, spec, basis, weights, steps, windows)
+    return (weights * scale[:, :, None]).astype(np.float32)
 
 
 def _tables_and_predictor(coefficients, radius, step, prediction: bool) -> tuple:

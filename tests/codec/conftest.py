@@ -48,8 +48,10 @@ def small_fits(small_fits_dir, monkeypatch):
     """For tests that need *a* kvtc basis or tcq model file of a real model, not a good one:
     fitting those of Gemma 3 by the recipe takes minutes on 2 cores without bf16
     instructions. The user's profile directory is left alone."""
-    from cachegen.fitting import kvtc
+    from cachegen.fitting import kvtc, sensitivity
 
     monkeypatch.setattr(kvtc, "KVTC_CALIBRATION_TOKENS", SMALL_FIT_TOKENS)
+    monkeypatch.setattr(sensitivity, "SENSITIVITY_WINDOWS", 1)
+    monkeypatch.setattr(sensitivity, "SENSITIVITY_CONTEXT", SMALL_FIT_TOKENS // 4)
     with own_profile_dir(small_fits_dir):
         yield small_fits_dir

@@ -15,9 +15,9 @@ import torch
 
 from cachegen.codec import decode
 from cachegen.extract import extract_kv, load_model
+from cachegen.fitting.replay import continuation_logits
 from cachegen.kv import KVCache
 from cachegen.lab.bench.engine import ConnectorEngine
-from cachegen.lab.quality.replay import continuation_logits
 from cachegen.profiles import codec_for
 from tests.support import CHUNK, connector_engine
 

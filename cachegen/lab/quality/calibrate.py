@@ -42,11 +42,11 @@ from cachegen.codec import SCALE_KINDS, QuantConfig
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.errors import InputError
 from cachegen.fileio import check_version, versioned
+from cachegen.fitting.replay import continuation_logits
 from cachegen.kv import KVCache
 from cachegen.lab.quality.candidates import config_codec
 from cachegen.lab.quality.datasets import pydoc_windows
 from cachegen.lab.quality.metrics import Reference, compare_logits
-from cachegen.lab.quality.replay import continuation_logits
 from cachegen.lab.quality.simulate import KINDS, quantize_kind, quantize_kv
 
 LADDER = (4, 6, 8, 12, 16, 24, 32, 48, 64)

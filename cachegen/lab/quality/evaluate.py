@@ -23,9 +23,9 @@ import torch
 from tqdm import tqdm
 
 from cachegen.errors import InputError
+from cachegen.fitting.replay import continuation_logits, greedy_generate
 from cachegen.kv import KVCache
 from cachegen.lab.quality.metrics import Reference, Tally, WindowScores, compare_logits
-from cachegen.lab.quality.replay import continuation_logits, greedy_generate
 from cachegen.workload.retrieval import ANSWER_TOKENS, answer_is_correct
 from cachegen.workload.window import Window
 

@@ -15,6 +15,7 @@ import torch
 
 from cachegen import models
 from cachegen.errors import InputError
+from cachegen.fitting.replay import continuation_logits, greedy_generate
 from cachegen.kv import KVCache
 from cachegen.lab.quality import frontier
 from cachegen.lab.quality.candidates import codec_candidates, parse_codec_args
@@ -32,7 +33,6 @@ from cachegen.lab.quality.metrics import (
     rouge_l,
     wilson_ci,
 )
-from cachegen.lab.quality.replay import continuation_logits, greedy_generate
 from cachegen.profiles import codec_for
 from cachegen.workload.retrieval import answer_is_correct, default_lengths, retrieval_windows
 
