@@ -53,5 +53,6 @@ def small_fits(small_fits_dir, monkeypatch):
     monkeypatch.setattr(kvtc, "KVTC_CALIBRATION_TOKENS", SMALL_FIT_TOKENS)
     monkeypatch.setattr(sensitivity, "SENSITIVITY_WINDOWS", 1)
     monkeypatch.setattr(sensitivity, "SENSITIVITY_CONTEXT", SMALL_FIT_TOKENS // 4)
+    monkeypatch.setattr(sensitivity, "SENSITIVITY_SCORED", 16)  # Gemma's logits are 262K wide
     with own_profile_dir(small_fits_dir):
         yield small_fits_dir
