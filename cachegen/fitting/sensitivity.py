@@ -101,13 +101,12 @@ def _quantized_stream(kv, basis: TransformBasis, weights, steps, layer: int, k: 
     err = step * np.round(y / step) - y
     made = float((err**2 @ weights[layer, k].astype(np.float64)).mean())
     delta = torch.from_numpy(err @ components).float().reshape(n, H, D).permute(1, 0, 2)
-    out_keys, out_values = kv.keys.clone(), kv.values.clone()
     if k == 0:
         delta = rotate_layer_keys(delta[None], skip, thetas)[0]
-        out_keys[layer, :, skip:] += delta.to(out_keys.dtype)
-    else:
-        out_values[layer, :, skip:] += delta.to(out_values.dtype)
-    return replace(kv, keys=out_keys, values=out_values), made
+    # only the perturbed tensor is copied: the replay copies what it reads into its own cache
+    out = (kv.keys, kv.values)[k].clone()
+    out[layer, :, skip:] += delta.to(out.dtype)
+    return replace(kv, **{("keys", "values")[k]: out}), made
 
 
 def _log_probs(hf_model, kv, continuation: torch.Tensor) -> torch.Tensor:
