@@ -1,6 +1,7 @@
 """The one compiled part of the package: tcq's integer synthesis kernel
-(cachegen/codec/synthesis.c, loaded through ctypes by cachegen.codec.int_synthesis). Optional:
-without a C compiler the package installs without it and tcq decodes with the float32 product.
+(cachegen/codec/synthesis.c and the loops it includes, loaded through ctypes by
+cachegen.codec.int_synthesis). Optional: without a C compiler the package installs without it
+and tcq decodes with the float32 product.
 Everything else about the package is in pyproject.toml."""
 
 from setuptools import Extension, setup
@@ -10,6 +11,7 @@ setup(
         Extension(
             "cachegen.codec._synthesis",
             sources=["cachegen/codec/synthesis.c"],
+            depends=["cachegen/codec/synthesis_loops.h"],
             # no contraction: the kernel fuses the multiply-adds it means to (the rotary turn)
             extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,

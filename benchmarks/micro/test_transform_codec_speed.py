@@ -5,14 +5,17 @@ what tcq's per-frame choices cost its encoder (pytest-benchmark; skipped by
     .venv/bin/pytest benchmarks/micro/test_transform_codec_speed.py --benchmark-only
 
 Data: the same SmolLM2 KV as ``test_codec_speed.py`` (1,024 tokens of Python documentation,
-4 chunks of 256 tokens, 11.8 M elements). Each case decodes one bitstream into a fresh bf16
+4 chunks of 256 tokens, 11.8 M elements), and for the ``gemma3-270m-`` cases Gemma 3's KV of
+the same text (9.4 M elements): its default level, 24, is the one tcq level of that model
+here. Each case decodes one bitstream into a fresh bf16
 tensor, as a server decodes a fetched chunk, on both cores. Target (docs/codec.md): every
 ``tcq`` level >= 300 M elements/s, recorded in ``extra_info`` with the bits per element
 (timings on a shared machine are noisy, so nothing is asserted about them). The tcq levels
 synthesize as this CPU does (``tcq_decode.synthesis_arithmetic``: a bfloat16 GEMM where the CPU
-has bfloat16 matrix instructions, else the int16 kernel where it was built and the CPU has
-AVX2, else float32); ``tcq-24-f32`` and ``tcq-24-int16`` force the float32 and the int16
-synthesis beside them;
+has AMX, else the int16 kernel where it was built and the CPU has AVX2, else a bfloat16 GEMM
+where the CPU has AVX512-BF16, else float32); ``tcq-24-bf16``, ``tcq-24-int16``, ``tcq-24-int16-avx2`` (the kernel's AVX2
+loops where the CPU also has the AVX512-VNNI ones) and ``tcq-24-float32`` force each
+synthesis beside them (skipped where the CPU cannot run it or it is the CPU's own choice);
 ``tcq-<L>-packed`` decode the packed form (the same symbols bit-packed, no rANS pass).
 The encode cases code level 23 with and without the choices (the same model file, its table
 family left out).
@@ -34,32 +37,53 @@ from tests.support import CHUNK
 
 TOKENS = 1024
 DECODE_TARGET = 300e6
+INT16_AVX2 = f"{tcq_decode.INT16}-{int_synthesis.AVX2_LOOPS}"  # the int16 kernel's AVX2 loops
+ARITHMETICS = (tcq_decode.BF16, tcq_decode.INT16, INT16_AVX2, tcq_decode.FLOAT32)
+
+
+SMOLLM2, GEMMA3 = "smollm2-135m", "gemma3-270m"
 
 
 @pytest.fixture(scope="module")
-def kv():
-    (window,) = text_windows("smollm2-135m", TOKENS, 1)
+def windows():
+    """One window of each model's KV, made when a case first asks for it."""
+    made = {}
+
+    def window(model: str):
+        if model not in made:
+            (made[model],) = text_windows(model, TOKENS, 1)
+        return made[model]
+
     return window
 
 
+@pytest.fixture(scope="module")
+def kv(windows):
+    return windows(SMOLLM2)
+
+
+def _forced(level: int, arithmetic: str, model: str = SMOLLM2):
+    tag = "" if model == SMOLLM2 else f"{GEMMA3}-"
+    return pytest.param(model, "tcq", level, CODED, arithmetic, id=f"{tag}tcq-{level}-{arithmetic}")
+
+
 CASES = (
-    [pytest.param("cachegen", 2, CODED, None, id="cachegen-2")]
-    + [pytest.param("tcq", level, CODED, None, id=f"tcq-{level}") for level in range(20, 27)]
-    + [pytest.param("tcq", 24, CODED, tcq_decode.FLOAT32, id="tcq-24-f32")]
-    + [pytest.param("tcq", 24, CODED, tcq_decode.INT16, id="tcq-24-int16")]
-    + [pytest.param("tcq", lv, PACKED, None, id=f"tcq-{lv}-packed") for lv in (22, 24, 25)]
+    [pytest.param(SMOLLM2, "cachegen", 2, CODED, None, id="cachegen-2")]
+    + [pytest.param(SMOLLM2, "tcq", lv, CODED, None, id=f"tcq-{lv}") for lv in range(20, 27)]
+    + [_forced(24, arithmetic) for arithmetic in ARITHMETICS]
+    + [pytest.param(SMOLLM2, "tcq", lv, PACKED, None, id=f"tcq-{lv}-packed") for lv in (22, 24, 25)]
+    + [pytest.param(GEMMA3, "tcq", 24, CODED, None, id=f"{GEMMA3}-tcq-24")]
+    + [_forced(24, arithmetic, GEMMA3) for arithmetic in ARITHMETICS]
 )
 
 
-@pytest.mark.parametrize("name,level,form,arithmetic", CASES)
-def test_transform_decode(benchmark, kv, name, level, form, arithmetic, monkeypatch):
+@pytest.mark.parametrize("model,name,level,form,arithmetic", CASES)
+def test_transform_decode(benchmark, windows, model, name, level, form, arithmetic, monkeypatch):
     """``arithmetic``: the synthesis forced (None: this CPU's choice)."""
+    kv = windows(model)
     if arithmetic is not None:
-        if arithmetic == tcq_decode.INT16 and not int_synthesis.available():
-            pytest.skip("the int16 kernel is not built here or the CPU has no AVX2")
-        monkeypatch.setattr(tcq_decode, "bf16_synthesis", lambda: False)
-        monkeypatch.setattr(tcq_decode, "int16_synthesis", lambda: arithmetic == "int16")
-    codec = codec_for(name, "smollm2-135m", chunk_tokens=CHUNK)
+        _force(arithmetic, monkeypatch)
+    codec = codec_for(name, model, chunk_tokens=CHUNK)
     if level not in codec.levels:
         pytest.fail(f"{name} has no level {level}: its levels are {codec.levels}")
     blob = codec.encode(kv, level, form)
@@ -68,17 +92,33 @@ def test_transform_decode(benchmark, kv, name, level, form, arithmetic, monkeypa
     benchmark.extra_info.update(
         {
             "elements": int(kv.num_elements),
-            "what": f"{name} level {level} ({form}) -> bf16, 2 thread(s)"
+            "what": f"{model} {name} level {level} ({form}) -> bf16, 2 thread(s)"
             + (f", {arithmetic} synthesis" if arithmetic else ""),
             "bits_per_element": len(blob) * 8 / kv.num_elements,
         }
     )
     if name == "tcq":
         benchmark.extra_info["target_elements_per_s"] = DECODE_TARGET
+        benchmark.extra_info["int16_loops"] = (int_synthesis.loops_here() or (None,))[-1]
     stats = getattr(benchmark, "stats", None)
     if stats:
         for key, seconds in (("best", stats.stats.min), ("median", stats.stats.median)):
             benchmark.extra_info[f"m_elements_per_s_{key}"] = kv.num_elements / seconds / 1e6
+
+
+def _force(arithmetic: str, monkeypatch) -> None:
+    """Make the decoder synthesize in ``arithmetic``, or skip where this CPU cannot."""
+    integer = arithmetic in (tcq_decode.INT16, INT16_AVX2)
+    if integer and not int_synthesis.available():
+        pytest.skip("the int16 kernel is not built here or the CPU has no AVX2")
+    if arithmetic == INT16_AVX2 and int_synthesis.loops_here()[-1] == int_synthesis.AVX2_LOOPS:
+        pytest.skip("the AVX2 loops are this CPU's int16 case already (it has no AVX512-VNNI)")
+    if arithmetic == tcq_decode.BF16 and not tcq_decode.bf16_synthesis():
+        pytest.skip("this CPU has no bfloat16 matrix instructions (AMX or AVX512-BF16)")
+    monkeypatch.setattr(tcq_decode, "bf16_synthesis", lambda: arithmetic == tcq_decode.BF16)
+    monkeypatch.setattr(tcq_decode, "int16_synthesis", lambda: integer)
+    if arithmetic == INT16_AVX2:
+        monkeypatch.setattr(int_synthesis, "loops_here", lambda: (int_synthesis.AVX2_LOOPS,))
 
 
 @pytest.mark.parametrize("choices", [True, False], ids=["tcq-23", "tcq-23-without-choices"])

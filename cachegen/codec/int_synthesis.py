@@ -4,8 +4,10 @@ with AVX2 (``synthesis.c``, loaded through ctypes).
 A frame's coefficients are small integers (symbols less their radii, at most 127 in
 magnitude), so the product ``coefficients @ synthesis`` can run in int16 x int16 -> int32
 multiply-adds: AVX2's ``vpmaddwd`` does 16 of them per instruction where a float32 FMA does 8,
-and on CPUs without bfloat16 matrix instructions that makes the product faster than torch's
-float32 one (``benchmarks/micro/test_synthesis_gemm.py``; docs/codec.md, "Decode speed").
+and on CPUs without AMX that makes the product faster than torch's float32 one, and than its
+bfloat16 one on AVX512-BF16 (``benchmarks/micro/test_synthesis_gemm.py``; docs/codec.md,
+"Decode speed"). On CPUs with AVX512-VNNI the same loops run with ``vpdpwssd``, which also
+adds the products to the sums: one instruction where AVX2 needs two.
 The synthesis matrices are rounded to int16 with one scale per stream and channel,
 as large as the int32 sums allow: an error far below the bfloat16 output's rounding. The
 sums are exact, so every CPU decodes the same rows. The kernel then adds the channel means,
@@ -45,13 +47,14 @@ def _library() -> ctypes.CDLL | None:
     library = ctypes.CDLL(spec.origin)
     if not library.cachegen_synthesis_supported():
         return None
+    library.cachegen_synthesis_kernel.restype = ctypes.c_int
     library.cachegen_synthesize.restype = None
     library.cachegen_synthesize.argtypes = (
         [_POINTER] * 5
         + [ctypes.c_float, _POINTER]
         + [_INT] * 4
         + [_POINTER] * 4
-        + [ctypes.c_int, _POINTER, _INT, _POINTER, _INT]
+        + [ctypes.c_int, _POINTER, _INT, ctypes.c_int, _POINTER, _INT]
     )
     return library
 
@@ -60,6 +63,20 @@ def available() -> bool:
     """Whether the integer product runs here (the kernel was built and the CPU has AVX2
     and FMA)."""
     return _library() is not None
+
+
+AVX2_LOOPS, VNNI_LOOPS = "avx2", "avx512-vnni"
+_LOOPS = {AVX2_LOOPS: 1, VNNI_LOOPS: 2}  # synthesis.c's numbers
+
+
+def loops_here() -> tuple[str, ...]:
+    """The kernel's loops this CPU runs, fastest last: ``avx2`` (``vpmaddwd`` then
+    ``vpaddd``) and, on CPUs with AVX512-VNNI, ``avx512-vnni`` (one ``vpdpwssd`` for both, on
+    the same 256-bit registers); none where the kernel does not run. All compute the same
+    exact sums."""
+    library = _library()
+    best = 0 if library is None else library.cachegen_synthesis_kernel()
+    return tuple(name for name, number in _LOOPS.items() if number <= best)
 
 
 @dataclass(frozen=True)
@@ -144,15 +161,20 @@ def product(
     mean: np.ndarray,
     to: Destination,
     shift: Shift | None = None,
+    loops: str | None = None,
 ) -> Callable[[np.ndarray], None]:
     """The product of ``coefficients`` [streams, tokens, width] (int16) with their matrices,
     plus their channel means ``mean`` [streams, channels] (float32) moved by ``shift`` if
     given, into ``to``: a function that runs it for streams ``todo`` (in any thread; the
-    arrays are checked once, here). The caller checks :func:`available` and :func:`fits`
-    first; the arrays are C-contiguous."""
+    arrays are checked once, here), by ``loops`` (default: this CPU's fastest,
+    :func:`loops_here`). The caller checks :func:`available` and :func:`fits` first; the
+    arrays are C-contiguous."""
     library = _library()
     if library is None:
         raise ValueError("integer synthesis: the kernel is not built here, or the CPU lacks AVX2")
+    here = loops_here()
+    if loops is not None and loops not in here:
+        raise ValueError(f"integer synthesis: no {loops} loops on this CPU (it runs {here})")
     _check(coefficients, matrices, mean, to, shift)
     streams, tokens, width = coefficients.shape
     arguments = (
@@ -174,6 +196,7 @@ def product(
         int(to.out.dtype == np.uint16),
         to.base.ctypes.data,
         to.out_tokens,
+        _LOOPS[loops or here[-1]],
     )
     return _Product(library, arguments, streams, (coefficients, matrices, mean, to, shift))
 

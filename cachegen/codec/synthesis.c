@@ -43,6 +43,17 @@ int cachegen_synthesis_supported(void) {
 #endif
 }
 
+/* Which loops run here: 2 AVX512-VNNI's, 1 AVX2's, 0 none (the float32 product is kept). */
+int cachegen_synthesis_kernel(void) {
+#ifdef CACHEGEN_AVX2
+    if (!cachegen_synthesis_supported())
+        return 0;
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") ? 2 : 1;
+#else
+    return 0;
+#endif
+}
+
 /* Where a stream's rows go, and how: the arguments of cachegen_synthesize that do not change
    from stream to stream. */
 typedef struct {
@@ -55,7 +66,6 @@ typedef struct {
 
 #ifdef CACHEGEN_AVX2
 #define AVX2 __attribute__((target("avx2,fma")))
-#define MADD(acc, a, b) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
 
 AVX2 static inline __m256i load_pair(const int16_t *at) {
     int32_t pair;
@@ -103,109 +113,24 @@ AVX2 static inline void put(const Target *target, __m256i low, __m256i high, con
     store8(target, at + half, x2);
 }
 
-/* The int32 sums of 4 tokens (coefficients x, rows `width` apart) by the pair rows b (pair rows
-   `step` apart): channels at b into sums[0..3], those `high` further into sums[4..7]. Named
-   accumulators, not an array: with an array GCC copies every accumulator once per row. */
-AVX2 static inline void sum_four(const int16_t *x, int64_t width, const int16_t *b, int64_t step,
-                                 int64_t high, __m256i sums[8]) {
-    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0,
-            s7 = s0;
-    for (int64_t j = 0; j < width; j += 2, b += step) {
-        __m256i low = _mm256_loadu_si256((const __m256i *)b);
-        __m256i up = _mm256_loadu_si256((const __m256i *)(b + high));
-        __m256i a0 = load_pair(x + j), a1 = load_pair(x + width + j);
-        __m256i a2 = load_pair(x + 2 * width + j), a3 = load_pair(x + 3 * width + j);
-        s0 = _mm256_add_epi32(_mm256_madd_epi16(a0, low), s0);
-        s4 = _mm256_add_epi32(_mm256_madd_epi16(a0, up), s4);
-        s1 = _mm256_add_epi32(_mm256_madd_epi16(a1, low), s1);
-        s5 = _mm256_add_epi32(_mm256_madd_epi16(a1, up), s5);
-        s2 = _mm256_add_epi32(_mm256_madd_epi16(a2, low), s2);
-        s6 = _mm256_add_epi32(_mm256_madd_epi16(a2, up), s6);
-        s3 = _mm256_add_epi32(_mm256_madd_epi16(a3, low), s3);
-        s7 = _mm256_add_epi32(_mm256_madd_epi16(a3, up), s7);
-    }
-    sums[0] = s0, sums[1] = s1, sums[2] = s2, sums[3] = s3;
-    sums[4] = s4, sums[5] = s5, sums[6] = s6, sums[7] = s7;
-}
+/* The loops, once with AVX2's vpmaddwd + vpaddd and once with AVX512-VNNI's vpdpwssd, which
+   does both in one instruction on the same 256-bit registers (the same exact sums). */
+#define KERNEL AVX2
+#define DOT(acc, a, b) _mm256_add_epi32(_mm256_madd_epi16(a, b), acc)
+#define SUFFIX _avx2
+#include "synthesis_loops.h"
+#undef KERNEL
+#undef DOT
+#undef SUFFIX
 
-/* The sums of one token, as sum_four's. */
-AVX2 static inline void sum_one(const int16_t *x, int64_t width, const int16_t *b, int64_t step,
-                                int64_t high, __m256i sums[8]) {
-    __m256i s0 = _mm256_setzero_si256(), s4 = s0;
-    for (int64_t j = 0; j < width; j += 2, b += step) {
-        __m256i a = load_pair(x + j);
-        s0 = _mm256_add_epi32(_mm256_madd_epi16(a, _mm256_loadu_si256((const __m256i *)b)), s0);
-        s4 = _mm256_add_epi32(
-            _mm256_madd_epi16(a, _mm256_loadu_si256((const __m256i *)(b + high))), s4);
-    }
-    sums[0] = s0, sums[4] = s4;
-}
+#define KERNEL __attribute__((target("avx2,fma,avx512f,avx512vl,avx512vnni")))
+#define DOT(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
+#define SUFFIX _vnni
+#include "synthesis_loops.h"
+#undef KERNEL
+#undef DOT
+#undef SUFFIX
 
-/* Tokens t .. t + n - 1 (n is 4 or 1) of channels c .. c + 7 and c + half .. c + half + 7 of
-   head h, d = c - h * head_dim. */
-AVX2 static inline void tile(const Target *target, const int16_t *coefficients,
-                             const int16_t *pairs, const float *scale, const float *mean,
-                             int64_t first_angle, int64_t base, int64_t t, const int n,
-                             int64_t h, int64_t d) {
-    const int64_t width = target->width;
-    const int64_t half = target->head_dim / 2, c = h * target->head_dim + d;
-    const int16_t *x = coefficients + t * width, *b = pairs + c * width;  /* octet c / 8 */
-    __m256i sums[8];
-    if (n == TILE_TOKENS)
-        sum_four(x, width, b, 2 * LANES, half * width, sums);
-    else
-        sum_one(x, width, b, 2 * LANES, half * width, sums);
-    for (int i = 0; i < n; i++) {
-        int64_t angle = first_angle < 0 ? -1 : first_angle + t + i;
-        int64_t at = base + (h * target->out_tokens + t + i) * target->head_dim + d;
-        put(target, sums[i], sums[4 + i], scale + c, mean + c, half, angle, d, at);
-    }
-}
-
-AVX2 static void four(const Target *target, const int16_t *coefficients, const int16_t *pairs,
-                      const float *scale, const float *mean, int64_t first_angle, int64_t base,
-                      int64_t t, int64_t h, int64_t d) {
-    tile(target, coefficients, pairs, scale, mean, first_angle, base, t, TILE_TOKENS, h, d);
-}
-
-AVX2 static void one(const Target *target, const int16_t *coefficients, const int16_t *pairs,
-                     const float *scale, const float *mean, int64_t first_angle, int64_t base,
-                     int64_t t, int64_t h, int64_t d) {
-    tile(target, coefficients, pairs, scale, mean, first_angle, base, t, 1, h, d);
-}
-
-/* The channel means moved by a frame's component offsets: shifted[c] = mean[c] + unit *
-   scale[c] * sum_j offsets[j] * matrix[j, c] (offsets bounded like coefficients, so the sums
-   are exact too). */
-AVX2 static void shift_means(const Target *target, const int16_t *offsets, const int16_t *pairs,
-                             const float *scale, const float *mean, float *shifted) {
-    const int64_t width = target->width, channels = target->channels;
-    const __m256 unit = _mm256_set1_ps(target->offset_unit);
-    for (int64_t c = 0; c < channels; c += LANES) {
-        __m256i acc = _mm256_setzero_si256();
-        const int16_t *b = pairs + c * width;
-        for (int64_t j = 0; j < width; j += 2, b += 2 * LANES)
-            MADD(acc, load_pair(offsets + j), _mm256_loadu_si256((const __m256i *)b));
-        __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(scale + c));
-        __m256 moved = _mm256_mul_ps(sum, unit);
-        _mm256_storeu_ps(shifted + c, _mm256_add_ps(_mm256_loadu_ps(mean + c), moved));
-    }
-}
-
-AVX2 static void stream(const Target *target, const int16_t *coefficients, const int16_t *pairs,
-                        const float *scale, const float *mean, int64_t first_angle,
-                        int64_t base) {
-    const int64_t heads = target->channels / target->head_dim, half = target->head_dim / 2;
-    const int64_t whole = target->tokens - target->tokens % TILE_TOKENS;
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t d = 0; d < half; d += LANES) {  /* these channels' rows stay in L1 */
-            int64_t t = 0;
-            for (; t < whole; t += TILE_TOKENS)
-                four(target, coefficients, pairs, scale, mean, first_angle, base, t, h, d);
-            for (; t < target->tokens; t++)
-                one(target, coefficients, pairs, scale, mean, first_angle, base, t, h, d);
-        }
-}
 #endif
 
 /* Streams todo[0 .. count) of [streams, tokens, width] int16 coefficients, synthesized with
@@ -214,32 +139,37 @@ AVX2 static void stream(const Target *target, const int16_t *coefficients, const
    offset_unit when offsets is not NULL: the moved means go to shifted [streams, channels]),
    into `out`: head h of token t of stream k at base[k] + (h *
    out_tokens + t) * head_dim, keys turned by angle row first_angle[k] + t of cos / sin
-   (first_angle[k] < 0: not turned), as bfloat16 bits when bf16 is nonzero, else float32.
+   (first_angle[k] < 0: not turned), as bfloat16 bits when bf16 is nonzero, else float32,
+   by the loops numbered `loops` (cachegen_synthesis_kernel's numbers; AVX2's where the CPU
+   lacks the ones asked for).
    width even, head_dim a multiple of 16, channels a multiple of head_dim (int_synthesis.fits). */
 void cachegen_synthesize(const int16_t *coefficients, const int16_t *pairs, const float *scale,
                          const float *mean, const int16_t *offsets, float offset_unit,
                          float *shifted, int64_t tokens, int64_t width, int64_t channels,
                          int64_t head_dim, const float *cos, const float *sin,
                          const int64_t *first_angle, void *out, int bf16, const int64_t *base,
-                         int64_t out_tokens, const int64_t *todo, int64_t count) {
+                         int64_t out_tokens, int loops, const int64_t *todo, int64_t count) {
     Target target = {tokens, width, channels, head_dim, out_tokens, cos, sin, out, bf16,
                      offset_unit};
 #ifdef CACHEGEN_AVX2
+    const int fused = loops == 2 && cachegen_synthesis_kernel() == 2;
     for (int64_t i = 0; i < count; i++) {
         int64_t k = todo[i];
         const int16_t *matrix = pairs + k * width * channels;
         const float *moved = mean + k * channels;
         if (offsets) {
-            shift_means(&target, offsets + k * width, matrix, scale + k * channels, moved,
-                        shifted + k * channels);
+            (fused ? shift_means_vnni : shift_means_avx2)(&target, offsets + k * width, matrix,
+                                                          scale + k * channels, moved,
+                                                          shifted + k * channels);
             moved = shifted + k * channels;
         }
-        stream(&target, coefficients + k * tokens * width, matrix, scale + k * channels, moved,
-               first_angle[k], base[k]);
+        (fused ? stream_vnni : stream_avx2)(&target, coefficients + k * tokens * width, matrix,
+                                            scale + k * channels, moved, first_angle[k],
+                                            base[k]);
     }
 #else
     (void)target, (void)coefficients, (void)pairs, (void)scale, (void)mean, (void)first_angle;
     (void)offsets, (void)shifted;
-    (void)base, (void)todo, (void)count;
+    (void)base, (void)loops, (void)todo, (void)count;
 #endif
 }

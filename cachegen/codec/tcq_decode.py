@@ -30,17 +30,23 @@ from cachegen.codec.tcq_predict import apply_predictions
 
 @functools.cache
 def bf16_synthesis() -> bool:
-    """Whether bfloat16 output is synthesized by a bfloat16 GEMM: on CPUs with bfloat16
-    matrix instructions (AMX or AVX512-BF16), where it runs several times faster than
-    float32 and rounds the synthesis entries and the product to bfloat16, far below the
-    quantizer's error (docs/codec.md, tcq's "Decode speed"). Elsewhere bfloat16 GEMMs are
-    emulated and slower, so the synthesis stays float32. (torch names these CPU probes with
-    a leading underscore; a torch without them reads as neither.)"""
-    cpu = torch.cpu
-    return any(
-        bool(getattr(cpu, probe, lambda: False)())
-        for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    )
+    """Whether a bfloat16 GEMM runs natively here: on CPUs with bfloat16 matrix instructions
+    (AMX or AVX512-BF16), where it runs several times faster than float32 and rounds the
+    synthesis entries and the product to bfloat16, far below the quantizer's error
+    (docs/codec.md, tcq's "Decode speed"). Elsewhere bfloat16 GEMMs are emulated and slower.
+    (torch names these CPU probes with a leading underscore; a torch without them reads as
+    neither.)"""
+    return _cpu_has("_is_amx_tile_supported") or _cpu_has("_is_avx512_bf16_supported")
+
+
+def amx_synthesis() -> bool:
+    """Whether the bfloat16 GEMM beats the int16 kernel: with AMX tiles. With AVX512-BF16
+    alone the int16 kernel measured faster (docs/codec.md, "The product in integers")."""
+    return _cpu_has("_is_amx_tile_supported")
+
+
+def _cpu_has(probe: str) -> bool:
+    return bool(getattr(torch.cpu, probe, lambda: False)())
 
 
 def int16_synthesis() -> bool:
@@ -61,13 +67,14 @@ _DTYPES: dict[str, tuple[torch.dtype, torch.dtype | None]] = {
 
 def synthesis_arithmetic(out_dtype: torch.dtype, width: int, head_dim: int) -> str:
     """The synthesis product's arithmetic for output ``out_dtype``, ``width`` kept rows and
-    ``head_dim``: bf16 for bf16 output where the CPU has bf16 matrix instructions, else int16
-    where the kernel runs and takes the shape (:func:`int_synthesis.fits`), else float32."""
-    if out_dtype == torch.bfloat16 and bf16_synthesis():
+    ``head_dim``: bf16 for bf16 output where the CPU has AMX, else int16 where the kernel runs
+    and takes the shape (:func:`int_synthesis.fits`), else bf16 for bf16 output where the CPU
+    has any bf16 matrix instructions, else float32."""
+    bf16 = out_dtype == torch.bfloat16 and bf16_synthesis()
+    int16 = int16_synthesis() and int_synthesis.fits(width, head_dim)
+    if bf16 and (amx_synthesis() or not int16):
         return BF16
-    if int16_synthesis() and int_synthesis.fits(width, head_dim):
-        return INT16
-    return FLOAT32
+    return INT16 if int16 else FLOAT32
 
 
 @dataclass

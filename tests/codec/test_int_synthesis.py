@@ -1,6 +1,7 @@
-"""tcq's integer synthesis (cachegen.codec.int_synthesis, the AVX2 kernel of synthesis.c):
-the kernel's sums are exact, its matrices round within their bound, and a decode through it
-stays within that bound of the model file's arithmetic, in every output dtype."""
+"""tcq's integer synthesis (cachegen.codec.int_synthesis, the kernel of synthesis.c): the
+kernel's sums are exact in each of its loops (AVX2's and, where the CPU has it,
+AVX512-VNNI's), its matrices round within their bound, and a decode through it stays within
+that bound of the model file's arithmetic, in every output dtype."""
 
 from __future__ import annotations
 
@@ -50,11 +51,13 @@ def test_matrices_round_within_half_a_scale_and_no_sum_can_overflow():
     assert np.abs(entries[1]).max() == 32767 and not entries[2].any()
 
 
-def _kernel_case(tokens: int, turned: bool, bf16: bool, shifted: bool = False):
+def _kernel_case(
+    tokens: int, turned: bool, bf16: bool, shifted: bool = False, loops: str | None = None
+):
     """Random int16 coefficients of 4 streams (one not asked for), 3 heads of 16 channels,
-    through the kernel into a [streams, heads, tokens, head_dim] output, the means moved by
-    random offsets if ``shifted``; with the exact float32 arithmetic it should do, written
-    plainly."""
+    through the kernel (its ``loops``, default the CPU's fastest) into a [streams, heads,
+    tokens, head_dim] output, the means moved by random offsets if ``shifted``; with the exact
+    float32 arithmetic it should do, written plainly."""
     streams, width, heads, head_dim = 4, 194, 3, 16
     channels, half = heads * head_dim, head_dim // 2
     matrices = IntegerSynthesis.of(_matrices(streams, width, channels, [194, 7, 194, 0]))
@@ -72,7 +75,7 @@ def _kernel_case(tokens: int, turned: bool, bf16: bool, shifted: bool = False):
     offsets = rng.integers(-127, 128, (streams, width)).astype(np.int16)
     moved = np.full_like(mean, np.nan)
     shift = int_synthesis.Shift(offsets, 0.25, moved) if shifted else None
-    int_synthesis.product(coefficients, matrices, mean, to, shift)(todo)
+    int_synthesis.product(coefficients, matrices, mean, to, shift, loops)(todo)
     entries = matrices.entries()
     sums = np.einsum("stw,swc->stc", coefficients.astype(np.int64), entries.astype(np.int64))
     if shifted:
@@ -94,20 +97,33 @@ def _kernel_case(tokens: int, turned: bool, bf16: bool, shifted: bool = False):
     return todo, got, want.astype(np.float32)
 
 
+def _runs_here(loops: str) -> str:
+    if loops not in int_synthesis.loops_here():
+        pytest.skip(f"this CPU does not run the kernel's {loops} loops (it has no AVX512-VNNI)")
+    return loops
+
+
+LOOPS = pytest.mark.parametrize("loops", [int_synthesis.AVX2_LOOPS, int_synthesis.VNNI_LOOPS])
+
+
 @needs_kernel
+@LOOPS
 @pytest.mark.parametrize("tokens", [1, 5, 256])
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
-def test_the_kernel_sums_exactly_then_adds_the_means(tokens, bf16):
-    todo, got, want = _kernel_case(tokens, turned=False, bf16=bf16)
+def test_the_kernel_sums_exactly_then_adds_the_means(tokens, bf16, loops):
+    todo, got, want = _kernel_case(tokens, turned=False, bf16=bf16, loops=_runs_here(loops))
     np.testing.assert_array_equal(got[todo], want[todo])  # int32 exact, then float32 ops
     assert np.isnan(got[2]).all()  # a stream not asked for is not written
 
 
 @needs_kernel
+@LOOPS
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
-def test_the_kernel_moves_the_means_by_the_offsets_exactly(bf16):
+def test_the_kernel_moves_the_means_by_the_offsets_exactly(bf16, loops):
     # the offsets' sums are exact in int32 too, then scaled in float32
-    todo, got, want = _kernel_case(5, turned=False, bf16=bf16, shifted=True)
+    todo, got, want = _kernel_case(
+        5, turned=False, bf16=bf16, shifted=True, loops=_runs_here(loops)
+    )
     np.testing.assert_array_equal(got[todo], want[todo])
     assert not np.array_equal(got[0], _kernel_case(5, turned=False, bf16=bf16)[1][0])
 
@@ -190,11 +206,16 @@ def test_decoder_stays_within_the_integer_synthesis_bound(
 
 
 @needs_kernel
-def test_decoders_pick_the_integer_product_where_bf16_is_not_native(monkeypatch):
+def test_decoders_pick_the_integer_product_unless_the_cpu_has_amx(monkeypatch):
     monkeypatch.setattr(tcq_decode, "bf16_synthesis", lambda: False)
     assert tcq_decode.synthesis_arithmetic(torch.bfloat16, 192, 64) == tcq_decode.INT16
     assert tcq_decode.synthesis_arithmetic(torch.float32, 192, 64) == tcq_decode.INT16
     assert tcq_decode.synthesis_arithmetic(torch.float32, 191, 64) == tcq_decode.FLOAT32
+    # AVX512-BF16 without AMX: the integer product measured faster than the bf16 GEMM
     monkeypatch.setattr(tcq_decode, "bf16_synthesis", lambda: True)
+    monkeypatch.setattr(tcq_decode, "amx_synthesis", lambda: False)
+    assert tcq_decode.synthesis_arithmetic(torch.bfloat16, 192, 64) == tcq_decode.INT16
+    assert tcq_decode.synthesis_arithmetic(torch.bfloat16, 191, 64) == tcq_decode.BF16
+    monkeypatch.setattr(tcq_decode, "amx_synthesis", lambda: True)
     assert tcq_decode.synthesis_arithmetic(torch.bfloat16, 192, 64) == tcq_decode.BF16
     assert tcq_decode.synthesis_arithmetic(torch.float32, 192, 64) == tcq_decode.INT16
