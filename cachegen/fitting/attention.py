@@ -13,6 +13,7 @@ from cachegen import models
 from cachegen.codec.quant import apply_rotary, rotary_cos_sin
 from cachegen.codec.tcq_code import EXACT_TOKENS
 from cachegen.codec.transform import TransformBasis
+from cachegen.fitting.kvtc import fit_kv
 from cachegen.kv import KVCache
 
 
@@ -46,12 +47,11 @@ class LayerStats:
 def attention_stats(hf_model, spec: models.ModelSpec, ids: torch.Tensor, skip: int, rows: int):
     """``(kv, stats)``: the KV of ``ids`` and each layer's :class:`LayerStats` (None for a
     model whose layers are not recognised). ``rows`` tokens from ``skip`` on, evenly spaced,
-    keep their queries."""
-    from cachegen.extract import extract_kv
-
+    keep their queries. ``hf_model`` is :func:`~cachegen.fitting.kvtc.fit_model`'s, the one
+    that :func:`~cachegen.fitting.kvtc.fit_kv` runs."""
     layers = decoder_layers(hf_model)
     if layers is None:
-        return extract_kv(spec, token_ids=ids), None
+        return fit_kv(spec, ids), None
     n, D = len(ids), spec.identity().head_dim
     positions = torch.unique(torch.linspace(skip, n - 1, rows).round().to(torch.int64))
     captured: dict[tuple[int, str], torch.Tensor] = {}
@@ -87,7 +87,7 @@ def attention_stats(hf_model, spec: models.ModelSpec, ids: torch.Tensor, skip: i
                 layer.post_attention_layernorm.register_forward_hook(keep(i, "normed", energy))
             )
     try:
-        kv = extract_kv(spec, token_ids=ids)
+        kv = fit_kv(spec, ids)
     finally:
         for handle in handles:
             handle.remove()

@@ -17,6 +17,25 @@ from cachegen.kv import KVCache
 
 KVTC_CALIBRATION_SPLIT = "calibrate"
 KVTC_CALIBRATION_TOKENS = 4096
+# Fits run the model in float32 on every CPU: its bf16 kernels round differently on each CPU
+# kind (AMX, AVX512-BF16, emulated), and what a fit measures through the model (the
+# sensitivities' KL above all) would follow that rounding.
+FIT_MODEL_DTYPE = torch.float32
+
+
+def fit_model(spec: models.ModelSpec):
+    """``(hf_model, tokenizer, spec)`` as fits run the model: in float32."""
+    from cachegen.extract import load_model
+
+    return load_model(spec, FIT_MODEL_DTYPE)
+
+
+def fit_kv(spec: models.ModelSpec, ids: torch.Tensor) -> KVCache:
+    """The KV of ``ids`` as fits see it: the model run in float32 (:func:`fit_model`'s, whose
+    hooks see the run), the KV rounded to bf16 as the codecs are given it."""
+    from cachegen.extract import extract_kv
+
+    return extract_kv(spec, token_ids=ids, dtype=FIT_MODEL_DTYPE).to(torch.bfloat16)
 
 
 def kvtc_calibration_spec() -> dict:
@@ -51,10 +70,8 @@ def fit_kvtc_basis(spec: models.ModelSpec) -> TransformBasis:
     """Fit the per-layer PCA bases (keys turned back to pre-RoPE) and every level's bit
     allocation on the ``calibrate`` split's KV; the first ``kvtc_basis.EXACT_TOKENS`` tokens, stored
     exactly by the codec, are left out of the fit."""
-    from cachegen.extract import extract_kv, load_model
-
-    _, tokenizer, spec = load_model(spec)
-    kv = extract_kv(spec, token_ids=calibration_ids(tokenizer, spec))
+    _, tokenizer, spec = fit_model(spec)
+    kv = fit_kv(spec, calibration_ids(tokenizer, spec))
     thetas = models.rope_thetas(spec.config)
     keys, values = pre_rope_kv(kv, thetas, kvtc_basis.EXACT_TOKENS)
     L, H, n, D = keys.shape

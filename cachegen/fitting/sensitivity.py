@@ -22,7 +22,7 @@ from cachegen import models, workload
 from cachegen.codec import kvtc_basis
 from cachegen.codec.quant import rotate_layer_keys
 from cachegen.codec.transform import TransformBasis
-from cachegen.fitting.kvtc import KVTC_CALIBRATION_SPLIT, KVTC_CALIBRATION_TOKENS
+from cachegen.fitting.kvtc import KVTC_CALIBRATION_SPLIT, KVTC_CALIBRATION_TOKENS, fit_kv
 from cachegen.fitting.replay import continuation_logits
 
 SENSITIVITY_WINDOWS = 4  # calibration windows, after the tokens the basis is fitted on
@@ -65,14 +65,12 @@ def stream_sensitivities(
     """Each (layer, K/V) stream's KL per unit of weighted squared error [L, 2], over
     ``windows`` with every component rounded to its step (``steps`` [L, 2, C]); relative to
     the streams' geometric mean and kept within ``SENSITIVITY_RANGE`` of it."""
-    from cachegen.extract import extract_kv
-
     L = weights.shape[0]
     kl, error = np.zeros((L, 2)), np.zeros((L, 2))
     scored = min(SENSITIVITY_SCORED, min(len(w) for w in windows) // 2)
     for ids in windows:
         context, continuation = ids[:-scored], ids[-scored:]
-        kv = extract_kv(spec, token_ids=context)
+        kv = fit_kv(spec, context)
         reference = _log_probs(hf_model, kv, continuation)
         for layer in range(L):
             for k in (0, 1):

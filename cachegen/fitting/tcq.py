@@ -19,6 +19,7 @@ from cachegen.fitting.attention import attention_stats, component_weights
 from cachegen.fitting.kvtc import (
     calibration_ids,
     ensure_kvtc_basis,
+    fit_model,
     kvtc_calibration_spec,
     pre_rope_kv,
 )
@@ -217,15 +218,13 @@ def fit_tcq_model(
     (:mod:`cachegen.fitting.sensitivity`); the model's calibration records each.
     ``prediction`` adds the cross-layer predictor (:func:`fit_predictor`) and its residual
     tables."""
-    from cachegen.extract import load_model
-
     levels = dict(sorted((levels or tcq_model.LEVELS).items()))  # the file keeps levels in order
     calibration = tcq_calibration_spec(levels, spec, prediction)
     if basis is None:
         basis = ensure_kvtc_basis(spec)
     else:
         calibration["basis"] = basis.calibration
-    hf_model, tokenizer, spec = load_model(spec)
+    hf_model, tokenizer, spec = fit_model(spec)
     ids = calibration_ids(tokenizer, spec)
     skip = kvtc_basis.EXACT_TOKENS
     kv, stats = attention_stats(hf_model, spec, ids, skip, TCQ_QUERY_ROWS)
