@@ -13,9 +13,10 @@ tensor, as a server decodes a fetched chunk, on both cores. Target (docs/codec.m
 (timings on a shared machine are noisy, so nothing is asserted about them). The tcq levels
 synthesize as this CPU does (``tcq_decode.synthesis_arithmetic``: a bfloat16 GEMM where the CPU
 has AMX, else the int16 kernel where it was built and the CPU has AVX2, else a bfloat16 GEMM
-where the CPU has AVX512-BF16, else float32); ``tcq-24-bf16``, ``tcq-24-int16``, ``tcq-24-int16-avx2`` (the kernel's AVX2
-loops where the CPU also has the AVX512-VNNI ones) and ``tcq-24-float32`` force each
-synthesis beside them (skipped where the CPU cannot run it or it is the CPU's own choice);
+where the CPU has AVX512-BF16, else float32); ``tcq-24-bf16``, ``tcq-24-int16``,
+``tcq-24-int16-avx2`` (the kernel's AVX2 loops where the CPU also has the AVX512-VNNI ones) and
+``tcq-24-float32`` force each synthesis beside them (skipped where the CPU cannot run it or it
+is the CPU's own choice);
 ``tcq-<L>-packed`` decode the packed form (the same symbols bit-packed, no rANS pass).
 The encode cases code level 23 with and without the choices (the same model file, its table
 family left out).

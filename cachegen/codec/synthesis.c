@@ -18,7 +18,8 @@
 
    A tile of 4 tokens by 16 channels (8 channels of a head and the 8 its rotation pairs them
    with, head_dim / 2 further) keeps its 8 accumulators in registers while the matrix rows
-   stream through (at 6 or 8 tokens the accumulators spill); 8 channels of a pair row are one
+   stream through (at 6 or 8 tokens AVX2's 16 registers spill; AVX-512's 32 hold a tile of 8
+   tokens, which the VNNI loops use); 8 channels of a pair row are one
    aligned 32-byte load when the matrices are 64-byte aligned, as int_synthesis.py allocates
    them. Plain C loaded through ctypes: no Python object is
    touched, so the call runs without the GIL. */
@@ -31,7 +32,6 @@
 #define CACHEGEN_AVX2 1
 #endif
 
-#define TILE_TOKENS 4
 #define LANES 8
 
 int cachegen_synthesis_supported(void) {
@@ -117,18 +117,22 @@ AVX2 static inline void put(const Target *target, __m256i low, __m256i high, con
    does both in one instruction on the same 256-bit registers (the same exact sums). */
 #define KERNEL AVX2
 #define DOT(acc, a, b) _mm256_add_epi32(_mm256_madd_epi16(a, b), acc)
+#define TILE 4
 #define SUFFIX _avx2
 #include "synthesis_loops.h"
 #undef KERNEL
 #undef DOT
+#undef TILE
 #undef SUFFIX
 
 #define KERNEL __attribute__((target("avx2,fma,avx512f,avx512vl,avx512vnni")))
 #define DOT(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
+#define TILE 8
 #define SUFFIX _vnni
 #include "synthesis_loops.h"
 #undef KERNEL
 #undef DOT
+#undef TILE
 #undef SUFFIX
 
 #endif

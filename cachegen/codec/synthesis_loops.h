@@ -1,17 +1,47 @@
 /* The integer synthesis kernel's loops, compiled once per instruction set by synthesis.c:
    it defines KERNEL (the target attribute), DOT(acc, a, b) (acc plus the int32 sums of the
-   int16 pair products of a and b, exact) and SUFFIX (appended to every name), then includes
-   this file. The helpers they call (load_pair, put) are synthesis.c's AVX2 ones. */
+   int16 pair products of a and b, exact), TILE (the tokens of a tile: 4 or 8) and SUFFIX
+   (appended to every name), then includes this file. The helpers they call (load_pair, put) are synthesis.c's AVX2 ones. */
 
 #define PASTE2(a, b) a##b
 #define PASTE(a, b) PASTE2(a, b)
 #define NAME(f) PASTE(f, SUFFIX)
 
-/* The int32 sums of 4 tokens (coefficients x, rows `width` apart) by the pair rows b (pair rows
-   `step` apart): channels at b into sums[0..3], those `high` further into sums[4..7]. Named
-   accumulators, not an array: with an array GCC copies every accumulator once per row. */
-KERNEL static inline void NAME(sum_four)(const int16_t *x, int64_t width, const int16_t *b, int64_t step,
-                                 int64_t high, __m256i sums[8]) {
+/* The int32 sums of TILE tokens (coefficients x, rows `width` apart) by the pair rows b (pair
+   rows `step` apart): channels at b into sums[0 .. TILE), those `high` further into
+   sums[TILE .. 2 TILE). Named accumulators, not an array: with an array GCC copies every
+   accumulator once per row. 8 tokens need 16 accumulators besides the two rows and the
+   broadcasts: only the 32 registers of AVX-512 hold them (at 6 or 8 tokens AVX2's 16 spill). */
+#if TILE == 8
+KERNEL static inline void NAME(sum_tile)(const int16_t *x, int64_t width, const int16_t *b,
+                                         int64_t step, int64_t high, __m256i sums[16]) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0,
+            s7 = s0, s8 = s0, s9 = s0, s10 = s0, s11 = s0, s12 = s0, s13 = s0, s14 = s0,
+            s15 = s0;
+    for (int64_t j = 0; j < width; j += 2, b += step) {
+        __m256i low = _mm256_loadu_si256((const __m256i *)b);
+        __m256i up = _mm256_loadu_si256((const __m256i *)(b + high));
+        __m256i a0 = load_pair(x + j), a1 = load_pair(x + width + j);
+        __m256i a2 = load_pair(x + 2 * width + j), a3 = load_pair(x + 3 * width + j);
+        s0 = DOT(s0, a0, low), s8 = DOT(s8, a0, up);
+        s1 = DOT(s1, a1, low), s9 = DOT(s9, a1, up);
+        s2 = DOT(s2, a2, low), s10 = DOT(s10, a2, up);
+        s3 = DOT(s3, a3, low), s11 = DOT(s11, a3, up);
+        __m256i a4 = load_pair(x + 4 * width + j), a5 = load_pair(x + 5 * width + j);
+        __m256i a6 = load_pair(x + 6 * width + j), a7 = load_pair(x + 7 * width + j);
+        s4 = DOT(s4, a4, low), s12 = DOT(s12, a4, up);
+        s5 = DOT(s5, a5, low), s13 = DOT(s13, a5, up);
+        s6 = DOT(s6, a6, low), s14 = DOT(s14, a6, up);
+        s7 = DOT(s7, a7, low), s15 = DOT(s15, a7, up);
+    }
+    sums[0] = s0, sums[1] = s1, sums[2] = s2, sums[3] = s3;
+    sums[4] = s4, sums[5] = s5, sums[6] = s6, sums[7] = s7;
+    sums[8] = s8, sums[9] = s9, sums[10] = s10, sums[11] = s11;
+    sums[12] = s12, sums[13] = s13, sums[14] = s14, sums[15] = s15;
+}
+#else
+KERNEL static inline void NAME(sum_tile)(const int16_t *x, int64_t width, const int16_t *b,
+                                         int64_t step, int64_t high, __m256i sums[8]) {
     __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0,
             s7 = s0;
     for (int64_t j = 0; j < width; j += 2, b += step) {
@@ -27,8 +57,9 @@ KERNEL static inline void NAME(sum_four)(const int16_t *x, int64_t width, const 
     sums[0] = s0, sums[1] = s1, sums[2] = s2, sums[3] = s3;
     sums[4] = s4, sums[5] = s5, sums[6] = s6, sums[7] = s7;
 }
+#endif
 
-/* The sums of one token, as sum_four's. */
+/* The sums of one token, as sum_tile's. */
 KERNEL static inline void NAME(sum_one)(const int16_t *x, int64_t width, const int16_t *b, int64_t step,
                                 int64_t high, __m256i sums[8]) {
     __m256i s0 = _mm256_setzero_si256(), s4 = s0;
@@ -37,10 +68,10 @@ KERNEL static inline void NAME(sum_one)(const int16_t *x, int64_t width, const i
         s0 = DOT(s0, a, _mm256_loadu_si256((const __m256i *)b));
         s4 = DOT(s4, a, _mm256_loadu_si256((const __m256i *)(b + high)));
     }
-    sums[0] = s0, sums[4] = s4;
+    sums[0] = s0, sums[TILE] = s4;
 }
 
-/* Tokens t .. t + n - 1 (n is 4 or 1) of channels c .. c + 7 and c + half .. c + half + 7 of
+/* Tokens t .. t + n - 1 (n is TILE or 1) of channels c .. c + 7 and c + half .. c + half + 7 of
    head h, d = c - h * head_dim. */
 KERNEL static inline void NAME(tile)(const Target *target, const int16_t *coefficients,
                              const int16_t *pairs, const float *scale, const float *mean,
@@ -49,22 +80,22 @@ KERNEL static inline void NAME(tile)(const Target *target, const int16_t *coeffi
     const int64_t width = target->width;
     const int64_t half = target->head_dim / 2, c = h * target->head_dim + d;
     const int16_t *x = coefficients + t * width, *b = pairs + c * width;  /* octet c / 8 */
-    __m256i sums[8];
-    if (n == TILE_TOKENS)
-        NAME(sum_four)(x, width, b, 2 * LANES, half * width, sums);
+    __m256i sums[2 * TILE];
+    if (n == TILE)
+        NAME(sum_tile)(x, width, b, 2 * LANES, half * width, sums);
     else
         NAME(sum_one)(x, width, b, 2 * LANES, half * width, sums);
     for (int i = 0; i < n; i++) {
         int64_t angle = first_angle < 0 ? -1 : first_angle + t + i;
         int64_t at = base + (h * target->out_tokens + t + i) * target->head_dim + d;
-        put(target, sums[i], sums[4 + i], scale + c, mean + c, half, angle, d, at);
+        put(target, sums[i], sums[TILE + i], scale + c, mean + c, half, angle, d, at);
     }
 }
 
-KERNEL static void NAME(four)(const Target *target, const int16_t *coefficients, const int16_t *pairs,
+KERNEL static void NAME(whole_tile)(const Target *target, const int16_t *coefficients, const int16_t *pairs,
                       const float *scale, const float *mean, int64_t first_angle, int64_t base,
                       int64_t t, int64_t h, int64_t d) {
-    NAME(tile)(target, coefficients, pairs, scale, mean, first_angle, base, t, TILE_TOKENS, h, d);
+    NAME(tile)(target, coefficients, pairs, scale, mean, first_angle, base, t, TILE, h, d);
 }
 
 KERNEL static void NAME(one)(const Target *target, const int16_t *coefficients, const int16_t *pairs,
@@ -95,12 +126,12 @@ KERNEL static void NAME(stream)(const Target *target, const int16_t *coefficient
                         const float *scale, const float *mean, int64_t first_angle,
                         int64_t base) {
     const int64_t heads = target->channels / target->head_dim, half = target->head_dim / 2;
-    const int64_t whole = target->tokens - target->tokens % TILE_TOKENS;
+    const int64_t whole = target->tokens - target->tokens % TILE;
     for (int64_t h = 0; h < heads; h++)
         for (int64_t d = 0; d < half; d += LANES) {  /* these channels' rows stay in L1 */
             int64_t t = 0;
-            for (; t < whole; t += TILE_TOKENS)
-                NAME(four)(target, coefficients, pairs, scale, mean, first_angle, base, t, h, d);
+            for (; t < whole; t += TILE)
+                NAME(whole_tile)(target, coefficients, pairs, scale, mean, first_angle, base, t, h, d);
             for (; t < target->tokens; t++)
                 NAME(one)(target, coefficients, pairs, scale, mean, first_angle, base, t, h, d);
         }

@@ -108,7 +108,7 @@ LOOPS = pytest.mark.parametrize("loops", [int_synthesis.AVX2_LOOPS, int_synthesi
 
 @needs_kernel
 @LOOPS
-@pytest.mark.parametrize("tokens", [1, 5, 256])
+@pytest.mark.parametrize("tokens", [1, 5, 13, 256])
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
 def test_the_kernel_sums_exactly_then_adds_the_means(tokens, bf16, loops):
     todo, got, want = _kernel_case(tokens, turned=False, bf16=bf16, loops=_runs_here(loops))
