@@ -30,15 +30,15 @@ def _listing(store: ChunkStore) -> dict[Entry, int]:
 
 def written(url: str, before: dict[Entry, int]) -> dict[str, Any]:
     """The entries of the store at ``url`` that ``before`` (its earlier listing) lacks: their
-    distinct keys, count and payload bytes, per kind (``full``: a chunk, or the
-    full-attention part of a chunk of a model with sliding-window layers; ``sliding``: that
-    part) and per level, and ``unreadable``: how many of them do not read back whole and
-    verified (missing, corrupt, forged or too large)."""
+    distinct keys (``chunks``, as ``StoreStats`` calls them), count and payload bytes, per
+    kind (``full``: a chunk, or the full-attention part of a chunk of a model with
+    sliding-window layers; ``sliding``: that part) and per level, and ``unreadable``: how many
+    of them do not read back whole and verified (missing, corrupt, forged or too large)."""
     with open_store(url) as store:
         new = {entry: size for entry, size in _listing(store).items() if entry not in before}
         unreadable = _unreadable(store, sorted(new))
     return {
-        "keys": len({key for key, _ in new}),
+        "chunks": len({key for key, _ in new}),
         "entries": len(new),
         "payload_bytes": sum(new.values()),
         "kinds": _by(new, lambda e: "sliding" if e[0].endswith(SLIDING_SUFFIX) else "full"),

@@ -32,7 +32,7 @@ from cachegen.fileio import versioned
 from cachegen.lab.bench.links import link_label
 
 SCHEMA = "cachegen-fleet-bench"
-VERSION = 4
+VERSION = 5
 
 _NUM = {"type": ["number", "null"]}
 _INT = {"type": ["integer", "null"]}
@@ -136,7 +136,7 @@ def _object(fields: dict[str, Any]) -> dict[str, Any]:
 TALLY = _object({"entries": {"type": "integer"}, "payload_bytes": {"type": "integer"}})
 TALLIES = {"type": "object", "additionalProperties": TALLY}
 STORE_FIELDS = {
-    "keys": {"type": "integer"},
+    "chunks": {"type": "integer"},  # distinct keys, as the store's stats call them
     "entries": {"type": "integer"},
     "payload_bytes": {"type": "integer"},
     "kinds": TALLIES,
@@ -152,14 +152,22 @@ RUN_FIELDS = {
     "records": {"type": "array", "items": _object(RECORD_FIELDS)},
     "store": {**_object(STORE_FIELDS), "type": ["object", "null"]},
 }
-READABLE = (3, VERSION)  # version 3: the same without the runs' store census
+# version 3: the same without the runs' store census; version 4: the census's `chunks` were `keys`
+READABLE = (3, 4, VERSION)
+
+
+def _run_fields(version: int) -> dict[str, Any]:
+    if version == 3:
+        return {k: v for k, v in RUN_FIELDS.items() if k != "store"}
+    if version == 4:
+        fields = {("keys" if k == "chunks" else k): v for k, v in STORE_FIELDS.items()}
+        return {**RUN_FIELDS, "store": {**_object(fields), "type": ["object", "null"]}}
+    return RUN_FIELDS
 
 
 def json_schema(version: int = VERSION) -> dict[str, Any]:
     """The JSON Schema of a fleet-bench document of ``version`` (one of ``READABLE``)."""
-    run = (
-        RUN_FIELDS if version == VERSION else {k: v for k, v in RUN_FIELDS.items() if k != "store"}
-    )
+    run = _run_fields(version)
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": SCHEMA,

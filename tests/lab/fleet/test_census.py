@@ -26,7 +26,7 @@ def test_the_census_counts_only_new_entries_and_finds_one_that_does_not_verify(t
     path.write_bytes(bytes(data))
 
     wrote = census.written(url, before)
-    assert (wrote["keys"], wrote["entries"], wrote["payload_bytes"]) == (3, 4, 100)
+    assert (wrote["chunks"], wrote["entries"], wrote["payload_bytes"]) == (3, 4, 100)
     assert wrote["kinds"] == {
         "full": {"entries": 3, "payload_bytes": 70},
         "sliding": {"entries": 1, "payload_bytes": 30},

@@ -40,7 +40,7 @@ def test_two_servers_share_one_store_and_every_request_is_recorded(tmp_path, cap
 
     doc = json.loads(out.read_text())
     summary.validate(doc)
-    assert (doc["schema"], doc["version"]) == ("cachegen-fleet-bench", 4)
+    assert (doc["schema"], doc["version"]) == ("cachegen-fleet-bench", 5)
     assert doc["failure"] is None and doc["settings"]["kv_cache_blocks"] == BLOCKS
     for i in range(2):  # vLLM says it sized the KV cache to the blocks asked for
         log = (tmp_path / "logs" / f"raw-server{i}.log").read_text()
@@ -95,4 +95,4 @@ def test_two_servers_share_one_store_and_every_request_is_recorded(tmp_path, cap
     assert stored["kinds"] == {
         "full": {"entries": stored["entries"], "payload_bytes": stored["payload_bytes"]}
     }
-    assert len(stored["levels"]) == 1 and stored["keys"] == stored["entries"]
+    assert len(stored["levels"]) == 1 and stored["chunks"] == stored["entries"]

@@ -1,8 +1,8 @@
-"""`cachegen plot` on a fleet-bench document: a small version-4 document built by hand (three
-runs: prefix-cache, raw at 100 Mbit/s, raw unlimited with a failover and an error) becomes
-fleet_ttft.png and fleet_throughput.png, and so does one that ended early (a configuration
-failed); a document of another schema, an older version or one that does not follow the
-schema is refused with a one-line error."""
+"""`cachegen plot` on a fleet-bench document: a small document of the current version, built by
+hand (three runs: prefix-cache, raw at 100 Mbit/s, raw unlimited with a failover and an
+error) becomes fleet_ttft.png and fleet_throughput.png, and so does one that ended early (a
+configuration failed); a document of another schema, an older version or one that does not
+follow the schema is refused with a one-line error."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _run(config: str, rate: float | None, records: list[dict]) -> dict:
 def _census(entries: int) -> dict:
     tally = {"entries": entries, "payload_bytes": 1000 * entries}
     return {
-        "keys": entries,
+        "chunks": entries,
         **tally,
         "kinds": {"full": tally},
         "levels": {"0": tally},

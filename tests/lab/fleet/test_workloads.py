@@ -165,7 +165,7 @@ def test_the_summary_counts_hits_errors_and_servers_and_the_document_validates(t
     assert result["output_tokens"] == 8 and result["wall_s"] == pytest.approx(3.0)
     run = {"config": "raw", "bandwidth_mbps": 1000.0, "setup": setup("raw", True)}
     tally = {"entries": 3, "payload_bytes": 3000}
-    census = {"keys": 3, **tally, "kinds": {"full": tally}, "levels": {"0": tally}}
+    census = {"chunks": 3, **tally, "kinds": {"full": tally}, "levels": {"0": tally}}
     run |= {"summary": result, "stops": [], "records": records, "store": census | {"unreadable": 0}}
     doc = summary.document(SETTINGS, [run])
     summary.validate(doc)
@@ -178,6 +178,12 @@ def test_the_summary_counts_hits_errors_and_servers_and_the_document_validates(t
     summary.validate({**without, "version": 3})
     with pytest.raises(jsonschema.ValidationError):
         summary.validate(without)
+    # Version 4 called the census's distinct keys `keys`; this version calls them `chunks`.
+    renamed = {"keys" if k == "chunks" else k: v for k, v in run["store"].items()}
+    older = {**doc, "version": 4, "runs": [{**run, "store": renamed}]}
+    summary.validate(older)
+    with pytest.raises(jsonschema.ValidationError):
+        summary.validate({**older, "version": summary.VERSION})
     del records[0]["server"]
     with pytest.raises(jsonschema.ValidationError):
         summary.validate(doc)
@@ -362,7 +368,7 @@ def test_a_failed_configuration_keeps_the_runs_before_it_and_exits_with_one_line
     )
     doc = json.loads(out.read_text())
     summary.validate(doc)
-    assert doc["version"] == 4
+    assert doc["version"] == 5
     assert doc["failure"] == {
         "config": "int8",
         "error": "int8 at 100: the warm-up request on server 1 failed: boom",
