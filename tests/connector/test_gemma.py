@@ -771,8 +771,8 @@ def test_raw_hit_answers_like_recomputation_and_plain_vllm(raw_hit, recomputed, 
     else:
         # Plain vLLM's hybrid manager runs the sliding layers over other KV cache groups, hence
         # other kernels, than the one group here; in bf16 each CPU kind rounds them otherwise
-        # (on an AVX512-BF16 EPYC the answers parted at their 7th token, a near-tie). The bit-for-
-        # bit comparison with plain vLLM in one group is the next test.
+        # (on an AVX512-BF16 EPYC the answers parted at their 7th token). The bit-for-bit
+        # comparison with plain vLLM in one group is the next test.
         assert tokens[0] == plain[0]
 
 
