@@ -1,7 +1,8 @@
 /* The integer synthesis kernel's loops, compiled once per instruction set by synthesis.c:
    it defines KERNEL (the target attribute), DOT(acc, a, b) (acc plus the int32 sums of the
    int16 pair products of a and b, exact), TILE (the tokens of a tile: 4 or 8) and SUFFIX
-   (appended to every name), then includes this file. The helpers they call (load_pair, put) are synthesis.c's AVX2 ones. */
+   (appended to every name), then includes this file. The helpers they call (load_pair, put)
+   are synthesis.c's AVX2 ones. */
 
 #define PASTE2(a, b) a##b
 #define PASTE(a, b) PASTE2(a, b)
@@ -9,55 +10,38 @@
 
 /* The int32 sums of TILE tokens (coefficients x, rows `width` apart) by the pair rows b (pair
    rows `step` apart): channels at b into sums[0 .. TILE), those `high` further into
-   sums[TILE .. 2 TILE). Named accumulators, not an array: with an array GCC copies every
-   accumulator once per row. 8 tokens need 16 accumulators besides the two rows and the
-   broadcasts: only the 32 registers of AVX-512 hold them (at 6 or 8 tokens AVX2's 16 spill). */
+   sums[TILE .. 2 TILE). Named accumulators (low##k and up##k for token k), not an array: with
+   an array GCC copies every accumulator once per row. 8 tokens need 16 accumulators besides
+   the two rows and the broadcasts: only the 32 registers of AVX-512 hold them (at 6 or 8
+   tokens AVX2's 16 spill). */
 #if TILE == 8
-KERNEL static inline void NAME(sum_tile)(const int16_t *x, int64_t width, const int16_t *b,
-                                         int64_t step, int64_t high, __m256i sums[16]) {
-    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0,
-            s7 = s0, s8 = s0, s9 = s0, s10 = s0, s11 = s0, s12 = s0, s13 = s0, s14 = s0,
-            s15 = s0;
-    for (int64_t j = 0; j < width; j += 2, b += step) {
-        __m256i low = _mm256_loadu_si256((const __m256i *)b);
-        __m256i up = _mm256_loadu_si256((const __m256i *)(b + high));
-        __m256i a0 = load_pair(x + j), a1 = load_pair(x + width + j);
-        __m256i a2 = load_pair(x + 2 * width + j), a3 = load_pair(x + 3 * width + j);
-        s0 = DOT(s0, a0, low), s8 = DOT(s8, a0, up);
-        s1 = DOT(s1, a1, low), s9 = DOT(s9, a1, up);
-        s2 = DOT(s2, a2, low), s10 = DOT(s10, a2, up);
-        s3 = DOT(s3, a3, low), s11 = DOT(s11, a3, up);
-        __m256i a4 = load_pair(x + 4 * width + j), a5 = load_pair(x + 5 * width + j);
-        __m256i a6 = load_pair(x + 6 * width + j), a7 = load_pair(x + 7 * width + j);
-        s4 = DOT(s4, a4, low), s12 = DOT(s12, a4, up);
-        s5 = DOT(s5, a5, low), s13 = DOT(s13, a5, up);
-        s6 = DOT(s6, a6, low), s14 = DOT(s14, a6, up);
-        s7 = DOT(s7, a7, low), s15 = DOT(s15, a7, up);
-    }
-    sums[0] = s0, sums[1] = s1, sums[2] = s2, sums[3] = s3;
-    sums[4] = s4, sums[5] = s5, sums[6] = s6, sums[7] = s7;
-    sums[8] = s8, sums[9] = s9, sums[10] = s10, sums[11] = s11;
-    sums[12] = s12, sums[13] = s13, sums[14] = s14, sums[15] = s15;
-}
+#define EACH_TOKEN(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
 #else
+#define EACH_TOKEN(M) M(0) M(1) M(2) M(3)
+#endif
+#define DECLARE(k) __m256i low##k = _mm256_setzero_si256(), up##k = low##k;
+#define ACCUMULATE(k)                                                                        \
+    {                                                                                        \
+        __m256i a = load_pair(x + k * width + j);                                            \
+        low##k = DOT(low##k, a, low), up##k = DOT(up##k, a, up);                             \
+    }
+#define KEEP(k) sums[k] = low##k, sums[TILE + k] = up##k;
+
 KERNEL static inline void NAME(sum_tile)(const int16_t *x, int64_t width, const int16_t *b,
-                                         int64_t step, int64_t high, __m256i sums[8]) {
-    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0,
-            s7 = s0;
+                                         int64_t step, int64_t high, __m256i sums[2 * TILE]) {
+    EACH_TOKEN(DECLARE)
     for (int64_t j = 0; j < width; j += 2, b += step) {
         __m256i low = _mm256_loadu_si256((const __m256i *)b);
         __m256i up = _mm256_loadu_si256((const __m256i *)(b + high));
-        __m256i a0 = load_pair(x + j), a1 = load_pair(x + width + j);
-        __m256i a2 = load_pair(x + 2 * width + j), a3 = load_pair(x + 3 * width + j);
-        s0 = DOT(s0, a0, low), s4 = DOT(s4, a0, up);
-        s1 = DOT(s1, a1, low), s5 = DOT(s5, a1, up);
-        s2 = DOT(s2, a2, low), s6 = DOT(s6, a2, up);
-        s3 = DOT(s3, a3, low), s7 = DOT(s7, a3, up);
+        EACH_TOKEN(ACCUMULATE)
     }
-    sums[0] = s0, sums[1] = s1, sums[2] = s2, sums[3] = s3;
-    sums[4] = s4, sums[5] = s5, sums[6] = s6, sums[7] = s7;
+    EACH_TOKEN(KEEP)
 }
-#endif
+
+#undef EACH_TOKEN
+#undef DECLARE
+#undef ACCUMULATE
+#undef KEEP
 
 /* The sums of one token, as sum_tile's. */
 KERNEL static inline void NAME(sum_one)(const int16_t *x, int64_t width, const int16_t *b, int64_t step,
