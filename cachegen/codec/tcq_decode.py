@@ -39,6 +39,7 @@ def bf16_synthesis() -> bool:
     return _cpu_has("_is_amx_tile_supported") or _cpu_has("_is_avx512_bf16_supported")
 
 
+@functools.cache
 def amx_synthesis() -> bool:
     """Whether the bfloat16 GEMM beats the int16 kernel: with AMX tiles. With AVX512-BF16
     alone the int16 kernel measured faster (docs/codec.md, "The product in integers")."""

@@ -143,6 +143,13 @@ STORE_FIELDS = {
     "levels": TALLIES,
     "unreadable": {"type": "integer"},
 }
+
+
+def _census(fields: dict[str, Any]) -> dict[str, Any]:
+    """A run's store census with ``fields``, or null (no census taken)."""
+    return {**_object(fields), "type": ["object", "null"]}
+
+
 RUN_FIELDS = {
     "config": {"type": "string"},
     "bandwidth_mbps": _NUM,
@@ -150,7 +157,7 @@ RUN_FIELDS = {
     "summary": _object(SUMMARY_FIELDS),
     "stops": {"type": "array", "items": STOP},
     "records": {"type": "array", "items": _object(RECORD_FIELDS)},
-    "store": {**_object(STORE_FIELDS), "type": ["object", "null"]},
+    "store": _census(STORE_FIELDS),
 }
 # version 3: the same without the runs' store census; version 4: the census's `chunks` were `keys`
 READABLE = (3, 4, VERSION)
@@ -161,7 +168,7 @@ def _run_fields(version: int) -> dict[str, Any]:
         return {k: v for k, v in RUN_FIELDS.items() if k != "store"}
     if version == 4:
         fields = {("keys" if k == "chunks" else k): v for k, v in STORE_FIELDS.items()}
-        return {**RUN_FIELDS, "store": {**_object(fields), "type": ["object", "null"]}}
+        return {**RUN_FIELDS, "store": _census(fields)}
     return RUN_FIELDS
 
 
