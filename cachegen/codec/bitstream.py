@@ -36,8 +36,8 @@ from cachegen.kv import KVCache, ModelIdentity
 from cachegen.modes import CODED, FORMS, PACKED
 
 MAGIC = b"CGKV"
-VERSION = 6  # the newest format this cachegen reads; writers use the lowest that holds a stream
-VERSIONS = (1, 2, 3, 4, 5, 6)
+VERSION = 7  # the newest format this cachegen reads; writers use the lowest that holds a stream
+VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 LAYER_SUBSET_VERSION = 3  # the first version whose header may carry a layer list
 PACKED_VERSION = 4  # the first version whose frames may hold bit-packed symbols
 _FIXED = struct.Struct("<4sBBHBBHHHQII")  # 32 bytes

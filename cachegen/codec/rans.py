@@ -360,3 +360,23 @@ def _decode_stream(k, coded, first_table, tables, dequantize, scratch):
         if states[lane] != _U_L:
             ok = False
     return 0 if ok else 1
+
+
+def encode_rows(sym: np.ndarray, table_row: np.ndarray, freq_cum: np.ndarray) -> np.ndarray:
+    """rANS words of symbols ``sym`` [kept, tokens], component ``c`` coded with table row
+    ``table_row[c]``."""
+    C, n = sym.shape
+    view = np.ascontiguousarray(sym.T).reshape(1, 1, n, C)
+    out_off = np.array([0, C * n + STATE_WORDS], dtype=np.int64)
+    out = np.empty(int(out_off[-1]), dtype=np.uint16)
+    start = np.empty(1, dtype=np.int64)
+    encode_layers(
+        view,
+        np.zeros(1, np.int64),
+        np.ascontiguousarray(freq_cum[table_row]),
+        out,
+        out_off,
+        np.zeros(1, np.int64),
+        start,
+    )
+    return out[int(start[0]) :]

@@ -25,7 +25,9 @@ file, a :class:`TcqModel` (``profiles/transforms/<id>.cgtq``; built from the mod
 header (16 bytes; a 17th byte, the frame layout: ``ADAPTIVE_LAYOUT`` marks frames with
 choices, format version 5; ``PREDICTED_LAYOUT`` frames whose layers' first components are
 coded as residuals of a prediction from the layer before, format version 6,
-:mod:`cachegen.codec.tcq_predict`). Frame body::
+:mod:`cachegen.codec.tcq_predict`; bit ``REFINED`` coded frames whose attention sinks' rows
+are refined a quarter step finer, format version 7, :mod:`cachegen.codec.tcq_refine`). Frame
+body::
 
     exact      tokens at positions below EXACT_TOKENS: keys then values [L, H, e, D] in the
                KV's dtype (empty in most frames)
@@ -33,6 +35,9 @@ coded as residuals of a prediction from the layer before, format version 6,
                kept components' offsets (i8, quarter steps), then their tables (u8: 0 the
                calibrated table, 1 + j family shape j), streams ordered (layer, K/V); no
                bytes at all when the frame has no token past the exact ones
+    refinement (refined frames only) u32 byte count, then the refined rows and their
+               refinement symbols (:mod:`cachegen.codec.tcq_refine`); no bytes at all when
+               the frame has no token past the exact ones
     directory  u32 word count of each rANS stream, streams ordered (layer, K/V)
     streams    little-endian u16 words (layout in rans.py): stream (l, K/V) codes the symbols
                [kept components, tokens - e] of its kept components (a stream with no kept
@@ -41,7 +46,7 @@ coded as residuals of a prediction from the layer before, format version 6,
 A model file without a family (format version 1, written before the choices) encodes and
 decodes frames without them; one without a predictor (version 2) frames without predictions.
 The packed form (:mod:`cachegen.codec.tcq_packed`) holds the same symbols bit-packed, never
-predicted.
+predicted nor refined.
 """
 
 from __future__ import annotations
@@ -66,8 +71,10 @@ MODEL_ID_BYTES = 16
 # choices (format version 5); bit 1, their predicted layers code residuals (version 6).
 ADAPTIVE_LAYOUT = 1
 PREDICTED_LAYOUT = 3
+REFINED = 4  # bit 2: coded frames carry refined rows (format version 7)
 ADAPTIVE_BITSTREAM_VERSION = 5
 PREDICTED_BITSTREAM_VERSION = 6
+REFINED_BITSTREAM_VERSION = 7
 
 
 class TcqCodec(ModelCodec):
@@ -81,8 +88,10 @@ class TcqCodec(ModelCodec):
         model: models.ModelSpec | str | None = None,
         chunk_tokens: int = CHUNK_TOKENS,
         tcq: TcqModel | None = None,
+        refine: bool = True,
     ) -> None:
         super().__init__(model, chunk_tokens, tcq)
+        self.refine = refine  # coded frames refine their sinks' rows (:mod:`.tcq_refine`)
 
     load_fitted = staticmethod(load_tcq_model)
 
@@ -122,12 +131,18 @@ class TcqCodec(ModelCodec):
         model_id = bytes.fromhex(self.tcq.id)
         if not self.tcq.adaptive:
             return model_id, 1
+        layout, version = ADAPTIVE_LAYOUT, ADAPTIVE_BITSTREAM_VERSION
         if self.tcq.predicted and form == CODED:
-            return model_id + bytes([PREDICTED_LAYOUT]), PREDICTED_BITSTREAM_VERSION
-        return model_id + bytes([ADAPTIVE_LAYOUT]), ADAPTIVE_BITSTREAM_VERSION
+            layout, version = PREDICTED_LAYOUT, PREDICTED_BITSTREAM_VERSION
+        if self._refines(form):
+            layout, version = layout | REFINED, REFINED_BITSTREAM_VERSION
+        return model_id + bytes([layout]), version
+
+    def _refines(self, form: str) -> bool:
+        return self.refine and self.tcq.adaptive and form == CODED
 
     def encode_body(self, chunk: KVCache, level: int) -> bytes:
-        return encode_body(self.tcq, level_code(self.tcq, level), chunk)
+        return encode_body(self.tcq, level_code(self.tcq, level), chunk, self._refines(CODED))
 
     def encode_packed_body(self, chunk: KVCache, level: int) -> bytes:
         return encode_packed_body(self.tcq, level_code(self.tcq, level), chunk)
@@ -147,7 +162,8 @@ def decoder_with(header: Header, tcq: TcqModel) -> FrameDecoder:
     a lab), its frame layout checked against the model file."""
     params = header.params
     adaptive = len(params) == MODEL_ID_BYTES + 1
-    predicted = adaptive and params[-1] == PREDICTED_LAYOUT
+    predicted = adaptive and params[-1] & ~REFINED == PREDICTED_LAYOUT
+    refined = adaptive and bool(params[-1] & REFINED)
     if adaptive and not tcq.adaptive:
         raise CodecError(
             f"tcq bitstream is corrupt: its frames choose tables, but its model file "
@@ -161,12 +177,15 @@ def decoder_with(header: Header, tcq: TcqModel) -> FrameDecoder:
     code = level_code(tcq, header.level)
     if header.form == PACKED:
         return TcqPackedDecoder(header, tcq, code, adaptive)
-    return TcqDecoder(header, tcq, code, adaptive, predicted)
+    return TcqDecoder(header, tcq, code, adaptive, predicted, refined)
 
 
 def _layout_fits(layout: int, header: Header) -> bool:
     """Whether a frame layout byte is one this reader knows, in a stream of a version (and
-    form: the packed form never predicts) that holds it."""
+    form: the packed form never predicts nor refines) that holds it."""
+    if layout & REFINED and (header.version < REFINED_BITSTREAM_VERSION or header.form != CODED):
+        return False
+    layout &= ~REFINED
     if layout == ADAPTIVE_LAYOUT:
         return header.version >= ADAPTIVE_BITSTREAM_VERSION
     return (

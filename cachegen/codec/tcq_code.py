@@ -34,7 +34,7 @@ def exact_count(start: int, num_tokens: int) -> int:
     return max(0, min(num_tokens, EXACT_TOKENS - start))
 
 
-def _family_tables(family: np.ndarray, r: int) -> np.ndarray:
+def family_tables(family: np.ndarray, r: int) -> np.ndarray:
     """The family's frequency tables [tables, 2r + 1] for radius ``r``."""
     counts = family[:, np.abs(np.arange(-r, r + 1))].astype(np.int64)
     return rans.quantize_frequencies(counts, np.full(len(family), 2 * r + 1))
@@ -201,7 +201,7 @@ def _level_code(tcq: TcqModel, index: int) -> LevelCode:
     family_row = np.full(MAX_RADIUS + 1, -1, dtype=np.int64)
     if tcq.adaptive:
         for r in np.unique(radius[radius > 0]):
-            tables = _family_tables(tcq.family, int(r))
+            tables = family_tables(tcq.family, int(r))
             family_row[r] = len(rows)
             for table in tables:
                 rows.append(np.pad(table, (0, width - len(table))).astype(np.uint16))

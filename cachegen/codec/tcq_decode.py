@@ -26,6 +26,13 @@ from cachegen.codec.quant import rotary_cos_sin
 from cachegen.codec.tcq_code import OFFSET_UNITS, LevelCode, exact_count, table_rows
 from cachegen.codec.tcq_model import TcqModel
 from cachegen.codec.tcq_predict import apply_predictions
+from cachegen.codec.tcq_refine import (
+    REFINE_UNITS,
+    RefinedRows,
+    Refinement,
+    read_refined,
+    read_refinement,
+)
 
 
 @functools.cache
@@ -88,6 +95,7 @@ class _Layout:
     words: np.ndarray  # word count of each stream
     offsets: np.ndarray | None = None  # int8 per kept component (adaptive frames)
     choices: np.ndarray | None = None  # uint8 per kept component (adaptive frames)
+    refinement: Refinement | None = None  # refined frames with refined rows
 
 
 @dataclass
@@ -108,17 +116,20 @@ class TcqDecoder(FrameDecoder):
         code: LevelCode,
         adaptive: bool,
         predicted: bool = False,
+        refined: bool = False,
     ) -> None:
         super().__init__(header)
         self.tcq = tcq
         self.code = code
         self.adaptive = adaptive
+        self.refined = refined
         self.layers = list(header.layer_indices)
         self.streams = code.stream_tables(tcq, tuple(self.layers), predicted)
         # the layers whose frames code residuals of a prediction from the layer before
         self.predicted = code.predicted_layers(tuple(self.layers)) if predicted else []
         self.thetas = [tcq.rope_thetas[layer] for layer in self.layers]
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._room = _Room()  # the refined rows' corrections
         self._checked: dict[int, tuple[object, _Layout]] = {}  # frame index -> (body, layout)
 
     def _scratch_for(
@@ -171,9 +182,13 @@ class TcqDecoder(FrameDecoder):
         n = len(frame.token_ids)
         e = exact_count(self._frame_start(frame), n)
         exact = 2 * h.num_layers * h.num_kv_heads * e * h.head_dim * h.dtype.itemsize
-        side, offsets, choices = 0, None, None
+        side, offsets, choices, refinement = 0, None, None, None
         if self.adaptive and n > e:
             side, offsets, choices = self._choices(frame, exact)
+        if self.refined and n > e:
+            where = f"frame {frame.index} is corrupt: tcq"
+            size, refinement = read_refinement(frame.body, exact + side, h.num_layers, n - e, where)
+            side += size
         count = 2 * h.num_layers
         body = frame.body
         if len(body) < exact + side + 4 * count:
@@ -192,7 +207,7 @@ class TcqDecoder(FrameDecoder):
             empty = not len(self.code.kept[layer][k]) or n == e
             if (w == 0) != empty or (not empty and w < rans.STATE_WORDS):
                 raise CodecError(f"frame {frame.index} is corrupt: tcq stream {s} has {w} words")
-        return _Layout(e, exact, side, words, offsets, choices)
+        return _Layout(e, exact, side, words, offsets, choices, refinement)
 
     def check(self, frame: Frame) -> None:
         body, _ = self._checked.get(frame.index, (None, None))
@@ -206,9 +221,26 @@ class TcqDecoder(FrameDecoder):
         return layout if body is frame.body else self._layout(frame)
 
     def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
+        layout = self._checked_layout(frame)
+        refined = None
+        if layout.refinement is not None:  # checked before the streams write anything
+            where = f"frame {frame.index} is corrupt: tcq"
+            kept = self.streams.kept
+            refined = read_refined(layout.refinement, self.tcq.family, kept, where)
+        self._decode_streams(frame, layout, out, token_offset, refined)
+
+    def _decode_streams(
+        self,
+        frame: Frame,
+        layout: _Layout,
+        out: torch.Tensor,
+        token_offset: int,
+        refined: RefinedRows | None,
+    ) -> None:
+        """The frame's exact tokens and streams into ``out`` from token ``token_offset``, its
+        ``refined`` rows refined."""
         h = self.header
         n = len(frame.token_ids)
-        layout = self._checked_layout(frame)
         e = layout.exact_tokens
         L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
         if e:
@@ -224,26 +256,40 @@ class TcqDecoder(FrameDecoder):
         scratch_dtype = torch.float32 if self.predicted else coefficient_dtype
         coefficients, rows = self._scratch_for(m, scratch_dtype, row_dtype)
         symbols = self._symbols(frame, layout, _numpy_of(coefficients).reshape(-1), m)
-        to, finish = self._destination(self._frame_start(frame) + e, m, out, token_offset + e)
+        start = self._frame_start(frame) + e
+        to, finish = _destination(h, self.thetas, start, m, out, token_offset + e)
+        corrections = None
+        if arithmetic == INT16 and refined is not None:
+            corrections = _Corrections(refined, streams, H, D, self._room)
         if arithmetic == INT16 and not self.predicted:  # each stream's symbols, then its product
-            product = self._int16_product(coefficients.numpy(), layout.offsets, to)
+            product = _then(
+                self._int16_product(coefficients.numpy(), layout.offsets, to), corrections
+            )
             work = symbols.work + streams.width * m  # the product's share, about as large
+            if corrections is not None:  # and the corrections' tiles
+                work = work + streams.width * corrections.tiled_rows
             run_batches(lambda todo: (symbols.kernel(todo), product(todo)), work)
             symbols.verify()
+            _corrected(corrections, to)
             return finish()
         run_batches(symbols.kernel, symbols.work)
         symbols.verify()
         if self.predicted:
             self._restore(coefficients, layout.offsets)
-            coefficients = coefficients.to(coefficient_dtype)
+        if refined is not None and arithmetic != INT16:  # floats hold the quarter steps
+            refined.add_to(coefficients)
+        coefficients = coefficients.to(coefficient_dtype)
         if arithmetic == INT16:  # the product and the write in one pass
-            product = self._int16_product(coefficients.numpy(), layout.offsets, to)
+            product = _then(
+                self._int16_product(coefficients.numpy(), layout.offsets, to), corrections
+            )
             run_batches(product, np.ones(len(streams.kept)))
         else:  # one batched GEMM for all streams (torch's BLAS, in its own threads)
             matrices = streams.synthesis_bf16 if arithmetic == BF16 else streams.synthesis
             torch.bmm(coefficients, matrices, out=rows)
             mean = streams.mean if layout.offsets is None else self._centred_mean(layout.offsets)
             self._write(_numpy_of(rows), mean, to)
+        _corrected(corrections, to)
         finish()
 
     def _int16_product(
@@ -315,39 +361,6 @@ class TcqDecoder(FrameDecoder):
         shift = torch.bmm(torch.from_numpy(moved)[:, None], streams.synthesis)[:, 0]
         return streams.mean + shift.numpy() / OFFSET_UNITS
 
-    def _destination(
-        self, start: int, m: int, out: torch.Tensor, offset: int
-    ) -> tuple[int_synthesis.Destination, Callable[[], None]]:
-        """Where ``m`` tokens at absolute position ``start`` go: ``out`` from token ``offset``
-        in place when it is contiguous bf16 or float32, else a float32 scratch that the
-        returned ``finish`` copies into ``out``."""
-        h = self.header
-        L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
-        direct = out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous()
-        if direct:
-            target, T, t0 = out, out.shape[3], offset
-        else:
-            target, T, t0 = torch.empty((2, L, H, m, D), dtype=torch.float32), m, 0
-        thetas = sorted({t for t in self.thetas if t})
-        cos_sin = [rotary_cos_sin(start, m, D, theta) for theta in thetas]
-        cos = torch.cat([c for c, _ in cos_sin]).numpy() if thetas else _NO_ANGLES
-        sin = torch.cat([s for _, s in cos_sin]).numpy() if thetas else _NO_ANGLES
-        first_angle = np.array(
-            [thetas.index(t) * m if t and k == 0 else -1 for t in self.thetas for k in (0, 1)],
-            dtype=np.int64,
-        )
-        base = np.array(
-            [((k * L + i) * H * T + t0) * D for i in range(L) for k in (0, 1)], dtype=np.int64
-        )
-        flat = _numpy_of(target.view(-1))
-        to = int_synthesis.Destination(flat, base, T, D, cos, sin, first_angle)
-
-        def finish() -> None:
-            if not direct:
-                out[:, :, :, offset : offset + m] = target
-
-        return to, finish
-
     def _write(self, rows: np.ndarray, mean: np.ndarray, to: int_synthesis.Destination) -> None:
         """Rows [streams, m, channels] (float32 or bfloat16 bits) plus the channel means
         ``mean``, keys turned, into ``to`` (:func:`tcq_kernels.write_rows`)."""
@@ -391,6 +404,131 @@ class TcqDecoder(FrameDecoder):
         return per_stream + shared / (2 * h.num_layers)
 
 
+def _destination(
+    header: Header, layer_thetas: list, start: int, m: int, out: torch.Tensor, offset: int
+) -> tuple[int_synthesis.Destination, Callable[[], None]]:
+    """Where ``m`` tokens at absolute position ``start`` of a stream of ``header`` (its layers'
+    rotary bases ``layer_thetas``) go: ``out`` from token ``offset`` in place when it is
+    contiguous bf16 or float32, else a float32 scratch that the returned ``finish`` copies
+    into ``out``."""
+    h = header
+    L, H, D = h.num_layers, h.num_kv_heads, h.head_dim
+    direct = out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous()
+    if direct:
+        target, T, t0 = out, out.shape[3], offset
+    else:
+        target, T, t0 = torch.empty((2, L, H, m, D), dtype=torch.float32), m, 0
+    thetas = sorted({t for t in layer_thetas if t})
+    cos_sin = [rotary_cos_sin(start, m, D, theta) for theta in thetas]
+    cos = torch.cat([c for c, _ in cos_sin]).numpy() if thetas else _NO_ANGLES
+    sin = torch.cat([s for _, s in cos_sin]).numpy() if thetas else _NO_ANGLES
+    first_angle = np.array(
+        [thetas.index(t) * m if t and k == 0 else -1 for t in layer_thetas for k in (0, 1)],
+        dtype=np.int64,
+    )
+    base = np.array(
+        [((k * L + i) * H * T + t0) * D for i in range(L) for k in (0, 1)], dtype=np.int64
+    )
+    flat = _numpy_of(target.view(-1))
+    to = int_synthesis.Destination(flat, base, T, D, cos, sin, first_angle)
+
+    def finish() -> None:
+        if not direct:
+            out[:, :, :, offset : offset + m] = target
+
+    return to, finish
+
+
+class _Room:
+    """Float32 scratch memory kept from frame to frame (fresh pages cost as much as filling
+    them): ``room(elements)`` that many elements, ``room(0, shape)`` zeros of ``shape``."""
+
+    def __init__(self) -> None:
+        self.spare = np.zeros(0, dtype=np.float32)
+        self.zeros = np.zeros(0, dtype=np.float32)
+
+    def __call__(self, elements: int, zeros: tuple | None = None) -> np.ndarray:
+        if zeros is not None:
+            if self.zeros.shape != zeros:
+                self.zeros = np.zeros(zeros, dtype=np.float32)
+            return self.zeros
+        if len(self.spare) < elements:
+            self.spare = np.empty(elements, dtype=np.float32)
+        return self.spare[:elements]
+
+
+class _Corrections:
+    """The integer product's corrections of a frame's refined rows: their refinements times
+    each stream's integer synthesis, no means, into a float32 scratch [streams, heads, slots,
+    head_dim] (not turned), stream by stream as the frame's own product runs (its matrix
+    still in cache); in tiles of ``CORRECTION_TILE`` slots, each run only for the streams
+    whose layer has rows there (a layer may have many more refined rows than the others)."""
+
+    def __init__(self, refined: RefinedRows, streams, heads: int, head_dim: int, room) -> None:
+        """``room(elements)``: float32 scratch memory of that many elements (reused)."""
+        symbols = refined.symbols(streams.width)
+        count, slots = symbols.shape[:2]
+        self.rows = refined.rows
+        self.scratch = room(count * heads * slots * head_dim).reshape(count, heads, slots, -1)
+        base = np.arange(count, dtype=np.int64) * heads * slots * head_dim
+        unturned = np.full(count, -1, dtype=np.int64)
+        no_mean = room(0, streams.mean.shape)
+        per_stream = np.bincount(refined.rows[0], minlength=count)
+        self.tiled_rows = -(-per_stream // CORRECTION_TILE) * CORRECTION_TILE
+        self.tiles = []
+        for first in range(0, slots, CORRECTION_TILE):
+            tile = np.ascontiguousarray(symbols[:, first : first + CORRECTION_TILE])
+            to = int_synthesis.Destination(
+                self.scratch.reshape(-1),
+                base + first * head_dim,
+                slots,
+                head_dim,
+                _NO_ANGLES,
+                _NO_ANGLES,
+                unturned,
+            )
+            product = int_synthesis.product(tile, streams.integer_synthesis, no_mean, to)
+            self.tiles.append((per_stream > first, product))
+
+    def product(self, todo: np.ndarray) -> None:
+        for needed, product in self.tiles:
+            product(todo[needed[todo]])
+
+
+def _then(product: Callable[[np.ndarray], None], corrections: _Corrections | None):
+    """``product``, then for the same streams the ``corrections``' product (if any)."""
+    if corrections is None:
+        return product
+    return lambda todo: (product(todo), corrections.product(todo))
+
+
+def _corrected(corrections: _Corrections | None, to: int_synthesis.Destination) -> None:
+    """Add the ``corrections`` (if any), a quarter of them, keys turned, to the rows at
+    ``to``."""
+    if corrections is None:
+        return
+    bf16 = to.out.dtype == np.uint16
+    out16, out32 = (to.out, _NO_F32) if bf16 else (_NO_BF16, to.out)
+    stream, slot, token = corrections.rows
+    heads, head_dim = corrections.scratch.shape[1], corrections.scratch.shape[3]
+    tcq_kernels.add_corrections(
+        corrections.scratch,
+        stream,
+        slot,
+        token,
+        np.float32(1 / REFINE_UNITS),
+        to.first_angle,
+        to.cos,
+        to.sin,
+        heads,
+        head_dim,
+        out16,
+        out32,
+        to.base,
+        to.out_tokens,
+    )
+
+
 def checked_offsets(offsets: np.ndarray, where: str) -> np.ndarray:
     """A frame's offsets (int8), refused (``CodecError``) where one is -128: encoders clip
     them to 127 in magnitude, the integer product's bound."""
@@ -407,3 +545,4 @@ def _numpy_of(x: torch.Tensor) -> np.ndarray:
 _NO_BF16 = np.zeros(0, dtype=np.uint16)
 _NO_F32 = np.zeros(0, dtype=np.float32)
 _NO_ANGLES = np.zeros((0, 0), dtype=np.float32)
+CORRECTION_TILE = 8  # refined rows per correction product: one tile of the kernel's VNNI loops

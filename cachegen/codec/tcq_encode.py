@@ -7,7 +7,7 @@ offset and the table that codes its symbols in the fewest bits (:func:`choose_ta
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ from cachegen.codec.quant import rotate_layer_keys
 from cachegen.codec.tcq_code import OFFSET_UNITS, LevelCode, exact_count, table_rows
 from cachegen.codec.tcq_model import TcqModel
 from cachegen.codec.tcq_predict import residual_symbols
+from cachegen.codec.tcq_refine import encode_refinement, refined_rows, refinement_symbols
 from cachegen.kv import KVCache
 
 ZLIB_LEVEL = 6  # the choices' DEFLATE level (zlib's default)
@@ -36,6 +37,15 @@ def quantize_rows(
     keys or values of layer ``layer``) and each kept component's offset (int8, in
     1 / OFFSET_UNITS steps: the median of its coefficients when ``centred``, else 0: the
     quantizer's grid moves with it)."""
+    y, offset = _coefficients(tcq, code, layer, kind, rows, centred)
+    return _rounded(y, code.radius[layer][kind]), offset
+
+
+def _coefficients(
+    tcq: TcqModel, code: LevelCode, layer: int, kind: int, rows: torch.Tensor, centred: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """The kept components' coefficients [kept, tokens] in steps, less the offsets
+    :func:`quantize_rows` chooses, and the offsets."""
     kept = code.kept[layer][kind]
     mean = torch.from_numpy(tcq.mean[layer, kind])
     y = (code.analysis[layer][kind] @ (rows - mean).T).numpy()  # [kept, tokens], in steps
@@ -45,9 +55,13 @@ def quantize_rows(
         median = np.partition(y, middle, axis=1)[:, middle]
         offset = np.clip(np.round(median * OFFSET_UNITS), -127, 127)
         y -= (offset / OFFSET_UNITS)[:, None]
-    radius = code.radius[layer][kind].astype(np.float32)[:, None]
-    sym = np.clip(np.round(y), -radius, radius) + radius
-    return sym.astype(np.uint8), offset.astype(np.int8)
+    return y, offset.astype(np.int8)
+
+
+def _rounded(y: np.ndarray, radius: np.ndarray) -> np.ndarray:
+    """Symbols (radii added, uint8) of coefficients ``y`` [kept, tokens] in steps."""
+    r = radius.astype(np.float32)[:, None]
+    return (np.clip(np.round(y), -r, r) + r).astype(np.uint8)
 
 
 def choose_tables(code: LevelCode, rows: np.ndarray, radius: np.ndarray, sym: np.ndarray):
@@ -66,16 +80,21 @@ def choose_tables(code: LevelCode, rows: np.ndarray, radius: np.ndarray, sym: np
 class FrameSymbols:
     """A frame's exact tokens (bytes), how many tokens follow them (``m``), and per (layer,
     K/V) stream the symbols [kept, m] (uint8) and offsets [kept] (int8) of
-    :func:`quantize_rows` (empty for a stream without kept components, or when ``m`` is 0)."""
+    :func:`quantize_rows` (empty for a stream without kept components, or when ``m`` is 0);
+    in a refined frame also its refined rows [layers, m] and each stream's refinement symbols
+    [kept, refined tokens] (:mod:`cachegen.codec.tcq_refine`)."""
 
     exact: bytes
     m: int
     symbols: list[np.ndarray]
     offsets: list[np.ndarray]
+    refined: np.ndarray | None = None
+    refinements: list[np.ndarray] = field(default_factory=list)
 
 
-def frame_symbols(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> FrameSymbols:
-    """The symbols of ``chunk`` at the level of ``code`` (streams in the codec's threads)."""
+def frame_symbols(tcq: TcqModel, code: LevelCode, chunk: KVCache, refine: bool = False):
+    """The :class:`FrameSymbols` of ``chunk`` at the level of ``code`` (streams in the codec's
+    threads), with its refined rows where ``refine``."""
     layers = list(chunk.layer_indices)
     e = exact_count(chunk.start, chunk.num_tokens)
     x = kv_tensor(chunk)
@@ -87,6 +106,9 @@ def frame_symbols(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> FrameSymbol
     L, H, m, D = q.shape[1:]
     none = np.zeros((0, m), dtype=np.uint8)
     frame = FrameSymbols(exact, m, [none] * (2 * L), [np.zeros(0, np.int8)] * (2 * L))
+    if refine and m:
+        frame.refined = refined_rows(q[1])
+        frame.refinements = [np.zeros((0, 0), dtype=np.uint8)] * (2 * L)
 
     def kernel(todo: np.ndarray) -> None:
         for s in todo:
@@ -94,18 +116,24 @@ def frame_symbols(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> FrameSymbol
             if not len(code.kept[layers[i]][k]) or not m:
                 continue
             rows = q[k, i].permute(1, 0, 2).reshape(m, H * D)
-            sym, offset = quantize_rows(tcq, code, layers[i], k, rows, centred=tcq.adaptive)
-            frame.symbols[s], frame.offsets[s] = sym, offset
+            y, offset = _coefficients(tcq, code, layers[i], k, rows, tcq.adaptive)
+            radius = code.radius[layers[i]][k]
+            frame.symbols[s], frame.offsets[s] = _rounded(y, radius), offset
+            if frame.refined is not None:
+                rows_i = frame.refined[i]
+                fine = refinement_symbols(y[:, rows_i], frame.symbols[s][:, rows_i], radius)
+                frame.refinements[s] = fine
 
     run_batches(kernel, np.array([len(code.kept[lay][k]) + 1 for lay in layers for k in (0, 1)]))
     return frame
 
 
-def encode_body(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> bytes:
+def encode_body(tcq: TcqModel, code: LevelCode, chunk: KVCache, refine: bool = False) -> bytes:
     """The frame body of ``chunk`` at the level of ``code`` (its predicted layers' targets
-    coded as residuals: :mod:`cachegen.codec.tcq_predict`)."""
+    coded as residuals: :mod:`cachegen.codec.tcq_predict`; its sinks' rows refined where
+    ``refine``: :mod:`cachegen.codec.tcq_refine`)."""
     layers = tuple(chunk.layer_indices)
-    frame = frame_symbols(tcq, code, chunk)
+    frame = frame_symbols(tcq, code, chunk, refine)
     symbols = frame.symbols
     predicted = code.predicted_layers(layers) if frame.m else []
     if predicted:
@@ -128,7 +156,7 @@ def encode_body(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> bytes:
             if tcq.adaptive:
                 choices[s] = choose_tables(code, table_row, radius, sym)
                 table_row = table_rows(code, radius, choices[s], table_row)
-            streams[s] = _rans_encode(sym, table_row, code.freq_cum)
+            streams[s] = rans.encode_rows(sym, table_row, code.freq_cum)
 
     run_batches(kernel, np.array([len(sym) + 1 for sym in symbols]))
     lengths = np.array([len(w) for w in streams], dtype="<u4")
@@ -137,25 +165,7 @@ def encode_body(tcq: TcqModel, code: LevelCode, chunk: KVCache) -> bytes:
         offsets = [o.view(np.uint8) for o in frame.offsets]
         packed = zlib.compress(np.concatenate(offsets + choices).tobytes(), ZLIB_LEVEL)
         side = np.array([len(packed)], dtype="<u4").tobytes() + packed
+    if frame.refined is not None:
+        side += encode_refinement(tcq.family, frame.refined, frame.refinements)
     exact = frame.exact
     return exact + side + lengths.tobytes() + np.concatenate(streams).astype("<u2").tobytes()
-
-
-def _rans_encode(sym: np.ndarray, table_row: np.ndarray, freq_cum: np.ndarray) -> np.ndarray:
-    """rANS words of symbols ``sym`` [kept, tokens], component ``c`` coded with table row
-    ``table_row[c]``."""
-    C, n = sym.shape
-    view = np.ascontiguousarray(sym.T).reshape(1, 1, n, C)
-    out_off = np.array([0, C * n + rans.STATE_WORDS], dtype=np.int64)
-    out = np.empty(int(out_off[-1]), dtype=np.uint16)
-    start = np.empty(1, dtype=np.int64)
-    rans.encode_layers(
-        view,
-        np.zeros(1, np.int64),
-        np.ascontiguousarray(freq_cum[table_row]),
-        out,
-        out_off,
-        np.zeros(1, np.int64),
-        start,
-    )
-    return out[int(start[0]) :]

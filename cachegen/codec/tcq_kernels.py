@@ -316,3 +316,48 @@ def choose_tables(sym, radius, rows, family_row, family_size, code_bits, choice)
             if cost < best_cost:
                 best, best_cost = 1 + j, cost
         choice[c] = best
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def add_corrections(
+    corrections,
+    stream,
+    slot,
+    token,
+    scale,
+    first_angle,
+    cos,
+    sin,
+    heads,
+    head_dim,
+    out16,
+    out32,
+    base,
+    tokens,
+):
+    """For each refined row ``j``: row ``slot[j]`` of stream ``stream[j]``'s ``corrections``
+    [streams, heads, slots, head_dim] (float32, pre-RoPE) times ``scale``, keys turned by
+    angle row ``first_angle[k] + token[j]`` of ``cos`` / ``sin`` (``first_angle[k]`` -1: not
+    turned), added to head ``h`` of coded token ``token[j]`` of stream ``k`` at ``base[k] +
+    (h * tokens + token[j]) * head_dim`` of ``out16`` (bfloat16 bits) when it is non-empty,
+    else of ``out32``: :func:`write_rows`'s layout and turn."""
+    half = head_dim // 2
+    for j in range(stream.shape[0]):
+        k, t = stream[j], token[j]
+        a = first_angle[k] + t
+        for h in range(heads):
+            o = base[k] + (h * tokens + t) * head_dim
+            for d in range(half):
+                x1 = corrections[k, h, slot[j], d] * scale
+                x2 = corrections[k, h, slot[j], d + half] * scale
+                if first_angle[k] >= 0:
+                    x1, x2 = (
+                        x1 * cos[a, d] - x2 * sin[a, d],
+                        x2 * cos[a, d + half] + x1 * sin[a, d + half],
+                    )
+                if out16.shape[0] > 0:
+                    store_value(out16, o + d, as_f32(out16[o + d]) + x1)
+                    store_value(out16, o + d + half, as_f32(out16[o + d + half]) + x2)
+                else:
+                    out32[o + d] += x1
+                    out32[o + d + half] += x2

@@ -2,10 +2,11 @@
 rANS-coded.
 
 A level's symbols (the same quantizer, offsets and exact tokens as its coded form, so both forms
-decode to the same KV) are stored at a fixed width per kept component and frame: the fewest
-bits that hold the component's symbols in the frame less their smallest (``low``). Larger
-than the coded form, it needs no tables and no rANS decoding: the decoder unpacks eight
-symbols per load, then runs the coded form's synthesis and store passes
+decode to the same KV but for the coded form's refined rows, which the packed form does not
+refine: :mod:`cachegen.codec.tcq_refine`) are stored at a fixed width per kept component and
+frame: the fewest bits that hold the component's symbols in the frame less their smallest
+(``low``). Larger than the coded form, it needs no tables and no rANS decoding: the decoder
+unpacks eight symbols per load, then runs the coded form's synthesis and store passes
 (:mod:`cachegen.codec.tcq_decode`). Frame body (``encode(kv, level, form="packed")``, header
 flag bit 3)::
 
@@ -80,6 +81,7 @@ class PackedLayout:
         body, where = frame.body, f"frame {frame.index} is corrupt: tcq packed"
         kept = int(streams.kept.sum())
         self.exact_tokens, self.exact_bytes = e, exact
+        self.refinement = None  # the packed form refines no row
         side = (3 if adaptive else 2) * kept if m else 0
         if len(body) < exact + side:
             raise CodecError(f"{where} body is {len(body)} bytes, too short for its side data")

@@ -362,8 +362,8 @@ def test_packed_flag_is_refused_where_it_cannot_be(blobs):
     packed = blobs["packed-3"]
     with pytest.raises(CodecError, match="packed symbols in a format version 3"):
         decode(_forge_header(packed, version=3))
-    with pytest.raises(CodecError, match="version 7 is not supported.*upgrade"):
-        decode(_forge_header(packed, version=7))
+    with pytest.raises(CodecError, match="version 8 is not supported.*upgrade"):
+        decode(_forge_header(packed, version=8))
     int8 = blobs["int8-0"]
     flags = _FIXED.unpack_from(int8, 0)[5]
     with pytest.raises(CodecError, match="packed symbols in a int8 stream"):

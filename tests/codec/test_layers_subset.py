@@ -149,9 +149,9 @@ def test_subset_saves_and_loads(tmp_path):
 def test_subset_decodes_to_the_same_layers_of_a_full_stream(name, tiny_kv, tiny_llama):
     codec = codec_for(name, tiny_llama, chunk_tokens=64)
     full_blob = codec.encode(tiny_kv)
-    # the full stream keeps its old version (tcq's frames with choices need version 5), and
+    # the full stream keeps its old version (tcq's coded frames refine rows, version 7), and
     # naming every layer changes nothing
-    base = tcq.ADAPTIVE_BITSTREAM_VERSION if name == "tcq" else 1
+    base = tcq.REFINED_BITSTREAM_VERSION if name == "tcq" else 1
     assert parse_header(full_blob).version == base and parse_header(full_blob).layers is None
     assert codec.encode(tiny_kv.select_layers(range(4))) == full_blob
     full = decode(full_blob, out_dtype=torch.float32)

@@ -137,7 +137,7 @@ def test_choices_follow_a_shift_and_a_spread_the_calibration_never_saw(kv, stati
     level = BY_STEP[2]
     old = get_codec("tcq", tcq=static_model).encode(moved, level)
     new = codec_for("tcq", static_model.model.name).encode(moved, level)
-    assert parse_header(new).version == tcq.ADAPTIVE_BITSTREAM_VERSION
+    assert parse_header(new).version == tcq.REFINED_BITSTREAM_VERSION
     assert len(new) < 0.9 * len(old)
     assert relative_error(decode(new), moved) <= 1.02 * relative_error(decode(old), moved)
 
@@ -215,6 +215,10 @@ def reference_decode(
                 part = rows[a - 1 : b - 1]
                 sym, offset = tcq_encode.quantize_rows(model, code, layer, k, part, model.adaptive)
                 centred = torch.from_numpy(sym.T.copy()).float() - radius
+                if model.adaptive:  # the sinks' rows a quarter step finer
+                    centred += _refinements(
+                        model, code, layer, k, part, x[1, layer, :, a - 1 : b - 1]
+                    )
                 shift = torch.from_numpy(offset).float() / tcq_code.OFFSET_UNITS
                 coefficients.append(
                     (centred.abs() + shift.abs()) if magnitude or sums else (centred + shift)
@@ -232,6 +236,18 @@ def reference_decode(
     if not (magnitude or sums):
         out[0] = rotate_layer_keys(out[0], 1, model.rope_thetas)
     return out
+
+
+def _refinements(model, code, layer: int, k: int, part, values) -> torch.Tensor:
+    """The refinements in steps [tokens, kept] of a frame's rows ``part`` of (layer, K/V)
+    whose values are ``values`` [heads, tokens, head_dim]: ``r / 4`` on its refined rows."""
+    from cachegen.codec import tcq_refine
+
+    y, _ = tcq_encode._coefficients(model, code, layer, k, part, True)
+    sym = tcq_encode._rounded(y, code.radius[layer][k])
+    fine = tcq_refine.refinement_symbols(y, sym, code.radius[layer][k]).astype(np.float32) - 2
+    rows = tcq_refine.refined_rows(values[None])[0]
+    return torch.from_numpy((fine * rows[None]).T.copy()) / tcq_refine.REFINE_UNITS
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -401,17 +417,26 @@ def test_a_frame_layout_the_header_cannot_hold_is_refused(
 ):
     import dataclasses
 
-    header = parse_header(codec_for("tcq", tiny_llama).encode(kv, level=BY_STEP[0]))
+    plain = get_codec("tcq", tcq=model_file, refine=False)
+    header = parse_header(plain.encode(kv, level=BY_STEP[0]))
     assert header.version == tcq.ADAPTIVE_BITSTREAM_VERSION and header.params[16] == 1
-    with_prediction = get_codec("tcq", tcq=predicted)
+    with_prediction = get_codec("tcq", tcq=predicted, refine=False)
     coded = parse_header(with_prediction.encode(kv, level=BY_STEP[0]))
     assert coded.version == tcq.PREDICTED_BITSTREAM_VERSION and coded.params[16] == 3
     packed = parse_header(with_prediction.encode(kv, level=BY_STEP[0], form="packed"))
     assert packed.version == tcq.ADAPTIVE_BITSTREAM_VERSION and packed.params[16] == 1
+    refined = parse_header(codec_for("tcq", tiny_llama).encode(kv, level=BY_STEP[0]))
+    assert refined.version == tcq.REFINED_BITSTREAM_VERSION and refined.params[16] == 5
+    both = parse_header(get_codec("tcq", tcq=predicted).encode(kv, level=BY_STEP[0]))
+    assert both.version == tcq.REFINED_BITSTREAM_VERSION and both.params[16] == 7
     cases = [
         (dataclasses.replace(header, version=4), "frame layout"),  # choices need version 5
         (dataclasses.replace(coded, version=5), "frame layout"),  # predictions need version 6
+        (dataclasses.replace(refined, version=6), "frame layout"),  # refined rows need 7
+        (dataclasses.replace(both, version=6), "frame layout"),
+        (dataclasses.replace(refined, form="packed"), "frame layout"),  # packed never refines
         (dataclasses.replace(header, params=header.params[:16] + b"\x02"), "frame layout"),
+        (dataclasses.replace(refined, params=refined.params[:16] + b"\x0d"), "frame layout"),
         (dataclasses.replace(coded, form="packed"), "frame layout"),  # packed never predicts
         (dataclasses.replace(header, params=header.params + b"\x01"), "parameters"),
         # choices, but the model file named has no family to choose from
@@ -431,7 +456,11 @@ def _with_level(header, level: int):
 
 
 def test_truncated_and_flipped_frames_are_refused(kv, tiny_llama, model_file):
-    codec = codec_for("tcq", tiny_llama, chunk_tokens=64)
+    # refined frames' own section: tests/codec/test_tcq_refine.py
+    shared.check_truncated_and_flipped_are_refused(
+        codec_for("tcq", tiny_llama, chunk_tokens=64).encode(kv.slice(0, 100), BY_STEP[0])
+    )
+    codec = get_codec("tcq", tcq=model_file, chunk_tokens=64, refine=False)
     blob = codec.encode(kv.slice(0, 100), level=BY_STEP[0])
     shared.check_truncated_and_flipped_are_refused(blob)
     body = bytes(parse_frames(blob, parse_header(blob))[0].body)
@@ -496,6 +525,39 @@ def _documented_rans(words: np.ndarray, tables: list[np.ndarray], tokens: int) -
                 out[t, c], state[lane] = s, x
     assert pos == len(words) and state == [1 << 16] * 8
     return out
+
+
+def _documented_refinement(body, at: int, doc, kept_of, values) -> tuple[int, dict]:
+    """(bytes, refinements in steps [tokens, kept] per (layer, K/V)) of a frame's refinement
+    section at byte ``at``, read as docs/bitstream.md says; its refined rows are those whose
+    ``values`` [layers, heads, tokens, head_dim] norm, the mean over heads, is below half the
+    layer's median."""
+    import zlib
+
+    L, m = values.shape[0], values.shape[2]
+    norm = values.norm(dim=-1).mean(dim=1)
+    mask = (norm < 0.5 * norm.median(dim=1, keepdim=True).values).numpy()
+    fine = {(i, k): np.zeros((m, len(kept_of[i][k])), np.float32) for i in range(L) for k in (0, 1)}
+    (size,) = struct.unpack_from("<I", body, at)
+    if not size:
+        assert not mask.any()
+        return 4, fine
+    table, packed = body[at + 4], struct.unpack_from("<I", body, at + 5)[0]
+    bits = np.unpackbits(
+        np.frombuffer(zlib.decompress(body[at + 9 : at + 9 + packed]), np.uint8), bitorder="little"
+    )
+    assert (
+        np.array_equal(bits[: L * m].reshape(L, m).astype(bool), mask) and not bits[L * m :].any()
+    )
+    counts = [int(mask[i].sum()) * len(kept_of[i][k]) for i in range(L) for k in (0, 1)]
+    words = np.frombuffer(body, "<u2", (size - 5 - packed) // 2, at + 9 + packed)
+    tokens = -(-sum(counts) // 8)  # 8 lanes, the last token padded with symbol 2
+    r = _documented_rans(words, [doc["family_table"](table, 2)] * 8, tokens).reshape(-1) - 2
+    assert not r[sum(counts) :].any()
+    for (i, k), start, count in zip(fine, np.cumsum([0] + counts), counts):
+        rows = r[start : start + count].reshape(int(mask[i].sum()), -1)
+        fine[i, k][mask[i]] = rows / 4
+    return 4 + size, fine
 
 
 def _documented_restore(doc, x, kept_of, symbols, offsets, first) -> None:
@@ -616,10 +678,10 @@ def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, which, re
     blob = get_codec("tcq", tcq=model_file, chunk_tokens=64).encode(part, level=level)
     fixed = struct.unpack_from("<4sBBHBBHHHQII", blob, 0)
     magic, version, codec_id, got_level, dtype, flags, L, H, D, start, tokens, chunk = fixed
-    layout = 3 if which == "predicted" else 1
+    layout = 7 if which == "predicted" else 5  # refined rows, with or without predictions
     assert (magic, version, codec_id, got_level, start, tokens, chunk) == (
         b"CGKV",
-        5 + (layout == 3),
+        7,
         12,
         level,
         0,
@@ -663,10 +725,12 @@ def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, which, re
         offsets = np.frombuffer(choices, np.int8, kept_total)
         tables_of = np.frombuffer(choices, np.uint8, offset=kept_total)
         assert 0 < np.count_nonzero(tables_of) and np.count_nonzero(offsets)  # some chosen
-        words = struct.unpack_from(f"<{2 * L}I", body, exact + 4 + side)
-        at = exact + 4 + side + 8 * L
-        assert at + 2 * sum(words) == len(body)
         kept_of = [[np.flatnonzero(doc["radius"][x, i, k]) for k in (0, 1)] for i in range(L)]
+        values = original[1, :, :, offset + e : offset + n].float()
+        size, fine = _documented_refinement(body, exact + 4 + side, doc, kept_of, values)
+        words = struct.unpack_from(f"<{2 * L}I", body, exact + 4 + side + size)
+        at = exact + 4 + side + size + 8 * L
+        assert at + 2 * sum(words) == len(body)
         first = np.cumsum([0] + [len(c) for pair in kept_of for c in pair])
         symbols = {}
         for i in range(L):
@@ -693,7 +757,7 @@ def test_tcq_bitstream_and_model_file_follow_the_documented_layout(kv, which, re
             kept = kept_of[i][k]
             radius = doc["radius"][x, i, k][kept].astype(np.float32)
             shift = offsets[first[2 * i + k] : first[2 * i + k + 1]].astype(np.float32) / 4
-            y = (sym.astype(np.float32) - radius + shift) * doc["steps"][x, i, k][kept]
+            y = (sym.astype(np.float32) - radius + shift + fine[i, k]) * doc["steps"][x, i, k][kept]
             rows = y @ doc["components"][i, k][kept] + doc["mean"][i, k]
             positions = np.arange(64 * index + e, 64 * index + n)
             coded = got[k, i, :, offset + e : offset + n]

@@ -63,7 +63,7 @@ def test_predicted_streams_decode_to_the_unpredicted_kv(kv, model_file, unpredic
     for level in LEVELS:
         predicted = predicted_codec.encode(kv, level)
         plain = plain_codec.encode(kv, level)
-        assert parse_header(predicted).params[16] == 3 and parse_header(plain).params[16] == 1
+        assert parse_header(predicted).params[16] == 7 and parse_header(plain).params[16] == 5
         assert _same(decode(predicted, out_dtype), decode(plain, out_dtype)), level
         assert inspect(predicted)["bits_per_element"] != inspect(plain)["bits_per_element"]
 

@@ -39,12 +39,15 @@ def config_codec(spec: ModelSpec, config, level: int):
 
 def codec_candidates(spec: ModelSpec, name: str, levels: list[str] | None) -> list[Candidate]:
     """One candidate per requested level of codec ``name`` (``None``: all its levels); for
-    cachegen a level may also name one of the sweep's variants."""
+    cachegen a level may also name one of the sweep's variants, for tcq ``L-unrefined`` its
+    level ``L`` without refined rows (:mod:`cachegen.codec.tcq_refine`)."""
     from cachegen.profiles import codec_for
 
     codec = codec_for(name, spec)
     available = {str(level): level for level in codec.levels}
     named = variants(spec) if name == "cachegen" else {}
+    if name == "tcq":
+        named = {f"{level}{UNREFINED}": level for level in codec.levels}
     wanted = list(available) if levels is None else levels
     unknown = [level for level in wanted if level not in available and level not in named]
     if unknown:
@@ -53,12 +56,21 @@ def codec_candidates(spec: ModelSpec, name: str, levels: list[str] | None) -> li
             f"codec {name} has no level {', '.join(unknown)}; its levels are "
             f"{', '.join(available) or '(none)'}{extra}"
         )
-    return [
-        Candidate(name, level, codec_roundtrip(codec, available[level]))
-        if level in available
-        else variant_candidate(spec, level, named[level])
-        for level in wanted
-    ]
+    return [_candidate(spec, name, codec, level, available, named) for level in wanted]
+
+
+UNREFINED = "-unrefined"
+
+
+def _candidate(spec, name, codec, level: str, available: dict, named: dict) -> Candidate:
+    if level in available:
+        return Candidate(name, level, codec_roundtrip(codec, available[level]))
+    if name == "tcq":
+        from cachegen.profiles import codec_for
+
+        plain = codec_for(name, spec, refine=False)
+        return Candidate(name, level, codec_roundtrip(plain, named[level]), {"refine": False})
+    return variant_candidate(spec, level, named[level])
 
 
 def parse_codec_args(codecs: list[str], levels: str | None) -> list[tuple[str, list[str] | None]]:
