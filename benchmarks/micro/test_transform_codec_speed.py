@@ -17,7 +17,9 @@ where the CPU has AVX512-BF16, else float32); ``tcq-24-bf16``, ``tcq-24-int16``,
 ``tcq-24-int16-avx2`` (the kernel's AVX2 loops where the CPU also has the AVX512-VNNI ones) and
 ``tcq-24-float32`` force each synthesis beside them (skipped where the CPU cannot run it or it
 is the CPU's own choice);
-``tcq-<L>-packed`` decode the packed form (the same symbols bit-packed, no rANS pass).
+``tcq-<L>-packed`` decode the packed form (the same symbols bit-packed, no rANS pass);
+``tcq-24-unrefined`` the default level's coded form without refined rows (what refining the
+attention sinks' rows costs the decoder, docs/codec.md "Refined rows").
 The encode cases code level 23 with and without the choices (the same model file, its table
 family left out).
 """
@@ -63,28 +65,35 @@ def kv(windows):
     return windows(SMOLLM2)
 
 
-def _forced(level: int, arithmetic: str, model: str = SMOLLM2):
+def _case(model, name, level, form=CODED, arithmetic=None, refine=True, suffix=""):
     tag = "" if model == SMOLLM2 else f"{GEMMA3}-"
-    return pytest.param(model, "tcq", level, CODED, arithmetic, id=f"{tag}tcq-{level}-{arithmetic}")
+    name_level = f"{name}-{level}{suffix}"
+    return pytest.param(model, name, level, form, arithmetic, refine, id=f"{tag}{name_level}")
 
 
 CASES = (
-    [pytest.param(SMOLLM2, "cachegen", 2, CODED, None, id="cachegen-2")]
-    + [pytest.param(SMOLLM2, "tcq", lv, CODED, None, id=f"tcq-{lv}") for lv in range(20, 27)]
-    + [_forced(24, arithmetic) for arithmetic in ARITHMETICS]
-    + [pytest.param(SMOLLM2, "tcq", lv, PACKED, None, id=f"tcq-{lv}-packed") for lv in (22, 24, 25)]
-    + [pytest.param(GEMMA3, "tcq", 24, CODED, None, id=f"{GEMMA3}-tcq-24")]
-    + [_forced(24, arithmetic, GEMMA3) for arithmetic in ARITHMETICS]
+    [_case(SMOLLM2, "cachegen", 2)]
+    + [_case(SMOLLM2, "tcq", lv) for lv in range(20, 27)]
+    + [_case(SMOLLM2, "tcq", 24, arithmetic=a, suffix=f"-{a}") for a in ARITHMETICS]
+    + [_case(SMOLLM2, "tcq", 24, refine=False, suffix="-unrefined")]
+    + [_case(SMOLLM2, "tcq", lv, PACKED, suffix="-packed") for lv in (22, 24, 25)]
+    + [_case(GEMMA3, "tcq", 24)]
+    + [_case(GEMMA3, "tcq", 24, arithmetic=a, suffix=f"-{a}") for a in ARITHMETICS]
+    + [_case(GEMMA3, "tcq", 24, refine=False, suffix="-unrefined")]
 )
 
 
-@pytest.mark.parametrize("model,name,level,form,arithmetic", CASES)
-def test_transform_decode(benchmark, windows, model, name, level, form, arithmetic, monkeypatch):
-    """``arithmetic``: the synthesis forced (None: this CPU's choice)."""
+@pytest.mark.parametrize("model,name,level,form,arithmetic,refine", CASES)
+def test_transform_decode(
+    benchmark, windows, model, name, level, form, arithmetic, refine, monkeypatch
+):
+    """``arithmetic``: the synthesis forced (None: this CPU's choice); ``refine``: tcq's coded
+    frames refine their sinks' rows (the default)."""
     kv = windows(model)
     if arithmetic is not None:
         _force(arithmetic, monkeypatch)
-    codec = codec_for(name, model, chunk_tokens=CHUNK)
+    options = {} if name != "tcq" else {"refine": refine}
+    codec = codec_for(name, model, chunk_tokens=CHUNK, **options)
     if level not in codec.levels:
         pytest.fail(f"{name} has no level {level}: its levels are {codec.levels}")
     blob = codec.encode(kv, level, form)
@@ -94,7 +103,8 @@ def test_transform_decode(benchmark, windows, model, name, level, form, arithmet
         {
             "elements": int(kv.num_elements),
             "what": f"{model} {name} level {level} ({form}) -> bf16, 2 thread(s)"
-            + (f", {arithmetic} synthesis" if arithmetic else ""),
+            + (f", {arithmetic} synthesis" if arithmetic else "")
+            + ("" if refine else ", no refined rows"),
             "bits_per_element": len(blob) * 8 / kv.num_elements,
         }
     )
