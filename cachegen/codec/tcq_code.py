@@ -24,6 +24,7 @@ from cachegen.codec.tcq_predict import LayerPredictor, layer_predictor
 
 EXACT_TOKENS = 1
 OFFSET_UNITS = 4  # offsets are in 1 / OFFSET_UNITS of a step
+ZLIB_LEVEL = 6  # the DEFLATE level of a frame's choices and refined rows' mask (zlib's default)
 # code length in bits of a symbol of frequency f (0 for f = 0: no symbol there to count)
 _CODE_BITS = np.concatenate([[0.0], -np.log2(np.arange(1, rans.PROB_SCALE + 1) / rans.PROB_SCALE)])
 
@@ -32,6 +33,11 @@ _KEPT_LAYER_SETS = 4  # decoding tables per level: the whole model and a few lay
 
 def exact_count(start: int, num_tokens: int) -> int:
     return max(0, min(num_tokens, EXACT_TOKENS - start))
+
+
+def code_lengths(freq_cum: np.ndarray) -> np.ndarray:
+    """The code length in bits (float64) of each symbol of packed tables ``freq_cum``."""
+    return _CODE_BITS[freq_cum >> 16]
 
 
 def family_tables(family: np.ndarray, r: int) -> np.ndarray:
@@ -84,7 +90,7 @@ class LevelCode:
     def code_bits(self) -> np.ndarray:
         """[tables, width] float64: the code length of each table's symbols (the encoder's
         table choice; decoders never need it)."""
-        return _CODE_BITS[self.freq_cum >> 16]
+        return code_lengths(self.freq_cum)
 
     def stream_tables(
         self, tcq: TcqModel, layers: tuple[int, ...], predicted: bool = False

@@ -226,7 +226,7 @@ class TcqDecoder(FrameDecoder):
         if layout.refinement is not None:  # checked before the streams write anything
             where = f"frame {frame.index} is corrupt: tcq"
             kept = self.streams.kept
-            refined = read_refined(layout.refinement, self.tcq.family, kept, where)
+            refined = read_refined(layout.refinement, self.tcq, kept, where)
         self._decode_streams(frame, layout, out, token_offset, refined)
 
     def _decode_streams(
@@ -440,21 +440,23 @@ def _destination(
 
 
 class _Room:
-    """Float32 scratch memory kept from frame to frame (fresh pages cost as much as filling
-    them): ``room(elements)`` that many elements, ``room(0, shape)`` zeros of ``shape``."""
+    """Float32 arrays kept from frame to frame (fresh pages cost as much as filling them)."""
 
     def __init__(self) -> None:
-        self.spare = np.zeros(0, dtype=np.float32)
-        self.zeros = np.zeros(0, dtype=np.float32)
+        self._spare = np.zeros(0, dtype=np.float32)
+        self._zeros = np.zeros(0, dtype=np.float32)
 
-    def __call__(self, elements: int, zeros: tuple | None = None) -> np.ndarray:
-        if zeros is not None:
-            if self.zeros.shape != zeros:
-                self.zeros = np.zeros(zeros, dtype=np.float32)
-            return self.zeros
-        if len(self.spare) < elements:
-            self.spare = np.empty(elements, dtype=np.float32)
-        return self.spare[:elements]
+    def scratch(self, elements: int) -> np.ndarray:
+        """``elements`` floats, their values undefined."""
+        if len(self._spare) < elements:
+            self._spare = np.empty(elements, dtype=np.float32)
+        return self._spare[:elements]
+
+    def zeros(self, shape: tuple) -> np.ndarray:
+        """Zeros of ``shape``, never written to."""
+        if self._zeros.shape != shape:
+            self._zeros = np.zeros(shape, dtype=np.float32)
+        return self._zeros
 
 
 class _Corrections:
@@ -464,15 +466,17 @@ class _Corrections:
     still in cache); in tiles of ``CORRECTION_TILE`` slots, each run only for the streams
     whose layer has rows there (a layer may have many more refined rows than the others)."""
 
-    def __init__(self, refined: RefinedRows, streams, heads: int, head_dim: int, room) -> None:
-        """``room(elements)``: float32 scratch memory of that many elements (reused)."""
+    def __init__(
+        self, refined: RefinedRows, streams, heads: int, head_dim: int, room: _Room
+    ) -> None:
         symbols = refined.symbols(streams.width)
         count, slots = symbols.shape[:2]
         self.rows = refined.rows
-        self.scratch = room(count * heads * slots * head_dim).reshape(count, heads, slots, -1)
+        self.scratch = room.scratch(count * heads * slots * head_dim)
+        self.scratch = self.scratch.reshape(count, heads, slots, head_dim)
         base = np.arange(count, dtype=np.int64) * heads * slots * head_dim
         unturned = np.full(count, -1, dtype=np.int64)
-        no_mean = room(0, streams.mean.shape)
+        no_mean = room.zeros(streams.mean.shape)
         per_stream = np.bincount(refined.rows[0], minlength=count)
         self.tiled_rows = -(-per_stream // CORRECTION_TILE) * CORRECTION_TILE
         self.tiles = []

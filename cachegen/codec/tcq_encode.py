@@ -16,13 +16,17 @@ from cachegen.codec import rans, tcq_kernels
 from cachegen.codec.base import kv_tensor
 from cachegen.codec.parallel import run_batches
 from cachegen.codec.quant import rotate_layer_keys
-from cachegen.codec.tcq_code import OFFSET_UNITS, LevelCode, exact_count, table_rows
+from cachegen.codec.tcq_code import (
+    OFFSET_UNITS,
+    ZLIB_LEVEL,
+    LevelCode,
+    exact_count,
+    table_rows,
+)
 from cachegen.codec.tcq_model import TcqModel
 from cachegen.codec.tcq_predict import residual_symbols
 from cachegen.codec.tcq_refine import encode_refinement, refined_rows, refinement_symbols
 from cachegen.kv import KVCache
-
-ZLIB_LEVEL = 6  # the choices' DEFLATE level (zlib's default)
 
 
 def quantize_rows(
@@ -166,6 +170,6 @@ def encode_body(tcq: TcqModel, code: LevelCode, chunk: KVCache, refine: bool = F
         packed = zlib.compress(np.concatenate(offsets + choices).tobytes(), ZLIB_LEVEL)
         side = np.array([len(packed)], dtype="<u4").tobytes() + packed
     if frame.refined is not None:
-        side += encode_refinement(tcq.family, frame.refined, frame.refinements)
+        side += encode_refinement(tcq, frame.refined, frame.refinements)
     exact = frame.exact
     return exact + side + lengths.tobytes() + np.concatenate(streams).astype("<u2").tobytes()

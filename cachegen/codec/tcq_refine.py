@@ -41,12 +41,12 @@ import torch
 from cachegen.codec import rans, tcq_kernels
 from cachegen.codec.errors import CodecError
 from cachegen.codec.packing import inflate_exactly
-from cachegen.codec.tcq_code import family_tables
+from cachegen.codec.tcq_code import ZLIB_LEVEL, code_lengths, family_tables
+from cachegen.codec.tcq_model import TcqModel
 
 REFINE_BELOW = 0.5  # a row is refined where its values' norm is below this share of the median
 REFINE_UNITS = 4  # refinements are in 1 / REFINE_UNITS of a step
 REFINE_RADIUS = REFINE_UNITS // 2
-ZLIB_LEVEL = 6
 
 
 def refined_rows(values: torch.Tensor) -> np.ndarray:
@@ -68,28 +68,24 @@ def refinement_symbols(y: np.ndarray, sym: np.ndarray, radius: np.ndarray) -> np
     return (np.clip(fine, -REFINE_RADIUS, REFINE_RADIUS) + REFINE_RADIUS).astype(np.uint8)
 
 
-@functools.cache
-def _tables(family_bytes: bytes, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(freq_cum, slot_sym) of the family's tables for radius ``REFINE_RADIUS``."""
-    family = np.frombuffer(family_bytes, dtype=np.int64).reshape(size, -1)
-    freq = family_tables(family, REFINE_RADIUS)
+@functools.lru_cache(maxsize=8)
+def refinement_tables(tcq: TcqModel) -> tuple[np.ndarray, np.ndarray]:
+    """(freq_cum, slot_sym) of the model file's family tables for radius ``REFINE_RADIUS``,
+    made once per model file (a model file hashes by identity)."""
+    freq = family_tables(tcq.family, REFINE_RADIUS)
     return rans.pack_freq_cum(freq), rans.slot_table(freq)
 
 
-def refinement_tables(family: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    return _tables(np.ascontiguousarray(family, dtype=np.int64).tobytes(), len(family))
-
-
-def encode_refinement(family: np.ndarray, mask: np.ndarray, symbols: list[np.ndarray]) -> bytes:
-    """The refinement section of a frame whose refined rows are ``mask`` [layers, tokens] and
-    whose streams' refinement symbols are ``symbols`` (each [kept, refined tokens] of its
-    layer)."""
+def encode_refinement(tcq: TcqModel, mask: np.ndarray, symbols: list[np.ndarray]) -> bytes:
+    """The refinement section of a frame of model file ``tcq`` whose refined rows are
+    ``mask`` [layers, tokens] and whose streams' refinement symbols are ``symbols`` (each
+    [kept, refined tokens] of its layer)."""
     flat = np.concatenate([s.T.reshape(-1) for s in symbols] + [np.zeros(0, np.uint8)])
     if not flat.size:
         return np.zeros(1, dtype="<u4").tobytes()
-    freq_cum, _ = refinement_tables(family)
+    freq_cum, _ = refinement_tables(tcq)
     counts = np.bincount(flat, minlength=2 * REFINE_RADIUS + 1)
-    bits = -np.log2((freq_cum >> 16).astype(np.float64) / rans.PROB_SCALE) @ counts
+    bits = code_lengths(freq_cum) @ counts
     table = int(np.argmin(bits))
     packed = zlib.compress(np.packbits(mask, bitorder="little").tobytes(), ZLIB_LEVEL)
     padded = np.full(-(-len(flat) // rans.LANES) * rans.LANES, REFINE_RADIUS, dtype=np.uint8)
@@ -172,11 +168,11 @@ class RefinedRows:
 
 
 def read_refined(
-    refinement: Refinement, family: np.ndarray, kept: np.ndarray, where: str
+    refinement: Refinement, tcq: TcqModel, kept: np.ndarray, where: str
 ) -> RefinedRows:
-    """The :class:`RefinedRows` of a frame, its section's words decoded (``kept``: the
-    streams' kept component counts); ``CodecError`` where they do not decode."""
-    if refinement.table >= len(family):
+    """The :class:`RefinedRows` of a frame of model file ``tcq``, its section's words decoded
+    (``kept``: the streams' kept component counts); ``CodecError`` where they do not decode."""
+    if refinement.table >= len(tcq.family):
         raise CodecError(f"{where} refinement names a table the family does not have")
     tokens = [np.flatnonzero(layer) for layer in refinement.mask]
     rows = np.repeat([len(t) for t in tokens], 2)  # per stream
@@ -184,7 +180,7 @@ def read_refined(
     total = int(counts.sum())
     if not total:
         raise CodecError(f"{where} refinement has no refined row")
-    r = _decoded(refinement, family, total, where)
+    r = _decoded(refinement, tcq, total, where)
     ends = np.cumsum(counts)
     blocks = [r[e - c : e].reshape(n, k) for e, c, n, k in zip(ends, counts, rows, kept)]
     refined = [s for s in range(len(kept)) if counts[s]]
@@ -194,11 +190,11 @@ def read_refined(
     return RefinedRows(blocks, tokens, (stream, slot, token))
 
 
-def _decoded(refinement: Refinement, family: np.ndarray, total: int, where: str) -> np.ndarray:
+def _decoded(refinement: Refinement, tcq: TcqModel, total: int, where: str) -> np.ndarray:
     """The section's ``total`` refinement symbols less ``REFINE_RADIUS`` (int16): one rANS
     stream of ``LANES`` components, symbol ``i`` component ``i % LANES`` of token
     ``i // LANES``, the last token padded with zeros."""
-    freq_cum, slot_sym = refinement_tables(family)
+    freq_cum, slot_sym = refinement_tables(tcq)
     lanes, tokens = rans.LANES, -(-total // rans.LANES)
     out = np.empty(tokens * lanes, dtype=np.int16)
     status = np.zeros(1, dtype=np.uint8)

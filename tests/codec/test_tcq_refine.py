@@ -150,14 +150,12 @@ def _section_of(blob, kv):
 
 
 def test_the_refinement_table_is_the_cheapest_of_the_family(model_file):
-    freq_cum, _ = tcq_refine.refinement_tables(model_file.family)
+    freq_cum, _ = tcq_refine.refinement_tables(model_file)
     rng = np.random.default_rng(0)
     symbols = np.clip(np.round(rng.normal(2, 0.6, 500)), 0, 4).astype(np.uint8)
     mask = np.zeros((1, 8), dtype=bool)
     mask[0, 3] = True
-    section = tcq_refine.encode_refinement(
-        model_file.family, mask, [symbols[:, None], symbols[:0, None]]
-    )
+    section = tcq_refine.encode_refinement(model_file, mask, [symbols[:, None], symbols[:0, None]])
     freq = (freq_cum >> 16).astype(np.float64) / 1024
     bits = -np.log2(freq) @ np.bincount(symbols, minlength=5)
     assert section[4] == int(np.argmin(bits))
