@@ -30,11 +30,10 @@ from cachegen.codec.quant import (
     max_level,
     num_scales,
     reconstruct,
-    rotary_cos_sin,
     scale_strides,
     segment_tokens,
-    theta_runs,
 )
+from cachegen.codec.rotary import rotary_cos_sin, theta_runs
 from cachegen.codec.tables import KINDS, LevelTables, num_segments
 
 _SLACK_BITS = 0.05  # per symbol, covers rANS rounding in the size lower bound (see check)

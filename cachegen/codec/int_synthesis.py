@@ -54,7 +54,9 @@ def _library() -> ctypes.CDLL | None:
         + [ctypes.c_float, _POINTER]
         + [_INT] * 4
         + [_POINTER] * 4
-        + [ctypes.c_int, _POINTER, _INT, ctypes.c_int, _POINTER, _INT]
+        + [ctypes.c_int, _POINTER, _INT]
+        + [_POINTER] * 3
+        + [ctypes.c_float, ctypes.c_int, _POINTER, _INT]
     )
     return library
 
@@ -155,6 +157,20 @@ class Shift:
     means: np.ndarray
 
 
+@dataclass(frozen=True)
+class Refinements:
+    """Rows a frame refines after the product writes them: stream ``k``'s are rows
+    ``start[k] .. start[k + 1]`` of ``rows`` [n, width] (int16, at most ``MAX_COEFFICIENT``
+    in magnitude), of its coded tokens ``tokens[start[k] .. start[k + 1]]``; each row times
+    the stream's matrix and ``unit`` is added, turned as the stream's rows are, to the row
+    written for its token."""
+
+    rows: np.ndarray
+    start: np.ndarray  # [streams + 1] int64
+    tokens: np.ndarray  # [n] int64
+    unit: float
+
+
 def product(
     coefficients: np.ndarray,
     matrices: IntegerSynthesis,
@@ -162,13 +178,14 @@ def product(
     to: Destination,
     shift: Shift | None = None,
     loops: str | None = None,
+    refinements: Refinements | None = None,
 ) -> Callable[[np.ndarray], None]:
     """The product of ``coefficients`` [streams, tokens, width] (int16) with their matrices,
     plus their channel means ``mean`` [streams, channels] (float32) moved by ``shift`` if
-    given, into ``to``: a function that runs it for streams ``todo`` (in any thread; the
-    arrays are checked once, here), by ``loops`` (default: this CPU's fastest,
-    :func:`loops_here`). The caller checks :func:`available` and :func:`fits` first; the
-    arrays are C-contiguous."""
+    given, into ``to``, then each stream's ``refinements`` if given: a function that runs it
+    for streams ``todo`` (in any thread; the arrays are checked once, here), by ``loops``
+    (default: this CPU's fastest, :func:`loops_here`). The caller checks :func:`available`
+    and :func:`fits` first; the arrays are C-contiguous."""
     library = _library()
     if library is None:
         raise ValueError("integer synthesis: the kernel is not built here, or the CPU lacks AVX2")
@@ -176,7 +193,10 @@ def product(
     if loops is not None and loops not in here:
         raise ValueError(f"integer synthesis: no {loops} loops on this CPU (it runs {here})")
     _check(coefficients, matrices, mean, to, shift)
+    if refinements is not None:
+        _check_refinements(refinements, coefficients.shape)
     streams, tokens, width = coefficients.shape
+    fine = refinements
     arguments = (
         coefficients.ctypes.data,
         matrices.pairs.ctypes.data,
@@ -196,9 +216,14 @@ def product(
         int(to.out.dtype == np.uint16),
         to.base.ctypes.data,
         to.out_tokens,
+        None if fine is None else fine.rows.ctypes.data,
+        None if fine is None else fine.start.ctypes.data,
+        None if fine is None else fine.tokens.ctypes.data,
+        0.0 if fine is None else fine.unit,
         _LOOPS[loops or here[-1]],
     )
-    return _Product(library, arguments, streams, (coefficients, matrices, mean, to, shift))
+    arrays = (coefficients, matrices, mean, to, shift, fine)
+    return _Product(library, arguments, streams, arrays)
 
 
 @dataclass(frozen=True)
@@ -243,8 +268,10 @@ def _check(
         ]
         if np.abs(shift.offsets.astype(np.int32)).max(initial=0) > MAX_COEFFICIENT:
             raise ValueError(f"integer synthesis: offsets beyond {MAX_COEFFICIENT}")
-    turned = bool((to.first_angle >= 0).any())
-    angles = (to.cos.shape[0], to.head_dim) if turned else to.cos.shape
+    turned = to.first_angle >= 0
+    angles = (to.cos.shape[0], to.head_dim) if turned.any() else to.cos.shape
+    if (to.first_angle[turned] + coefficients.shape[1]).max(initial=0) > to.cos.shape[0]:
+        raise ValueError("integer synthesis: a stream's angles run past the cos/sin rows")
     wanted += [(to.cos, np.float32, angles), (to.sin, np.float32, angles)]
     for array, dtype, shape in wanted:
         if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
@@ -253,3 +280,20 @@ def _check(
         raise ValueError("integer synthesis: bfloat16 bits or float32 out, and a shape it fits")
     if channels % to.head_dim:
         raise ValueError("integer synthesis: channels are not whole heads")
+
+
+def _check_refinements(fine: Refinements, shape: tuple[int, int, int]) -> None:
+    """The refinements' arrays, and that every row they add to is one the product writes."""
+    streams, tokens, width = shape
+    n = fine.rows.shape[0]
+    wanted = [(fine.rows, np.int16, (n, width)), (fine.start, np.int64, (streams + 1,))]
+    wanted += [(fine.tokens, np.int64, (n,))]
+    for array, dtype, want in wanted:
+        if array.dtype != dtype or array.shape != want or not array.flags.c_contiguous:
+            raise ValueError(f"integer synthesis: refinements of {array.dtype} {array.shape}")
+    if fine.start[0] != 0 or fine.start[-1] != n or np.any(np.diff(fine.start) < 0):
+        raise ValueError("integer synthesis: refinements' stream starts out of order")
+    if n and not (0 <= fine.tokens.min() and fine.tokens.max() < tokens):
+        raise ValueError("integer synthesis: a refined token out of range")
+    if np.abs(fine.rows.astype(np.int32)).max(initial=0) > MAX_COEFFICIENT:
+        raise ValueError(f"integer synthesis: refinements beyond {MAX_COEFFICIENT}")

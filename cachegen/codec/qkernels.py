@@ -326,7 +326,7 @@ def hadamard_row(v, head_dim, inv_sqrt):
 
 @numba.njit(inline="always")
 def _turn(x1, x2, cos1, sin1, cos2, sin2):
-    """Channels ``d`` and ``d + D/2`` turned by their rotary angles: ``quant.apply_rotary``'s
+    """Channels ``d`` and ``d + D/2`` turned by their rotary angles: ``rotary.apply_rotary``'s
     arithmetic, bit for bit (torch's CPU kernels fuse the multiply-add, so this does too)."""
     return fma32(-x2, sin1, x1 * cos1), fma32(x1, sin2, x2 * cos2)
 
@@ -480,7 +480,7 @@ def store_transformed(src, hadamard, cos, sin, rotate, out_f32, out_bf16):
     matrix (:func:`hadamard_row`) if ``hadamard``, then turned by the rotary angles if
     ``rotate`` (:func:`store_row`'s arithmetic).
 
-    ``cos``/``sin`` are ``[n, D]`` as ``quant.rotary_cos_sin`` gives them. One pass instead of
+    ``cos``/``sin`` are ``[n, D]`` as ``rotary.rotary_cos_sin`` gives them. One pass instead of
     torch's product and four rotary passes (docs/codec.md, "Speed").
     """
     rows, n, D = src.shape
@@ -509,6 +509,6 @@ def store_transformed(src, hadamard, cos, sin, rotate, out_f32, out_bf16):
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def store_rotated(src, cos, sin, rotate, out_f32, out_bf16):
-    """:func:`store_transformed` without the Hadamard product: ``quant.apply_rotary`` bit for
+    """:func:`store_transformed` without the Hadamard product: ``rotary.apply_rotary`` bit for
     bit."""
     store_transformed(src, False, cos, sin, rotate, out_f32, out_bf16)

@@ -61,7 +61,7 @@ typedef struct {
     const float *cos, *sin;  /* [angles, head_dim] */
     void *out;               /* bfloat16 bits (uint16) or float32 */
     int bf16;
-    float offset_unit;
+    float offset_unit, refine_unit;
 } Target;
 
 #ifdef CACHEGEN_AVX2
@@ -90,6 +90,33 @@ AVX2 static inline void store8(const Target *target, int64_t at, __m256 x) {
         _mm256_storeu_ps((float *)target->out + at, x);
 }
 
+/* 8 bfloat16 bits at `at` as float32. */
+AVX2 static inline __m256 load_bf16(const uint16_t *at) {
+    __m128i bits = _mm_loadu_si128((const __m128i *)at);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+AVX2 static inline __m256 load8(const Target *target, int64_t at) {
+    if (target->bf16)
+        return load_bf16((const uint16_t *)target->out + at);
+    return _mm256_loadu_ps((const float *)target->out + at);
+}
+
+/* 8 channels from d (x1) and their partners from d + head_dim / 2 (x2) turned by angle row
+   `angle` when it is not negative (the turn as two fused multiply-adds). */
+AVX2 static inline void turn(const Target *target, __m256 *x1, __m256 *x2, int64_t half,
+                             int64_t angle, int64_t d) {
+    if (angle < 0)
+        return;
+    const float *c = target->cos + angle * target->head_dim + d;
+    const float *s = target->sin + angle * target->head_dim + d;
+    __m256 y1 = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), *x2), _mm256_loadu_ps(s),
+                                _mm256_mul_ps(*x1, _mm256_loadu_ps(c)));
+    __m256 y2 = _mm256_fmadd_ps(*x1, _mm256_loadu_ps(s + half),
+                                _mm256_mul_ps(*x2, _mm256_loadu_ps(c + half)));
+    *x1 = y1, *x2 = y2;
+}
+
 /* One token's 8 channels from d and their 8 partners from d + head_dim / 2: scaled, the means
    added, turned by angle row `angle` when it is not negative, stored at `at`. */
 AVX2 static inline void put(const Target *target, __m256i low, __m256i high, const float *scale,
@@ -100,17 +127,24 @@ AVX2 static inline void put(const Target *target, __m256i low, __m256i high, con
     __m256 x2 = _mm256_add_ps(
         _mm256_mul_ps(_mm256_cvtepi32_ps(high), _mm256_loadu_ps(scale + half)),
         _mm256_loadu_ps(mean + half));
-    if (angle >= 0) {
-        const float *c = target->cos + angle * target->head_dim + d;
-        const float *s = target->sin + angle * target->head_dim + d;
-        __m256 y1 = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), _mm256_loadu_ps(s),
-                                    _mm256_mul_ps(x1, _mm256_loadu_ps(c)));
-        __m256 y2 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(s + half),
-                                    _mm256_mul_ps(x2, _mm256_loadu_ps(c + half)));
-        x1 = y1, x2 = y2;
-    }
+    turn(target, &x1, &x2, half, angle, d);
     store8(target, at, x1);
     store8(target, at + half, x2);
+}
+
+/* A refined row's correction of the same channels: scaled, times the refinements' unit (a
+   power of two: exact), turned as put turns them, added to the row already stored at `at`. */
+AVX2 static inline void add_put(const Target *target, __m256i low, __m256i high,
+                                const float *scale, int64_t half, int64_t angle, int64_t d,
+                                int64_t at) {
+    __m256 unit = _mm256_set1_ps(target->refine_unit);
+    __m256 x1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(low), _mm256_loadu_ps(scale)),
+                              unit);
+    __m256 x2 = _mm256_mul_ps(
+        _mm256_mul_ps(_mm256_cvtepi32_ps(high), _mm256_loadu_ps(scale + half)), unit);
+    turn(target, &x1, &x2, half, angle, d);
+    store8(target, at, _mm256_add_ps(load8(target, at), x1));
+    store8(target, at + half, _mm256_add_ps(load8(target, at + half), x2));
 }
 
 /* The loops, once with AVX2's vpmaddwd + vpaddd and once with AVX512-VNNI's vpdpwssd, which
@@ -143,8 +177,11 @@ AVX2 static inline void put(const Target *target, __m256i low, __m256i high, con
    offset_unit when offsets is not NULL: the moved means go to shifted [streams, channels]),
    into `out`: head h of token t of stream k at base[k] + (h *
    out_tokens + t) * head_dim, keys turned by angle row first_angle[k] + t of cos / sin
-   (first_angle[k] < 0: not turned), as bfloat16 bits when bf16 is nonzero, else float32,
-   by the loops numbered `loops` (cachegen_synthesis_kernel's numbers; AVX2's where the CPU
+   (first_angle[k] < 0: not turned), as bfloat16 bits when bf16 is nonzero, else float32;
+   then, when refined is not NULL, the stream's refined rows: rows refined_start[k] ..
+   refined_start[k + 1] of refined [rows, width] (int16 refinements) times the stream's matrix
+   and refine_unit, turned as its rows are, added to the rows of its coded tokens
+   refined_token[..] (tcq_refine.py); by the loops numbered `loops` (cachegen_synthesis_kernel's numbers; AVX2's where the CPU
    lacks the ones asked for).
    width even, head_dim a multiple of 16, channels a multiple of head_dim (int_synthesis.fits). */
 void cachegen_synthesize(const int16_t *coefficients, const int16_t *pairs, const float *scale,
@@ -152,9 +189,11 @@ void cachegen_synthesize(const int16_t *coefficients, const int16_t *pairs, cons
                          float *shifted, int64_t tokens, int64_t width, int64_t channels,
                          int64_t head_dim, const float *cos, const float *sin,
                          const int64_t *first_angle, void *out, int bf16, const int64_t *base,
-                         int64_t out_tokens, int loops, const int64_t *todo, int64_t count) {
+                         int64_t out_tokens, const int16_t *refined, const int64_t *refined_start,
+                         const int64_t *refined_token, float refine_unit, int loops,
+                         const int64_t *todo, int64_t count) {
     Target target = {tokens, width, channels, head_dim, out_tokens, cos, sin, out, bf16,
-                     offset_unit};
+                     offset_unit, refine_unit};
 #ifdef CACHEGEN_AVX2
     const int fused = loops == 2 && cachegen_synthesis_kernel() == 2;
     for (int64_t i = 0; i < count; i++) {
@@ -170,10 +209,15 @@ void cachegen_synthesize(const int16_t *coefficients, const int16_t *pairs, cons
         (fused ? stream_vnni : stream_avx2)(&target, coefficients + k * tokens * width, matrix,
                                             scale + k * channels, moved, first_angle[k],
                                             base[k]);
+        if (refined && refined_start[k + 1] > refined_start[k])
+            (fused ? correct_vnni : correct_avx2)(
+                &target, refined + refined_start[k] * width, refined_start[k + 1] - refined_start[k],
+                refined_token + refined_start[k], matrix, scale + k * channels, first_angle[k],
+                base[k]);
     }
 #else
     (void)target, (void)coefficients, (void)pairs, (void)scale, (void)mean, (void)first_angle;
-    (void)offsets, (void)shifted;
-    (void)base, (void)loops, (void)todo, (void)count;
+    (void)offsets, (void)shifted, (void)refined, (void)refined_start, (void)refined_token;
+    (void)refine_unit, (void)base, (void)loops, (void)todo, (void)count;
 #endif
 }

@@ -1,8 +1,8 @@
 /* The integer synthesis kernel's loops, compiled once per instruction set by synthesis.c:
    it defines KERNEL (the target attribute), DOT(acc, a, b) (acc plus the int32 sums of the
    int16 pair products of a and b, exact), TILE (the tokens of a tile: 4 or 8) and SUFFIX
-   (appended to every name), then includes this file. The helpers they call (load_pair, put)
-   are synthesis.c's AVX2 ones. */
+   (appended to every name), then includes this file. The helpers they call (load_pair, put,
+   add_put) are synthesis.c's AVX2 ones. */
 
 #define PASTE2(a, b) a##b
 #define PASTE(a, b) PASTE2(a, b)
@@ -118,6 +118,36 @@ KERNEL static void NAME(stream)(const Target *target, const int16_t *coefficient
                 NAME(whole_tile)(target, coefficients, pairs, scale, mean, first_angle, base, t, h, d);
             for (; t < target->tokens; t++)
                 NAME(one)(target, coefficients, pairs, scale, mean, first_angle, base, t, h, d);
+        }
+}
+
+/* The corrections of a stream's n refined rows (refinements x [n, width], rows of coded
+   tokens token[0 .. n)), after its rows are written: each row's sums scaled, turned and added
+   to the written row by add_put, TILE rows at a time while as many are left. */
+KERNEL static void NAME(correct)(const Target *target, const int16_t *x, int64_t n,
+                                 const int64_t *token, const int16_t *pairs, const float *scale,
+                                 int64_t first_angle, int64_t base) {
+    const int64_t width = target->width, head_dim = target->head_dim, half = head_dim / 2;
+    const int64_t heads = target->channels / head_dim;
+    __m256i sums[2 * TILE];
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t d = 0; d < half; d += LANES) {
+            const int64_t c = h * head_dim + d;
+            const int16_t *b = pairs + c * width;
+            for (int64_t i = 0; i < n;) {
+                const int64_t rows = n - i >= TILE ? TILE : 1;
+                if (rows == TILE)
+                    NAME(sum_tile)(x + i * width, width, b, 2 * LANES, half * width, sums);
+                else
+                    NAME(sum_one)(x + i * width, width, b, 2 * LANES, half * width, sums);
+                for (int64_t j = 0; j < rows; j++) {
+                    const int64_t t = token[i + j];
+                    const int64_t angle = first_angle < 0 ? -1 : first_angle + t;
+                    const int64_t at = base + (h * target->out_tokens + t) * head_dim + d;
+                    add_put(target, sums[j], sums[TILE + j], scale + c, half, angle, d, at);
+                }
+                i += rows;
+            }
         }
 }
 

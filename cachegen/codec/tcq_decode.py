@@ -22,12 +22,11 @@ from cachegen.codec.bitstream import Frame, Header
 from cachegen.codec.errors import CodecError
 from cachegen.codec.packing import inflate_exactly
 from cachegen.codec.parallel import run_batches
-from cachegen.codec.quant import rotary_cos_sin
+from cachegen.codec.rotary import rotary_tables
 from cachegen.codec.tcq_code import OFFSET_UNITS, LevelCode, exact_count, table_rows
 from cachegen.codec.tcq_model import TcqModel
 from cachegen.codec.tcq_predict import apply_predictions
 from cachegen.codec.tcq_refine import (
-    REFINE_UNITS,
     RefinedRows,
     Refinement,
     read_refined,
@@ -129,7 +128,6 @@ class TcqDecoder(FrameDecoder):
         self.predicted = code.predicted_layers(tuple(self.layers)) if predicted else []
         self.thetas = [tcq.rope_thetas[layer] for layer in self.layers]
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._room = _Room()  # the refined rows' corrections
         self._checked: dict[int, tuple[object, _Layout]] = {}  # frame index -> (body, layout)
 
     def _scratch_for(
@@ -225,8 +223,8 @@ class TcqDecoder(FrameDecoder):
         refined = None
         if layout.refinement is not None:  # checked before the streams write anything
             where = f"frame {frame.index} is corrupt: tcq"
-            kept = self.streams.kept
-            refined = read_refined(layout.refinement, self.tcq, kept, where)
+            streams = self.streams
+            refined = read_refined(layout.refinement, self.tcq, streams.kept, streams.width, where)
         self._decode_streams(frame, layout, out, token_offset, refined)
 
     def _decode_streams(
@@ -258,19 +256,13 @@ class TcqDecoder(FrameDecoder):
         symbols = self._symbols(frame, layout, _numpy_of(coefficients).reshape(-1), m)
         start = self._frame_start(frame) + e
         to, finish = _destination(h, self.thetas, start, m, out, token_offset + e)
-        corrections = None
-        if arithmetic == INT16 and refined is not None:
-            corrections = _Corrections(refined, streams, H, D, self._room)
         if arithmetic == INT16 and not self.predicted:  # each stream's symbols, then its product
-            product = _then(
-                self._int16_product(coefficients.numpy(), layout.offsets, to), corrections
-            )
+            product = self._int16_product(coefficients.numpy(), layout.offsets, to, refined)
             work = symbols.work + streams.width * m  # the product's share, about as large
-            if corrections is not None:  # and the corrections' tiles
-                work = work + streams.width * corrections.tiled_rows
+            if refined is not None:  # and the refined rows' corrections
+                work = work + streams.width * np.diff(refined.start)
             run_batches(lambda todo: (symbols.kernel(todo), product(todo)), work)
             symbols.verify()
-            _corrected(corrections, to)
             return finish()
         run_batches(symbols.kernel, symbols.work)
         symbols.verify()
@@ -280,23 +272,25 @@ class TcqDecoder(FrameDecoder):
             refined.add_to(coefficients)
         coefficients = coefficients.to(coefficient_dtype)
         if arithmetic == INT16:  # the product and the write in one pass
-            product = _then(
-                self._int16_product(coefficients.numpy(), layout.offsets, to), corrections
-            )
+            product = self._int16_product(coefficients.numpy(), layout.offsets, to, refined)
             run_batches(product, np.ones(len(streams.kept)))
         else:  # one batched GEMM for all streams (torch's BLAS, in its own threads)
             matrices = streams.synthesis_bf16 if arithmetic == BF16 else streams.synthesis
             torch.bmm(coefficients, matrices, out=rows)
             mean = streams.mean if layout.offsets is None else self._centred_mean(layout.offsets)
             self._write(_numpy_of(rows), mean, to)
-        _corrected(corrections, to)
         finish()
 
     def _int16_product(
-        self, coefficients: np.ndarray, offsets: np.ndarray | None, to: int_synthesis.Destination
+        self,
+        coefficients: np.ndarray,
+        offsets: np.ndarray | None,
+        to: int_synthesis.Destination,
+        refined: RefinedRows | None,
     ) -> Callable[[np.ndarray], None]:
         """The int16 kernel's product and write of streams ``todo``, the means moved by the
-        frame's ``offsets`` (int8 per kept component) if it has them."""
+        frame's ``offsets`` (int8 per kept component) if it has them, its ``refined`` rows
+        refined."""
         streams = self.streams
         shift = None
         if offsets is not None:
@@ -304,7 +298,10 @@ class TcqDecoder(FrameDecoder):
             moved.reshape(-1)[streams.slot] = offsets
             shift = int_synthesis.Shift(moved, 1 / OFFSET_UNITS, np.empty_like(streams.mean))
         matrices = streams.integer_synthesis
-        return int_synthesis.product(coefficients, matrices, streams.mean, to, shift)
+        fine = None if refined is None else refined.integer()
+        return int_synthesis.product(
+            coefficients, matrices, streams.mean, to, shift, refinements=fine
+        )
 
     def _symbols(self, frame: Frame, layout: _Layout, out: np.ndarray, m: int) -> SymbolPass:
         """The pass that writes each stream's symbols less their radii into ``out``, flat
@@ -418,12 +415,14 @@ def _destination(
         target, T, t0 = out, out.shape[3], offset
     else:
         target, T, t0 = torch.empty((2, L, H, m, D), dtype=torch.float32), m, 0
-    thetas = sorted({t for t in layer_thetas if t})
-    cos_sin = [rotary_cos_sin(start, m, D, theta) for theta in thetas]
-    cos = torch.cat([c for c, _ in cos_sin]).numpy() if thetas else _NO_ANGLES
-    sin = torch.cat([s for _, s in cos_sin]).numpy() if thetas else _NO_ANGLES
+    thetas = tuple(sorted({t for t in layer_thetas if t}))
+    cos, sin, positions = rotary_tables(D, thetas, start + m) if thetas else _NO_TABLES
     first_angle = np.array(
-        [thetas.index(t) * m if t and k == 0 else -1 for t in layer_thetas for k in (0, 1)],
+        [
+            thetas.index(t) * positions + start if t and k == 0 else -1
+            for t in layer_thetas
+            for k in (0, 1)
+        ],
         dtype=np.int64,
     )
     base = np.array(
@@ -437,100 +436,6 @@ def _destination(
             out[:, :, :, offset : offset + m] = target
 
     return to, finish
-
-
-class _Room:
-    """Float32 arrays kept from frame to frame (fresh pages cost as much as filling them)."""
-
-    def __init__(self) -> None:
-        self._spare = np.zeros(0, dtype=np.float32)
-        self._zeros = np.zeros(0, dtype=np.float32)
-
-    def scratch(self, elements: int) -> np.ndarray:
-        """``elements`` floats, their values undefined."""
-        if len(self._spare) < elements:
-            self._spare = np.empty(elements, dtype=np.float32)
-        return self._spare[:elements]
-
-    def zeros(self, shape: tuple) -> np.ndarray:
-        """Zeros of ``shape``, never written to."""
-        if self._zeros.shape != shape:
-            self._zeros = np.zeros(shape, dtype=np.float32)
-        return self._zeros
-
-
-class _Corrections:
-    """The integer product's corrections of a frame's refined rows: their refinements times
-    each stream's integer synthesis, no means, into a float32 scratch [streams, heads, slots,
-    head_dim] (not turned), stream by stream as the frame's own product runs (its matrix
-    still in cache); in tiles of ``CORRECTION_TILE`` slots, each run only for the streams
-    whose layer has rows there (a layer may have many more refined rows than the others)."""
-
-    def __init__(
-        self, refined: RefinedRows, streams, heads: int, head_dim: int, room: _Room
-    ) -> None:
-        symbols = refined.symbols(streams.width)
-        count, slots = symbols.shape[:2]
-        self.rows = refined.rows
-        self.scratch = room.scratch(count * heads * slots * head_dim)
-        self.scratch = self.scratch.reshape(count, heads, slots, head_dim)
-        base = np.arange(count, dtype=np.int64) * heads * slots * head_dim
-        unturned = np.full(count, -1, dtype=np.int64)
-        no_mean = room.zeros(streams.mean.shape)
-        per_stream = np.bincount(refined.rows[0], minlength=count)
-        self.tiled_rows = -(-per_stream // CORRECTION_TILE) * CORRECTION_TILE
-        self.tiles = []
-        for first in range(0, slots, CORRECTION_TILE):
-            tile = np.ascontiguousarray(symbols[:, first : first + CORRECTION_TILE])
-            to = int_synthesis.Destination(
-                self.scratch.reshape(-1),
-                base + first * head_dim,
-                slots,
-                head_dim,
-                _NO_ANGLES,
-                _NO_ANGLES,
-                unturned,
-            )
-            product = int_synthesis.product(tile, streams.integer_synthesis, no_mean, to)
-            self.tiles.append((per_stream > first, product))
-
-    def product(self, todo: np.ndarray) -> None:
-        for needed, product in self.tiles:
-            product(todo[needed[todo]])
-
-
-def _then(product: Callable[[np.ndarray], None], corrections: _Corrections | None):
-    """``product``, then for the same streams the ``corrections``' product (if any)."""
-    if corrections is None:
-        return product
-    return lambda todo: (product(todo), corrections.product(todo))
-
-
-def _corrected(corrections: _Corrections | None, to: int_synthesis.Destination) -> None:
-    """Add the ``corrections`` (if any), a quarter of them, keys turned, to the rows at
-    ``to``."""
-    if corrections is None:
-        return
-    bf16 = to.out.dtype == np.uint16
-    out16, out32 = (to.out, _NO_F32) if bf16 else (_NO_BF16, to.out)
-    stream, slot, token = corrections.rows
-    heads, head_dim = corrections.scratch.shape[1], corrections.scratch.shape[3]
-    tcq_kernels.add_corrections(
-        corrections.scratch,
-        stream,
-        slot,
-        token,
-        np.float32(1 / REFINE_UNITS),
-        to.first_angle,
-        to.cos,
-        to.sin,
-        heads,
-        head_dim,
-        out16,
-        out32,
-        to.base,
-        to.out_tokens,
-    )
 
 
 def checked_offsets(offsets: np.ndarray, where: str) -> np.ndarray:
@@ -549,4 +454,4 @@ def _numpy_of(x: torch.Tensor) -> np.ndarray:
 _NO_BF16 = np.zeros(0, dtype=np.uint16)
 _NO_F32 = np.zeros(0, dtype=np.float32)
 _NO_ANGLES = np.zeros((0, 0), dtype=np.float32)
-CORRECTION_TILE = 8  # refined rows per correction product: one tile of the kernel's VNNI loops
+_NO_TABLES = (_NO_ANGLES, _NO_ANGLES, 0)

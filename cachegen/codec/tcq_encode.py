@@ -15,7 +15,7 @@ import torch
 from cachegen.codec import rans, tcq_kernels
 from cachegen.codec.base import kv_tensor
 from cachegen.codec.parallel import run_batches
-from cachegen.codec.quant import rotate_layer_keys
+from cachegen.codec.rotary import rotate_layer_keys
 from cachegen.codec.tcq_code import (
     OFFSET_UNITS,
     ZLIB_LEVEL,

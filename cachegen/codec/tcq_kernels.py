@@ -270,7 +270,7 @@ def write_rows(
     """Streams ``todo`` of ``rows`` [streams, m, heads * head_dim] (float32, or bfloat16 bits
     if uint16) plus their channel means ``mean`` [streams, heads * head_dim], keys
     turned by the NeoX rotary angles of rows ``first_angle[k] + t`` of ``cos``/``sin`` (as
-    ``quant.rotary_cos_sin`` makes them; ``first_angle[k]`` -1: not turned), written as
+    ``rotary.rotary_cos_sin`` makes them; ``first_angle[k]`` -1: not turned), written as
     bfloat16 bits into ``out16`` when it is non-empty, else as float32 into ``out32``: head
     ``h`` of token ``t`` of stream ``k`` at ``base[k] + (h * tokens + t) * head_dim``
     (``qkernels.store_row``'s arithmetic, in vector registers)."""
@@ -318,46 +318,42 @@ def choose_tables(sym, radius, rows, family_row, family_size, code_bits, choice)
         choice[c] = best
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def add_corrections(
-    corrections,
-    stream,
-    slot,
-    token,
-    scale,
-    first_angle,
-    cos,
-    sin,
-    heads,
-    head_dim,
-    out16,
-    out32,
-    base,
-    tokens,
-):
-    """For each refined row ``j``: row ``slot[j]`` of stream ``stream[j]``'s ``corrections``
-    [streams, heads, slots, head_dim] (float32, pre-RoPE) times ``scale``, keys turned by
-    angle row ``first_angle[k] + token[j]`` of ``cos`` / ``sin`` (``first_angle[k]`` -1: not
-    turned), added to head ``h`` of coded token ``token[j]`` of stream ``k`` at ``base[k] +
-    (h * tokens + token[j]) * head_dim`` of ``out16`` (bfloat16 bits) when it is non-empty,
-    else of ``out32``: :func:`write_rows`'s layout and turn."""
-    half = head_dim // 2
-    for j in range(stream.shape[0]):
-        k, t = stream[j], token[j]
-        a = first_angle[k] + t
-        for h in range(heads):
-            o = base[k] + (h * tokens + t) * head_dim
-            for d in range(half):
-                x1 = corrections[k, h, slot[j], d] * scale
-                x2 = corrections[k, h, slot[j], d + half] * scale
-                if first_angle[k] >= 0:
-                    x1, x2 = (
-                        x1 * cos[a, d] - x2 * sin[a, d],
-                        x2 * cos[a, d + half] + x1 * sin[a, d + half],
-                    )
-                if out16.shape[0] > 0:
-                    store_value(out16, o + d, as_f32(out16[o + d]) + x1)
-                    store_value(out16, o + d + half, as_f32(out16[o + d + half]) + x2)
-                else:
-                    out32[o + d] += x1
-                    out32[o + d + half] += x2
+@numba.njit(nogil=True, cache=True)
+def refined_rows_of(mask, kept):
+    """The refined rows of a frame in stream order, from its mask [layers, tokens] (bool) and
+    its streams' kept component counts ``kept`` [2 * layers]: (stream, coded token) of each
+    row of the streams with kept components (int64 [n] each), and where each stream's rows
+    start ([streams + 1])."""
+    layers, tokens = mask.shape
+    per_layer = np.zeros(layers, dtype=np.int64)
+    for i in range(layers):
+        for t in range(tokens):
+            per_layer[i] += mask[i, t]
+    n = 0
+    for s in range(2 * layers):
+        n += per_layer[s // 2] if kept[s] > 0 else 0
+    stream = np.empty(n, dtype=np.int64)
+    token = np.empty(n, dtype=np.int64)
+    start = np.zeros(2 * layers + 1, dtype=np.int64)
+    j = 0
+    for s in range(2 * layers):
+        if kept[s] > 0:
+            for t in range(tokens):
+                if mask[s // 2, t]:
+                    stream[j], token[j] = s, t
+                    j += 1
+        start[s + 1] = j
+    return stream, token, start
+
+
+@numba.njit(nogil=True, cache=True)
+def spread_rows(symbols, stream, kept, width):
+    """``symbols`` (int16, each row's kept components one row after another) as rows [n,
+    width], zero past each row's stream's ``kept`` components."""
+    rows = np.zeros((stream.shape[0], width), dtype=np.int16)
+    j = 0
+    for i in range(stream.shape[0]):
+        for c in range(kept[stream[i]]):
+            rows[i, c] = symbols[j]
+            j += 1
+    return rows

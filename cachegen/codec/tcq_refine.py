@@ -24,10 +24,10 @@ Refinement section of a frame body (docs/bitstream.md, "Refined rows")::
         padded with symbol 2
 
 The decoder adds the refinements to the coefficients before the synthesis product where
-that product runs in floats; the integer product cannot hold quarters, so there each refined
-row's correction, its symbols ``r`` times the stream's integer synthesis, runs as a second
-product right after the stream's own (its matrix still in cache) and is added, divided by 4
-and keys turned to their position, to the row the streams decoded."""
+that product runs in floats; the integer product cannot hold quarters, so there the kernel,
+right after a stream's own rows (its matrix still in cache), multiplies each refined row's
+symbols ``r`` by the stream's integer synthesis and adds the product, divided by 4 and keys
+turned to their position, to the row it wrote (``int_synthesis.Refinements``)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cachegen.codec import rans, tcq_kernels
+from cachegen.codec import int_synthesis, rans, tcq_kernels
 from cachegen.codec.errors import CodecError
 from cachegen.codec.packing import inflate_exactly
 from cachegen.codec.tcq_code import ZLIB_LEVEL, code_lengths, family_tables
@@ -139,55 +139,41 @@ def read_refinement(body, at: int, layers: int, tokens: int, where: str):
 
 @dataclass
 class RefinedRows:
-    """A frame's refinements: ``blocks[s]`` [refined rows of its layer, kept] (int16, -2 to
-    2) of stream ``s``, the rows its layer's coded tokens ``tokens[s // 2]``; ``rows`` the
-    (stream, slot, token) of each refined row of each stream with kept components."""
+    """A frame's refinements row by row, in stream order: ``rows`` [n, width] (int16, -2 to
+    2; 0 past its stream's kept components) of stream ``stream[i]`` at coded token
+    ``token[i]``, stream ``k``'s rows from ``start[k]`` to ``start[k + 1]``."""
 
-    blocks: list[np.ndarray]
-    tokens: list[np.ndarray]
-    rows: tuple[np.ndarray, np.ndarray, np.ndarray]
+    rows: np.ndarray
+    stream: np.ndarray
+    token: np.ndarray
+    start: np.ndarray
 
-    def symbols(self, width: int) -> np.ndarray:
-        """The refinements [streams, slots, width] (int16, 0 elsewhere): the integer product's
-        coefficients of the corrections."""
-        slots = max(len(t) for t in self.tokens)
-        out = np.zeros((len(self.blocks), slots, width), dtype=np.int16)
-        for s, block in enumerate(self.blocks):
-            out[s, : block.shape[0], : block.shape[1]] = block
-        return out
+    def integer(self) -> int_synthesis.Refinements:
+        """The integer product's refinements of these rows, in quarters of a step."""
+        return int_synthesis.Refinements(self.rows, self.start, self.token, 1 / REFINE_UNITS)
 
     def add_to(self, coefficients: torch.Tensor) -> None:
         """Add the refinements, in steps, to a frame's coefficients [streams, tokens, width]
         (float32 or bfloat16)."""
-        for s, block in enumerate(self.blocks):
-            if block.size:
-                rows, kept = torch.from_numpy(self.tokens[s // 2]), block.shape[1]
-                fine = torch.from_numpy(block.astype(np.float32) / REFINE_UNITS)
-                moved = coefficients[s, rows, :kept].float() + fine
-                coefficients[s, rows, :kept] = moved.to(coefficients.dtype)
+        at = (torch.from_numpy(self.stream), torch.from_numpy(self.token))
+        fine = torch.from_numpy(self.rows).float() / REFINE_UNITS
+        coefficients[at] = (coefficients[at].float() + fine).to(coefficients.dtype)
 
 
 def read_refined(
-    refinement: Refinement, tcq: TcqModel, kept: np.ndarray, where: str
+    refinement: Refinement, tcq: TcqModel, kept: np.ndarray, width: int, where: str
 ) -> RefinedRows:
     """The :class:`RefinedRows` of a frame of model file ``tcq``, its section's words decoded
-    (``kept``: the streams' kept component counts); ``CodecError`` where they do not decode."""
+    (``kept``: the streams' kept component counts, at most ``width``); ``CodecError`` where
+    they do not decode."""
     if refinement.table >= len(tcq.family):
         raise CodecError(f"{where} refinement names a table the family does not have")
-    tokens = [np.flatnonzero(layer) for layer in refinement.mask]
-    rows = np.repeat([len(t) for t in tokens], 2)  # per stream
-    counts = rows * kept
-    total = int(counts.sum())
+    stream, token, start = tcq_kernels.refined_rows_of(refinement.mask, kept)
+    total = int(kept[stream].sum())
     if not total:
         raise CodecError(f"{where} refinement has no refined row")
-    r = _decoded(refinement, tcq, total, where)
-    ends = np.cumsum(counts)
-    blocks = [r[e - c : e].reshape(n, k) for e, c, n, k in zip(ends, counts, rows, kept)]
-    refined = [s for s in range(len(kept)) if counts[s]]
-    stream = np.repeat(refined, rows[refined])
-    slot = np.concatenate([np.arange(rows[s]) for s in refined])
-    token = np.concatenate([tokens[s // 2] for s in refined])
-    return RefinedRows(blocks, tokens, (stream, slot, token))
+    rows = tcq_kernels.spread_rows(_decoded(refinement, tcq, total, where), stream, kept, width)
+    return RefinedRows(rows, stream, token, start)
 
 
 def _decoded(refinement: Refinement, tcq: TcqModel, total: int, where: str) -> np.ndarray:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from cachegen import models
-from cachegen.codec.quant import apply_rotary, rotary_cos_sin
+from cachegen.codec.rotary import apply_rotary, rotary_cos_sin
 from cachegen.codec.tcq_code import EXACT_TOKENS
 from cachegen.codec.transform import TransformBasis
 from cachegen.fitting.kvtc import fit_kv

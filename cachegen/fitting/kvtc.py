@@ -11,7 +11,7 @@ import torch
 from cachegen import models, workload
 from cachegen.codec import kvtc_basis
 from cachegen.codec.profile import locked, profile_path
-from cachegen.codec.quant import rotate_layer_keys
+from cachegen.codec.rotary import rotate_layer_keys
 from cachegen.codec.transform import TransformBasis, allocate_bits, find_basis, fit_pca, save_basis
 from cachegen.kv import KVCache
 

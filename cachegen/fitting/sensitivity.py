@@ -20,7 +20,7 @@ import torch
 
 from cachegen import models, workload
 from cachegen.codec import kvtc_basis
-from cachegen.codec.quant import rotate_layer_keys
+from cachegen.codec.rotary import rotate_layer_keys
 from cachegen.codec.transform import TransformBasis
 from cachegen.fitting.kvtc import KVTC_CALIBRATION_SPLIT, KVTC_CALIBRATION_TOKENS, fit_kv
 from cachegen.fitting.replay import continuation_logits

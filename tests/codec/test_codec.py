@@ -19,6 +19,7 @@ from cachegen.codec import (
     load_profile,
     paper_levels,
     quant,
+    rotary,
 )
 from cachegen.codec import tables as tables_mod
 from cachegen.codec.bitstream import parse_frames, parse_header, read_token_ids
@@ -461,7 +462,7 @@ def test_variants_round_trip_within_their_step(change, tiny_kv, tiny_llama, isol
         # the orthonormal rotations (Hadamard, rotary angles) keep per-token error norms.
         per_token = (x - y).pow(2).sum(-1).sqrt()
         x_rot = (
-            quant.rotate_layer_keys(x, 0, cfg.layer_thetas, inverse=True)
+            rotary.rotate_layer_keys(x, 0, cfg.layer_thetas, inverse=True)
             if kind == "k" and cfg.derotates
             else x
         )
@@ -521,7 +522,7 @@ def test_keys_turned_back_by_rotary_angles_are_the_models_pre_rope_keys(tiny_lla
     pre_rope = (
         captured[-1][0].view(len(ids), identity.num_kv_heads, identity.head_dim).transpose(0, 1)
     )
-    turned_back = quant.rotate_keys(kv.keys[-1].float(), 0, thetas[-1], inverse=True)
+    turned_back = rotary.rotate_keys(kv.keys[-1].float(), 0, thetas[-1], inverse=True)
     torch.testing.assert_close(
         turned_back, pre_rope, rtol=1e-4, atol=1e-4 * float(pre_rope.abs().max())
     )
@@ -529,14 +530,14 @@ def test_keys_turned_back_by_rotary_angles_are_the_models_pre_rope_keys(tiny_lla
 
 
 def test_decoder_rotary_kernel_is_the_torch_rotation_bit_for_bit():
-    """The decoder turns keys forward in a numba pass; it must give what ``quant.apply_rotary``
+    """The decoder turns keys forward in a numba pass; it must give what ``rotary.apply_rotary``
     gives (quality is measured through the torch reference), in float32 and in bfloat16."""
     from cachegen.codec.qkernels import store_rotated
 
     torch.manual_seed(5)
     src = torch.randn(6, 40, 64) * 7
-    cos, sin = quant.rotary_cos_sin(1000, 40, 64, 100000.0)
-    expected = quant.apply_rotary(src, cos, sin)
+    cos, sin = rotary.rotary_cos_sin(1000, 40, 64, 100000.0)
+    expected = rotary.apply_rotary(src, cos, sin)
     as_f32 = torch.empty(6, 50, 64)[:, 5:45]  # a strided view, as the decoder writes into
     store_rotated(
         src.numpy(), cos.numpy(), sin.numpy(), True, as_f32.numpy(), np.empty((0, 0, 0), np.uint16)

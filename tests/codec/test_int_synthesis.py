@@ -5,6 +5,7 @@ that bound of the model file's arithmetic, in every output dtype."""
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import shutil
 
@@ -52,19 +53,27 @@ def test_matrices_round_within_half_a_scale_and_no_sum_can_overflow():
 
 
 def _kernel_case(
-    tokens: int, turned: bool, bf16: bool, shifted: bool = False, loops: str | None = None
+    tokens: int,
+    turned: bool,
+    bf16: bool,
+    shifted: bool = False,
+    loops: str | None = None,
+    refinements: int_synthesis.Refinements | None = None,
+    cos_rows: int | None = None,
 ):
     """Random int16 coefficients of 4 streams (one not asked for), 3 heads of 16 channels,
     through the kernel (its ``loops``, default the CPU's fastest) into a [streams, heads,
-    tokens, head_dim] output, the means moved by random offsets if ``shifted``; with the exact
-    float32 arithmetic it should do, written plainly."""
+    tokens, head_dim] output, the means moved by random offsets if ``shifted``, its
+    ``refinements`` added if given (keys turned from angle row 3 of ``cos_rows`` rows,
+    default all they need); with the exact float32 arithmetic it should do, written
+    plainly."""
     streams, width, heads, head_dim = 4, 194, 3, 16
     channels, half = heads * head_dim, head_dim // 2
     matrices = IntegerSynthesis.of(_matrices(streams, width, channels, [194, 7, 194, 0]))
     rng = np.random.default_rng(tokens)
     coefficients = rng.integers(-127, 128, (streams, tokens, width)).astype(np.int16)
     mean = rng.normal(size=(streams, channels)).astype(np.float32)
-    angles = rng.uniform(0, 6.3, (tokens + 3, head_dim)).astype(np.float32)
+    angles = rng.uniform(0, 6.3, (cos_rows or tokens + 3, head_dim)).astype(np.float32)
     cos, sin = np.cos(angles), np.sin(angles)
     first = np.array([3 if turned else -1, -1, 0 if turned else -1, -1], dtype=np.int64)
     size = streams * heads * tokens * head_dim
@@ -75,7 +84,7 @@ def _kernel_case(
     offsets = rng.integers(-127, 128, (streams, width)).astype(np.int16)
     moved = np.full_like(mean, np.nan)
     shift = int_synthesis.Shift(offsets, 0.25, moved) if shifted else None
-    int_synthesis.product(coefficients, matrices, mean, to, shift, loops)(todo)
+    int_synthesis.product(coefficients, matrices, mean, to, shift, loops, refinements)(todo)
     entries = matrices.entries()
     sums = np.einsum("stw,swc->stc", coefficients.astype(np.int64), entries.astype(np.int64))
     if shifted:
@@ -93,8 +102,39 @@ def _kernel_case(
     got = out.reshape(streams, heads, tokens, head_dim)
     if bf16:
         got = torch.from_numpy(got.astype(np.int32) << 16).view(torch.float32).numpy()
-        want = torch.from_numpy(want.astype(np.float32)).to(torch.bfloat16).float().numpy()
-    return todo, got, want.astype(np.float32)
+    want = _written(want.astype(np.float32), bf16)
+    if refinements is not None:
+        fine = (entries, matrices.scale, cos, sin, first)
+        want = _refined(want, refinements, fine, (heads, head_dim), bf16)
+    return todo, got, want
+
+
+def _written(rows: np.ndarray, bf16: bool) -> np.ndarray:
+    """float32 ``rows`` as the kernel stores them: rounded to bfloat16 if ``bf16``."""
+    if not bf16:
+        return rows
+    return torch.from_numpy(rows).to(torch.bfloat16).float().numpy()
+
+
+def _refined(want, fine: int_synthesis.Refinements, matrices, shape, bf16) -> np.ndarray:
+    """``want`` [streams, heads, tokens, head_dim] with ``fine``'s rows added as the kernel
+    adds them: each row's exact sums times its scale and unit, turned as the stream's rows,
+    added to the row as stored, stored again."""
+    entries, scale, cos, sin, first = matrices
+    heads, head_dim = shape
+    half, want = head_dim // 2, want.copy()
+    stream = np.repeat(np.arange(len(fine.start) - 1), np.diff(fine.start))
+    for j, (k, t) in enumerate(zip(stream, fine.tokens)):
+        sums = fine.rows[j].astype(np.int64) @ entries[k].astype(np.int64)
+        x = (sums.astype(np.float32) * scale[k] * np.float32(fine.unit)).astype(np.float64)
+        x = x.reshape(heads, head_dim)
+        if first[k] >= 0:
+            c, s = cos[first[k] + t], sin[first[k] + t]
+            x1, x2 = x[:, :half].copy(), x[:, half:].copy()
+            x[:, :half] = -x2 * s[:half] + (x1 * c[:half]).astype(np.float32)
+            x[:, half:] = x1 * s[half:] + (x2 * c[half:]).astype(np.float32)
+        want[k, :, t] = _written(want[k, :, t] + x.astype(np.float32), bf16)
+    return want
 
 
 def _runs_here(loops: str) -> str:
@@ -126,6 +166,78 @@ def test_the_kernel_moves_the_means_by_the_offsets_exactly(bf16, loops):
     )
     np.testing.assert_array_equal(got[todo], want[todo])
     assert not np.array_equal(got[0], _kernel_case(5, turned=False, bf16=bf16)[1][0])
+
+
+def _refinements(
+    tokens: int, counts=(9, 2, 1, 0), bound: int = 2, unit: float = 0.25
+) -> int_synthesis.Refinements:
+    """Random refinements (within ``bound``, in ``unit``) of ``_kernel_case``'s 4 streams:
+    ``counts[k]`` distinct tokens of stream ``k`` (9: a whole tile of the VNNI loops and one
+    row more)."""
+    rng = np.random.default_rng(7)
+    rows = rng.integers(-bound, bound + 1, (sum(counts), 194)).astype(np.int16)
+    start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    picks = [np.sort(rng.choice(tokens, count, replace=False)) for count in counts]
+    return int_synthesis.Refinements(rows, start, np.concatenate(picks).astype(np.int64), unit)
+
+
+@needs_kernel
+@LOOPS
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_the_kernel_adds_refined_rows_to_the_rows_it_wrote(bf16, loops):
+    # each refined row: its exact sums, scaled, a quarter of them added to the stored row
+    fine = _refinements(13)
+    todo, got, want = _kernel_case(13, False, bf16, loops=_runs_here(loops), refinements=fine)
+    np.testing.assert_array_equal(got[todo], want[todo])
+    _, plain, _ = _kernel_case(13, False, bf16, loops=loops)
+    changed = np.any(got[todo] != plain[todo], axis=(1, 3))  # [todo, tokens]
+    stream = np.repeat(np.arange(4), np.diff(fine.start))
+    refined = np.zeros((4, 13), dtype=bool)
+    refined[stream, fine.tokens] = True
+    np.testing.assert_array_equal(changed, refined[todo])
+    assert np.isnan(got[2]).all()  # stream 2, not asked for, is neither written nor refined
+
+
+@needs_kernel
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_the_kernel_turns_refined_rows_as_it_turns_keys(bf16):
+    # corrections as large as the rows, so that one left unturned shows in bfloat16 too
+    fine = _refinements(13, bound=MAX_COEFFICIENT, unit=1.0)
+    todo, got, want = _kernel_case(13, True, bf16, refinements=fine)
+    ulp = 2.0**-8 if bf16 else 2.0**-23
+    largest = float(np.abs(want[todo]).max())
+    np.testing.assert_allclose(got[todo], want[todo], rtol=ulp, atol=4 * ulp * largest)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"tokens": np.array([0, 1, 2, 13], np.int64)}, "refined token"),
+        ({"tokens": np.array([0, 1, 2, -1], np.int64)}, "refined token"),
+        ({"start": np.array([0, 3, 1, 4, 4], np.int64)}, "out of order"),
+        ({"start": np.array([0, 1, 2, 3, 3], np.int64)}, "out of order"),
+        ({"rows": np.full((4, 194), 128, np.int16)}, "beyond"),
+        ({"rows": np.zeros((4, 194), np.int32)}, "refinements of"),
+    ],
+)
+def test_the_kernel_refuses_refinements_it_cannot_add(bad, match):
+    # the kernel writes where the tokens say: every index is checked before it runs
+    fine = int_synthesis.Refinements(
+        np.zeros((4, 194), np.int16),
+        np.array([0, 1, 2, 3, 4], np.int64),
+        np.array([0, 1, 2, 3], np.int64),
+        0.25,
+    )
+    with pytest.raises(ValueError, match=match):
+        _kernel_case(13, False, False, refinements=dataclasses.replace(fine, **bad))
+
+
+@needs_kernel
+def test_the_kernel_refuses_angles_past_its_cos_and_sin_rows():
+    # keys turned from angle row first_angle + t: the rows must be there for every token
+    with pytest.raises(ValueError, match="angles"):
+        _kernel_case(14, True, False, cos_rows=14 + 2)
 
 
 @needs_kernel

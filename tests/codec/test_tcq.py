@@ -26,7 +26,7 @@ from cachegen.codec import (
     tcq_model,
 )
 from cachegen.codec.bitstream import parse_frames, parse_header
-from cachegen.codec.quant import rotate_layer_keys
+from cachegen.codec.rotary import rotate_layer_keys
 from cachegen.fitting.attention import LayerStats, attention_probabilities, layer_weights
 from cachegen.fitting.tcq import ensure_tcq_model, fit_tcq_model, tcq_calibration_spec
 from cachegen.kv import KVCache

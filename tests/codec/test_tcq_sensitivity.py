@@ -12,7 +12,7 @@ import torch
 
 from cachegen import workload
 from cachegen.codec import kvtc_basis
-from cachegen.codec.quant import rotate_layer_keys
+from cachegen.codec.rotary import rotate_layer_keys
 from cachegen.extract import load_model
 from cachegen.fitting import sensitivity
 from cachegen.fitting.kvtc import KVTC_CALIBRATION_TOKENS, ensure_kvtc_basis

@@ -40,7 +40,7 @@ from cachegen.codec.errors import CodecError
 from cachegen.codec.kvtc_basis import EXACT_TOKENS, load_kvtc_basis
 from cachegen.codec.lloyd_max import MAX_BITS, dequantize, quantize
 from cachegen.codec.packing import inflate_exactly, pack_bits, packed_size, unpack_bits
-from cachegen.codec.quant import rotate_layer_keys
+from cachegen.codec.rotary import rotate_layer_keys
 from cachegen.codec.transform import TransformBasis, find_basis
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.kv import KVCache

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from cachegen.codec import rans, tcq_code, tcq_model
 from cachegen.codec.base import kv_tensor
-from cachegen.codec.quant import rotate_layer_keys
+from cachegen.codec.rotary import rotate_layer_keys
 from cachegen.errors import InputError
 from cachegen.fileio import versioned
 from cachegen.kv import KVCache
