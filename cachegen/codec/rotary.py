@@ -45,15 +45,24 @@ def _table_positions(end: int) -> int:
 def _stacked_tables(
     head_dim: int, thetas: tuple[float, ...], positions: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    tables = [_rotary_table(head_dim, theta, positions) for theta in thetas]
-    cos = torch.cat([c for c, _ in tables]).numpy()
-    sin = torch.cat([s for _, s in tables]).numpy()
+    # one theta shares rotary_cos_sin's table; several get one of their own, not a copy of
+    # each theta's table besides it (long contexts' tables run to hundreds of MB)
+    if len(thetas) == 1:
+        cos, sin = _rotary_table(head_dim, thetas[0], positions)
+    else:
+        tables = [_cos_sin(head_dim, theta, positions) for theta in thetas]
+        cos, sin = torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
+    cos, sin = cos.numpy(), sin.numpy()
     cos.flags.writeable = sin.flags.writeable = False
     return cos, sin
 
 
 @functools.lru_cache(maxsize=8)
 def _rotary_table(head_dim: int, theta: float, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _cos_sin(head_dim, theta, positions)
+
+
+def _cos_sin(head_dim: int, theta: float, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of positions ``0 .. positions - 1``; angles are computed in float64 so
     that far positions keep their precision."""
     angles = (

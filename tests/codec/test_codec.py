@@ -529,6 +529,20 @@ def test_keys_turned_back_by_rotary_angles_are_the_models_pre_rope_keys(tiny_lla
     assert not torch.allclose(kv.keys[-1].float(), pre_rope, atol=1e-2)
 
 
+def test_stacked_rotary_tables_hold_each_thetas_angles_read_only():
+    # tcq's decoder indexes one table for all of a model's rotary bases (Gemma 3 has two):
+    # position p under thetas[i] is row i * P + p, the same angles as rotary_cos_sin's
+    thetas = (10000.0, 1000000.0)
+    cos, sin, positions = rotary.rotary_tables(64, thetas, 5000)
+    assert positions >= 5000 and cos.shape == sin.shape == (2 * positions, 64)
+    for i, theta in enumerate(thetas):
+        want_cos, want_sin = rotary.rotary_cos_sin(4990, 10, 64, theta)
+        rows = slice(i * positions + 4990, i * positions + 5000)
+        assert np.array_equal(cos[rows], want_cos.numpy())
+        assert np.array_equal(sin[rows], want_sin.numpy())
+    assert not cos.flags.writeable and not sin.flags.writeable  # shared: never written
+
+
 def test_decoder_rotary_kernel_is_the_torch_rotation_bit_for_bit():
     """The decoder turns keys forward in a numba pass; it must give what ``rotary.apply_rotary``
     gives (quality is measured through the torch reference), in float32 and in bfloat16."""
