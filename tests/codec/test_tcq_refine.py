@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import CodecError, decode, get_codec, int_synthesis, tcq, tcq_decode, tcq_refine
+from cachegen.codec import CodecError, decode, get_codec, tcq, tcq_decode, tcq_refine
 from cachegen.codec.bitstream import parse_frames, parse_header
 from cachegen.fitting.tcq import ensure_tcq_model
 from tests.codec import transform_support as shared
+from tests.codec.test_int_synthesis import needs_kernel
 from tests.codec.test_tcq import BY_STEP
 
 SINKS = (5, 17, 40)  # tokens whose values are made small
@@ -161,10 +162,11 @@ def test_the_refinement_table_is_the_cheapest_of_the_family(model_file):
     assert section[4] == int(np.argmin(bits))
 
 
-@pytest.mark.skipif(not int_synthesis.available(), reason="the int16 kernel is not built here")
+@needs_kernel
 def test_the_integer_product_refines_as_the_float_one(kv, model_file, monkeypatch):
-    """Refinements added to the float product's coefficients, or as the integer product's
-    corrections in tiles of 8 rows (20 sinks: a layer's rows span three tiles)."""
+    """Refinements added to the float product's coefficients, or by the integer kernel as
+    corrections of the rows it wrote (20 sinks: a layer's rows fill whole tiles of the kernel's
+    loops and leave some rows over)."""
     values = kv.values.clone()
     values[:, :, 2:42:2] *= 0.1
     many = dataclasses.replace(kv, values=values)

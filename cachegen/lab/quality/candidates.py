@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cachegen.codec import QuantConfig, paper_levels
+from cachegen.codec import QuantConfig, get_codec, paper_levels
 from cachegen.errors import InputError
 from cachegen.kv import KVCache
 from cachegen.lab.quality.evaluate import Candidate
@@ -31,7 +31,6 @@ def config_codec(spec: ModelSpec, config, level: int):
     """A cachegen codec whose only level ``level`` is ``config``, through a profile that lives
     in memory: its probability tables are calibrated like any level's (and cached by content
     id), but the model's saved profile is not touched."""
-    from cachegen.codec import get_codec
     from cachegen.profiles import transient_profile
 
     return get_codec("cachegen", profile=transient_profile(spec, {level: config}))
@@ -46,8 +45,10 @@ def codec_candidates(spec: ModelSpec, name: str, levels: list[str] | None) -> li
     codec = codec_for(name, spec)
     available = {str(level): level for level in codec.levels}
     named = variants(spec) if name == "cachegen" else {}
-    if name == "tcq":
+    unrefined = None
+    if name == "tcq":  # the same model file, without refined rows
         named = {f"{level}{UNREFINED}": level for level in codec.levels}
+        unrefined = get_codec(name, tcq=codec.tcq, chunk_tokens=codec.chunk_tokens, refine=False)
     wanted = list(available) if levels is None else levels
     unknown = [level for level in wanted if level not in available and level not in named]
     if unknown:
@@ -56,20 +57,20 @@ def codec_candidates(spec: ModelSpec, name: str, levels: list[str] | None) -> li
             f"codec {name} has no level {', '.join(unknown)}; its levels are "
             f"{', '.join(available) or '(none)'}{extra}"
         )
-    return [_candidate(spec, name, codec, level, available, named) for level in wanted]
+    return [_candidate(spec, name, (codec, unrefined), level, available, named) for level in wanted]
 
 
 UNREFINED = "-unrefined"
 
 
-def _candidate(spec, name, codec, level: str, available: dict, named: dict) -> Candidate:
+def _candidate(spec, name, codecs, level: str, available: dict, named: dict) -> Candidate:
+    """``codecs``: the codec, and for tcq the same without refined rows (else None)."""
+    codec, unrefined = codecs
     if level in available:
         return Candidate(name, level, codec_roundtrip(codec, available[level]))
-    if name == "tcq":
-        from cachegen.profiles import codec_for
-
-        plain = codec_for(name, spec, refine=False)
-        return Candidate(name, level, codec_roundtrip(plain, named[level]), {"refine": False})
+    if unrefined is not None:
+        roundtrip = codec_roundtrip(unrefined, named[level])
+        return Candidate(name, level, roundtrip, {"refine": False})
     return variant_candidate(spec, level, named[level])
 
 
