@@ -196,7 +196,6 @@ def product(
     if refinements is not None:
         _check_refinements(refinements, coefficients.shape)
     streams, tokens, width = coefficients.shape
-    fine = refinements
     arguments = (
         coefficients.ctypes.data,
         matrices.pairs.ctypes.data,
@@ -216,13 +215,13 @@ def product(
         int(to.out.dtype == np.uint16),
         to.base.ctypes.data,
         to.out_tokens,
-        None if fine is None else fine.rows.ctypes.data,
-        None if fine is None else fine.start.ctypes.data,
-        None if fine is None else fine.tokens.ctypes.data,
-        0.0 if fine is None else fine.unit,
+        None if refinements is None else refinements.rows.ctypes.data,
+        None if refinements is None else refinements.start.ctypes.data,
+        None if refinements is None else refinements.tokens.ctypes.data,
+        0.0 if refinements is None else refinements.unit,
         _LOOPS[loops or here[-1]],
     )
-    arrays = (coefficients, matrices, mean, to, shift, fine)
+    arrays = (coefficients, matrices, mean, to, shift, refinements)
     return _Product(library, arguments, streams, arrays)
 
 
