@@ -1,0 +1,50 @@
+"""The codec threads (cachegen.codec.parallel): every stream of every job runs once, and none
+is left running when a call returns, even when a kernel fails."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from cachegen.codec import parallel
+
+
+@pytest.fixture(autouse=True)
+def two_threads(monkeypatch):
+    monkeypatch.setenv("CACHEGEN_CODEC_THREADS", "2")
+
+
+def test_every_stream_of_every_job_runs_once():
+    seen: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def kernel(name):
+        def run(todo):
+            with lock:
+                seen.extend((name, int(i)) for i in todo)
+
+        return run
+
+    parallel.run_jobs([(kernel("a"), np.ones(37)), (kernel("b"), np.arange(1.0, 6.0))])
+    assert sorted(seen) == sorted([("a", i) for i in range(37)] + [("b", i) for i in range(5)])
+
+
+def test_a_failing_kernel_leaves_no_batch_running():
+    ran: list[int] = []
+    lock = threading.Lock()
+
+    def kernel(todo):
+        time.sleep(0.002)
+        if 0 in todo:
+            raise ValueError("a stream does not decode")
+        with lock:
+            ran.extend(int(i) for i in todo)
+
+    with pytest.raises(ValueError, match="does not decode"):
+        parallel.run_batches(kernel, np.ones(16))
+    done = len(ran)
+    time.sleep(0.05)
+    assert len(ran) == done  # nothing ran after the error reached the caller
