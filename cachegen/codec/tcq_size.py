@@ -8,6 +8,8 @@ symbols at about its calibrated table's entropy (a predicted layer's targets: th
 table's; the frame's own offsets and table choices win back what held-out text loses against
 the calibration text); the packed form stores each kept component at the width its symbols
 span in the frame, estimated from the calibrated table (of the symbols, never predicted).
+A coded frame's refined rows are not counted: which rows a frame refines depends on its KV,
+not on the model file (what they cost: docs/codec.md, "Refined rows").
 """
 
 from __future__ import annotations
