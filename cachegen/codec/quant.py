@@ -36,6 +36,7 @@ and run unchanged on a GPU.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import struct
 from dataclasses import dataclass, field
@@ -290,13 +291,8 @@ def _thetas_from_json(value) -> float | tuple[float, ...]:
 
 
 def _runs(values: tuple) -> list[tuple]:
-    runs: list[list[int]] = []
-    for v in values:
-        if runs and runs[-1][1] == v:
-            runs[-1][0] += 1
-        else:
-            runs.append([1, v])
-    return [(c, v) for c, v in runs]
+    """``(count, value)`` of each run of equal values, in order (as ``rotary.theta_runs``)."""
+    return [(len(list(run)), value) for value, run in itertools.groupby(values)]
 
 
 # ---- paper presets ---------------------------------------------------------------------------
