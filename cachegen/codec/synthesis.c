@@ -181,8 +181,8 @@ AVX2 static inline void add_put(const Target *target, __m256i low, __m256i high,
    then, when refined is not NULL, the stream's refined rows: rows refined_start[k] ..
    refined_start[k + 1] of refined [rows, width] (int16 refinements) times the stream's matrix
    and refine_unit, turned as its rows are, added to the rows of its coded tokens
-   refined_token[..] (tcq_refine.py); by the loops numbered `loops` (cachegen_synthesis_kernel's numbers; AVX2's where the CPU
-   lacks the ones asked for).
+   refined_token[..] (tcq_refine.py); by the loops numbered `loops`
+   (cachegen_synthesis_kernel's numbers; AVX2's where the CPU lacks the ones asked for).
    width even, head_dim a multiple of 16, channels a multiple of head_dim (int_synthesis.fits). */
 void cachegen_synthesize(const int16_t *coefficients, const int16_t *pairs, const float *scale,
                          const float *mean, const int16_t *offsets, float offset_unit,
