@@ -1,8 +1,9 @@
 """Spread independent coder streams over CPU threads.
 
 The numba kernels release the GIL, so plain threads give real parallelism. Streams are
-split into contiguous batches of about equal work (symbols), a few per thread so a slow
-core does not hold everyone up; the calling thread takes batches too.
+split into contiguous batches that shrink as the work left does (guided scheduling): the
+first few are large, so the threads take few hand-outs, and the last are single streams, so
+they run out of work together; the calling thread takes batches too.
 ``CACHEGEN_CODEC_THREADS`` overrides the thread count (default: the CPUs this process may
 run on).
 """
@@ -51,19 +52,14 @@ def run_jobs(jobs: list[tuple[Callable[[np.ndarray], None], np.ndarray]]) -> Non
     bitstream): one hand-out of batches for all of them, so threads wait once, not once per
     job. The calling thread works too instead of waiting."""
     threads = num_threads()
-    total = sum(float(np.sum(work)) for _, work in jobs)
-    tasks = []
-    for kernel, work in jobs:
-        share = float(np.sum(work)) / total if total else 1.0
-        parts = max(1, round(_BATCHES_PER_THREAD * threads * share)) if threads > 1 else 1
-        tasks += [(kernel, todo) for todo in _split(work, parts)]
-    pending = iter(tasks)  # shared: each thread takes the next batch (atomic under the GIL)
+    batches = _batches([work for _, work in jobs], threads)
+    pending = iter([(jobs[j][0], todo) for j, todo in batches])  # shared: atomic under the GIL
 
     def drain() -> None:
         for kernel, todo in pending:
             kernel(todo)
 
-    helpers = [_executor(threads - 1).submit(drain) for _ in range(min(threads, len(tasks)) - 1)]
+    helpers = [_executor(threads - 1).submit(drain) for _ in range(min(threads, len(batches)) - 1)]
     try:
         drain()
     finally:
@@ -76,17 +72,23 @@ def run_jobs(jobs: list[tuple[Callable[[np.ndarray], None], np.ndarray]]) -> Non
         future.result()
 
 
-_BATCHES_PER_THREAD = 4  # a few per thread, so a slow core does not hold everyone up
-
-
-def _split(work: np.ndarray, parts: int) -> list[np.ndarray]:
-    """Contiguous ranges of stream indices of about equal ``work``, at most ``parts``."""
-    count = len(work)
-    parts = min(parts, count)
-    if parts <= 1:
-        return [np.arange(count, dtype=np.int64)] if count else []
-    edges = np.searchsorted(
-        np.cumsum(work, dtype=np.float64), np.linspace(0, float(np.sum(work)), parts + 1)[1:-1]
-    )
-    bounds = np.unique(np.concatenate([[0], edges, [count]]))
-    return [np.arange(a, b, dtype=np.int64) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+def _batches(works: list[np.ndarray], threads: int) -> list[tuple[int, np.ndarray]]:
+    """``(job, stream indices)`` batches covering every job's streams in order. Each batch
+    takes about ``1 / (2 threads)`` of the work left: the first are large (few hand-outs),
+    the last single streams, so the threads run out of work together."""
+    sizes = np.array([len(work) for work in works], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    count = int(starts[-1])
+    cum = np.cumsum(np.concatenate([np.zeros(0), *works]), dtype=np.float64)
+    bounds = starts
+    if threads > 1 and count and cum[-1] > 0:
+        keep = 1 - 1 / (2 * threads)
+        left = keep ** np.arange(1, int(np.ceil(np.log(count) / -np.log(keep))) + 1)
+        edges = np.searchsorted(cum, cum[-1] * (1 - left)) + 1
+        bounds = np.unique(np.concatenate([starts, np.minimum(edges, count)]))
+    jobs = np.searchsorted(starts, bounds[:-1], side="right") - 1
+    return [
+        (int(j), np.arange(a - starts[j], b - starts[j], dtype=np.int64))
+        for j, a, b in zip(jobs, bounds[:-1], bounds[1:])
+        if b > a
+    ]

@@ -48,3 +48,15 @@ def test_a_failing_kernel_leaves_no_batch_running():
     done = len(ran)
     time.sleep(0.05)
     assert len(ran) == done  # nothing ran after the error reached the caller
+
+
+def test_batches_shrink_to_a_single_stream_at_the_end():
+    works = [np.ones(36), np.zeros(0), np.arange(1.0, 9.0)]
+    batches = parallel._batches(works, threads=2)
+    for j, work in enumerate(works):  # each job's streams, in order, once
+        covered = [i for job, todo in batches if job == j for i in todo]
+        assert covered == list(range(len(work)))
+    sizes = [len(todo) for _, todo in batches]
+    assert sizes[0] == max(sizes) > 4  # a quarter of the work, for two threads
+    assert sizes[-3:] == [1, 1, 1]  # the last hand-outs are single streams
+    assert [len(todo) for _, todo in parallel._batches(works, threads=1)] == [36, 8]
