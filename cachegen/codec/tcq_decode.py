@@ -5,7 +5,8 @@ rANS symbols into coefficients, one batched product with the synthesis matrices 
 arithmetic :func:`synthesis_arithmetic` picks for the CPU), then the channel means added and keys
 turned into the output. The int16 arithmetic does the last two in one pass
 (:mod:`cachegen.codec.int_synthesis`), and without a prediction chain each codec thread runs a
-stream's product right after its symbols, while they are still in cache."""
+stream's product right after its symbols, while they are still in cache, and the threads take
+the streams of a few frames in one hand-out (:meth:`TcqDecoder.decode`)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,17 @@ from cachegen.codec.base import FrameDecoder
 from cachegen.codec.bitstream import Frame, Header
 from cachegen.codec.errors import CodecError
 from cachegen.codec.packing import inflate_exactly
-from cachegen.codec.parallel import run_batches
+from cachegen.codec.parallel import run_batches, run_jobs
 from cachegen.codec.rotary import rotary_tables
-from cachegen.codec.tcq_code import OFFSET_UNITS, LevelCode, exact_count, table_rows
+from cachegen.codec.tcq_code import (
+    OFFSET_UNITS,
+    LevelCode,
+    StreamTables,
+    exact_count,
+    table_rows,
+)
 from cachegen.codec.tcq_model import TcqModel
-from cachegen.codec.tcq_predict import apply_predictions
+from cachegen.codec.tcq_predict import LayerPredictor, apply_predictions
 from cachegen.codec.tcq_refine import (
     RefinedRows,
     Refinement,
@@ -64,6 +71,8 @@ def int16_synthesis() -> bool:
 
 
 BF16, INT16, FLOAT32 = "bf16", "int16", "float32"
+# the coefficients' scratch of one hand-out of fused frames (TcqDecoder.decode): a few frames
+_HANDOUT_SCRATCH = 32 << 20
 # per arithmetic: the coefficients' dtype and the product rows' dtype
 _DTYPES: dict[str, tuple[torch.dtype, torch.dtype | None]] = {
     BF16: (torch.bfloat16, torch.bfloat16),
@@ -127,28 +136,27 @@ class TcqDecoder(FrameDecoder):
         # the layers whose frames code residuals of a prediction from the layer before
         self.predicted = code.predicted_layers(tuple(self.layers)) if predicted else []
         self.thetas = [tcq.rope_thetas[layer] for layer in self.layers]
-        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.synthesis = _Synthesis(self.streams, self.predicted, header.num_kv_heads)
+        # per frame of a hand-out: (tokens, dtypes) -> (coefficients, rows)
+        self._scratch: dict[int, tuple[tuple, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._checked: dict[int, tuple[object, _Layout]] = {}  # frame index -> (body, layout)
 
     def _scratch_for(
-        self, tokens: int, dtype: torch.dtype, row_dtype: torch.dtype | None
+        self, slot: int, tokens: int, dtype: torch.dtype, row_dtype: torch.dtype | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Coefficients [streams, tokens, width] (``dtype``) and rows [streams, tokens,
-        channels] (the synthesis's ``row_dtype``; None: no rows), kept for the next frame of
-        the same length: fresh pages cost as much as filling them."""
-        scratch = self._scratch
-        if (
-            scratch is None
-            or scratch[0].shape[1] != tokens
-            or (scratch[0].dtype, scratch[1].dtype) != (dtype, row_dtype)
-        ):
+        channels] (the synthesis's ``row_dtype``; None: no rows) of the ``slot``-th frame of a
+        hand-out, kept for the next frame of the same length: fresh pages cost as much as
+        filling them."""
+        shape = (tokens, dtype, row_dtype)
+        kept = self._scratch.get(slot)
+        if kept is None or kept[0] != shape:
             streams, channels = self.streams, self.streams.synthesis.shape[2]
             count = len(streams.kept)
-            self._scratch = (
-                torch.empty((count, tokens, streams.width), dtype=dtype),
-                torch.empty((count, tokens, channels) if row_dtype else 0, dtype=row_dtype),
-            )
-        return self._scratch
+            coefficients = torch.empty((count, tokens, streams.width), dtype=dtype)
+            rows = torch.empty((count, tokens, channels) if row_dtype else 0, dtype=row_dtype)
+            self._scratch[slot] = kept = (shape, (coefficients, rows))
+        return kept[1]
 
     def _frame_start(self, frame: Frame) -> int:
         return self.header.start + frame.index * self.header.chunk_tokens
@@ -218,25 +226,64 @@ class TcqDecoder(FrameDecoder):
         body, layout = self._checked.pop(frame.index, (None, None))
         return layout if body is frame.body else self._layout(frame)
 
+    def decode(self, frames: list[Frame], out_dtype: torch.dtype) -> torch.Tensor:
+        """Where each stream's product runs right after its symbols (:meth:`_fused`), a few
+        frames' streams in one hand-out to the threads, so they wait once per hand-out, not
+        once per frame; else frame by frame."""
+        if not self._fused(out_dtype):
+            return super().decode(frames, out_dtype)
+        out = self.checked_output(frames, out_dtype)
+        starts = np.cumsum([0] + [len(frame.token_ids) for frame in frames])
+        per = max(1, _HANDOUT_SCRATCH // self._scratch_bytes(self.header.chunk_tokens))
+        for first in range(0, len(frames), per):
+            group = range(first, min(first + per, len(frames)))
+            jobs = [self._job(frames[i], out, int(starts[i]), i - first) for i in group]
+            jobs = [job for job in jobs if job is not None]
+            run_jobs([(kernel, work) for kernel, work, _ in jobs])
+            for _, _, done in jobs:
+                done()
+        return out
+
+    def _fused(self, out_dtype: torch.dtype) -> bool:
+        """Whether each stream's int16 product runs right after its symbols, in one pass."""
+        arithmetic = synthesis_arithmetic(out_dtype, self.streams.width, self.header.head_dim)
+        return arithmetic == INT16 and not self.predicted
+
+    def _scratch_bytes(self, tokens: int) -> int:
+        """The int16 coefficients' scratch of a fused frame of ``tokens`` tokens."""
+        return 2 * len(self.streams.kept) * max(1, tokens) * self.streams.width
+
     def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
+        job = self._job(frame, out, token_offset, 0)
+        if job is not None:
+            kernel, work, done = job
+            run_batches(kernel, work)
+            done()
+
+    def _job(self, frame: Frame, out: torch.Tensor, token_offset: int, slot: int):
+        """``(kernel, work, done)`` of a frame (None once its exact tokens, all it has, are
+        written): run ``kernel`` on batches of its streams (``work``: their relative costs),
+        then ``done()``, which raises ``CodecError`` if a stream was corrupt and else finishes
+        the frame's output. Its coefficients go to scratch ``slot``."""
         layout = self._checked_layout(frame)
         refined = None
         if layout.refinement is not None:  # checked before the streams write anything
             where = f"frame {frame.index} is corrupt: tcq"
             streams = self.streams
             refined = read_refined(layout.refinement, self.tcq, streams.kept, streams.width, where)
-        self._decode_streams(frame, layout, out, token_offset, refined)
+        return self._streams_job(frame, layout, out, token_offset, refined, slot)
 
-    def _decode_streams(
+    def _streams_job(
         self,
         frame: Frame,
         layout: _Layout,
         out: torch.Tensor,
         token_offset: int,
         refined: RefinedRows | None,
-    ) -> None:
-        """The frame's exact tokens and streams into ``out`` from token ``token_offset``, its
-        ``refined`` rows refined."""
+        slot: int,
+    ):
+        """:meth:`_job` of the frame's exact tokens and streams into ``out`` from token
+        ``token_offset``, its ``refined`` rows refined."""
         h = self.header
         n = len(frame.token_ids)
         e = layout.exact_tokens
@@ -246,62 +293,36 @@ class TcqDecoder(FrameDecoder):
             out[:, :, :, token_offset : token_offset + e] = raw.view(h.dtype).view(2, L, H, e, D)
         m = n - e
         if not m:
-            return
+            return None
         streams = self.streams
         arithmetic = synthesis_arithmetic(out.dtype, streams.width, h.head_dim)
         coefficient_dtype, row_dtype = _DTYPES[arithmetic]
         # the prediction chain restores symbols in float32 before the synthesis
         scratch_dtype = torch.float32 if self.predicted else coefficient_dtype
-        coefficients, rows = self._scratch_for(m, scratch_dtype, row_dtype)
+        coefficients, rows = self._scratch_for(slot, m, scratch_dtype, row_dtype)
         symbols = self._symbols(frame, layout, _numpy_of(coefficients).reshape(-1), m)
         start = self._frame_start(frame) + e
         to, finish = _destination(h, self.thetas, start, m, out, token_offset + e)
-        if arithmetic == INT16 and not self.predicted:  # each stream's symbols, then its product
-            product = self._int16_product(coefficients.numpy(), layout.offsets, to, refined)
+        if self._fused(out.dtype):  # each stream's symbols, then its product
+            product = self.synthesis.int16_product(
+                coefficients.numpy(), layout.offsets, to, refined
+            )
             work = symbols.work + streams.width * m  # the product's share, about as large
             if refined is not None:  # and the refined rows' corrections
                 work = work + streams.width * np.diff(refined.start)
-            run_batches(lambda todo: (symbols.kernel(todo), product(todo)), work)
-            symbols.verify()
-            return finish()
-        run_batches(symbols.kernel, symbols.work)
-        symbols.verify()
-        if self.predicted:
-            self._restore(coefficients, layout.offsets)
-        if refined is not None and arithmetic != INT16:  # floats hold the quarter steps
-            refined.add_to(coefficients)
-        coefficients = coefficients.to(coefficient_dtype)
-        if arithmetic == INT16:  # the product and the write in one pass
-            product = self._int16_product(coefficients.numpy(), layout.offsets, to, refined)
-            run_batches(product, np.ones(len(streams.kept)))
-        else:  # one batched GEMM for all streams (torch's BLAS, in its own threads)
-            matrices = streams.synthesis_bf16 if arithmetic == BF16 else streams.synthesis
-            torch.bmm(coefficients, matrices, out=rows)
-            mean = streams.mean if layout.offsets is None else self._centred_mean(layout.offsets)
-            self._write(_numpy_of(rows), mean, to)
-        finish()
 
-    def _int16_product(
-        self,
-        coefficients: np.ndarray,
-        offsets: np.ndarray | None,
-        to: int_synthesis.Destination,
-        refined: RefinedRows | None,
-    ) -> Callable[[np.ndarray], None]:
-        """The int16 kernel's product and write of streams ``todo``, the means moved by the
-        frame's ``offsets`` (int8 per kept component) if it has them, its ``refined`` rows
-        refined."""
-        streams = self.streams
-        shift = None
-        if offsets is not None:
-            moved = np.zeros((len(streams.kept), streams.width), dtype=np.int16)
-            moved.reshape(-1)[streams.slot] = offsets
-            shift = int_synthesis.Shift(moved, 1 / OFFSET_UNITS, np.empty_like(streams.mean))
-        matrices = streams.integer_synthesis
-        fine = None if refined is None else refined.integer()
-        return int_synthesis.product(
-            coefficients, matrices, streams.mean, to, shift, refinements=fine
-        )
+            def done() -> None:
+                symbols.verify()
+                finish()
+
+            return (lambda todo: (symbols.kernel(todo), product(todo))), work, done
+
+        def synthesize() -> None:
+            symbols.verify()
+            self.synthesis.synthesize(arithmetic, coefficients, rows, layout.offsets, to, refined)
+            finish()
+
+        return symbols.kernel, symbols.work, synthesize
 
     def _symbols(self, frame: Frame, layout: _Layout, out: np.ndarray, m: int) -> SymbolPass:
         """The pass that writes each stream's symbols less their radii into ``out``, flat
@@ -341,6 +362,83 @@ class TcqDecoder(FrameDecoder):
 
         return SymbolPass(decode_kernel, words + streams.kept * m + 1, verify)
 
+    def inspect_extras(self) -> dict:
+        tcq = self.tcq
+        level = self.header.level
+        return {
+            "transform": tcq.id,
+            "transform_bytes": tcq.nbytes,
+            "table_bytes": tcq.table_bytes(level),
+        }
+
+    def layer_bytes(self, frame: Frame) -> np.ndarray:
+        layout = self._layout(frame)
+        h, words = self.header, layout.words
+        per_stream = 2 * words.astype(np.float64).reshape(h.num_layers, 2)
+        shared = layout.exact_bytes + layout.side_bytes + 4 * len(words)
+        return per_stream + shared / (2 * h.num_layers)
+
+
+@dataclass(frozen=True)
+class _Synthesis:
+    """The passes after a frame's symbols: its coefficients back into rows of K/V through the
+    ``streams``' synthesis matrices, the ``predicted`` layers restored first, into a
+    destination of ``heads`` heads."""
+
+    streams: StreamTables
+    predicted: list[tuple[int, LayerPredictor]]  # (layer position, its predictor)
+    heads: int
+
+    def synthesize(
+        self,
+        arithmetic: str,
+        coefficients: torch.Tensor,
+        rows: torch.Tensor,
+        offsets: np.ndarray | None,
+        to: int_synthesis.Destination,
+        refined: RefinedRows | None,
+    ) -> None:
+        """The decoded symbols ``coefficients`` restored, refined and multiplied by the
+        synthesis matrices in ``arithmetic``, written into ``to`` (the passes after the
+        symbols where the product does not follow each stream's symbols)."""
+        streams = self.streams
+        coefficient_dtype = _DTYPES[arithmetic][0]
+        if self.predicted:
+            self._restore(coefficients, offsets)
+        if refined is not None and arithmetic != INT16:  # floats hold the quarter steps
+            refined.add_to(coefficients)
+        coefficients = coefficients.to(coefficient_dtype)
+        if arithmetic == INT16:  # the product and the write in one pass
+            product = self.int16_product(coefficients.numpy(), offsets, to, refined)
+            run_batches(product, np.ones(len(streams.kept)))
+        else:  # one batched GEMM for all streams (torch's BLAS, in its own threads)
+            matrices = streams.synthesis_bf16 if arithmetic == BF16 else streams.synthesis
+            torch.bmm(coefficients, matrices, out=rows)
+            mean = streams.mean if offsets is None else self._centred_mean(offsets)
+            self._write(_numpy_of(rows), mean, to)
+
+    def int16_product(
+        self,
+        coefficients: np.ndarray,
+        offsets: np.ndarray | None,
+        to: int_synthesis.Destination,
+        refined: RefinedRows | None,
+    ) -> Callable[[np.ndarray], None]:
+        """The int16 kernel's product and write of streams ``todo``, the means moved by the
+        frame's ``offsets`` (int8 per kept component) if it has them, its ``refined`` rows
+        refined."""
+        streams = self.streams
+        shift = None
+        if offsets is not None:
+            moved = np.zeros((len(streams.kept), streams.width), dtype=np.int16)
+            moved.reshape(-1)[streams.slot] = offsets
+            shift = int_synthesis.Shift(moved, 1 / OFFSET_UNITS, np.empty_like(streams.mean))
+        matrices = streams.integer_synthesis
+        fine = None if refined is None else refined.integer()
+        return int_synthesis.product(
+            coefficients, matrices, streams.mean, to, shift, refinements=fine
+        )
+
     def _restore(self, coefficients: torch.Tensor, offsets: np.ndarray) -> None:
         """The predicted layers' targets, decoded as residuals, back to their symbols (less
         the radii), layer after layer (:func:`cachegen.codec.tcq_predict.apply_predictions`)."""
@@ -364,7 +462,7 @@ class TcqDecoder(FrameDecoder):
         bf16 = to.out.dtype == np.uint16
         out16 = to.out if bf16 else _NO_BF16
         out32 = _NO_F32 if bf16 else to.out
-        H, D = self.header.num_kv_heads, to.head_dim
+        H, D = self.heads, to.head_dim
 
         def write_kernel(todo: np.ndarray) -> None:
             tcq_kernels.write_rows(
@@ -383,22 +481,6 @@ class TcqDecoder(FrameDecoder):
             )
 
         run_batches(write_kernel, np.ones(len(to.base)))
-
-    def inspect_extras(self) -> dict:
-        tcq = self.tcq
-        level = self.header.level
-        return {
-            "transform": tcq.id,
-            "transform_bytes": tcq.nbytes,
-            "table_bytes": tcq.table_bytes(level),
-        }
-
-    def layer_bytes(self, frame: Frame) -> np.ndarray:
-        layout = self._layout(frame)
-        h, words = self.header, layout.words
-        per_stream = 2 * words.astype(np.float64).reshape(h.num_layers, 2)
-        shared = layout.exact_bytes + layout.side_bytes + 4 * len(words)
-        return per_stream + shared / (2 * h.num_layers)
 
 
 def _destination(

@@ -331,3 +331,24 @@ def test_decoders_pick_the_integer_product_unless_the_cpu_has_amx(monkeypatch):
     monkeypatch.setattr(tcq_decode, "amx_synthesis", lambda: True)
     assert tcq_decode.synthesis_arithmetic(torch.bfloat16, 192, 64) == tcq_decode.BF16
     assert tcq_decode.synthesis_arithmetic(torch.float32, 192, 64) == tcq_decode.INT16
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_frames_decode_alike_in_one_hand_out_one_each_or_unfused(
+    kv, tiny_llama, model_file, out_dtype, monkeypatch
+):
+    # the fused decoder hands a few frames' streams to the threads at once, each frame in its
+    # own scratch; one frame per hand-out, or the symbols' and products' passes apart, must
+    # give the same bits
+    monkeypatch.setattr(tcq_decode, "bf16_synthesis", lambda: False)
+    monkeypatch.setattr(tcq_decode, "int16_synthesis", lambda: True)
+    blob = codec_for("tcq", tiny_llama, chunk_tokens=16).encode(kv, BY_STEP[1])
+    together = decode(blob, out_dtype)
+    monkeypatch.setattr(tcq_decode, "_HANDOUT_SCRATCH", 1)
+    one_each = decode(blob, out_dtype)
+    monkeypatch.setattr(tcq_decode.TcqDecoder, "_fused", lambda self, dtype: False)
+    unfused = decode(blob, out_dtype)
+    for other in (one_each, unfused):
+        assert torch.equal(together.keys, other.keys)
+        assert torch.equal(together.values, other.values)
