@@ -3,12 +3,13 @@
 The component weights (:mod:`cachegen.fitting.attention`) model what a unit of error costs a
 layer's attention output, relative to the residual stream it is added to. What that output
 error then does to the next-token distributions, through the layers above, they do not see.
-So the fit measures it: on windows of the ``calibrate`` split, each (layer, K/V) stream alone
-is quantized at one step (the others exact), and the KL divergence of the continuation's
-next-token distributions from the exact KV's is divided by the weighted squared error that
-the stream's quantization made. Multiplying a stream's weights by that sensitivity makes one
-unit of weighted error cost the same KL in every stream, which is what one step for the
-whole model (reverse water-filling) assumes.
+So the fit measures it: on windows of the ``calibrate`` split, each (layer, K/V) stream
+alone is quantized at one step (the others exact; the rows a coded frame refines, its
+attention sinks, a quarter step finer: :mod:`cachegen.codec.tcq_refine`), and the KL
+divergence of the continuation's next-token distributions from the exact KV's is divided by
+the weighted squared error that the stream's quantization made. Multiplying a stream's
+weights by that sensitivity makes one unit of weighted error cost the same KL in every
+stream, which is what one step for the whole model (reverse water-filling) assumes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from cachegen import models, workload
 from cachegen.codec import kvtc_basis
 from cachegen.codec.rotary import rotate_layer_keys
+from cachegen.codec.tcq_refine import REFINE_RADIUS, REFINE_UNITS, refined_rows
 from cachegen.codec.transform import TransformBasis
 from cachegen.fitting.kvtc import KVTC_CALIBRATION_SPLIT, KVTC_CALIBRATION_TOKENS, fit_kv
 from cachegen.fitting.replay import continuation_logits
@@ -42,6 +44,7 @@ def sensitivity_spec() -> dict:
         "scored_tokens": SENSITIVITY_SCORED,
         "bits": SENSITIVITY_BITS,
         "range": SENSITIVITY_RANGE,
+        "refined": True,  # the rows coded frames refine are a quarter step finer here too
     }
 
 
@@ -97,6 +100,7 @@ def _quantized_stream(kv, basis: TransformBasis, weights, steps, layer: int, k: 
     y = (rows - basis.mean[layer, k]) @ components.T
     step = steps[layer, k].astype(np.float64)
     err = step * np.round(y / step) - y
+    _refine(err, y, step, refined_rows(kv.values[layer : layer + 1, :, skip:].float())[0])
     made = float((err**2 @ weights[layer, k].astype(np.float64)).mean())
     delta = torch.from_numpy(err @ components).float().reshape(n, H, D).permute(1, 0, 2)
     if k == 0:
@@ -105,6 +109,16 @@ def _quantized_stream(kv, basis: TransformBasis, weights, steps, layer: int, k: 
     out = (kv.keys, kv.values)[k].clone()
     out[layer, :, skip:] += delta.to(out.dtype)
     return replace(kv, **{("keys", "values")[k]: out}), made
+
+
+def _refine(err: np.ndarray, y: np.ndarray, step: np.ndarray, rows: np.ndarray) -> None:
+    """The rounding errors ``err`` [tokens, C] of coefficients ``y`` redone for ``rows`` (bool
+    [tokens]) as a coded frame refines them (:mod:`cachegen.codec.tcq_refine`: its symbol,
+    then a refinement in quarter steps), in place."""
+    coarse = np.round(y[rows] / step)
+    fine = np.round(REFINE_UNITS * (y[rows] / step - coarse))
+    fine = np.clip(fine, -REFINE_RADIUS, REFINE_RADIUS)
+    err[rows] = step * (coarse + fine / REFINE_UNITS) - y[rows]
 
 
 def _log_probs(hf_model, kv, continuation: torch.Tensor) -> torch.Tensor:

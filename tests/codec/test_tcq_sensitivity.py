@@ -1,6 +1,7 @@
 """The tcq fit's measured stream sensitivities (``cachegen.fitting.sensitivity``): each stream
-is quantized alone and exactly where it should be, the windows are calibration text the basis
-did not see, and a stream the model cannot read measures as the least sensitive."""
+is quantized alone and exactly where it should be (its refined rows a quarter step finer), the
+windows are calibration text the basis did not see, and a stream the model cannot read
+measures as the least sensitive."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from cachegen import workload
 from cachegen.codec import kvtc_basis
 from cachegen.codec.rotary import rotate_layer_keys
+from cachegen.codec.tcq_refine import refined_rows
 from cachegen.extract import load_model
 from cachegen.fitting import sensitivity
 from cachegen.fitting.kvtc import KVTC_CALIBRATION_TOKENS, ensure_kvtc_basis
@@ -39,8 +41,9 @@ def _coefficients(x: torch.Tensor, basis, layer: int, k: int, thetas) -> np.ndar
 @pytest.mark.parametrize("k", [0, 1])
 def test_one_stream_is_quantized_alone_and_its_error_is_weighed(kv, fitted, k):
     _, _, _, basis, model = fitted
-    kv = kv.to(torch.float32)
+    kv = copy.deepcopy(kv.to(torch.float32))
     layer, level = 1, 22
+    kv.values[layer, :, [3, 7]] *= 0.1  # two attention sinks: their rows are refined
     steps = model.steps[list(model.levels).index(level)]
     perturbed, made = sensitivity._quantized_stream(kv, basis, model.weights, steps, layer, k)
     for other in range(kv.num_layers):
@@ -54,7 +57,14 @@ def test_one_stream_is_quantized_alone_and_its_error_is_weighed(kv, fitted, k):
     before = _coefficients(stream[0][layer], basis, layer, k, thetas)
     after = _coefficients(stream[1][layer], basis, layer, k, thetas)
     step = steps[layer, k].astype(np.float64)
-    np.testing.assert_allclose(after, step * np.round(before / step), atol=1e-3 * step.max())
+    atol = 1e-3 * step.max()
+    # the rows coded frames refine (by the values' norms) are a quarter step finer
+    rows = refined_rows(kv.values[layer : layer + 1, :, skip:])[0]
+    assert rows.any() and not rows.all()
+    rounded = step * np.round(before / step)
+    np.testing.assert_allclose(after[~rows], rounded[~rows], atol=atol)
+    quarters = step / 4 * np.round(4 * before[rows] / step)
+    np.testing.assert_allclose(after[rows], quarters, atol=atol)
     weighed = float(((after - before) ** 2 @ model.weights[layer, k].astype(np.float64)).mean())
     assert made > 0 and made == pytest.approx(weighed, rel=1e-3)
 
