@@ -230,11 +230,12 @@ class TcqDecoder(FrameDecoder):
         """Where each stream's product runs right after its symbols (:meth:`_fused`), a few
         frames' streams in one hand-out to the threads, so they wait once per hand-out, not
         once per frame; else frame by frame."""
-        if not self._fused(out_dtype):
+        h = self.header
+        if not self._fused(synthesis_arithmetic(out_dtype, self.streams.width, h.head_dim)):
             return super().decode(frames, out_dtype)
         out = self.checked_output(frames, out_dtype)
         starts = np.cumsum([0] + [len(frame.token_ids) for frame in frames])
-        per = max(1, _HANDOUT_SCRATCH // self._scratch_bytes(self.header.chunk_tokens))
+        per = max(1, _HANDOUT_SCRATCH // self._scratch_bytes(h.chunk_tokens))
         for first in range(0, len(frames), per):
             group = range(first, min(first + per, len(frames)))
             jobs = [self._job(frames[i], out, int(starts[i]), i - first) for i in group]
@@ -244,9 +245,9 @@ class TcqDecoder(FrameDecoder):
                 done()
         return out
 
-    def _fused(self, out_dtype: torch.dtype) -> bool:
-        """Whether each stream's int16 product runs right after its symbols, in one pass."""
-        arithmetic = synthesis_arithmetic(out_dtype, self.streams.width, self.header.head_dim)
+    def _fused(self, arithmetic: str) -> bool:
+        """Whether each stream's product, in ``arithmetic`` (:func:`synthesis_arithmetic`),
+        runs right after its symbols, in one pass."""
         return arithmetic == INT16 and not self.predicted
 
     def _scratch_bytes(self, tokens: int) -> int:
@@ -303,7 +304,7 @@ class TcqDecoder(FrameDecoder):
         symbols = self._symbols(frame, layout, _numpy_of(coefficients).reshape(-1), m)
         start = self._frame_start(frame) + e
         to, finish = _destination(h, self.thetas, start, m, out, token_offset + e)
-        if self._fused(out.dtype):  # each stream's symbols, then its product
+        if self._fused(arithmetic):  # each stream's symbols, then its product
             product = self.synthesis.int16_product(
                 coefficients.numpy(), layout.offsets, to, refined
             )

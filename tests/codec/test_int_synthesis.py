@@ -347,7 +347,7 @@ def test_frames_decode_alike_in_one_hand_out_one_each_or_unfused(
     together = decode(blob, out_dtype)
     monkeypatch.setattr(tcq_decode, "_HANDOUT_SCRATCH", 1)
     one_each = decode(blob, out_dtype)
-    monkeypatch.setattr(tcq_decode.TcqDecoder, "_fused", lambda self, dtype: False)
+    monkeypatch.setattr(tcq_decode.TcqDecoder, "_fused", lambda self, arithmetic: False)
     unfused = decode(blob, out_dtype)
     for other in (one_each, unfused):
         assert torch.equal(together.keys, other.keys)
