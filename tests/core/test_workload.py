@@ -87,10 +87,11 @@ def test_evaluation_domains_are_distinct_and_stable():
     for domain in workload.DOMAINS:
         assert not workload._runs(texts[domain]) & workload._runs(calibration), domain
     assert "def " in texts["code"] and "Gutenberg" not in texts["prose"]
+    assert "GNU GENERAL PUBLIC LICENSE" in texts["legal"]
 
 
 def test_unknown_domain_is_refused():
-    with pytest.raises(InputError, match="unknown domain 'news'.*pydoc, prose, code, dialogue"):
+    with pytest.raises(InputError, match="unknown domain 'news'.*prose, code, dialogue, legal"):
         workload.domain_text("news")
 
 
