@@ -107,7 +107,8 @@ def _choice_arguments(p: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="CALIBRATION_JSON",
         help="do not measure allocations: choose again (--target-ppl, --select, --margin) among "
-        "those an earlier run verified, on its windows",
+        "those an earlier run verified, on its windows (with --codec tcq: among the levels of "
+        "its tcq-calibration.json)",
     )
 
 
@@ -126,10 +127,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     from cachegen.lab.quality import report
     from cachegen.lab.quality.calibrate import calibrate, choose_again, save_level
 
-    if args.codec == "tcq":
-        return _calibrate_tcq(args)
     if args.apply and args.trials:
         raise InputError("--apply and --trials are alternatives: give one")
+    if args.codec == "tcq":
+        return _calibrate_tcq(args)
     if args.apply:
         return _apply(args)
     options.require_positive(args, *WINDOW_SIZES, "probe_groups")
@@ -209,13 +210,13 @@ def _calibrate_tcq(args: argparse.Namespace) -> int:
     from cachegen.lab.quality import report
     from cachegen.lab.quality.tcq_calibrate import (
         calibrate_tcq,
+        choose_tcq_again,
         read_calibration,
         save_choices,
         unmet,
     )
 
     cachegen_only = {
-        "--trials": args.trials,
         "--no-derotate": args.no_derotate,
         "--level": args.level != LEVEL,
         "--exact-tokens": args.exact_tokens != EXACT_TOKENS,
@@ -235,7 +236,10 @@ def _calibrate_tcq(args: argparse.Namespace) -> int:
         return 0
     options.require_positive(args, *WINDOW_SIZES)
     settings = _settings(args)
-    document = calibrate_tcq(args.model, settings, progress=not args.no_progress)
+    if args.trials:
+        document = choose_tcq_again(args.model, args.trials, settings)
+    else:
+        document = calibrate_tcq(args.model, settings, progress=not args.no_progress)
     missed = unmet(document)
     status = 1 if len(missed) == len(document["choices"]) else 0
     if not args.dry_run and not status:  # nothing met: the earlier record stays as it was

@@ -96,6 +96,24 @@ def calibrate_tcq(
     )
 
 
+def choose_tcq_again(model: str, path, settings: CalibrationSettings | None = None) -> dict:
+    """An earlier run's document (its ``tcq-calibration.json``) with its levels chosen again
+    for ``settings.targets`` (by ``settings.select`` and ``margin``), without measuring them
+    again: the windows and the measured levels are the earlier run's."""
+    from cachegen.models import resolve
+
+    settings = checked_settings(settings)
+    document = read_calibration(path)
+    if document["model"]["fingerprint"] != resolve(model).identity().fingerprint:
+        raise InputError(f"{path} calibrated {document['model']['name']}, not {model}")
+    try:
+        trials = [LevelTrial(**trial) for trial in document["trials"]]
+    except TypeError as exc:
+        raise InputError(f"{path} has a malformed level trial: {exc}") from exc
+    choices = [_choice_or_unmet(trials, target, settings) for target in settings.targets]
+    return {**document, "select": settings.select, "margin": settings.margin, "choices": choices}
+
+
 def choose_level(trials: list[LevelTrial], target: float, settings: CalibrationSettings) -> dict:
     """The cheapest level of ``trials`` that meets ``target`` (module docs)."""
     slope, budget, within = within_target(trials, target, settings, "tcq level")

@@ -21,6 +21,7 @@ from cachegen.lab.quality.tcq_calibrate import (
     LevelTrial,
     calibrate_tcq,
     choose_level,
+    choose_tcq_again,
     read_calibration,
     save_choices,
     unmet,
@@ -211,7 +212,29 @@ def test_a_models_layer_exponent_is_its_own_or_the_default():
     assert {**gemma, "layer_exponent": 1.0} == smollm2  # nothing else differs
 
 
-@pytest.mark.parametrize("flag", [["--trials", "x.json"], ["--level", "7"], ["--no-derotate"]])
+def test_choosing_again_reorders_targets_on_the_measured_levels(
+    document, tiny_llama, tmp_path, capsys
+):
+    path = tmp_path / "tcq-calibration.json"
+    path.write_text(json.dumps(document))
+    again = choose_tcq_again(tiny_llama.name, path, CalibrationSettings(targets=(2000.0, 1e-9)))
+    assert again["trials"] == document["trials"] and again["windows"] == document["windows"]
+    assert [c["target_ppl_pct"] for c in again["choices"]] == [2000.0, 1e-9]
+    assert again["choices"][0]["level"] == document["choices"][0]["level"]
+    assert again["choices"][1]["level"] is None  # unmet on the same levels
+    argv = ["calibrate", "--codec", "tcq", "--model", "tiny-llama", "--trials", str(path)]
+    out = tmp_path / "again"
+    assert main([*argv, "--target-ppl", "1000", "--set-default", "--out", str(out)]) == 0
+    cheapest = codec_for("tcq", tiny_llama).levels[0]
+    assert f"level {cheapest} is the tcq default" in capsys.readouterr().out
+    assert json.loads((out / "tcq-calibration.json").read_text())["trials"] == document["trials"]
+    assert main([*argv, "--apply", str(path)]) != 0
+    assert "alternatives" in capsys.readouterr().err
+    with pytest.raises(InputError, match="not smollm2-135m"):
+        choose_tcq_again("smollm2-135m", path, CalibrationSettings())
+
+
+@pytest.mark.parametrize("flag", [["--level", "7"], ["--no-derotate"]])
 def test_cachegen_only_flags_are_refused_with_tcq(flag, capsys):
     assert main(["calibrate", "--codec", "tcq", "--model", "tiny-llama", *flag]) != 0
     assert "calibrate cachegen levels" in capsys.readouterr().err
