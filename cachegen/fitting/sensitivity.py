@@ -27,9 +27,10 @@ from cachegen.codec.transform import TransformBasis
 from cachegen.fitting.kvtc import KVTC_CALIBRATION_SPLIT, KVTC_CALIBRATION_TOKENS, fit_kv
 from cachegen.fitting.replay import continuation_logits
 
-SENSITIVITY_WINDOWS = 4  # calibration windows, after the tokens the basis is fitted on
+# calibration windows, after the tokens the basis is fitted on (fewer where the split is short)
+SENSITIVITY_WINDOWS = 12
 SENSITIVITY_CONTEXT = 1024  # context tokens per window (fewer where the model's limit is lower)
-SENSITIVITY_SCORED = 128  # continuation tokens whose distributions are compared
+SENSITIVITY_SCORED = 64  # continuation tokens whose distributions are compared
 SENSITIVITY_BITS = 1.5  # the calibration bits per element of the step the streams are measured at
 SENSITIVITY_RANGE = 16.0  # a sensitivity is kept within this factor of the streams' mean
 
