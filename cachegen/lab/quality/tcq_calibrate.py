@@ -111,7 +111,8 @@ def choose_tcq_again(model: str, path, settings: CalibrationSettings | None = No
     except TypeError as exc:
         raise InputError(f"{path} has a malformed level trial: {exc}") from exc
     choices = [_choice_or_unmet(trials, target, settings) for target in settings.targets]
-    return {**document, "select": settings.select, "margin": settings.margin, "choices": choices}
+    measured = {k: v for k, v in document.items() if k != "saved"}  # what it recorded then
+    return {**measured, "select": settings.select, "margin": settings.margin, "choices": choices}
 
 
 def choose_level(trials: list[LevelTrial], target: float, settings: CalibrationSettings) -> dict:

@@ -216,12 +216,13 @@ def test_choosing_again_reorders_targets_on_the_measured_levels(
     document, tiny_llama, tmp_path, capsys
 ):
     path = tmp_path / "tcq-calibration.json"
-    path.write_text(json.dumps(document))
+    path.write_text(json.dumps({**document, "saved": {"targets": {}, "default_level": 99}}))
     again = choose_tcq_again(tiny_llama.name, path, CalibrationSettings(targets=(2000.0, 1e-9)))
     assert again["trials"] == document["trials"] and again["windows"] == document["windows"]
     assert [c["target_ppl_pct"] for c in again["choices"]] == [2000.0, 1e-9]
     assert again["choices"][0]["level"] == document["choices"][0]["level"]
     assert again["choices"][1]["level"] is None  # unmet on the same levels
+    assert "saved" not in again  # the earlier run's record is not this choice's
     argv = ["calibrate", "--codec", "tcq", "--model", "tiny-llama", "--trials", str(path)]
     out = tmp_path / "again"
     assert main([*argv, "--target-ppl", "1000", "--set-default", "--out", str(out)]) == 0
