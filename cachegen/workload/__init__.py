@@ -30,6 +30,9 @@ more than one kind of text:
 ``legal``
     eight free-software and free-content licences (Apache 2.0, GPL 3, LGPL 2.1, MPL 2.0,
     GFDL 1.3, MPL 1.1, Artistic, CC0 1.0), verbatim, shipped in ``texts/legal.txt``.
+``science``
+    Isaac Newton's *Opticks* (fourth edition, 1730), a treatise of experiments on light,
+    shipped in ``texts/science.txt``.
 
 Each domain other than ``pydoc`` is its text less every paragraph (blank-line separated block,
 for code too) that shares a run of ``OVERLAP_UNITS`` words or symbols with the calibration
@@ -52,7 +55,7 @@ from pathlib import Path
 from cachegen.errors import InputError
 
 SPLITS = ("tables", "calibrate", "eval")
-DOMAINS = ("pydoc", "prose", "code", "dialogue", "legal")  # `pydoc` is the `eval` split
+DOMAINS = ("pydoc", "prose", "code", "dialogue", "legal", "science")  # `pydoc` is the `eval` split
 # Standard library modules whose source is the `code` domain: pure Python of varied kinds
 # (command lines, parsers, algorithms, numbers, dates, text, networking, metaprogramming).
 CODE_MODULES = (

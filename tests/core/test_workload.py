@@ -88,10 +88,13 @@ def test_evaluation_domains_are_distinct_and_stable():
         assert not workload._runs(texts[domain]) & workload._runs(calibration), domain
     assert "def " in texts["code"] and "Gutenberg" not in texts["prose"]
     assert "GNU GENERAL PUBLIC LICENSE" in texts["legal"]
+    assert "Refrangibility" in texts["science"] and "pgdp" not in texts["science"]
 
 
 def test_unknown_domain_is_refused():
-    with pytest.raises(InputError, match="unknown domain 'news'.*prose, code, dialogue, legal"):
+    with pytest.raises(
+        InputError, match="unknown domain 'news'.*prose, code, dialogue, legal, science"
+    ):
         workload.domain_text("news")
 
 

@@ -40,9 +40,9 @@ def _data_args(p: argparse.ArgumentParser, windows: int) -> None:
         default="pydoc",
         help="'pydoc' (CPython's documentation text), 'prose' (Sherlock Holmes stories), "
         "'code' (Python standard library source), 'dialogue' (Shakespeare's plays), 'legal' "
-        "(software licences), all held out from calibration text; 'retrieval' (LongChat-style "
-        "lines), 'passkey' (a 5-digit key hidden in filler text) or a path to a UTF-8 text or "
-        "JSONL file" + DEFAULT,
+        "(software licences), 'science' (Newton's Opticks), all held out from calibration "
+        "text; 'retrieval' (LongChat-style lines), 'passkey' (a 5-digit key hidden in filler "
+        "text) or a path to a UTF-8 text or JSONL file" + DEFAULT,
     )
     samples = "evaluation windows; for 'retrieval' and 'passkey' samples per context length"
     options.integer(p, "--windows", windows, samples)
