@@ -93,3 +93,27 @@ def test_a_layer_the_model_cannot_read_measures_least_sensitive(fitted, monkeypa
     low = 1 / sensitivity.SENSITIVITY_RANGE
     np.testing.assert_array_equal(got[0], [low, low])
     assert (got[1:] > low).all() and (got <= sensitivity.SENSITIVITY_RANGE).all()
+
+
+@pytest.mark.parametrize("name", ["tiny_llama", "gemma3"])
+def test_a_perturbed_pass_replays_the_layers_below_to_the_last_bit(name, request):
+    """Skipping the layers below the perturbed one changes no logit: a full pass over the same
+    perturbed KV gives the same log-probabilities (Gemma 3 for its sliding-window layers)."""
+    from cachegen.extract import extract_kv
+
+    hf_model, tokenizer, spec = load_model(request.getfixturevalue(name))
+    ids = torch.tensor(tokenizer(workload.text("calibrate"))["input_ids"][:288])
+    context, continuation = ids[:-32], ids[-32:]
+    kv = extract_kv(spec, token_ids=context)
+    passes = sensitivity._ContinuationPasses(hf_model, kv, continuation)
+    full = sensitivity._ContinuationPasses(hf_model, kv, continuation)  # the same exact pass
+    assert torch.equal(passes.reference, full.reference)
+    generator = torch.Generator().manual_seed(0)
+    for layer in (1, kv.num_layers - 1):
+        perturbed = copy.deepcopy(kv)
+        noise = torch.randn(perturbed.values[layer].shape, generator=generator)
+        perturbed.values[layer] += (0.5 * noise).to(perturbed.values.dtype)
+        got = passes.perturbed(perturbed, layer)
+        assert torch.equal(got, full.perturbed(perturbed, 0))  # 0: every layer runs
+        assert not torch.equal(got, passes.reference)
+    assert all("forward" not in vars(module) for module in passes.layers)
