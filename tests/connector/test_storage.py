@@ -95,8 +95,8 @@ def test_ladders_of_the_shipped_models(smollm2, gemma3, tiny_llama, tmp_path):
         finally:
             t.close()
     assert got == {
-        "smollm2-135m": ([11, 11 | PACKED_TAG], ["tcq-23", "cachegen-11-packed"]),
-        "gemma3-270m": ([9, 9 | PACKED_TAG], ["tcq-24", "tcq-24-packed"]),
+        "smollm2-135m": ([11, 11 | PACKED_TAG], ["tcq-22", "cachegen-11-packed"]),
+        "gemma3-270m": ([9, 9 | PACKED_TAG], ["tcq-23", "cachegen-9-packed"]),
         "tiny-llama": ([2], ["tcq-23", "cachegen-2-packed"]),  # nor would preset 2, coded
     }
 
@@ -323,7 +323,7 @@ def test_adaptive_chooses_among_the_forms_of_a_mixed_tcq_ladder(smollm2, real_kv
     t = connector_transport(smollm2, tmp_path, mode="tcq", prefill_tokens_per_s=10.0)
     try:
         tcq_form, fast = t.ladder.tcq_ladder
-        assert (tcq_form.label, fast.label) == ("tcq-23", "cachegen-11-packed")
+        assert (tcq_form.label, fast.label) == ("tcq-22", "cachegen-11-packed")
         t.save(ids, kv, ["tcq"])
         for form in (tcq_form, fast):  # each decoder's kernels compiled before it is timed
             decode(t.store.get(t.keys(form.codec, ids)[0], form.slot))
@@ -331,13 +331,13 @@ def test_adaptive_chooses_among_the_forms_of_a_mixed_tcq_ladder(smollm2, real_kv
             assert t.load(ids, 0, CHUNKS, fixed, lambda kv: None).chunks_loaded == CHUNKS
 
         def adaptive(**link) -> list[str]:
-            bound = RequestOptions(mode="adaptive", max_loss_pct=1, **link)
+            bound = RequestOptions(mode="adaptive", max_loss_pct=2, **link)  # tcq-22's target
             result = t.load(ids, 0, CHUNKS, bound, lambda kv: None)
             assert result.error is None and result.chunks_loaded == CHUNKS
             assert {tcq_form.label, fast.label} <= {
                 name
                 for name, loss in result.stats["forms"].items()
-                if loss is not None and loss <= 1
+                if loss is not None and loss <= 2
             }
             return result.stats["levels"]
 
