@@ -72,6 +72,16 @@ def test_a_fresh_cache_takes_the_shipped_file_without_fitting(smollm2, fresh):
     assert codec.tcq.id == got.id and codec.calibrated_levels()["default_level"] == LEVEL
 
 
+def test_each_embedded_models_tcq_default_is_its_2_percent_level(smollm2, gemma3, fresh):
+    """The rule docs/codec.md states ("A sixth held-out domain: science"): the default is the
+    level the shipped calibration chose for a 2% perplexity target."""
+    for spec in (smollm2, gemma3):
+        levels = codec_for("tcq", spec).calibrated_levels()
+        two_percent = [level for level, target in levels["targets"].items() if target == 2.0]
+        assert [levels["default_level"]] == two_percent, spec.name
+    assert codec_for("tcq", smollm2).default_level == LEVEL
+
+
 def test_the_shipped_file_replaces_a_local_one_of_the_same_recipe(smollm2, fresh):
     shipped = ensure_tcq_model(smollm2)
     local = dataclasses.replace(shipped, steps=shipped.steps * 1.001)
