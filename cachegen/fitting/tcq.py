@@ -5,6 +5,8 @@ coefficients' histograms."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from cachegen import models
@@ -264,8 +266,25 @@ def fit_tcq_model(
     )
 
 
-def _coefficients(kv, basis: TransformBasis, skip: int) -> list[list[np.ndarray]]:
-    """The basis's coefficients [L][K/V] ([tokens, C]) of ``kv`` from token ``skip`` on."""
+def with_predictor(model: tcq_model.TcqModel, spec: models.ModelSpec) -> tcq_model.TcqModel:
+    """``model`` (a shipped file, say) plus the cross-layer predictor and its residual tables,
+    fitted on its own coefficients of the calibration tokens. Its quantizer and tables stay,
+    so every level decodes to exactly the KV ``model``'s does; only the coding changes."""
+    if model.predicted:
+        return model
+    calibration = dict(model.calibration)
+    calibration["prediction"] = tcq_calibration_spec(spec=spec, prediction=True)["prediction"]
+    hf_model, tokenizer, spec = fit_model(spec)
+    skip = kvtc_basis.EXACT_TOKENS
+    kv, _ = attention_stats(hf_model, spec, calibration_ids(tokenizer, spec), skip, TCQ_QUERY_ROWS)
+    coefficients = _coefficients(kv, model, skip)
+    _, extra = _tables_and_predictor(coefficients, model.radius, model.steps, prediction=True)
+    return dataclasses.replace(model, calibration=calibration, **extra)
+
+
+def _coefficients(kv, basis: TransformBasis | tcq_model.TcqModel, skip: int) -> list:
+    """The basis's (or a tcq model's) coefficients [L][K/V] ([tokens, C]) of ``kv`` from
+    token ``skip`` on."""
     keys, values = pre_rope_kv(kv, basis.rope_thetas, skip)
     L, H, n, D = keys.shape
     return [

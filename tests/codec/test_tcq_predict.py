@@ -19,7 +19,12 @@ from cachegen.codec.tcq_predict import (
     apply_predictions,
     layer_predictor,
 )
-from cachegen.fitting.tcq import TCQ_PREDICTOR_MAX_SHIFT, ensure_tcq_model, fit_tcq_model
+from cachegen.fitting.tcq import (
+    TCQ_PREDICTOR_MAX_SHIFT,
+    ensure_tcq_model,
+    fit_tcq_model,
+    with_predictor,
+)
 
 LEVELS = sorted(tcq_model.LEVELS)
 
@@ -54,6 +59,19 @@ def test_the_default_recipe_has_no_predictor_and_the_fit_adds_one(tiny_llama, mo
     assert model_file.predictor_shift.shape == (len(LEVELS), L)
     assert np.all(model_file.predictor_shift[:, 0] == 0)  # layer 0 has no layer before it
     assert np.any(model_file.predictor_shift[:, 1:] > 0)
+
+
+def test_a_predictor_added_to_a_fitted_file_is_the_one_a_fit_with_prediction_makes(
+    tiny_llama, model_file
+):
+    """``with_predictor`` on the default recipe's file (as on a shipped one) fits the predictor
+    on that file's own coefficients: here the very file the fit with prediction writes."""
+    base = ensure_tcq_model(tiny_llama)
+    added = with_predictor(base, tiny_llama)
+    assert added.predicted and not base.predicted
+    assert np.array_equal(added.freq, base.freq) and np.array_equal(added.steps, base.steps)
+    assert added.id == model_file.id
+    assert with_predictor(added, tiny_llama) is added
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])

@@ -87,8 +87,9 @@ def _register_tcq(names) -> None:
         "tcq-prediction",
         _tcq_prediction,
         help="what tcq's cross-layer prediction saves, at the same decoded KV",
-        description="Bits per element of tcq levels on held-out windows with the model file's "
-        "cross-layer predictor and without it, and whether both decode to the same KV.",
+        description="Bits per element of tcq levels on held-out windows with the codec's model "
+        "file (the shipped one of an embedded model) as it is and with a cross-layer predictor "
+        "fitted onto it, and whether both decode to the same KV.",
     )
     _tcq_data(p, "comma-separated evaluation domains", 16, "windows per domain")
     p.add_argument("--context-tokens", type=int, default=1024)

@@ -1,9 +1,10 @@
 """What tcq's cross-layer prediction saves: the bits per element of a model file's levels on
 held-out windows with its predictor and without it, and that both decode to the same KV.
 
-The model file is fitted here by the default recipe plus the predictor
-(``fit_tcq_model(spec, prediction=True)``, a few minutes); without its predictor it is the
-default recipe's file (the same quantizer and tables).
+The model file is the one the codec uses (the shipped file of an embedded model, else the
+machine's fitted one) plus a predictor fitted here on its own calibration coefficients
+(``cachegen.fitting.tcq.with_predictor``); without its predictor it is that file (the same
+quantizer and tables), so the quality measured for its levels holds with the predictor too.
 
 The prediction (``cachegen.codec.tcq_predict``) changes which symbols a coded stream holds,
 never the values they decode to, so a level's quality is the same with and without it; this
@@ -30,7 +31,7 @@ from cachegen.errors import InputError
 from cachegen.fileio import versioned
 
 SCHEMA = "cachegen-tcq-prediction"
-VERSION = 1
+VERSION = 2  # 2: the codec's own model file plus a predictor (base_model_file)
 
 
 def without_predictor(model: TcqModel) -> TcqModel:
@@ -93,11 +94,13 @@ def run(
 ) -> dict:
     from cachegen.constants import CHUNK_TOKENS
     from cachegen.extract import extract_kv, load_model
-    from cachegen.fitting.tcq import fit_tcq_model
+    from cachegen.fitting.tcq import with_predictor
     from cachegen.lab.quality.datasets import DataSettings, load_windows
+    from cachegen.profiles import codec_for
 
     _, tokenizer, spec = load_model(model)
-    fitted = fit_tcq_model(spec, prediction=True)  # the default recipe's, plus the predictor
+    base = codec_for("tcq", spec).tcq
+    fitted = with_predictor(base, spec)
     unknown = sorted(set(levels) - set(fitted.levels))
     if unknown:
         raise InputError(f"--levels {unknown} are not levels of the model file {fitted.levels}")
@@ -115,6 +118,7 @@ def run(
             "command": command,
             "model": spec.name,
             "model_file": fitted.id,
+            "base_model_file": base.id,
             "chunk_tokens": CHUNK_TOKENS,
             "bits_per_element": "every byte of a window's bitstream over its KV elements, mean "
             "over windows; saved_pct: 1 - predicted / unpredicted means, with the range over "
