@@ -21,6 +21,7 @@ from cachegen.fitting.attention import attention_stats, component_weights
 from cachegen.fitting.kvtc import (
     calibration_ids,
     ensure_kvtc_basis,
+    fit_kv,
     fit_model,
     kvtc_calibration_spec,
     pre_rope_kv,
@@ -50,13 +51,18 @@ def tcq_calibration_spec(
         },
     }
     if prediction:
-        recipe["prediction"] = {
-            "targets_fraction": TCQ_PREDICTED_FRACTION,
-            "ridge": TCQ_PREDICTOR_RIDGE,
-            "max_shift": TCQ_PREDICTOR_MAX_SHIFT,
-            "min_saving": TCQ_PREDICTION_MIN_SAVING,
-        }
+        recipe["prediction"] = prediction_spec()
     return recipe
+
+
+def prediction_spec() -> dict:
+    """How the cross-layer predictor is fitted; part of a predicted model file's recipe."""
+    return {
+        "targets_fraction": TCQ_PREDICTED_FRACTION,
+        "ridge": TCQ_PREDICTOR_RIDGE,
+        "max_shift": TCQ_PREDICTOR_MAX_SHIFT,
+        "min_saving": TCQ_PREDICTION_MIN_SAVING,
+    }
 
 
 TCQ_RADIUS_MARGIN = 1.5  # alphabet radius over the largest calibration coefficient
@@ -272,12 +278,10 @@ def with_predictor(model: tcq_model.TcqModel, spec: models.ModelSpec) -> tcq_mod
     so every level decodes to exactly the KV ``model``'s does; only the coding changes."""
     if model.predicted:
         return model
-    calibration = dict(model.calibration)
-    calibration["prediction"] = tcq_calibration_spec(spec=spec, prediction=True)["prediction"]
-    hf_model, tokenizer, spec = fit_model(spec)
+    calibration = {**model.calibration, "prediction": prediction_spec()}
+    _, tokenizer, spec = fit_model(spec)
     skip = kvtc_basis.EXACT_TOKENS
-    kv, _ = attention_stats(hf_model, spec, calibration_ids(tokenizer, spec), skip, TCQ_QUERY_ROWS)
-    coefficients = _coefficients(kv, model, skip)
+    coefficients = _coefficients(fit_kv(spec, calibration_ids(tokenizer, spec)), model, skip)
     _, extra = _tables_and_predictor(coefficients, model.radius, model.steps, prediction=True)
     return dataclasses.replace(model, calibration=calibration, **extra)
 
