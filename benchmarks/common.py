@@ -2,7 +2,7 @@
 
 The suites are thin. ``sweep`` is the ``setup_cache`` of every end-to-end class: asv runs it
 once per run (same function, same cache key), it measures the whole sweep with
-``cachegen.lab.bench`` (one vLLM engine per model) and writes the results document into asv's
+``cachegen_lab.bench`` (one vLLM engine per model) and writes the results document into asv's
 cache directory; each ``track_*`` then reads one number from it.
 
 Environment variables:
@@ -18,8 +18,8 @@ import functools
 import json
 import os
 
-from cachegen.lab.bench import results
-from cachegen.lab.bench.sweep import profile, run_sweep
+from cachegen_lab.bench import results
+from cachegen_lab.bench.sweep import profile, run_sweep
 
 PROFILE = os.environ.get("CACHEGEN_BENCH_PROFILE", "default")
 CONFIG = profile(PROFILE)

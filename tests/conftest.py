@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cachegen import models
-from cachegen.lab.redis_cluster import LocalRedisCluster
+from cachegen_lab.redis_cluster import LocalRedisCluster
 from tests.support import free_cluster_port, free_port, require_tool
 
 # The suite runs as `pytest -n 2 --dist loadfile --no-loadscope-reorder` (Makefile): each file

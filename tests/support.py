@@ -11,7 +11,7 @@ import pytest
 
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.cpu import engine_dtype
-from cachegen.lab.redis_cluster import free_cluster_port  # noqa: F401 (the tests' name for it)
+from cachegen_lab.redis_cluster import free_cluster_port  # noqa: F401 (the tests' name for it)
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -60,7 +60,7 @@ def require_cpu_kernel(isa: str, dtype, block_size: int = 32, head_dim: int = 64
 def connector_engine(spec, store: str, **options):
     """A ConnectorEngine (the lab's vLLM engine with the connector) on ``store`` with this
     suite's defaults: CHUNK-token chunks and 2,048 positions."""
-    from cachegen.lab.bench.engine import ConnectorEngine
+    from cachegen_lab.bench.engine import ConnectorEngine
 
     options.setdefault("chunk_tokens", CHUNK)
     options.setdefault("max_model_len", 2048)

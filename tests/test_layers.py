@@ -39,10 +39,10 @@ def test_an_import_across_layers_fails_naming_both_modules(tmp_path):
     )
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     with open(tmp_path / "cachegen" / "codec" / "api.py", "a") as fh:
-        fh.write("\nimport cachegen.lab.bench.plots  # a deliberate break\n")
+        fh.write("\nimport cachegen_lab.bench.plots  # a deliberate break\n")
     result = _lint_imports(tmp_path)
     assert result.returncode != 0
-    assert "cachegen.codec.api -> cachegen.lab.bench.plots" in result.stdout
+    assert "cachegen.codec.api -> cachegen_lab.bench.plots" in result.stdout
 
 
 def _loaded_after(imports: str) -> list[str]:
@@ -56,7 +56,7 @@ def test_a_server_imports_no_lab_module_and_no_plotting():
         "import cachegen.codec, cachegen.store, cachegen.stream, cachegen.connector\n"
         "from cachegen.connector import config, layouts, scheduler, transport, worker"
     )
-    assert not [m for m in loaded if m.startswith("cachegen.lab")]
+    assert not [m for m in loaded if m.startswith("cachegen_lab")]
     assert not [m for m in loaded if m.split(".")[0] in HARNESS_MODULES]
     assert "cachegen.extract" not in loaded  # (vLLM itself imports transformers)
 
@@ -69,11 +69,11 @@ def test_the_connector_loads_link_emulation_only_when_a_request_asks_for_it():
         "from cachegen.connector import config, links, transport\n"
         "config.ConnectorConfig.from_extra_config({'rtt_ms': 0})"
     )
-    assert not [m for m in plain if m.startswith("cachegen.lab")]
+    assert not [m for m in plain if m.startswith("cachegen_lab")]
     shaped = _loaded_after(
         "from cachegen.connector import config\nconfig.RequestOptions(bandwidth_mbps=100)"
     )
-    assert "cachegen.lab.network.link" in shaped
+    assert "cachegen_lab.network.link" in shaped
 
 
 HARNESS_MODULES = ("matplotlib", "jsonschema", "rouge_score", "sacrebleu", "constriction", "asv")

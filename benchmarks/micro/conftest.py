@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
-    from cachegen.lab.bench import environment
+    from cachegen_lab.bench import environment
 
     output_json["cachegen_environment"] = environment.capture()
     for bench in output_json.get("benchmarks", []):

@@ -28,8 +28,8 @@ import torch
 from cachegen.codec import decode, get_codec, rans
 from cachegen.codec.cachegen_encode import encode_chunk
 from cachegen.codec.quant import quantize_chunk
-from cachegen.lab.bench.codec_report import coder_overhead, measure, text_windows
 from cachegen.profiles import codec_for, ensure_profile
+from cachegen_lab.bench.codec_report import coder_overhead, measure, text_windows
 from tests.support import CHUNK
 
 TOKENS = 1024

@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from cachegen.lab.network import netns, open_link
 from cachegen.store import open_store
 from cachegen.stream import stream_load
+from cachegen_lab.network import netns, open_link
 from tests.support import free_port, require_tool
 
 RATES = (100, 500, 1000)
@@ -104,7 +104,7 @@ def test_store_put_get_1mb(benchmark, backend, tmp_path, request):
 @pytest.fixture(scope="module")
 def smollm2_4k(tmp_path_factory):
     from cachegen import models
-    from cachegen.lab.bench import stream_bench as bench
+    from cachegen_lab.bench import stream_bench as bench
 
     store = open_store(tmp_path_factory.mktemp("smollm2-4k").as_uri())
     ids = bench.bench_tokens(models.resolve("smollm2-135m"), 4096)
@@ -113,7 +113,7 @@ def smollm2_4k(tmp_path_factory):
 
 @pytest.mark.parametrize("rate", RATES)
 def test_pipelined_load_smollm2_4k(benchmark, smollm2_4k, rate):
-    from cachegen.lab.bench import stream_bench as bench
+    from cachegen_lab.bench import stream_bench as bench
 
     store, prep = smollm2_4k
     bench.warm_up(store, prep)

@@ -33,9 +33,9 @@ import pytest
 import torch
 
 from cachegen.codec import decode, get_codec, int_synthesis, tcq_decode, tcq_model
-from cachegen.lab.bench.codec_report import text_windows
 from cachegen.modes import CODED, PACKED
 from cachegen.profiles import codec_for
+from cachegen_lab.bench.codec_report import text_windows
 from tests.support import CHUNK
 
 TOKENS = 1024

@@ -1,8 +1,9 @@
 """The ``cachegen`` command: one entry point, two groups of subcommands.
 
-Library commands work on models, KV caches, bitstreams and stores; lab commands measure.
-Each module listed below exposes ``register(subparsers)`` that adds its subcommands and sets
-``func`` (``handler(args) -> int``) on each of them.
+Library commands work on models, KV caches, bitstreams and stores; lab commands measure, and
+come with the lab's distribution (cachegen-lab). Each command module exposes
+``register(subparsers)`` that adds its subcommands and sets ``func`` (``handler(args) -> int``)
+on each of them.
 """
 
 from __future__ import annotations
@@ -10,25 +11,24 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib.metadata import entry_points
 
 from cachegen import __version__
 from cachegen.errors import CacheGenError
 
-COMMAND_GROUPS = {
-    "library commands": ["cachegen.cli.models", "cachegen.cli.codec", "cachegen.cli.store"],
-    "lab commands (measure)": [
-        "cachegen.cli.lab.quality",
-        "cachegen.cli.lab.calibrate",
-        "cachegen.cli.lab.bench",
-        "cachegen.cli.lab.stream",
-        "cachegen.cli.lab.ttft",
-        "cachegen.cli.lab.serving",
-        "cachegen.cli.lab.fleet",
-        "cachegen.cli.lab.codec_report",
-        "cachegen.cli.lab.dashboard",
-        "cachegen.cli.lab.experiment",
-    ],
-}
+LIBRARY_COMMANDS = ["cachegen.cli.models", "cachegen.cli.codec", "cachegen.cli.store"]
+# The lab (the cachegen-lab distribution) adds its subcommands through these entry points; a
+# server's install has none, and its `cachegen` lists the library commands only.
+LAB_COMMANDS_GROUP = "cachegen.commands"
+
+
+def command_groups() -> dict[str, list[str]]:
+    """The modules of each group of subcommands: the library's, then any the lab installs."""
+    lab = [entry.value for entry in entry_points(group=LAB_COMMANDS_GROUP)]
+    groups = {"library commands": LIBRARY_COMMANDS}
+    if lab:
+        groups["lab commands (measure)"] = lab
+    return groups
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="one of the commands below; `cachegen COMMAND --help` for its options",
     )
     epilog = []
-    for group, module_names in COMMAND_GROUPS.items():
+    for group, module_names in command_groups().items():
         before = set(subparsers.choices)
         for module_name in module_names:
             importlib.import_module(module_name).register(subparsers)

@@ -66,7 +66,7 @@ def _not_loaded(name: str) -> str:
     if name in _plugin_errors:
         return f"the {name} codec did not load ({_plugin_errors[name]})"
     return (
-        f"the {name} codec is not registered: it comes from cachegen.lab.codecs through the "
+        f"the {name} codec is not registered: it comes from cachegen_lab.codecs through the "
         f"{ENTRY_POINT_GROUP!r} entry points, so reinstall cachegen (`pip install -e .` in a "
         "checkout) or pass its class to cachegen.codec.api.register_codec"
     )

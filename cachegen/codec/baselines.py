@@ -9,7 +9,7 @@ the data.
 * ``fp8``: float8 e4m3 (vLLM's fp8 KV dtype) with one float32 scale per (layer, K/V) per chunk.
 
 The research baselines (``int8-zstd``, ``kivi2``) build on these in
-``cachegen.lab.codecs.baselines``.
+``cachegen_lab.codecs.baselines``.
 """
 
 from __future__ import annotations

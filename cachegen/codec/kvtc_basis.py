@@ -2,7 +2,7 @@
 
 The basis itself is a :class:`~cachegen.codec.transform.TransformBasis`; it is fitted in the
 core (``cachegen.fitting.kvtc.ensure_kvtc_basis``), which tcq's fitting reuses, while the
-``kvtc`` codec that codes with it is a research codec (``cachegen.lab.codecs.kvtc``).
+``kvtc`` codec that codes with it is a research codec (``cachegen_lab.codecs.kvtc``).
 """
 
 from __future__ import annotations

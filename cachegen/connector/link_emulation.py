@@ -1,7 +1,7 @@
 """The connector's one seam to the lab's link emulation: the ``cachegen.links`` entry point.
 
 A request's ``bandwidth_mbps`` and ``rtt_ms`` (experiments) load over an emulated link, which
-``cachegen.lab.network`` opens. The connector finds that opener at run time, only once those
+``cachegen_lab.network`` opens. The connector finds that opener at run time, only once those
 options are set, so the library's imports never load the lab (the layer contract holds).
 """
 
@@ -36,7 +36,7 @@ def link_opener() -> LinkOpener:
     opener, why = _find_opener()
     if opener is None:
         raise ConnectorError(
-            "bandwidth_mbps and rtt_ms emulate a link for experiments (cachegen.lab.network), "
+            "bandwidth_mbps and rtt_ms emulate a link for experiments (cachegen_lab.network), "
             f"but {why}; reinstall cachegen (`pip install -e .` in a checkout) or drop them"
         )
     return opener

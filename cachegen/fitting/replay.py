@@ -9,7 +9,7 @@ greedy generation for answer-level metrics.
 Several pasts can go through as rows of one batch, each computed independently of its
 neighbours' values, but not of the batch's size: on CPUs with AMX, oneDNN's bf16 kernels
 block and round differently for each shape, so the evaluation replays every KV alone
-(``cachegen.lab.quality.evaluate``). The tests check that raw KV gives the logits of
+(``cachegen_lab.quality.evaluate``). The tests check that raw KV gives the logits of
 recomputing the whole sequence, to the last bit of the blocking.
 """
 

@@ -220,7 +220,7 @@ def fit_tcq_model(
     default ``tcq_model.LEVELS``) the step that costs those bits, its radii and rANS tables from
     the histograms of the calibration coefficients.
 
-    For ablations (``cachegen.lab.experiments.tcq_ablation``): ``basis`` replaces the KVTC basis
+    For ablations (``cachegen_lab.experiments.tcq_ablation``): ``basis`` replaces the KVTC basis
     (the weights are computed for it), ``unit_weights`` gives every component the weight 1
     (one step for all), ``sensitivity=False`` leaves out the measured stream sensitivities
     (:mod:`cachegen.fitting.sensitivity`); the model's calibration records each.

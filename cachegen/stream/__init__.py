@@ -7,7 +7,7 @@
     # or: controller=AdaptiveController(slo_s, sizes, chunk_tokens, prefill_tokens_per_s=...)
     # or: controller=FastestController(options, chunk_tokens, max_loss_pct=..., ...)
 
-A source over an emulated link (a rate, an RTT) comes from the lab: ``cachegen.lab.network``.
+A source over an emulated link (a rate, an RTT) comes from the lab: ``cachegen_lab.network``.
 Errors are ``cachegen.store.StoreError`` (ChunkMissing, ChunkCorrupt, StoreUnavailable) or
 ``StreamError`` (StreamTimeout, StreamProtocolError); both derive from CacheGenError and
 carry ``.stats`` (``stats.n_loaded`` chunks were consumed before the failure).

@@ -7,7 +7,7 @@ import importlib
 import pkgutil
 import re
 
-import cachegen.lab.codecs
+import cachegen_lab.codecs
 from cachegen.codec import api, base, bitstream
 from tests.support import REPO
 
@@ -15,10 +15,10 @@ DOC = (REPO / "docs" / "bitstream.md").read_text()
 
 
 def _codecs() -> dict[int, str]:
-    """Every codec class's id and name: the core's and those of ``cachegen.lab.codecs`` (not
+    """Every codec class's id and name: the core's and those of ``cachegen_lab.codecs`` (not
     the test doubles of other test modules)."""
-    for module in pkgutil.iter_modules(cachegen.lab.codecs.__path__):
-        importlib.import_module(f"{cachegen.lab.codecs.__name__}.{module.name}")
+    for module in pkgutil.iter_modules(cachegen_lab.codecs.__path__):
+        importlib.import_module(f"{cachegen_lab.codecs.__name__}.{module.name}")
     found, todo = {}, [base.Codec]
     while todo:
         cls = todo.pop()

@@ -191,7 +191,7 @@ def test_the_integer_product_refines_as_the_float_one(kv, model_file, monkeypatc
 
 def test_eval_takes_a_level_without_refined_rows(kv, tiny_llama, model_file):
     from cachegen.errors import InputError
-    from cachegen.lab.quality.candidates import codec_candidates
+    from cachegen_lab.quality.candidates import codec_candidates
 
     level = str(BY_STEP[1])
     plain, refined = codec_candidates(tiny_llama, "tcq", [f"{level}-unrefined", level])

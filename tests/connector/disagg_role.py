@@ -12,7 +12,7 @@ import json
 import sys
 
 if __name__ == "__main__":
-    from cachegen.lab.bench.engine import ConnectorEngine
+    from cachegen_lab.bench.engine import ConnectorEngine
 
     role, model_dir, store, ids_json, dtype = sys.argv[1:6]
     ids = json.loads(ids_json)

@@ -164,7 +164,7 @@ def server(adapters):
     """vLLM's OpenAI server with adapter "a" served as "tuned" (swappable at run time)."""
     import os
 
-    from cachegen.lab.bench.openai_server import OpenAIServer
+    from cachegen_lab.bench.openai_server import OpenAIServer
 
     lora_args = ["--enable-lora", "--max-lora-rank", str(RANK)]
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # to swap "tuned"'s weights

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from cachegen.connector.config import RequestOptions
-from cachegen.lab.bench.engine import ConnectorEngine, Measurement
+from cachegen_lab.bench.engine import ConnectorEngine, Measurement
 from tests.support import CHUNK, ENGINE_DTYPE, connector_engine
 
 PASSWORD = "pw-Cx9-connector-never-shown"  # the cluster requires it; no report may echo it

@@ -12,9 +12,9 @@ import pytest
 
 from cachegen.connector.config import RequestOptions
 from cachegen.errors import InputError
-from cachegen.lab import rows as row_schema
-from cachegen.lab.bench.engine import ConnectorEngine
 from cachegen.store import open_store
+from cachegen_lab import rows as row_schema
+from cachegen_lab.bench.engine import ConnectorEngine
 from tests.support import connector_engine
 
 
@@ -152,7 +152,7 @@ def test_bad_request_options_are_reported_and_the_prompt_is_computed(engine, tex
 
 def test_ttft_bench_measures_every_mode_on_one_engine(engine):
     """The measurement entry point `cachegen bench` calls, on this module's engine."""
-    from cachegen.lab.bench.ttft import TTFTBench, markdown, ttft_table
+    from cachegen_lab.bench.ttft import TTFTBench, markdown, ttft_table
 
     bench = TTFTBench(engine=engine)
     rows = ttft_table(bench, [512], [100], modes=("recompute", "raw"), repeats=1, progress=False)
@@ -171,7 +171,7 @@ def test_ttft_bench_measures_every_mode_on_one_engine(engine):
 
 
 def test_ttft_timeline_splits_ttft_around_the_load(engine):
-    from cachegen.lab.bench.ttft import TTFTBench, parse_mode, timeline, timeline_markdown
+    from cachegen_lab.bench.ttft import TTFTBench, parse_mode, timeline, timeline_markdown
 
     bench = TTFTBench(engine=engine)
     rows = timeline(bench, 512, [("recompute", None), ("raw", None)], 100.0, repeats=2)

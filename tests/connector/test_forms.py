@@ -214,7 +214,7 @@ def test_a_bad_bound_is_reported_and_the_prompt_computed(engine, stored_prompt):
 
 
 def test_the_ttft_table_names_the_bound_packed_levels_and_forms_chosen():
-    from cachegen.lab.bench.ttft import markdown
+    from cachegen_lab.bench.ttft import markdown
 
     def row(mode, level, ttft_s, levels=None):
         return {

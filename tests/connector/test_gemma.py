@@ -370,7 +370,7 @@ def _plain_vllm(spec, prompts: list[list[int]], **engine_args) -> dict:
     ``{"kv_cache_groups": n, "runs": [{"token_ids", "logprobs", "cached_tokens"}, ...]}``."""
     from vllm import LLM, SamplingParams
 
-    from cachegen.lab.bench.engine import llvmlite_hidden_from_vllm
+    from cachegen_lab.bench.engine import llvmlite_hidden_from_vllm
 
     with llvmlite_hidden_from_vllm():
         llm = LLM(
@@ -707,8 +707,8 @@ def test_window_aware_cachegen_load_fetches_less(engine, stored, prompts, level)
 def test_window_measurement_of_the_lab(engine):
     """``cachegen ttft window``'s rows on this engine: raw with the option on answers like
     recompute, and on fetches fewer bytes than off, skipping the chunks behind the window."""
-    from cachegen.lab.bench.ttft import TTFTBench
-    from cachegen.lab.experiments.window import window_markdown, window_rows
+    from cachegen_lab.bench.ttft import TTFTBench
+    from cachegen_lab.experiments.window import window_markdown, window_rows
 
     rows = window_rows(TTFTBench(engine=engine), CONTEXT, ("raw",), output_tokens=8)
     on, off = rows

@@ -82,7 +82,7 @@ def plain(gemma3, prompts) -> dict:
     prompt: its KV cache groups and the blocks the request held."""
     from vllm import LLM, SamplingParams
 
-    from cachegen.lab.bench.engine import llvmlite_hidden_from_vllm
+    from cachegen_lab.bench.engine import llvmlite_hidden_from_vllm
 
     with llvmlite_hidden_from_vllm():
         llm = LLM(

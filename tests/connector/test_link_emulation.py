@@ -8,7 +8,7 @@ import pytest
 from cachegen.connector import link_emulation
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
-from cachegen.lab.network import open_link
+from cachegen_lab.network import open_link
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from cachegen.connector.errors import ConnectorError
-from cachegen.lab.bench.openai_server import OpenAIServer, ServerError
+from cachegen_lab.bench.openai_server import OpenAIServer, ServerError
 
 MODEL = "smollm2-135m"
 DOCUMENT_TOKENS = 1024  # four chunks: enough for a save and a load to show
@@ -37,8 +37,8 @@ def document() -> tuple[str, int]:
     """About 1K tokens of held-out documentation text, and its length in tokens."""
     from transformers import AutoTokenizer
 
-    from cachegen.lab.bench.serving import documents
     from cachegen.models import resolve
+    from cachegen_lab.bench.serving import documents
 
     text = documents(MODEL, 1, DOCUMENT_TOKENS)[0]
     tokenizer = AutoTokenizer.from_pretrained(str(resolve(MODEL).path))

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from cachegen.lab.network.server import DEFAULT_PREFETCH
+from cachegen_lab.network.server import DEFAULT_PREFETCH
 from tests.support import connector_engine
 
 

@@ -17,8 +17,8 @@ from cachegen.codec import decode
 from cachegen.extract import extract_kv, load_model
 from cachegen.fitting.replay import continuation_logits
 from cachegen.kv import KVCache
-from cachegen.lab.bench.engine import ConnectorEngine
 from cachegen.profiles import codec_for
+from cachegen_lab.bench.engine import ConnectorEngine
 from tests.support import CHUNK, connector_engine
 
 QUESTION = " Question: what is the main point of the text above? Answer:"

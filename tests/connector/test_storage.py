@@ -448,7 +448,7 @@ def test_serving_a_document_with_default_settings(smollm2, tmp_path, capsys):
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from cachegen import workload
-    from cachegen.lab.bench.engine import ConnectorEngine
+    from cachegen_lab.bench.engine import ConnectorEngine
 
     url = (tmp_path / "served").as_uri()
     with ConnectorEngine(

@@ -12,9 +12,9 @@ from cachegen.codec import decode
 from cachegen.connector.config import ConnectorConfig
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.transport import ChunkTransport
-from cachegen.lab import rows as row_schema
 from cachegen.modes import Form, Mode
 from cachegen.profiles import codec_for
+from cachegen_lab import rows as row_schema
 from tests.support import CHUNK, connector_engine
 
 MAX_TOKENS = 8
@@ -52,8 +52,8 @@ def test_tcq_modes_parse_and_name_their_forms():
 def test_the_bench_stores_the_tcq_levels_it_measures():
     import inspect
 
-    from cachegen.lab.bench.engine import ConnectorEngine
-    from cachegen.lab.bench.measure_e2e import connector_options
+    from cachegen_lab.bench.engine import ConnectorEngine
+    from cachegen_lab.bench.measure_e2e import connector_options
 
     modes = [Mode("tcq", 23), Mode("int8"), Mode("tcq", 21)]
     options = connector_options(CHUNK, modes, [11])
@@ -164,7 +164,7 @@ def test_a_calibrated_tcq_level_is_a_form_a_bound_allows(tiny_llama, tmp_path, m
 
 
 def test_the_ttft_table_measures_each_stored_tcq_level(engine, levels):
-    from cachegen.lab.bench.ttft import TTFTBench, ttft_table
+    from cachegen_lab.bench.ttft import TTFTBench, ttft_table
 
     rows = ttft_table(TTFTBench(engine=engine), [512], [100], modes=("tcq",), repeats=1)
     row_schema.validate(rows, "ttft", "the tcq TTFT table")  # what --json writes

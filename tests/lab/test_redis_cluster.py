@@ -1,4 +1,4 @@
-"""The lab's local Redis Cluster (cachegen/lab/redis_cluster.py): it starts six real nodes,
+"""The lab's local Redis Cluster (lab/cachegen_lab/redis_cluster.py): it starts six real nodes,
 serves a store, and leaves nothing behind: not after stop(), not after a failed start, and
 without redis-server or redis-cli it starts nothing at all."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from cachegen.errors import InputError
-from cachegen.lab.redis_cluster import LocalClusterError, LocalRedisCluster
 from cachegen.store import open_store
+from cachegen_lab.redis_cluster import LocalClusterError, LocalRedisCluster
 from tests.support import require_tool
 
 PASSWORD = "p@ss/w:rd%1"  # characters a URL must quote

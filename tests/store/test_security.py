@@ -256,7 +256,7 @@ def test_secret_is_never_shown(location, monkeypatch):
 
 def test_chunk_server_path_verifies(tmp_path):
     """Records forwarded by a ChunkServer are verified by the SocketSource with the secret."""
-    from cachegen.lab.network import ChunkServer, SocketSource
+    from cachegen_lab.network import ChunkServer, SocketSource
 
     url = (tmp_path / "s").as_uri()
     with open_store(url, secret=SECRET) as signed, open_store(url) as plain:
@@ -514,7 +514,7 @@ def test_connector_over_tls_with_an_acl_user_end_to_end(tls_acl_redis, smollm2):
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from cachegen import workload
-    from cachegen.lab.bench.engine import ConnectorEngine
+    from cachegen_lab.bench.engine import ConnectorEngine
 
     with ConnectorEngine(
         smollm2,

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 
-from cachegen.lab.bench import results
-from cachegen.lab.bench.modes import union
-from cachegen.lab.bench.sweep import SweepConfig
-from cachegen.lab.rows import Run
 from cachegen.modes import Mode
+from cachegen_lab.bench import results
+from cachegen_lab.bench.modes import union
+from cachegen_lab.bench.sweep import SweepConfig
+from cachegen_lab.rows import Run
 from tests.support import FIXTURES
 
 SMALL, LARGE = "smollm2-135m", "gemma3-270m"

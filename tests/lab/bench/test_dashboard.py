@@ -17,7 +17,7 @@ import asv
 import pytest
 
 from cachegen.cli import main
-from cachegen.lab.bench import dashboard
+from cachegen_lab.bench import dashboard
 from tests.support import REPO, require_tool
 
 VENDOR_DIR = REPO / "benchmarks" / "dashboard" / "vendor"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from cachegen.cli import main
-from cachegen.lab.bench import plots, reproduction, results
-from cachegen.lab.bench.plots import FIGURES, pareto
+from cachegen_lab.bench import plots, reproduction, results
+from cachegen_lab.bench.plots import FIGURES, pareto
 from tests.lab.bench import synthetic_results
 from tests.support import DOCS, FIXTURES
 

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from cachegen.lab.bench import results
-from cachegen.lab.bench.plots import FIGURES
 from cachegen.modes import Mode
+from cachegen_lab.bench import results
+from cachegen_lab.bench.plots import FIGURES
 from tests.support import REPO
 
 MODES = [

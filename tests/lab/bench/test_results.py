@@ -10,10 +10,10 @@ import re
 import pytest
 
 from cachegen.errors import InputError
-from cachegen.lab import rows
-from cachegen.lab.bench import results
-from cachegen.lab.bench.modes import TcqDefault, expand, tcq_default
 from cachegen.modes import Form, Mode
+from cachegen_lab import rows
+from cachegen_lab.bench import results
+from cachegen_lab.bench.modes import TcqDefault, expand, tcq_default
 from tests.support import FIXTURES
 
 FIXTURE = FIXTURES / "bench_results.json"
@@ -176,8 +176,8 @@ def test_a_model_without_a_shipped_tcq_default_has_no_tcq_modes():
 
 
 def test_the_default_profile_measures_each_models_defaults_and_makes_room(monkeypatch):
-    from cachegen.lab.bench.sweep import DEFAULT_MODELS_ENV, _cells, profile
     from cachegen.models import EMBEDDED
+    from cachegen_lab.bench.sweep import DEFAULT_MODELS_ENV, _cells, profile
 
     monkeypatch.delenv(DEFAULT_MODELS_ENV, raising=False)
     cfg = profile("default")
@@ -228,8 +228,8 @@ def test_the_synthetic_document_follows_the_schema_and_only_runs_are_adaptive_fa
 
 
 def test_default_profile_sweeps_every_embedded_model_and_quick_the_default_one(monkeypatch):
-    from cachegen.lab.bench.sweep import DEFAULT_MODELS_ENV, profile
     from cachegen.models import EMBEDDED, EMBEDDED_DEFAULT
+    from cachegen_lab.bench.sweep import DEFAULT_MODELS_ENV, profile
 
     monkeypatch.delenv(DEFAULT_MODELS_ENV, raising=False)
     assert profile("default", modes=["raw"]).models == list(EMBEDDED)

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 
 from cachegen.errors import InputError
-from cachegen.lab import rows
-from cachegen.lab.bench import results
-from cachegen.lab.bench.engine_process import EngineError, check_ready
-from cachegen.lab.quality import report
-from cachegen.lab.rows import LoadRow, RequestRow, Run, StreamRow, TTFTRow
+from cachegen_lab import rows
+from cachegen_lab.bench import results
+from cachegen_lab.bench.engine_process import EngineError, check_ready
+from cachegen_lab.quality import report
+from cachegen_lab.rows import LoadRow, RequestRow, Run, StreamRow, TTFTRow
 from tests.support import DOCS, FIXTURES
 
 FIXTURE = FIXTURES / "bench_results.json"
@@ -144,7 +144,7 @@ def test_quality_results_refuse_an_unknown_version_naming_the_file(tmp_path):
 
 
 def test_calibration_refuses_an_unknown_version_naming_the_file(tmp_path):
-    from cachegen.lab.quality.calibrate import load_choices
+    from cachegen_lab.quality.calibrate import load_choices
 
     source = DOCS / "quality" / "smollm2" / "calibration-prerope.json"
     path = _with_version(tmp_path / "calibration.json", source, 99)

@@ -4,7 +4,7 @@ tables (the servers themselves are exercised by tests/connector/test_openai.py).
 import pytest
 
 from cachegen.errors import InputError
-from cachegen.lab.bench import serving
+from cachegen_lab.bench import serving
 
 
 def _run(mode: str, texts: list[str]) -> dict:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cachegen.cli import main
-from cachegen.lab import rows
+from cachegen_lab import rows
 from tests.support import FIXTURES
 
 
@@ -41,8 +41,8 @@ def test_stream_bench_json(tmp_path, capsys, tiny_llama):
             assert field in r
         assert r["levels"] == [0] * 4 and r["n_loaded"] == 4 and r["bytes"] == runs[0]["bytes"]
     from cachegen import models
-    from cachegen.lab.bench.stream_bench import bench_tokens, prepare
     from cachegen.store import open_store
+    from cachegen_lab.bench.stream_bench import bench_tokens, prepare
 
     assert list(out["prepared"]["encode_s"]) == ["0"]
     ids = bench_tokens(models.resolve("tiny-llama"), 512)
@@ -101,8 +101,8 @@ def test_sweep_results_with_fast_and_unlimited_links_plot_and_report(tmp_path, c
     the schema, and the figures, the summary and the report name the link `unlimited`."""
     import copy
 
-    from cachegen.lab.bench import reproduction, results, summary
-    from cachegen.lab.bench.sweep import profile
+    from cachegen_lab.bench import reproduction, results, summary
+    from cachegen_lab.bench.sweep import profile
 
     fixture = FIXTURES / "bench_results.json"
     doc = json.loads(fixture.read_text())
@@ -127,14 +127,14 @@ def test_sweep_results_with_fast_and_unlimited_links_plot_and_report(tmp_path, c
 
 
 def test_custom_rates_replace_the_default_stream_links():
-    from cachegen.lab.bench.sweep import profile
+    from cachegen_lab.bench.sweep import profile
 
     assert profile("default", bandwidth_mbps=[50.0]).stream_links == [50.0]
     assert profile("quick").stream_links == profile("quick").bandwidth_mbps
 
 
 def test_ttft_table_has_an_unlimited_column_after_the_rates():
-    from cachegen.lab.bench.ttft import markdown
+    from cachegen_lab.bench.ttft import markdown
 
     def row(mode, bandwidth, ttft_s):
         fixed = {"context_tokens": 512, "prompt_tokens": 530, "repeats": 1, "level": None}

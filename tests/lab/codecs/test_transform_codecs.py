@@ -25,8 +25,8 @@ from cachegen.codec import (
 from cachegen.codec.bitstream import pack_frame, parse_frames, parse_header
 from cachegen.fitting.kvtc import ensure_kvtc_basis, fit_kvtc_basis, kvtc_calibration_spec
 from cachegen.kv import KVCache
-from cachegen.lab.codecs.kvtc import KvtcCodec
 from cachegen.profiles import codec_for
+from cachegen_lab.codecs.kvtc import KvtcCodec
 from tests.codec import transform_support as shared
 from tests.codec.transform_support import relative_error
 
@@ -200,7 +200,7 @@ def test_cli_encode_inspect_decode_kvtc(capsys, tmp_path, kv, basis):
 
 
 def test_rd_sweep_grid_holds_every_transform_level(tiny_llama, basis):
-    from cachegen.lab.quality.rd_sweep import grid
+    from cachegen_lab.quality.rd_sweep import grid
 
     names = {f"{c.codec}/{c.level}" for c in grid(tiny_llama, include_variants=False)}
     assert {f"{name}/{level}" for name in LEVELS for level in LEVELS[name]} <= names

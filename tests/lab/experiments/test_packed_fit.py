@@ -7,7 +7,7 @@ import torch
 
 from cachegen.codec import QuantConfig, get_codec
 from cachegen.codec.cachegen_size import packed_bits
-from cachegen.lab.experiments.packed_fit import rank
+from cachegen_lab.experiments.packed_fit import rank
 from tests.support import CHUNK
 
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from cachegen.lab.experiments.stream_sim import (
+from cachegen.stream import RECOMPUTE
+from cachegen_lab.experiments.stream_sim import (
     ADAPTIVE,
     Workload,
     evaluate,
     simulate,
     standard_traces,
 )
-from cachegen.lab.network import BandwidthTrace
-from cachegen.stream import RECOMPUTE
+from cachegen_lab.network import BandwidthTrace
 
 N = 8
 WORK = Workload(

@@ -10,7 +10,7 @@ import torch
 from cachegen.codec import model_file, tcq, tcq_model
 from cachegen.fitting.kvtc import ensure_kvtc_basis
 from cachegen.fitting.tcq import ensure_tcq_model, fit_tcq_model
-from cachegen.lab.experiments import tcq_ablation
+from cachegen_lab.experiments import tcq_ablation
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 20
 LEVELS = [21, 24]

@@ -13,7 +13,7 @@ from cachegen.codec.quant import rotate_layer_keys
 from cachegen.extract import extract_kv
 from cachegen.fitting.tcq import ensure_tcq_model
 from cachegen.kv import KVCache
-from cachegen.lab.experiments import tcq_redundancy as lab
+from cachegen_lab.experiments import tcq_redundancy as lab
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 20
 LEVEL = 24

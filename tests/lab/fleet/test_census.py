@@ -3,8 +3,8 @@ level, and every added entry read back."""
 
 from __future__ import annotations
 
-from cachegen.lab.fleet import census
 from cachegen.store import open_store
+from cachegen_lab.fleet import census
 
 NS = "0123456789abcdef"
 

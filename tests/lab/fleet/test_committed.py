@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cachegen.lab.fleet import summary
+from cachegen_lab.fleet import summary
 from tests.support import REPO
 
 DOCUMENTS = sorted((REPO / "docs" / "fleet").glob("*.json"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from cachegen.cli import main
-from cachegen.lab.fleet import summary
+from cachegen_lab.fleet import summary
 
 USERS, ROUNDS, STOP_AFTER, BLOCKS = 3, 3, 6, 24
 ARGS = [

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cachegen.cli import main
-from cachegen.lab.fleet import summary
+from cachegen_lab.fleet import summary
 from tests.lab.fleet.document_support import SETTINGS, setup
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -12,9 +12,9 @@ import jsonschema
 import pytest
 
 from cachegen.errors import InputError
-from cachegen.lab.fleet import summary, workloads
-from cachegen.lab.fleet.client import Answer
-from cachegen.lab.fleet.router import ROUND_ROBIN, STICKY, Router
+from cachegen_lab.fleet import summary, workloads
+from cachegen_lab.fleet.client import Answer
+from cachegen_lab.fleet.router import ROUND_ROBIN, STICKY, Router
 from tests.lab.fleet.document_support import SETTINGS, setup
 
 
@@ -128,7 +128,7 @@ def test_a_server_marked_down_gets_nothing_and_its_requests_go_to_the_next_live_
 
 
 def test_a_run_salts_every_request_and_gives_the_connector_its_link_rate():
-    from cachegen.lab.fleet.drive import Run
+    from cachegen_lab.fleet.drive import Run
 
     shaped = Run("raw", 100.0, "fleet-x-raw-100", connector=True)
     assert shaped.extra_body(ignore_eos=True) == {
@@ -190,7 +190,7 @@ def test_the_summary_counts_hits_errors_and_servers_and_the_document_validates(t
 
 
 def test_each_configuration_gets_a_store_no_other_wrote_and_no_password_is_recorded(tmp_path):
-    from cachegen.lab.fleet.run import fresh_store, shown
+    from cachegen_lab.fleet.run import fresh_store, shown
 
     with fresh_store(tmp_path.as_uri(), "raw", "run1") as (url, extra):
         assert url == (tmp_path / "run1-raw").as_uri() and extra == {}
@@ -223,8 +223,8 @@ def test_answers_equal_to_the_recompute_runs_are_counted_per_run():
 
 
 def test_a_stop_needs_two_servers_one_link_rate_and_a_request_left_after_it():
-    from cachegen.lab.fleet.drive import Stop
-    from cachegen.lab.fleet.run import _check
+    from cachegen_lab.fleet.drive import Stop
+    from cachegen_lab.fleet.run import _check
 
     _check(2, 4, 2, [None], Stop(1, 3), 6)
     _check(2, 4, 2, [None], Stop(1, 5), 6)
@@ -244,7 +244,7 @@ def test_a_stop_needs_two_servers_one_link_rate_and_a_request_left_after_it():
 
 
 def test_a_kv_cache_that_cannot_hold_the_longest_request_is_refused_before_any_server():
-    from cachegen.lab.fleet.run import _check_server
+    from cachegen_lab.fleet.run import _check_server
 
     _check_server(None, 1, None, 1024)
     _check_server(None, 1, 9, 1024)  # 8 blocks of 128 tokens, and the one vLLM keeps back
@@ -262,7 +262,7 @@ def test_the_library_and_the_command_share_their_defaults():
     import inspect
 
     from cachegen.cli import build_parser
-    from cachegen.lab.fleet.run import fleet_bench
+    from cachegen_lab.fleet.run import fleet_bench
 
     args = build_parser().parse_args(["fleet-bench"])
     defaults = inspect.signature(fleet_bench).parameters
@@ -286,7 +286,7 @@ def test_a_failed_warm_up_request_is_a_one_line_error_naming_the_run(tokenizer, 
     import asyncio
 
     from cachegen.errors import CacheGenError
-    from cachegen.lab.fleet import drive
+    from cachegen_lab.fleet import drive
 
     async def refused(*_, **__) -> Answer:
         return Answer(sent=0.0, error="APIConnectionError(message='Connection error.')")
@@ -306,8 +306,8 @@ def _fake_runs(monkeypatch, fail: str):
     """Runs without servers: ``start_fleet`` starts nothing (its keyword arguments are kept
     in the list returned), every request of a run answers "a", and the warm-up of
     configuration ``fail`` fails."""
-    from cachegen.lab.fleet import run as fleet_run
-    from cachegen.lab.fleet.drive import FleetError
+    from cachegen_lab.fleet import run as fleet_run
+    from cachegen_lab.fleet.drive import FleetError
 
     started: list[dict] = []
 
@@ -425,9 +425,9 @@ def test_every_server_of_a_fleet_gets_the_kv_cache_blocks_on_its_command_line(
 ):
     import contextlib
 
-    from cachegen.lab.bench.openai_server import OpenAIServer
-    from cachegen.lab.fleet import configs
-    from cachegen.lab.fleet.run import server_args, start_fleet
+    from cachegen_lab.bench.openai_server import OpenAIServer
+    from cachegen_lab.fleet import configs
+    from cachegen_lab.fleet.run import server_args, start_fleet
 
     monkeypatch.setattr(OpenAIServer, "start", lambda self: self)
     assert server_args(None) == ()

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from cachegen.codec import decode
-from cachegen.lab.network import open_link
 from cachegen.modes import CACHEGEN, PACKED, Form
 from cachegen.store import chunk_keys, open_store
 from cachegen.stream import FastestController, Option, stream_load
+from cachegen_lab.network import open_link
 
 # ---- real KV, three forms, a real socket ---------------------------------------------------
 

@@ -11,16 +11,6 @@ import time
 
 import pytest
 
-from cachegen.lab.network import (
-    BandwidthTrace,
-    ChunkServer,
-    SocketSource,
-    netns,
-    open_link,
-    protocol,
-)
-from cachegen.lab.network import server as server_module
-from cachegen.lab.network.ratelimit import TokenBucket
 from cachegen.store import ChunkCorrupt, ChunkMissing, StoreUnavailable, open_store, record
 from cachegen.stream import (
     RECOMPUTE,
@@ -30,6 +20,16 @@ from cachegen.stream import (
     StreamTimeout,
     stream_load,
 )
+from cachegen_lab.network import (
+    BandwidthTrace,
+    ChunkServer,
+    SocketSource,
+    netns,
+    open_link,
+    protocol,
+)
+from cachegen_lab.network import server as server_module
+from cachegen_lab.network.ratelimit import TokenBucket
 from tests.stream.chunks_support import LEVELS, N_CHUNKS, TOKENS, collect, decode, same_kv
 
 # ---- traces and the token bucket (pure arithmetic, no clocks) --------------------------

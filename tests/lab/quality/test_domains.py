@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cachegen.errors import InputError
-from cachegen.lab.quality.datasets import DataSettings, load_windows
+from cachegen_lab.quality.datasets import DataSettings, load_windows
 
 
 @pytest.fixture(scope="module")

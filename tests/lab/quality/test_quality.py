@@ -17,24 +17,24 @@ from cachegen import models
 from cachegen.errors import InputError
 from cachegen.fitting.replay import continuation_logits, greedy_generate
 from cachegen.kv import KVCache
-from cachegen.lab.quality import frontier
-from cachegen.lab.quality.candidates import codec_candidates, parse_codec_args
-from cachegen.lab.quality.datasets import (
+from cachegen.profiles import codec_for
+from cachegen.workload.retrieval import answer_is_correct, default_lengths, retrieval_windows
+from cachegen_lab.quality import frontier
+from cachegen_lab.quality.candidates import codec_candidates, parse_codec_args
+from cachegen_lab.quality.datasets import (
     DataSettings,
     file_windows,
     load_windows,
     pydoc_windows,
 )
-from cachegen.lab.quality.evaluate import Candidate, EvalSettings, evaluate
-from cachegen.lab.quality.metrics import (
+from cachegen_lab.quality.evaluate import Candidate, EvalSettings, evaluate
+from cachegen_lab.quality.metrics import (
     Reference,
     compare_logits,
     corpus_bleu,
     rouge_l,
     wilson_ci,
 )
-from cachegen.profiles import codec_for
-from cachegen.workload.retrieval import answer_is_correct, default_lengths, retrieval_windows
 
 SMALL = dict(context_tokens=96, continuation_tokens=16)
 
@@ -332,7 +332,7 @@ def test_pareto_frontier_and_dominance(tmp_path):
 
 
 def test_sweep_targets_read_off_rows():
-    from cachegen.lab.quality.rd_sweep import check_targets
+    from cachegen_lab.quality.rd_sweep import check_targets
 
     rows = [
         row("cachegen", "2", 2.5, 6.6),
@@ -349,7 +349,7 @@ def test_sweep_targets_read_off_rows():
 
 
 def test_calibration_meets_its_targets_and_saves_levels(tiny_llama, isolated_profiles):
-    from cachegen.lab.quality.calibrate import CalibrationSettings, calibrate, save_level
+    from cachegen_lab.quality.calibrate import CalibrationSettings, calibrate, save_level
 
     settings = CalibrationSettings(
         targets=(0.5, 2.0),
@@ -382,7 +382,7 @@ def test_calibration_meets_its_targets_and_saves_levels(tiny_llama, isolated_pro
 
 
 def test_variant_candidates_leave_the_saved_profile_alone(tiny_llama, isolated_profiles, windows):
-    from cachegen.lab.quality.rd_sweep import grid, variants
+    from cachegen_lab.quality.rd_sweep import grid, variants
 
     before = set(codec_for("cachegen", tiny_llama).levels)
     candidates = grid(tiny_llama)
@@ -410,7 +410,7 @@ def test_variant_candidates_leave_the_saved_profile_alone(tiny_llama, isolated_p
 
 
 def test_eval_takes_sweep_variants_by_name(tiny_llama, isolated_profiles):
-    from cachegen.lab.quality.candidates import codec_candidates
+    from cachegen_lab.quality.candidates import codec_candidates
 
     (candidate,) = codec_candidates(tiny_llama, "cachegen", ["k32-vth6+rope+sink"])
     assert candidate.options["exact_tokens"] == 1 and candidate.options["rope_theta"] > 0

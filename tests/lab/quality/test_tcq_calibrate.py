@@ -16,8 +16,9 @@ from cachegen.codec.profile import SHIPPED_DIR
 from cachegen.codec.tcq_levels import read_tcq_levels, tcq_levels_path
 from cachegen.errors import InputError
 from cachegen.fitting.tcq import tcq_calibration_spec
-from cachegen.lab.quality.calibrate import CalibrationSettings
-from cachegen.lab.quality.tcq_calibrate import (
+from cachegen.profiles import codec_for
+from cachegen_lab.quality.calibrate import CalibrationSettings
+from cachegen_lab.quality.tcq_calibrate import (
     LevelTrial,
     calibrate_tcq,
     choose_level,
@@ -26,7 +27,6 @@ from cachegen.lab.quality.tcq_calibrate import (
     save_choices,
     unmet,
 )
-from cachegen.profiles import codec_for
 
 SMALL = CalibrationSettings(
     targets=(1000.0,), windows=2, context_tokens=96, continuation_tokens=16, chunk_tokens=64

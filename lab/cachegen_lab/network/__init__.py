@@ -1,0 +1,29 @@
+"""Link emulation for experiments: a store served over TCP at a shaped rate and RTT.
+
+    from cachegen_lab.network import open_link
+    from cachegen.stream import stream_load
+
+    with open_link(store, bandwidth_mbps=100, rtt_ms=10, shaper="token-bucket") as link:
+        stats = stream_load(link.source, keys, decode, consume, level=2)
+
+The connector opens links through the ``cachegen.links`` entry point (``open_link``) when a
+request sets ``bandwidth_mbps`` or ``rtt_ms``; nothing in the library imports this package.
+See docs/streaming.md.
+"""
+
+from cachegen_lab.network.link import SHAPERS, Link, open_link
+from cachegen_lab.network.netns import ShaperUnavailable
+from cachegen_lab.network.server import ChunkServer, ChunkServerProcess
+from cachegen_lab.network.socket_source import SocketSource
+from cachegen_lab.network.traces import BandwidthTrace
+
+__all__ = [
+    "SHAPERS",
+    "BandwidthTrace",
+    "ChunkServer",
+    "ChunkServerProcess",
+    "Link",
+    "ShaperUnavailable",
+    "SocketSource",
+    "open_link",
+]
