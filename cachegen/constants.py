@@ -11,8 +11,6 @@ CHUNK_TOKENS = 256
 
 # How a link's rate is enforced: a token bucket in the chunk server, the kernel's tc in a
 # private network namespace (root), or nothing at all (the store is read directly).
-SHAPERS = ("token-bucket", "netns", "none")
-RATE_SHAPERS = ("token-bucket", "netns")  # the ones that can enforce a bandwidth
 
 
 def cache_root() -> Path:

@@ -211,16 +211,18 @@ def compile_kernels(model: str | models.ModelSpec, profile: Profile) -> None:
             decode(blob, out_dtype=dtype)
 
 
-def codec_for(name: str, model: str | models.ModelSpec, **options):
+def codec_for(name: str, model: str | models.ModelSpec, build: bool = True, **options):
     """Codec ``name`` for ``model``, the model's profile (``kvtc``: its basis; ``tcq``: its
-    model file) built first if
-    it needs one (``cachegen.codec.get_codec`` only loads them)."""
-    from cachegen.codec import get_codec
+    model file) built first if it needs one (``cachegen.codec.get_codec`` only loads them).
+    ``build=False`` (a server) never runs the model: a missing profile or model file raises
+    ``CodecError`` naming the command that makes it."""
+    from cachegen.codec import get_codec, load_profile
 
     if name == "kvtc":
         return get_codec(name, basis=ensure_kvtc_basis(model), **options)
     if name == "tcq":
-        return get_codec(name, tcq=ensure_tcq_model(model), **options)
+        return get_codec(name, tcq=ensure_tcq_model(model, fit=build), **options)
     if name != "cachegen":
         return get_codec(name, **options)
-    return get_codec(name, profile=ensure_profile(model), **options)
+    profile = ensure_profile(model) if build else load_profile(model)
+    return get_codec(name, profile=profile, **options)

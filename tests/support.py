@@ -85,14 +85,17 @@ def generate_with_params(engine, ids: list[int], params: dict, max_tokens: int =
 
 def connector_transport(spec, tmp_path, **extra):
     """The connector's ChunkTransport for ``spec`` on a directory store under ``tmp_path``
-    (no engine), with CHUNK-token chunks and ``extra`` connector options."""
-    from cachegen.connector.config import ConnectorConfig
+    (no engine), with CHUNK-token chunks and ``extra`` connector options; its loads read the
+    store directly, or over the link a request's ``LabRequestOptions`` name (the lab's
+    connector's sources)."""
     from cachegen.connector.transport import ChunkTransport
+    from cachegen_lab.connector.links import EmulatedLinks
+    from cachegen_lab.connector.options import lab_config
 
-    config = ConnectorConfig.from_extra_config(
+    config, shaper = lab_config(
         {"store": (tmp_path / "store").as_uri(), "chunk_tokens": CHUNK, **extra}
     )
-    return ChunkTransport(config, spec, spec.identity())
+    return ChunkTransport(config, spec, spec.identity(), lambda store: EmulatedLinks(store, shaper))
 
 
 def corrupt_raw_chunk(engine, store_dir: Path, ids: list[int], index: int) -> None:

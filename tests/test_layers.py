@@ -17,7 +17,7 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
 def _lint_imports(root: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "lab")])}
     return subprocess.run(
         [str(LINT_IMPORTS), "--no-cache", "--config", str(root / "pyproject.toml")],
         cwd=root,
@@ -33,10 +33,11 @@ def test_the_tree_keeps_its_layers():
 
 
 def test_an_import_across_layers_fails_naming_both_modules(tmp_path):
-    """A scratch copy of the package where the codec imports a lab module."""
-    shutil.copytree(
-        REPO / "cachegen", tmp_path / "cachegen", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    """A scratch copy of both packages where the codec imports a lab module."""
+    for package in ("cachegen", "lab/cachegen_lab"):
+        shutil.copytree(
+            REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     with open(tmp_path / "cachegen" / "codec" / "api.py", "a") as fh:
         fh.write("\nimport cachegen_lab.bench.plots  # a deliberate break\n")
@@ -61,19 +62,21 @@ def test_a_server_imports_no_lab_module_and_no_plotting():
     assert "cachegen.extract" not in loaded  # (vLLM itself imports transformers)
 
 
-def test_the_connector_loads_link_emulation_only_when_a_request_asks_for_it():
-    """The lab's emulated links come through the ``cachegen.links`` entry point, once options
-    set a rate or an RTT: the connector's imports and its plain options load none of it."""
+def test_the_product_connector_has_no_link_to_emulate():
+    """Rates and RTTs are the lab connector's request options, never the product's: its
+    imports and options load nothing of the lab, and a request naming a rate is refused."""
     plain = _loaded_after(
         "import cachegen.connector\n"
-        "from cachegen.connector import config, links, transport\n"
-        "config.ConnectorConfig.from_extra_config({'rtt_ms': 0})"
+        "from cachegen.connector import config, sources, transport\n"
+        "from cachegen.connector.errors import ConnectorError\n"
+        "try:\n"
+        "    config.ConnectorConfig.from_extra_config({}).request_options({'rtt_ms': 1})\n"
+        "except ConnectorError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise SystemExit('a rate was accepted')"
     )
     assert not [m for m in plain if m.startswith("cachegen_lab")]
-    shaped = _loaded_after(
-        "from cachegen.connector import config\nconfig.RequestOptions(bandwidth_mbps=100)"
-    )
-    assert "cachegen_lab.network.link" in shaped
 
 
 HARNESS_MODULES = ("matplotlib", "jsonschema", "rouge_score", "sacrebleu", "constriction", "asv")
@@ -81,16 +84,19 @@ HARNESS_MODULES = ("matplotlib", "jsonschema", "rouge_score", "sacrebleu", "cons
 
 def test_a_core_install_requires_no_harness_library():
     """``pip install cachegen`` is what a server needs; the harness's libraries come with the
-    ``lab`` extra only."""
+    lab's distribution, cachegen-lab, which requires cachegen."""
     from importlib.metadata import requires
 
+    def names(distribution: str) -> set[str]:
+        return {
+            re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower()
+            for requirement in requires(distribution)
+            if "extra ==" not in requirement
+        }
+
     harness = {"matplotlib", "jsonschema", "rouge-score", "sacrebleu", "constriction", "asv"}
-    core, lab = set(), set()
-    for requirement in requires("cachegen"):
-        name = re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower()
-        (lab if 'extra == "lab"' in requirement else core).add(name)
-    assert not harness & core
-    assert harness <= lab
+    assert not harness & names("cachegen")
+    assert harness | {"cachegen"} <= names("cachegen-lab")
 
 
 def test_decoding_imports_no_model_code():

@@ -13,6 +13,7 @@ from cachegen.cli import options
 from cachegen.codec import available_codecs, decode, inspect, load_profile
 from cachegen.errors import InputError
 from cachegen.fileio import write_atomic
+from cachegen.fitting.tcq import ensure_tcq_model
 from cachegen.kv import KVCache
 from cachegen.modes import CODED, FORMS
 from cachegen.profiles import codec_for, compile_kernels, ensure_profile
@@ -92,9 +93,18 @@ def _register_profile(subparsers) -> None:
         description="Build MODEL's profile (paper presets and shipped calibrated levels) and its "
         "tables under the profiles directory (nothing is done if it exists), then run the "
         "codec's kernels once at its default level, so that they are compiled before a "
-        "server's first request.",
+        "server's first request. With --codec tcq: find the model's shipped tcq model file, "
+        "or fit one (minutes) where none ships. A server never builds either: it refuses to "
+        "start without them.",
     )
     options.model(q, default=None)
+    q.add_argument(
+        "--codec",
+        choices=("cachegen", "tcq"),
+        default="cachegen",
+        help="whose file to build: cachegen's profile and tables, or tcq's model file "
+        "(default: %(default)s)",
+    )
     q = options.command(
         actions,
         "show",
@@ -187,6 +197,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _profile_build(args: argparse.Namespace) -> int:
+    if args.codec == "tcq":
+        tcq = ensure_tcq_model(args.model)
+        print(f"tcq model file {tcq.id} for {args.model}: levels {sorted(tcq.levels)}")
+        return 0
     profile = ensure_profile(args.model)
     compile_kernels(args.model, profile)
     data = profile.to_dict()

@@ -1,19 +1,24 @@
-"""The connector's codecs, made on first use, and the coding tables they share with the store.
+"""The connector's codecs, and the coding tables they share with the store.
 
-Codecs are imported on first use, never at start-up: the codec pulls in numba, and vLLM 0.32's
-CPU start-up crashes when llvmlite is already loaded (see docs/connector.md, "Known issues").
+The codecs are made when the scheduler's connector starts (``CodecSet.resolve``), after vLLM's
+worker start-up: the codec pulls in numba, and vLLM 0.32's CPU start-up crashes when llvmlite is
+already loaded at its worker's start (see docs/connector.md, "Known issues"). A server never
+fits or calibrates: a codec whose profile or model file is neither shipped, nor on this machine,
+nor in the store is a ``ConnectorError`` naming the command that makes it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from cachegen.connector.config import ConnectorConfig
 from cachegen.connector.errors import ConnectorError
+from cachegen.errors import CacheGenError
 from cachegen.kv import KVCache, ModelIdentity
 from cachegen.models import ModelSpec
 from cachegen.store import ChunkCorrupt
@@ -55,6 +60,17 @@ class CodecSet:
                     self._store_tables = _add_store_tables(self.store)  # come from the store
                 self._codecs[name] = self._make(name)
             return self._codecs[name]
+
+    def resolve(self, modes: Iterable[str]) -> None:
+        """Make the codec of each of ``modes`` now: a missing profile or model file stops the
+        engine's start-up, naming the command that makes it, instead of failing requests."""
+        for mode in modes:
+            try:
+                self.get(mode)
+            except CacheGenError as exc:
+                raise ConnectorError(
+                    f"the engine may serve mode {mode!r}, but its codec cannot be made: {exc}"
+                ) from exc
 
     def _make(self, name: str) -> Any:
         """``name``'s codec; for ``cachegen`` with ``profile_source: store``, on the profile the
@@ -112,14 +128,14 @@ def damaged(exc: BaseException) -> bool:
 def _get_codec(name: str, spec: ModelSpec, chunk_tokens: int) -> Any:
     from cachegen.profiles import codec_for
 
-    return codec_for(name, spec, chunk_tokens=chunk_tokens)
+    return codec_for(name, spec, build=False, chunk_tokens=chunk_tokens)
 
 
 def _resolve_profile(store: Any, spec: ModelSpec, identity: ModelIdentity) -> Any:
-    from cachegen.profiles import ensure_profile
+    from cachegen.codec import load_profile
     from cachegen.store.tables import resolve_profile
 
-    return resolve_profile(store, identity, lambda: ensure_profile(spec))
+    return resolve_profile(store, identity, lambda: load_profile(spec))
 
 
 def _cachegen_codec(profile: Any, chunk_tokens: int) -> Any:

@@ -5,7 +5,14 @@ defaults).
 Each option is declared once, as a field made by ``option``: its scope, default (or the
 model's, ``model_default``), check and a one-line doc; the key sets, the validation and
 ``describe_options()`` are read from the declarations, and a test checks docs/connector.md's
-"Options" tables against them. A request's
+"Options" tables against them.
+
+The engine owns every choice: a request's options choose only among what the engine stores and
+allows (its modes, its stored levels and forms, adaptive within the engine's time bound), and
+nothing a client sends opens a connection or fits a model. A value of the wrong type, out of
+range or not finite is a ``ConnectorError`` (the request recomputes, its report says why).
+Forms are named as in ``cachegen.modes`` (``cachegen-11-packed``); a store slot number is never
+an option's value. A request's
 ``cache_salt`` (vLLM's isolation key) and the engine's ``tenant`` are part of its chunk keys
 (docs/security.md); a client cannot set the key scope through ``kv_transfer_params``.
 """
@@ -13,16 +20,17 @@ model's, ``model_default``), check and a one-line doc; the key sets, the validat
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from math import inf
 from typing import Any
 
 from cachegen.connector.errors import ConnectorError
-from cachegen.connector.link_emulation import link_opener
-from cachegen.constants import CHUNK_TOKENS, RATE_SHAPERS
+from cachegen.constants import CHUNK_TOKENS
+from cachegen.errors import InputError
 from cachegen.kv import ModelIdentity
-from cachegen.modes import CACHEGEN, TCQ
+from cachegen.modes import ADAPTIVE, CACHEGEN, LEVELED, PACKED_TAG, TCQ, Form
 from cachegen.modes import CONNECTOR_MODES as MODES
 from cachegen.store import StoreConfigError, default_store_url, parse_size
 from cachegen.store.keys import check_scope_part
@@ -54,7 +62,8 @@ def option(
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (never a bool, NaN or an infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_int(value: Any) -> bool:
@@ -72,7 +81,7 @@ def non_negative_number(name: str, value: Any) -> None:
 
 
 def loss_bound(name: str, value: Any) -> None:
-    if value is not None and (not _is_number(value) or not 0 <= value < inf):
+    if value is not None and (not _is_number(value) or not 0 <= value < inf):  # finite
         raise ConnectorError(
             f"{name} must be a number >= 0 (the largest perplexity change in % a stored form "
             f"may have, e.g. 1), got {value!r}"
@@ -84,9 +93,35 @@ def boolean(name: str, value: Any) -> None:
         raise ConnectorError(f"{name} must be true or false, got {value!r}")
 
 
-def integer(name: str, value: Any) -> None:
-    if value is not None and not _is_int(value):
-        raise ConnectorError(f"{name} must be an integer, got {value!r}")
+def level(name: str, value: Any) -> None:
+    """A codec level: an integer 0..32767. A larger one is a store slot (a packed form's),
+    never an option's value: the error names the form that replaces it."""
+    if value is None:
+        return
+    if not _is_int(value) or value < 0:
+        raise ConnectorError(f"{name} must be a level, an integer >= 0, got {value!r}")
+    if value >= PACKED_TAG:
+        raise ConnectorError(
+            f"{name} {value} is a store slot, not a level; name the form instead: "
+            f"form {Form(CACHEGEN, value & ~PACKED_TAG, 'packed').label!r} (or the tcq one, "
+            f"{Form(TCQ, value & ~PACKED_TAG, 'packed').label!r})"
+        )
+
+
+def store_level(name: str, value: Any) -> None:
+    """A parsed request's level: a codec level, or the store's level of a packed form that
+    ``form`` named (never given so by a client: :func:`level` refuses it there)."""
+    if value is not None and (not _is_int(value) or not 0 <= value < 2 * PACKED_TAG):
+        raise ConnectorError(f"{name} must be a level, an integer >= 0, got {value!r}")
+
+
+def form_name(name: str, value: Any) -> None:
+    if value is None:
+        return
+    try:
+        Form.parse(value if isinstance(value, str) else repr(value))
+    except InputError as exc:
+        raise ConnectorError(f"{name}: {exc}") from None
 
 
 def positive_integer(name: str, value: Any) -> None:
@@ -115,7 +150,38 @@ def one_of(*choices: str) -> Check:
 
 def levels(name: str, value: Any) -> None:
     if value is not None and (not value or not all(_is_int(x) for x in value)):
-        raise ConnectorError(f"{name} must be a non-empty list of integers, got {value!r}")
+        raise ConnectorError(
+            f"{name} must be a non-empty list of levels and form names, got {value!r}"
+        )
+
+
+def stored_levels(name: str, codec: str, value: Any) -> tuple[int, ...] | None:
+    """The store's levels of ``value``, a configured list of ``codec``'s levels (integers:
+    coded) and form names (``cachegen-11-packed``). A store slot number is refused, naming the
+    form that replaces it."""
+    if value is None:
+        return None
+    if isinstance(value, (str, int)) or not isinstance(value, (list, tuple)) or not value:
+        raise ConnectorError(f"{name} must be a non-empty list of levels, got {value!r}")
+    slots = []
+    for item in value:
+        if isinstance(item, str):
+            try:
+                form = Form.parse(item)
+            except InputError as exc:
+                raise ConnectorError(f"{name}: {exc}") from None
+            if form.codec != codec:
+                raise ConnectorError(f"{name} holds {codec}'s forms only, not {item!r}")
+            slots.append(form.slot)
+            continue
+        if _is_int(item) and item >= PACKED_TAG:
+            raise ConnectorError(
+                f"{name} entry {item} is a store slot, not a level; write the form "
+                f"{Form(codec, item & ~PACKED_TAG, 'packed').label!r} instead"
+            )
+        level(name, item)
+        slots.append(item)
+    return tuple(slots)
 
 
 def scope_part(name: str, value: Any) -> None:
@@ -168,22 +234,20 @@ class RequestOptions:
         model_default=default_mode,
     )
     level: int | None = option(
-        REQUEST, "quality level of cachegen or tcq (default: the codec's default)", integer
+        REQUEST,
+        "quality level of cachegen or tcq, one the engine stores (default: the codec's default)",
+        store_level,
+    )
+    form: str | None = option(
+        REQUEST,
+        "a stored form to load, such as cachegen-11-packed or tcq-22 (sets mode and level)",
+        form_name,
     )
     slo_ms: float | None = option(
-        REQUEST, "time budget of the load in adaptive mode", positive_number
+        REQUEST, "time budget of the load in adaptive mode, up to max_slo_ms", positive_number
     )
     max_loss_pct: float | None = option(
         REQUEST, "adaptive's quality bound: the largest perplexity change (%) of a form", loss_bound
-    )
-    bandwidth_mbps: float | None = option(
-        REQUEST, "rate limit of the transfer in Mbit/s (experiments)", positive_number
-    )
-    rtt_ms: float = option(
-        REQUEST,
-        "added round-trip time of the transfer in ms (experiments)",
-        non_negative_number,
-        0.0,
     )
     load: bool = option(REQUEST, "load this request's prefix from the store", boolean, True)
     save: bool = option(REQUEST, "store this request's prefix", boolean, True)
@@ -201,19 +265,36 @@ class RequestOptions:
                 "adaptive mode needs slo_ms (the time budget for loading the prefix) or "
                 "max_loss_pct (the quality bound of the fastest stored form)"
             )
-        if self.bandwidth_mbps is not None or self.rtt_ms:
-            link_opener()  # an emulated link is the lab's: refused where it is not installed
+
+    @classmethod
+    def keys(cls) -> frozenset[str]:
+        """The keys a request's ``kv_transfer_params`` may hold."""
+        return _keys(cls, REQUEST)
 
     def override(self, params: dict[str, Any] | None) -> RequestOptions:
-        """These options with a request's ``kv_transfer_params`` applied on top."""
+        """These options with a request's ``kv_transfer_params`` applied on top; ``form``
+        names the mode and level (the store's level of a packed form) in one."""
         if not params:
             return self
-        unknown = set(params) - REQUEST_KEYS
+        if not isinstance(params, dict):
+            raise ConnectorError(f"kv_transfer_params must be an object, got {params!r}")
+        unknown = set(params) - self.keys()
         if unknown:
             raise ConnectorError(
-                f"unknown kv_transfer_params {sorted(unknown)}; the cachegen connector accepts "
-                f"{sorted(REQUEST_KEYS)}"
+                f"unknown kv_transfer_params {sorted(map(str, unknown))}; the cachegen "
+                f"connector accepts {sorted(self.keys())}"
             )
+        level(LEVEL, params.get(LEVEL))  # a slot is refused here; internally a level may be one
+        params = dict(params)
+        if params.get(FORM) is not None:
+            form_name(FORM, params[FORM])
+            chosen = Form.parse(params[FORM])
+            if params.get(LEVEL) is not None or params.get("mode", chosen.codec) != chosen.codec:
+                raise ConnectorError(f"form {params[FORM]!r} names its mode and level: drop them")
+            params["mode"] = chosen.codec
+            params[LEVEL] = chosen.slot if chosen.codec in LEVELED else None
+        elif "mode" in params or LEVEL in params:
+            params[FORM] = None  # the mode and level asked for replace a default form
         return dataclasses.replace(self, **params)
 
 
@@ -237,13 +318,18 @@ class ConnectorConfig:
         ENGINE, "modes whose encodings are written after a prefill (default: [mode])", modes, ()
     )
     cachegen_levels: tuple[int, ...] | None = option(
-        ENGINE, "cachegen levels stored (default: the save ladder)", levels
+        ENGINE,
+        'cachegen levels and forms stored, such as [11, "cachegen-11-packed"] (default: '
+        "the save ladder)",
+        levels,
     )
     tcq_levels: tuple[int, ...] | None = option(
-        ENGINE, "tcq levels stored when tcq is saved (default: tcq's save ladder)", levels
+        ENGINE,
+        "tcq levels and forms stored when tcq is saved, such as [22] (default: tcq's save ladder)",
+        levels,
     )
-    shaper: str = option(
-        ENGINE, "how bandwidth_mbps is enforced", one_of(*RATE_SHAPERS), "token-bucket"
+    max_slo_ms: float = option(
+        ENGINE, "the largest slo_ms a request may ask for (ms)", positive_number, 60_000.0
     )
     prefill_tokens_per_s: float | None = option(
         ENGINE,
@@ -277,22 +363,27 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra_config(
-        cls, extra: dict[str, Any] | None, model: ModelIdentity | None = None
+        cls,
+        extra: dict[str, Any] | None,
+        model: ModelIdentity | None = None,
+        options_type: type[RequestOptions] = RequestOptions,
     ) -> ConnectorConfig:
         """The configuration of ``kv_connector_extra_config`` ``extra`` for an engine of
         ``model``: the options it leaves out that have a ``model_default`` take the model's
-        (without ``model``, their declared defaults)."""
+        (without ``model``, their declared defaults). ``options_type``: the request options'
+        class (a subclass may declare more, as the lab's connector does)."""
         extra = dict(extra or {})
-        unknown = set(extra) - ENGINE_KEYS
+        engine_keys = options_type.keys() | ENGINE_KEYS
+        unknown = set(extra) - engine_keys
         if unknown:
             raise ConnectorError(
                 f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
-                f"the cachegen connector accepts {sorted(ENGINE_KEYS)}"
+                f"the cachegen connector accepts {sorted(engine_keys)}"
             )
         if model is not None:
             extra = {**_model_defaults(model), **extra}
-        defaults = RequestOptions().override(
-            {k: extra.pop(k) for k in list(extra) if k in REQUEST_KEYS}
+        defaults = options_type().override(
+            {k: extra.pop(k) for k in list(extra) if k in options_type.keys()}
         )
         save_modes = extra.pop("save_modes", None)
         if save_modes is None:
@@ -300,12 +391,8 @@ class ConnectorConfig:
         if isinstance(save_modes, str) or not isinstance(save_modes, (list, tuple)):
             raise ConnectorError(f"save_modes must be a list of modes, got {save_modes!r}")
         kwargs: dict[str, Any] = {"defaults": defaults, "save_modes": tuple(save_modes)}
-        for name in ("cachegen_levels", "tcq_levels"):
-            levels = extra.pop(name, None)
-            if levels is not None:
-                if isinstance(levels, (str, int)) or not isinstance(levels, (list, tuple)):
-                    raise ConnectorError(f"{name} must be a list of levels, got {levels!r}")
-                kwargs[name] = tuple(levels)
+        for name, codec in (("cachegen_levels", CACHEGEN), ("tcq_levels", TCQ)):
+            kwargs[name] = stored_levels(name, codec, extra.pop(name, None))
         for name in ("max_record_bytes", "max_load_bytes"):
             if isinstance(extra.get(name), str):
                 try:
@@ -314,6 +401,27 @@ class ConnectorConfig:
                     raise ConnectorError(f"{name}: {exc}") from None
         kwargs.update(extra)  # the engine-only keys
         return cls(**kwargs)
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes a request may ask for: the engine's mode and those it saves, and
+        ``adaptive``, which chooses only among the forms stored."""
+        return tuple(dict.fromkeys([self.defaults.mode, *self.save_modes, ADAPTIVE]))
+
+    def request_options(self, params: dict[str, Any] | None) -> RequestOptions:
+        """A request's options: the engine's defaults with its ``kv_transfer_params`` on top,
+        within what this engine allows (:attr:`modes`, ``max_slo_ms``)."""
+        options = self.defaults.override(params)
+        if options.mode not in self.modes:
+            raise ConnectorError(
+                f"mode {options.mode!r} is not one this engine serves; it serves "
+                f"{', '.join(self.modes)}"
+            )
+        if options.slo_ms is not None and options.slo_ms > self.max_slo_ms:
+            raise ConnectorError(
+                f"slo_ms={options.slo_ms:g} is above this engine's max_slo_ms ({self.max_slo_ms:g})"
+            )
+        return options
 
     def check_block_size(self, block_size: int) -> None:
         if self.chunk_tokens % block_size:
@@ -338,8 +446,9 @@ def _keys(cls: type, scope: str) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("scope") == scope)
 
 
-REQUEST_KEYS = _keys(RequestOptions, REQUEST)
+REQUEST_KEYS = RequestOptions.keys()
 ENGINE_KEYS = REQUEST_KEYS | _keys(ConnectorConfig, ENGINE)
+LEVEL, FORM = "level", "form"
 
 
 def describe_options() -> list[dict[str, str]]:

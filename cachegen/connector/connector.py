@@ -23,12 +23,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from cachegen import models
 from cachegen.connector.checks import check_kv_cache_config, check_model
-from cachegen.connector.config import ConnectorConfig
+from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.head_shards import HeadExchange, tensor_parallel_shard
 from cachegen.connector.metadata import LoadReports, StepMetadata
 from cachegen.connector.paged_cache import cache_groups
 from cachegen.connector.scheduler import SchedulerSide
+from cachegen.connector.sources import DirectSources, SourcePool
 from cachegen.connector.stats import CacheGenPromMetrics, CacheGenStats
 from cachegen.connector.transport import ChunkTransport
 from cachegen.connector.worker import WorkerSide
@@ -61,7 +62,13 @@ def served_model(model_path: str) -> ModelSpec:
 
 class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
     """Stores prompt prefixes' KV (compressed by the cachegen codec) and loads it back, in one
-    KV cache group or in the several of vLLM's hybrid KV cache manager."""
+    KV cache group or in the several of vLLM's hybrid KV cache manager.
+
+    A subclass may declare more request options (``options_type``) and read the store through
+    other sources (:meth:`source_pool`): the lab's connector emulates links so. A server uses
+    this class, whose requests choose only among what its engine stores."""
+
+    options_type: type[RequestOptions] = RequestOptions
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config) -> bool:
@@ -99,17 +106,18 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
         identity = spec.identity()
         # Options a deployment leaves out take the served model's defaults (its mode: tcq
         # where the model ships a tcq calibration), the same in every role.
-        self.config = ConnectorConfig.from_extra_config(
-            transfer.kv_connector_extra_config, identity
-        )
+        self.config = self.read_config(dict(transfer.kv_connector_extra_config or {}), identity)
         block_size = vllm_config.cache_config.block_size
         groups = cache_groups(kv_cache_config, block_size)
         if role == KVConnectorRole.SCHEDULER and any(w is not None for w in windows):
             _log_windows(spec.name, windows, len(groups))
-        transport = ChunkTransport(self.config, spec, identity)
+        transport = ChunkTransport(self.config, spec, identity, self.source_pool)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            # Every codec a request may use, made now: a missing profile or model file stops
+            # the start, naming the command that makes it (a server never fits one).
+            transport.codecs.resolve(self.config.modes)
             self._scheduler = SchedulerSide(
                 self.config, transport, block_size, transfer.kv_role, groups
             )
@@ -127,6 +135,14 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
                     )
                 ),
             )
+
+    def read_config(self, extra: dict[str, Any], identity: Any) -> ConnectorConfig:
+        """The engine's configuration from its ``kv_connector_extra_config``."""
+        return ConnectorConfig.from_extra_config(extra, identity, self.options_type)
+
+    def source_pool(self, store: Any) -> SourcePool:
+        """Where loads read ``store`` from: the store itself."""
+        return DirectSources(store)
 
     # ---- worker side ---------------------------------------------------------------------------
 

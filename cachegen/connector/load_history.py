@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import statistics
 import threading
+from collections.abc import Hashable
 from typing import Any
 
-from cachegen.connector.config import RequestOptions
 from cachegen.modes import Form
 from cachegen.stream import DECODE_EWMA, host_bound_mbps
 
 # A measured goodput is remembered per link and becomes the controller's prior for the next load.
 GOODPUT_EWMA = 0.5
-
-
-def link_key(options: RequestOptions) -> tuple[float | None, float]:
-    """What names a link: the rate and RTT of ``options``."""
-    return (options.bandwidth_mbps, float(options.rtt_ms))
 
 
 def _moving_average(before: float | None, now: float, weight: float) -> float:
@@ -30,28 +25,28 @@ class LoadHistory:
 
     def __init__(self, chunk_tokens: int) -> None:
         self.chunk_tokens = chunk_tokens
-        self.goodput_mbps: dict[tuple[float | None, float], float] = {}
+        self.goodput_mbps: dict[Hashable, float] = {}
         self.decode_s_per_token: dict[str, float] = {}
         self.host_mbps: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def initial_mbps(self, options: RequestOptions) -> float | None:
-        """The goodput a load over ``options``' link expects: the last loads' average, else
-        its configured rate."""
-        return self.goodput_mbps.get(link_key(options), options.bandwidth_mbps)
+    def initial_mbps(self, link: Hashable, nominal_mbps: float | None) -> float | None:
+        """The goodput a load over ``link`` expects: the last loads' average, else its
+        configured rate ``nominal_mbps``."""
+        return self.goodput_mbps.get(link, nominal_mbps)
 
     def priors(self) -> tuple[dict[str, float], dict[str, float]]:
         """Copies of the per-form decode seconds per token and host ceilings (Mbit/s)."""
         with self._lock:
             return dict(self.decode_s_per_token), dict(self.host_mbps)
 
-    def learn(self, stats: Any, codec: str, options: RequestOptions) -> None:
-        """Remember what a finished load of ``codec``'s records over ``options``' link
-        measured: the link's goodput; per form, its decode seconds per token (this load's
-        median per record, averaged over loads), and its goodput over the whole load when it
-        loaded every record in that one form and was bounded by the host, not the link
-        (``cachegen.stream.host_bound_mbps``; the best such goodput is the form's ceiling on
-        this host)."""
+    def learn(self, stats: Any, codec: str, link: Hashable, nominal_mbps: float | None) -> None:
+        """Remember what a finished load of ``codec``'s records over ``link`` (of configured
+        rate ``nominal_mbps``) measured: the link's goodput; per form, its decode seconds per
+        token (this load's median per record, averaged over loads), and its goodput over the
+        whole load when it loaded every record in that one form and was bounded by the host,
+        not the link (``cachegen.stream.host_bound_mbps``; the best such goodput is the form's
+        ceiling on this host)."""
         per_form: dict[str, list[float]] = {}
         for chunk in stats.chunks:
             choice = stats.levels[chunk.index]
@@ -62,11 +57,10 @@ class LoadHistory:
                 now = statistics.median(samples)
                 before = self.decode_s_per_token.get(name)
                 self.decode_s_per_token[name] = _moving_average(before, now, DECODE_EWMA)
-            ceiling = host_bound_mbps(stats.bytes, stats.load_s, options.bandwidth_mbps)
+            ceiling = host_bound_mbps(stats.bytes, stats.load_s, nominal_mbps)
             if len(per_form) == 1 and ceiling is not None:
                 (name,) = per_form
                 self.host_mbps[name] = max(self.host_mbps.get(name, 0.0), ceiling)
         if stats.transfer_s > 0 and stats.bytes:
-            key = link_key(options)
-            before = self.goodput_mbps.get(key)
-            self.goodput_mbps[key] = _moving_average(before, stats.goodput_mbps, GOODPUT_EWMA)
+            before = self.goodput_mbps.get(link)
+            self.goodput_mbps[link] = _moving_average(before, stats.goodput_mbps, GOODPUT_EWMA)

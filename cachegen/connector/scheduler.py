@@ -93,7 +93,8 @@ class SchedulerSide:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
             try:
-                options = self.config.defaults.override(request.kv_transfer_params)
+                options = self.config.request_options(request.kv_transfer_params)
+                self.transport.load_levels(options)  # a level the engine does not store
                 salt = key_scope(
                     self.config.tenant,
                     getattr(request, "cache_salt", None),
@@ -105,7 +106,7 @@ class SchedulerSide:
             except InputsRefused as exc:  # KV its keys cannot name
                 logger.info("request %s: not loaded nor saved: %s", request.request_id, exc)
                 tracked = _Tracked(request, None, error=str(exc), fallback=exc.reason)
-            except (CacheGenError, TypeError) as exc:  # bad options, a malformed cache_salt
+            except (CacheGenError, TypeError, ValueError) as exc:  # bad options or cache_salt
                 logger.warning(
                     "request %s: ignoring the cachegen connector: %s", request.request_id, exc
                 )

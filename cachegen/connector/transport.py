@@ -13,7 +13,8 @@ this transport's earlier loads measured of each form.
 Its collaborators: ``codecs`` (each mode's codec and the tables it shares with the store),
 ``ladder`` (the levels stored and loaded), ``parts`` (the records of a chunk: one, or a
 full-attention and a sliding-window part, ``cachegen.connector.parts``), ``history`` (what
-earlier loads measured) and ``links`` (the open links to the store).
+earlier loads measured) and ``sources`` (where loads read the store: the store itself in a
+server, ``cachegen.connector.sources``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from cachegen.connector.codecs import CodecSet, damaged, decode
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.ladder import LevelPolicy
-from cachegen.connector.links import LinkPool
 from cachegen.connector.load_control import (
     LoadControl,
     RecordCheck,
@@ -42,6 +42,7 @@ from cachegen.connector.load_control import (
 from cachegen.connector.load_history import LoadHistory
 from cachegen.connector.parts import SLIDING, Plan, RecordParts
 from cachegen.connector.save_plan import ModeLadder, SavePrefix, SaveRecord, plan_save
+from cachegen.connector.sources import DirectSources, SourcePool
 from cachegen.errors import CacheGenError, InputError
 from cachegen.kv import KVCache, ModelIdentity
 from cachegen.models import ModelSpec
@@ -81,7 +82,14 @@ def store_options(config: ConnectorConfig) -> dict[str, Any]:
 class ChunkTransport:
     """Finds, fetches and writes the chunks of prompts in the connector's store."""
 
-    def __init__(self, config: ConnectorConfig, spec: ModelSpec, identity: ModelIdentity) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        spec: ModelSpec,
+        identity: ModelIdentity,
+        sources: Callable[[Any], SourcePool] = DirectSources,
+    ) -> None:
+        """``sources``: makes the pool loads read the store through, from the store."""
         self.config = config
         self.spec = spec
         self.identity = identity
@@ -95,7 +103,7 @@ class ChunkTransport:
         self.ladder = LevelPolicy(self.codecs, config, identity.fingerprint)
         self.parts = RecordParts.of(spec, self.chunk_tokens)
         self.history = LoadHistory(self.chunk_tokens)
-        self.links = LinkPool(self.store, config.shaper)
+        self.sources = sources(self.store)
 
     # ---- codecs, keys, levels -------------------------------------------------------------------
 
@@ -210,12 +218,17 @@ class ChunkTransport:
             return LoadResult(0, control.refused, control.extra)
         consume = RecordCheck(plan, token_ids, self.identity, self.parts, on_chunk)
         try:
-            source = self.links.source(options)
+            source = self.sources.source(options)
             decoder = functools.partial(decode, out_dtype=out_dtype)
             stats = stream_load(source, fetch, decoder, consume, **control.stream_options())
         except CacheGenError as exc:
             return self._failed(exc, plan, fetch, control)
-        self.history.learn(stats, self.ladder.lookup_codec(options), options)
+        self.history.learn(
+            stats,
+            self.ladder.lookup_codec(options),
+            self.sources.link(options),
+            self.sources.nominal_mbps(options),
+        )
         error = None
         if stats.recompute_from is not None:
             error = (
@@ -250,7 +263,9 @@ class ChunkTransport:
         """How a load of ``plan``'s records ``fetch`` streams: at the one level ``options``
         load, or under the controller of ``adaptive``; refused when no stored form is within
         ``max_loss_pct`` or the load would exceed ``max_load_bytes``."""
-        initial_mbps = self.history.initial_mbps(options)
+        initial_mbps = self.history.initial_mbps(
+            self.sources.link(options), self.sources.nominal_mbps(options)
+        )
         if options.mode == "adaptive" and options.max_loss_pct is not None:
             forms = self.stored_forms(token_ids, plan, options.salt)
             control = LoadControl(sizes={o.name: list(o.sizes) for o in forms})
@@ -362,7 +377,7 @@ class ChunkTransport:
         return sum(self.write(record) for record in records)
 
     def close(self) -> None:
-        self.links.close()
+        self.sources.close()
         self.codecs.close()
         self.store.close()
 

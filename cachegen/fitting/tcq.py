@@ -11,6 +11,7 @@ import numpy as np
 
 from cachegen import models
 from cachegen.codec import kvtc_basis, rans, tcq_model
+from cachegen.codec.errors import CodecError
 from cachegen.codec.profile import locked, profile_path
 from cachegen.codec.tcq_code import OFFSET_UNITS
 from cachegen.codec.tcq_model import MAX_RADIUS
@@ -432,11 +433,13 @@ def _column_bits(symbols: np.ndarray) -> float:
     return float(np.sum(counts * np.log2(len(values) / counts)))
 
 
-def ensure_tcq_model(model: str | models.ModelSpec) -> tcq_model.TcqModel:
+def ensure_tcq_model(model: str | models.ModelSpec, fit: bool = True) -> tcq_model.TcqModel:
     """The model's tcq model: the one shipped with the package for this model and recipe
     (every machine names the same id; it replaces a local one of the same recipe), else the
     stored one of the recipe, else fitted and stored on first use (or when it was fitted on
-    other text or for other levels); a stored or shipped one is read and checked like any."""
+    other text or for other levels); a stored or shipped one is read and checked like any.
+    ``fit=False`` (a server) never fits: without a shipped or stored model file it raises
+    ``CodecError`` naming the command that makes one."""
     spec = models.resolve(model) if isinstance(model, str) else model
     identity = spec.identity()
     recipe = tcq_calibration_spec(spec=spec)
@@ -449,6 +452,12 @@ def ensure_tcq_model(model: str | models.ModelSpec) -> tcq_model.TcqModel:
         return shipped
     if ref is not None and ref["calibration"] == recipe:
         return tcq_model.find_tcq_model(ref["model_file"], identity)
+    if not fit:
+        raise CodecError(
+            f"no tcq model file for {spec.name} of this release's recipe (none ships for it, "
+            f"none is in {tcq_model.tcq_ref_path(identity).parent}); run "
+            f"`cachegen profile build --model {spec.name} --codec tcq` first"
+        )
     fitted = fit_tcq_model(spec)
     with locked(profile_path(identity).parent):
         saved = tcq_model.save_tcq_model(fitted)

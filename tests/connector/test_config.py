@@ -16,12 +16,12 @@ def test_defaults_and_engine_keys():
             "store": "redis://127.0.0.1:1/0",
             "mode": "int8",
             "chunk_tokens": 512,
-            "bandwidth_mbps": 100,
+            "slo_ms": 100,
         }
     )
     assert config.store == "redis://127.0.0.1:1/0"
     assert config.chunk_tokens == 512
-    assert config.defaults == RequestOptions(mode="int8", bandwidth_mbps=100)
+    assert config.defaults == RequestOptions(mode="int8", slo_ms=100)
     assert config.save_modes == ("int8",)  # saves what it loads unless told otherwise
     assert ConnectorConfig.from_extra_config(None).store.startswith("file://")
 
@@ -80,10 +80,10 @@ def test_a_shipped_calibration_without_a_tcq_default_keeps_cachegen(tmp_path, mo
 
 def test_request_overrides_engine_defaults():
     config = ConnectorConfig.from_extra_config(
-        {"mode": "raw", "bandwidth_mbps": 100, "save_modes": ["raw", "int8"]}
+        {"mode": "raw", "slo_ms": 100, "save_modes": ["raw", "int8"]}
     )
-    options = config.defaults.override({"mode": "adaptive", "slo_ms": 500, "bandwidth_mbps": 1000})
-    assert (options.mode, options.slo_ms, options.bandwidth_mbps) == ("adaptive", 500, 1000)
+    options = config.request_options({"mode": "adaptive", "slo_ms": 500})
+    assert (options.mode, options.slo_ms) == ("adaptive", 500)
     assert config.defaults.override(None) is config.defaults
     assert config.save_modes == ("raw", "int8")
 
@@ -98,11 +98,17 @@ def test_request_overrides_engine_defaults():
         ({"save_modes": "raw"}, "save_modes must be a list"),
         ({"save_modes": ["raw", "gzip"]}, "unknown mode 'gzip' in save_modes"),
         ({"mode": "adaptive"}, "adaptive mode needs slo_ms"),
-        ({"bandwidth_mbps": -5}, "bandwidth_mbps must be a positive number"),
-        ({"shaper": "tc"}, "unknown shaper"),
-        ({"level": "2"}, "level must be an integer"),
-        ({"cachegen_levels": 2}, "cachegen_levels must be a list"),
-        ({"cachegen_levels": []}, "non-empty list of integers"),
+        ({"bandwidth_mbps": 100}, "unknown kv_connector_extra_config keys"),
+        ({"shaper": "token-bucket"}, "unknown kv_connector_extra_config keys"),
+        ({"slo_ms": -5}, "slo_ms must be a positive number"),
+        ({"level": "2"}, "level must be a level, an integer >= 0"),
+        ({"cachegen_levels": 2}, "cachegen_levels must be a non-empty list"),
+        ({"cachegen_levels": []}, "cachegen_levels must be a non-empty list"),
+        ({"cachegen_levels": [11, 32779]}, "write the form 'cachegen-11-packed' instead"),
+        ({"tcq_levels": [22 | 1 << 15]}, "write the form 'tcq-22-packed' instead"),
+        ({"cachegen_levels": ["tcq-22"]}, "cachegen_levels holds cachegen's forms only"),
+        ({"level": 32779}, "name the form instead: form 'cachegen-11-packed'"),
+        ({"max_slo_ms": float("nan")}, "max_slo_ms must be a positive number"),
         ({"load_async": "no"}, "load_async must be true or false"),
     ],
 )
@@ -116,12 +122,58 @@ def test_bad_engine_config_fails_with_a_clear_message(extra, message):
     [
         ({"levle": 2}, "unknown kv_transfer_params"),
         ({"load": "yes"}, "load must be true or false"),
-        ({"rtt_ms": -1}, "rtt_ms must be a number >= 0"),
+        ({"bandwidth_mbps": 1.5}, "unknown kv_transfer_params"),  # links are the lab's
+        ({"rtt_ms": float("nan")}, "unknown kv_transfer_params"),
+        ({"level": float("nan")}, "level must be a level"),
+        ({"level": True}, "level must be a level"),
+        ({"level": 32779}, "is a store slot, not a level"),
+        ({"slo_ms": float("nan")}, "slo_ms must be a positive number"),
+        ({"slo_ms": float("inf")}, "slo_ms must be a positive number"),
+        ({"slo_ms": "fast"}, "slo_ms must be a positive number"),
+        ({"max_loss_pct": float("nan")}, "max_loss_pct must be a number >= 0"),
+        ({"form": "cachegen-11-zipped"}, "form: unknown form"),
+        ({"form": "cachegen-11-packed", "level": 11}, "names its mode and level: drop them"),
+        ("mode=tcq", "kv_transfer_params must be an object"),
     ],
 )
 def test_bad_request_params_fail_with_a_clear_message(params, message):
     with pytest.raises(ConnectorError, match=message):
         RequestOptions().override(params)
+
+
+def test_a_request_chooses_only_among_what_the_engine_serves():
+    """The engine's modes (its mode, those it saves, adaptive over a leveled codec's forms),
+    a time budget within its max_slo_ms, and a stored form by its name."""
+    config = ConnectorConfig.from_extra_config(
+        {"mode": "int8", "save_modes": ["int8", "cachegen"], "max_slo_ms": 5000}
+    )
+    assert config.modes == ("int8", "cachegen", "adaptive")
+    assert config.request_options({"mode": "adaptive", "slo_ms": 5000}).slo_ms == 5000
+    with pytest.raises(ConnectorError, match="above this engine's max_slo_ms"):
+        config.request_options({"mode": "adaptive", "slo_ms": 1e300})
+    with pytest.raises(ConnectorError, match="mode 'tcq' is not one this engine serves"):
+        config.request_options({"mode": "tcq"})
+    packed = config.request_options({"form": "cachegen-11-packed"})
+    assert (packed.mode, packed.level) == ("cachegen", 11 | 1 << 15)  # the store's level
+    assert config.request_options({"form": "int8"}).mode == "int8"
+    assert config.request_options({"mode": "cachegen", "level": 11}).form is None
+    int8_only = ConnectorConfig.from_extra_config({"mode": "int8"})
+    assert int8_only.modes == ("int8", "adaptive")
+    with pytest.raises(ConnectorError, match="mode 'raw' is not one this engine serves"):
+        int8_only.request_options({"mode": "raw"})
+
+
+def test_the_lab_connector_alone_takes_a_link_per_request():
+    from cachegen_lab.connector.options import LabRequestOptions, lab_config
+
+    config, shaper = lab_config({"mode": "raw", "shaper": "netns"})
+    assert shaper == "netns" and config.defaults.__class__ is LabRequestOptions
+    options = config.request_options({"bandwidth_mbps": 100, "rtt_ms": 5})
+    assert (options.bandwidth_mbps, options.rtt_ms) == (100, 5)
+    with pytest.raises(ConnectorError, match="bandwidth_mbps must be a positive number"):
+        config.request_options({"bandwidth_mbps": float("nan")})
+    with pytest.raises(ConnectorError, match="unknown shaper"):
+        lab_config({"shaper": "tc"})
 
 
 def test_chunk_must_align_with_vllm_blocks():

@@ -21,6 +21,7 @@ from cachegen.connector.transport import ChunkTransport
 from cachegen.extract import extract_kv
 from cachegen.modes import PACKED, Form
 from cachegen.profiles import codec_for
+from cachegen_lab.connector.options import LabRequestOptions
 from tests.support import CHUNK, connector_engine, generate_with_params
 
 CHUNKS = 2
@@ -138,7 +139,9 @@ def test_earlier_loads_give_each_form_its_decode_prior_and_host_ceiling(tiny_sav
 
 
 def _bound(max_loss_pct: float, bandwidth_mbps: float | None = None) -> RequestOptions:
-    return RequestOptions(mode="adaptive", max_loss_pct=max_loss_pct, bandwidth_mbps=bandwidth_mbps)
+    return LabRequestOptions(
+        mode="adaptive", max_loss_pct=max_loss_pct, bandwidth_mbps=bandwidth_mbps
+    )
 
 
 # ---- SmolLM2 in vLLM ----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from cachegen.connector.metadata import SaveTask
 from cachegen.connector.save_plan import SavePrefix
 from cachegen.connector.worker import _SaveJob, _Saver
 from cachegen.extract import extract_kv
+from cachegen_lab.connector.options import LabRequestOptions
 from tests.support import CHUNK, connector_engine, connector_transport
 
 CHUNKS = 3
@@ -94,7 +95,7 @@ def test_adaptive_loads_chunks_stored_at_their_first_level_only(tiny_llama, tiny
                 t.write(record)
         for bandwidth in (None, 50.0):  # without a throughput prior, and with one
             got: list[int] = []
-            options = RequestOptions(mode="adaptive", slo_ms=60_000.0, bandwidth_mbps=bandwidth)
+            options = LabRequestOptions(mode="adaptive", slo_ms=60_000.0, bandwidth_mbps=bandwidth)
             result = t.load(ids, 0, CHUNKS, options, lambda kv: got.append(kv.start))
             assert result.error is None and result.chunks_loaded == CHUNKS
             assert got == [c * CHUNK for c in range(CHUNKS)]

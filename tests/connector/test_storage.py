@@ -25,6 +25,7 @@ from cachegen.connector.ladder import (
 )
 from cachegen.connector.save_plan import SavePrefix
 from cachegen.modes import CACHEGEN, PACKED, PACKED_TAG, TCQ, Form
+from cachegen_lab.connector.options import LabRequestOptions
 from tests.support import CHUNK, connector_transport, generate_with_params
 
 CHUNKS = 3
@@ -331,7 +332,7 @@ def test_adaptive_chooses_among_the_forms_of_a_mixed_tcq_ladder(smollm2, real_kv
             assert t.load(ids, 0, CHUNKS, fixed, lambda kv: None).chunks_loaded == CHUNKS
 
         def adaptive(**link) -> list[str]:
-            bound = RequestOptions(mode="adaptive", max_loss_pct=2, **link)  # tcq-22's target
+            bound = LabRequestOptions(mode="adaptive", max_loss_pct=2, **link)  # tcq-22's target
             result = t.load(ids, 0, CHUNKS, bound, lambda kv: None)
             assert result.error is None and result.chunks_loaded == CHUNKS
             assert {tcq_form.label, fast.label} <= {

@@ -15,7 +15,7 @@ from cachegen.connector.transport import ChunkTransport
 from cachegen.modes import Form, Mode
 from cachegen.profiles import codec_for
 from cachegen_lab import rows as row_schema
-from tests.support import CHUNK, connector_engine
+from tests.support import CHUNK, connector_engine, connector_transport
 
 MAX_TOKENS = 8
 
@@ -45,7 +45,7 @@ def test_tcq_modes_parse_and_name_their_forms():
     assert config.tcq_levels == (20, 26)
     with pytest.raises(ConnectorError, match="tcq_levels must be a list"):
         ConnectorConfig.from_extra_config({"tcq_levels": 21})
-    with pytest.raises(ConnectorError, match="tcq_levels must be a non-empty list of integers"):
+    with pytest.raises(ConnectorError, match="tcq_levels: unknown form .21."):
         ConnectorConfig.from_extra_config({"tcq_levels": ["21"]})
 
 
@@ -131,28 +131,30 @@ def test_a_calibrated_tcq_level_is_a_form_a_bound_allows(tiny_llama, tmp_path, m
 
     from cachegen.codec import tcq_model, transform
     from cachegen.codec.tcq_levels import write_tcq_levels
-    from cachegen.connector.config import RequestOptions
     from cachegen.extract import extract_kv
+    from cachegen.fitting.tcq import ensure_tcq_model
+    from cachegen.profiles import ensure_profile
+    from cachegen_lab.connector.options import LabRequestOptions
 
     monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))
     transform.forget_cached_bases()
     tcq_model.forget_cached_tcq_models()
-    config = ConnectorConfig.from_extra_config(
-        {
-            "store": (tmp_path / "store").as_uri(),
-            "chunk_tokens": CHUNK,
-            "save_modes": ["cachegen", "raw", "tcq"],
-            "prefill_tokens_per_s": 10.0,  # recomputation far slower than any load
-        }
+    ensure_profile(tiny_llama)  # `cachegen profile build`: the connector never builds them
+    ensure_tcq_model(tiny_llama)
+    t = connector_transport(
+        tiny_llama,
+        tmp_path,
+        save_modes=["cachegen", "raw", "tcq"],
+        prefill_tokens_per_s=10.0,  # recomputation far slower than any load
     )
-    t = ChunkTransport(config, tiny_llama, tiny_llama.identity())
+    config = t.config
     try:
         (level,) = t.levels("tcq")
         write_tcq_levels(t.identity, t.codec("tcq").profile_id, {level: 2.0}, None, {})
         ids = list(range(3, 3 + 2 * CHUNK))
         t.save(ids, extract_kv(tiny_llama, token_ids=torch.tensor(ids)), config.save_modes)
         got: list[int] = []
-        options = RequestOptions(mode="adaptive", max_loss_pct=2, bandwidth_mbps=50)
+        options = LabRequestOptions(mode="adaptive", max_loss_pct=2, bandwidth_mbps=50)
         result = t.load(ids, 0, 2, options, lambda kv: got.append(kv.start))
         assert result.error is None and got == [0, CHUNK]
         assert result.stats["forms"][f"tcq-{level}"] == 2.0 and result.stats["forms"]["raw"] == 0

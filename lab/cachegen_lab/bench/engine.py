@@ -27,15 +27,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cachegen.connector.config import ConnectorConfig, RequestOptions
+from cachegen.connector.config import RequestOptions
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.scheduler import REPORT_KEY
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.cpu import engine_dtype
 from cachegen.errors import InputError
 from cachegen.models import EMBEDDED_DEFAULT, ModelSpec, resolve
-from cachegen.modes import CONNECTOR_MODES, RECOMPUTE
+from cachegen.modes import CONNECTOR_MODES, PACKED_TAG, RECOMPUTE, Form
 from cachegen_lab.bench.store_client import StoreClient
+from cachegen_lab.connector import LAB_CONNECTOR, LAB_CONNECTOR_MODULE
+from cachegen_lab.connector.options import LabRequestOptions, lab_config
 
 
 @dataclass
@@ -191,10 +193,10 @@ class ConnectorEngine(StoreClient):
             extra["prefill_tokens_per_s"] = prefill_tokens_per_s
         extra.update(connector_extra or {})  # further kv_connector_extra_config keys
         # Fail here, before vLLM starts; the same defaults as the connector's for the model.
-        self.config = ConnectorConfig.from_extra_config(extra, self.spec.identity())
+        self.config, self.shaper = lab_config(extra, self.spec.identity())
         transfer = KVTransferConfig(
-            kv_connector="CacheGenConnector",
-            kv_connector_module_path="cachegen.connector",
+            kv_connector=LAB_CONNECTOR,
+            kv_connector_module_path=LAB_CONNECTOR_MODULE,
             kv_role=kv_role,
             kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute",
@@ -264,6 +266,10 @@ class ConnectorEngine(StoreClient):
             params: dict[str, Any] = {"load": False, "save": save}
         else:
             params = {"mode": mode, "load": True, "save": save, "rtt_ms": rtt_ms}
+            if level is not None and level & PACKED_TAG:  # a packed form is asked by its name
+                del params["mode"]
+                params["form"] = Form.from_slot(mode, level).label
+                level = None
             for key, value in (
                 ("level", level),
                 ("bandwidth_mbps", bandwidth_mbps),
@@ -273,7 +279,7 @@ class ConnectorEngine(StoreClient):
             ):
                 if value is not None:
                     params[key] = value
-            RequestOptions().override(params)  # bad options fail here, not silently in the engine
+            LabRequestOptions().override(params)  # bad options fail here, not in the engine
         sampling = SamplingParams(
             temperature=0.0,
             max_tokens=max_tokens,

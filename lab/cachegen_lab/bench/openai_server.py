@@ -12,7 +12,9 @@
 reuse comes from the connector. Its output goes to a log file; a server that exits or is not
 ready in time raises :class:`ServerError` with the log's last lines. ``prefix_caching=True`` turns
 vLLM's own prefix cache on (a fleet's servers: ``cachegen fleet-bench``); ``env`` adds to the
-server's environment. :meth:`close` stops the
+server's environment. ``links=True`` runs the lab's connector (``cachegen_lab.connector``),
+whose requests may name a link's ``bandwidth_mbps`` and ``rtt_ms`` (a fleet's experiments);
+otherwise the server runs the product's. :meth:`close` stops the
 server's whole process group (terminate, then kill), so no engine process outlives it.
 """
 
@@ -39,6 +41,8 @@ from cachegen.errors import CacheGenError
 from cachegen.models import EMBEDDED_DEFAULT, resolve
 from cachegen.modes import RECOMPUTE
 from cachegen_lab.bench.store_client import StoreClient
+from cachegen_lab.connector import LAB_CONNECTOR, LAB_CONNECTOR_MODULE
+from cachegen_lab.connector.options import lab_config
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
@@ -78,6 +82,7 @@ class OpenAIServer(StoreClient):
         server_args: Sequence[str] = (),
         prefix_caching: bool = False,
         env: dict[str, str] | None = None,
+        links: bool = False,
     ) -> None:
         self.spec = resolve(model)
         self.model = model  # the name clients send (--served-model-name)
@@ -93,7 +98,11 @@ class OpenAIServer(StoreClient):
                 **(connector_extra or {}),
             }
             # Bad options fail here with the connector's own message, before vLLM starts.
-            self.config = ConnectorConfig.from_extra_config(self.extra, self.spec.identity())
+            if links:
+                self.config = lab_config(self.extra, self.spec.identity())[0]
+            else:
+                self.config = ConnectorConfig.from_extra_config(self.extra, self.spec.identity())
+        self.links = links
         self.max_model_len = max_model_len
         self.ready_timeout_s = ready_timeout_s
         self.server_args = list(server_args)
@@ -139,8 +148,10 @@ class OpenAIServer(StoreClient):
         ]
         if self.extra is not None:
             transfer = {
-                "kv_connector": "CacheGenConnector",
-                "kv_connector_module_path": "cachegen.connector",
+                "kv_connector": LAB_CONNECTOR if self.links else "CacheGenConnector",
+                "kv_connector_module_path": (
+                    LAB_CONNECTOR_MODULE if self.links else "cachegen.connector"
+                ),
                 "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": self.extra,

@@ -181,7 +181,7 @@ class TTFTBench:
         runs = [RequestRow.from_measurement(m, self.model) for m in measurements]
         row = TTFTRow(
             **runs[-1].to_dict(),
-            shaper=self.engine.config.shaper,
+            shaper=self.engine.shaper,
             repeats=repeats,
             ttft_runs_s=[r.ttft_s for r in runs],
             output_token_ids=measurements[-1].token_ids,

@@ -150,6 +150,7 @@ def start_fleet(
             max_model_len=max_model_len,
             log_path=log,
             prefix_caching=config.prefix_caching,
+            links=True,  # its requests name the link their loads go over
             env={**env, **cores},
             server_args=server_args,
         )

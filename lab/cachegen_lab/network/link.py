@@ -22,7 +22,6 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from cachegen.constants import SHAPERS
 from cachegen.errors import InputError
 from cachegen.store.base import ChunkStore
 from cachegen.stream.source import ChunkSource, DirectSource
@@ -31,6 +30,8 @@ from cachegen_lab.network.server import ChunkServer, ChunkServerProcess
 from cachegen_lab.network.socket_source import SocketSource
 from cachegen_lab.network.traces import BandwidthTrace
 
+SHAPERS = ("token-bucket", "netns", "none")
+RATE_SHAPERS = SHAPERS[:2]  # the ones that can enforce a bandwidth
 SERVER_MODES = ("process", "thread")
 
 
