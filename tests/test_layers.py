@@ -99,6 +99,14 @@ def test_a_core_install_requires_no_harness_library():
     assert harness | {"cachegen"} <= names("cachegen-lab")
 
 
+def test_importing_the_connector_loads_no_numba():
+    """vLLM imports the connector's module while it configures an engine, before its CPU
+    worker's start-up, which crashes if llvmlite is loaded already (docs/connector.md, "Known
+    issues"): the codec, which loads numba, is imported on first use only."""
+    loaded = _loaded_after("from cachegen.connector.connector import CacheGenConnector")
+    assert not [m for m in loaded if m.split(".")[0] in ("numba", "llvmlite")]
+
+
 def test_decoding_imports_no_model_code():
     loaded = _loaded_after("import cachegen.codec, cachegen.store, cachegen.stream")
     assert not [m for m in loaded if m.split(".")[0] in ("transformers", "vllm", "matplotlib")]

@@ -13,7 +13,6 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cachegen.codec.form_loss import form_losses
 from cachegen.connector.codecs import codec_name
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
@@ -239,6 +238,8 @@ class LevelPolicy:
             calibration = self.codecs.get(TCQ).calibrated_levels()
             tcq_targets = calibration["targets"] if calibration else None
         calibrated = self.codecs.get(CACHEGEN).profile.calibrated_levels()
+        from cachegen.codec.form_loss import form_losses  # the codec loads numba: not at import
+
         return form_losses(names, self.fingerprint, calibrated, tcq_targets)
 
 

@@ -8,8 +8,10 @@ first token are printed (``pytest -rP``), never asserted.
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import urllib.request
 
 import pytest
 
@@ -116,3 +118,91 @@ def test_a_server_that_exits_at_start_reports_its_log_and_leaves_no_process():
         server.start()
     with pytest.raises(ProcessLookupError):
         os.killpg(server.pid, 0)  # the server's process group is gone
+
+
+def _listening_sockets_and_processes(group: int) -> tuple[int, int]:
+    """The listening TCP sockets held by the processes of process group ``group``, and how
+    many processes it has (read from /proc)."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    listening.add(fields[9])  # the socket's inode
+    sockets, processes = 0, 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                pgrp = int(fh.read().rsplit(")", 1)[1].split()[2])
+            if pgrp != group:
+                continue
+            processes += 1
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:[") and target[8:-1] in listening:
+                    sockets += 1
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # a process or descriptor gone while read
+    return sockets, processes
+
+
+def _raw_chat(server, body: dict) -> dict:
+    """A chat completion posted as raw JSON, NaN included (the openai client refuses to send
+    one; a hostile client need not)."""
+    request = urllib.request.Request(
+        f"{server.url}/v1/chat/completions",
+        data=json.dumps(body, allow_nan=True).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
+
+
+HOSTILE_PARAMS = (
+    ({"bandwidth_mbps": 1.5}, "bandwidth_mbps"),  # a link rate: the lab's connector only
+    ({"rtt_ms": float("nan")}, "rtt_ms"),
+    ({"mode": "tcq"}, "mode 'tcq' is not one this engine serves"),
+    ({"level": float("nan")}, "level must be a level"),
+    ({"mode": "adaptive", "slo_ms": 1e300}, "max_slo_ms"),
+    ({"form": "cachegen-11-zipped"}, "unknown form"),
+)
+
+
+def test_a_request_chooses_only_what_the_engine_allows(server, document):
+    """Rates, RTTs, a mode the engine does not serve, a NaN level, an absurd time budget, an
+    unknown form: each request is answered, its report names the refusal, the server opens no
+    listening socket and starts no process, and the next plain request still hits."""
+    text, doc_tokens = document
+    client = server.client(timeout=1800)
+    greedy = {"model": server.model, "max_tokens": 8, "temperature": 0}
+    messages = _chat(text, "Summarize the text above in five words.")
+    client.chat.completions.create(messages=messages, **greedy)
+    server.wait_stored(server.tokenize_chat(messages))
+    before = _listening_sockets_and_processes(server.pid)
+    for params, refusal in HOSTILE_PARAMS:
+        answer = _raw_chat(server, {**greedy, "messages": messages, "kv_transfer_params": params})
+        assert answer["choices"][0]["message"]["content"].strip()
+        report = answer["kv_transfer_params"]["cachegen"]
+        assert refusal in report.get("error", ""), (params, report)
+        assert not report.get("loaded_tokens"), (params, report)
+    assert _listening_sockets_and_processes(server.pid) == before
+    report = _report(client.chat.completions.create(messages=messages, **greedy))
+    assert "error" not in report and report["loaded_tokens"] >= 0.9 * doc_tokens, report
+
+
+def test_an_engine_that_may_serve_tcq_without_its_model_file_refuses_to_start(tmp_path):
+    """The tiny test model ships no tcq model file; a server never fits one."""
+    log = tmp_path / "server.log"
+    server = OpenAIServer(
+        "tiny-llama",
+        mode="tcq",
+        max_model_len=1024,
+        log_path=log,
+        env={"CACHEGEN_PROFILE_DIR": str(tmp_path / "profiles")},
+    )
+    with pytest.raises(ServerError, match="exited with status"):
+        server.start()
+    server.close()
+    assert "run `cachegen profile build --model tiny-llama --codec tcq` first" in log.read_text()
+    assert not list((tmp_path / "profiles").rglob("*.cgtq"))  # nothing was fitted
