@@ -115,9 +115,10 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            # Every codec a request may use, made now: a missing profile or model file stops
-            # the start, naming the command that makes it (a server never fits one).
-            transport.codecs.resolve(self.config.modes)
+            # The codecs of the engine's mode and saves, made now: a missing profile or model
+            # file stops the start, naming the command that makes it (a server never fits
+            # one); another mode's codec is made on a request's first use, or refused there.
+            transport.codecs.resolve({self.config.defaults.mode, *self.config.save_modes})
             self._scheduler = SchedulerSide(
                 self.config, transport, block_size, transfer.kv_role, groups
             )

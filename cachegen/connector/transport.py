@@ -87,9 +87,8 @@ class ChunkTransport:
         config: ConnectorConfig,
         spec: ModelSpec,
         identity: ModelIdentity,
-        sources: Callable[[Any], SourcePool] = DirectSources,
+        sources: Callable[[Any], SourcePool] = DirectSources,  # where loads read the store
     ) -> None:
-        """``sources``: makes the pool loads read the store through, from the store."""
         self.config = config
         self.spec = spec
         self.identity = identity

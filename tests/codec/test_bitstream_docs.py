@@ -23,7 +23,7 @@ def _codecs() -> dict[int, str]:
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
-        if "codec_id" in vars(cls) and cls.__module__.startswith("cachegen."):
+        if "codec_id" in vars(cls) and cls.__module__.startswith(("cachegen.", "cachegen_lab.")):
             found[cls.codec_id] = cls.name
     return found
 

@@ -66,7 +66,7 @@ def tiny_saved(tiny_llama, tmp_path_factory):
             "store": tmp_path_factory.mktemp("forms-store").as_uri(),
             "chunk_tokens": CHUNK,
             "save_modes": ["cachegen", "int8", "raw"],
-            "cachegen_levels": [level, Form("cachegen", level, PACKED).slot],
+            "cachegen_levels": [level, Form("cachegen", level, PACKED).label],
             "prefill_tokens_per_s": SLOW_PREFILL_TOKENS_PER_S,
         }
     )

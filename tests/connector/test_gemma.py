@@ -59,7 +59,7 @@ LAYER = "model.layers.{}.self_attn.attn"
 # ---- without an engine: vLLM's HMA decision and the connector's start-up checks -----------------
 
 
-def _transfer_config(store: str):
+def _transfer_config(store: str, **extra):
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
@@ -67,7 +67,7 @@ def _transfer_config(store: str):
         kv_connector_module_path="cachegen.connector",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"store": store, "chunk_tokens": CHUNK},
+        kv_connector_extra_config={"store": store, "chunk_tokens": CHUNK, **extra},
     )
 
 
@@ -201,9 +201,10 @@ def test_an_unknown_attention_kind_is_refused_naming_the_layer(gemma3):
 
 
 def _fake_vllm_config(model_dir, store: str):
-    """The parts of a VllmConfig that the connector reads at start-up."""
+    """The parts of a VllmConfig that the connector reads at start-up, for a model of config
+    files alone (raw mode: it has no codec profile, which no connector builds)."""
     return SimpleNamespace(
-        kv_transfer_config=_transfer_config(store),
+        kv_transfer_config=_transfer_config(store, mode="raw"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         model_config=SimpleNamespace(model=str(model_dir)),
         cache_config=SimpleNamespace(block_size=128),

@@ -160,13 +160,14 @@ def test_the_tcq_default_ladder_follows_the_rule(model, request, tmp_path):
 
 def test_explicit_tcq_levels_are_stored_as_given(smollm2, tmp_path):
     for levels in ([24], [23, 24 | PACKED_TAG], [24 | PACKED_TAG]):
-        t = connector_transport(smollm2, tmp_path, mode="tcq", tcq_levels=levels)
+        named = [Form.from_slot(TCQ, lv).label if lv & PACKED_TAG else lv for lv in levels]
+        t = connector_transport(smollm2, tmp_path, mode="tcq", tcq_levels=named)
         try:
             assert t.levels("tcq") == levels
             assert t.ladder.stored_slots(["tcq"]) == {"tcq": levels}  # nothing borrowed
         finally:
             t.close()
-    t = connector_transport(smollm2, tmp_path, tcq_levels=[99 | PACKED_TAG, 24])
+    t = connector_transport(smollm2, tmp_path, tcq_levels=["tcq-99-packed", 24])
     try:
         with pytest.raises(ConnectorError, match=r"tcq_levels \[32867\] are not levels"):
             t.levels("tcq")
@@ -243,7 +244,8 @@ def test_explicit_cachegen_levels_are_stored_as_given(smollm2, tmp_path):
         ([1, 2, 3], [1, 2, 3]),
         ([4 | PACKED_TAG, 4, 10], [4, 10]),  # a packed form is stored, never adaptive's choice
     ):
-        t = connector_transport(smollm2, tmp_path, cachegen_levels=levels)
+        named = [Form.from_slot(CACHEGEN, lv).label if lv & PACKED_TAG else lv for lv in levels]
+        t = connector_transport(smollm2, tmp_path, cachegen_levels=named)
         try:
             assert t.levels("cachegen") == t.levels("adaptive") == levels
             assert t.ladder.adaptive_levels == adaptive

@@ -43,7 +43,7 @@ def test_tcq_modes_parse_and_name_their_forms():
     assert Mode("tcq", 21).form == Form.from_slot("tcq", 21) and Form("tcq", 21).label == "tcq-21"
     config = ConnectorConfig.from_extra_config({"save_modes": ["tcq"], "tcq_levels": [20, 26]})
     assert config.tcq_levels == (20, 26)
-    with pytest.raises(ConnectorError, match="tcq_levels must be a list"):
+    with pytest.raises(ConnectorError, match="tcq_levels must be a non-empty list"):
         ConnectorConfig.from_extra_config({"tcq_levels": 21})
     with pytest.raises(ConnectorError, match="tcq_levels: unknown form .21."):
         ConnectorConfig.from_extra_config({"tcq_levels": ["21"]})

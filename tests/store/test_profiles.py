@@ -226,6 +226,7 @@ def test_transport_tables_come_from_the_store_and_a_refused_copy_recomputes(
 
     url = (tmp_path / "store").as_uri()
     ids = tiny_kv.token_ids.tolist()
+    ensure_profile(tiny_llama)  # the producer's `cachegen profile build`: a server builds none
     producer = _transport(url, tiny_llama)
     try:
         assert producer.save(ids, tiny_kv, ["cachegen"]) > 0
@@ -419,6 +420,7 @@ def test_a_consumer_whose_rebuild_differs_adopts_the_stores_profile(
 
     url = (tmp_path / "store").as_uri()
     ids = tiny_kv.token_ids.tolist()
+    ensure_profile(tiny_llama)  # the producer's `cachegen profile build`: a server builds none
     producer = _transport(url, tiny_llama)
     try:
         assert producer.save(ids, tiny_kv, ["cachegen"]) > 0
@@ -449,6 +451,7 @@ def test_a_consumer_whose_rebuild_differs_adopts_the_stores_profile(
         assert consumer.save(ids, tiny_kv, ["cachegen"]) == 0  # nothing new to store
     finally:
         consumer.close()
+    ensure_profile(tiny_llama)  # this machine's own build, with its perturbed forward pass
     local = _transport(url, tiny_llama, profile_source="local")
     try:
         assert local.codec("cachegen").profile_id != produced  # the rebuild does differ
@@ -492,6 +495,7 @@ def test_a_transport_with_a_refused_pointer_warns_and_uses_its_own_profile(
 ):
     url = (tmp_path / "store").as_uri()
     ids = tiny_kv.token_ids.tolist()
+    ensure_profile(tiny_llama)  # the producer's `cachegen profile build`: a server builds none
     producer = _transport(url, tiny_llama)
     try:
         producer.save(ids, tiny_kv, ["cachegen"])

@@ -34,7 +34,7 @@ from cachegen.constants import CHUNK_TOKENS
 from cachegen.cpu import engine_dtype
 from cachegen.errors import InputError
 from cachegen.models import EMBEDDED_DEFAULT, ModelSpec, resolve
-from cachegen.modes import CONNECTOR_MODES, PACKED_TAG, RECOMPUTE, Form
+from cachegen.modes import CACHEGEN, CONNECTOR_MODES, PACKED_TAG, RECOMPUTE, TCQ, Form
 from cachegen_lab.bench.store_client import StoreClient
 from cachegen_lab.connector import LAB_CONNECTOR, LAB_CONNECTOR_MODULE
 from cachegen_lab.connector.options import LabRequestOptions, lab_config
@@ -131,6 +131,15 @@ class Submitted:
         )
 
 
+def configured_levels(codec: str, levels: Sequence[int | str]) -> list[int | str]:
+    """``levels`` as a connector's configuration names them: a packed form (the store's level
+    the lab's tables carry) by its form name, a coded level as the number."""
+    return [
+        Form.from_slot(codec, lv).label if isinstance(lv, int) and lv & PACKED_TAG else lv
+        for lv in levels
+    ]
+
+
 def _margins(logprobs: Any) -> list[float] | None:
     """Per output token, the top logprob minus the second (vLLM's per-token dicts of the
     sampled token and the top two), or None when the request asked for no logprobs."""
@@ -188,10 +197,12 @@ class ConnectorEngine(StoreClient):
         if store is not None:
             extra["store"] = store
         if cachegen_levels is not None:
-            extra["cachegen_levels"] = list(cachegen_levels)
+            extra["cachegen_levels"] = configured_levels(CACHEGEN, cachegen_levels)
         if prefill_tokens_per_s is not None:
             extra["prefill_tokens_per_s"] = prefill_tokens_per_s
         extra.update(connector_extra or {})  # further kv_connector_extra_config keys
+        if extra.get("tcq_levels") is not None:
+            extra["tcq_levels"] = configured_levels(TCQ, extra["tcq_levels"])
         # Fail here, before vLLM starts; the same defaults as the connector's for the model.
         self.config, self.shaper = lab_config(extra, self.spec.identity())
         transfer = KVTransferConfig(

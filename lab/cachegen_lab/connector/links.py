@@ -7,8 +7,8 @@ import threading
 from collections.abc import Hashable
 from typing import Any
 
+from cachegen.connector.config import RequestOptions
 from cachegen.stream import ChunkSource, DirectSource
-from cachegen_lab.connector.options import LabRequestOptions
 from cachegen_lab.network.link import open_link
 
 
@@ -25,23 +25,22 @@ class EmulatedLinks:
         self._exits = contextlib.ExitStack()
         self._lock = threading.Lock()
 
-    def link(self, options: LabRequestOptions) -> Hashable:
-        return (options.bandwidth_mbps, float(options.rtt_ms))
+    def link(self, options: RequestOptions) -> Hashable:
+        """A request's (rate, RTT); the library's own options (a save's lookups, the lab's
+        direct reads) name none: the store itself."""
+        return (getattr(options, "bandwidth_mbps", None), float(getattr(options, "rtt_ms", 0.0)))
 
-    def nominal_mbps(self, options: LabRequestOptions) -> float | None:
-        return options.bandwidth_mbps
+    def nominal_mbps(self, options: RequestOptions) -> float | None:
+        return self.link(options)[0]
 
-    def source(self, options: LabRequestOptions) -> ChunkSource:
-        if options.bandwidth_mbps is None and not options.rtt_ms:
+    def source(self, options: RequestOptions) -> ChunkSource:
+        bandwidth_mbps, rtt_ms = key = self.link(options)
+        if bandwidth_mbps is None and not rtt_ms:
             return self.direct
-        key = self.link(options)
         with self._lock:
             if key not in self._links:
                 link = open_link(
-                    self.store,
-                    bandwidth_mbps=options.bandwidth_mbps,
-                    rtt_ms=options.rtt_ms,
-                    shaper=self.shaper,
+                    self.store, bandwidth_mbps=bandwidth_mbps, rtt_ms=rtt_ms, shaper=self.shaper
                 )
                 self._links[key] = self._exits.enter_context(link).source
             return self._links[key]
