@@ -30,6 +30,7 @@ LONGEST_FIRST = (
     "tests/connector/test_cluster.py",
     "tests/lab/fleet/test_fleet.py",
     "tests/connector/test_openai.py",
+    "tests/docs/test_guide_serve.py",
     "tests/connector/test_smollm2.py",
     "tests/connector/test_tensor_parallel.py",
     "tests/codec/test_codec.py",
