@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cachegen.connector.config import ConnectorConfig, RequestOptions
@@ -264,3 +266,38 @@ def test_pipeline_parallelism_is_refused_before_the_store_opens(tmp_path):
     with pytest.raises(ConnectorError, match="set pipeline_parallel_size=1"):
         CacheGenConnector(config, KVConnectorRole.SCHEDULER, None)
     assert not store.exists()
+
+
+def test_an_engine_that_may_serve_tcq_without_its_model_file_refuses_to_start(
+    tiny_llama, tmp_path, monkeypatch
+):
+    """The scheduler's connector, as vLLM builds it at start-up, for the tiny test model, which
+    ships no tcq model file: it refuses naming the command, and fits nothing (a server never
+    fits or calibrates)."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from cachegen.codec import tcq_model
+    from cachegen.connector import CacheGenConnector
+
+    monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))
+    tcq_model.forget_cached_tcq_models()
+    transfer = KVTransferConfig(
+        kv_connector="CacheGenConnector",
+        kv_connector_module_path="cachegen.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"store": (tmp_path / "store").as_uri(), "mode": "tcq"},
+    )
+    config = SimpleNamespace(
+        kv_transfer_config=transfer,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(model=str(tiny_llama.path)),
+        cache_config=SimpleNamespace(block_size=128),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True),
+    )
+    command = "run `cachegen profile build --model tiny-llama --codec tcq` first"
+    with pytest.raises(ConnectorError, match=re.escape(command)):
+        CacheGenConnector(config, KVConnectorRole.SCHEDULER, None)
+    assert not list((tmp_path / "profiles").rglob("*.cgtq"))  # nothing was fitted

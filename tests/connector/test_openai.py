@@ -189,20 +189,3 @@ def test_a_request_chooses_only_what_the_engine_allows(server, document):
     assert _listening_sockets_and_processes(server.pid) == before
     report = _report(client.chat.completions.create(messages=messages, **greedy))
     assert "error" not in report and report["loaded_tokens"] >= 0.9 * doc_tokens, report
-
-
-def test_an_engine_that_may_serve_tcq_without_its_model_file_refuses_to_start(tmp_path):
-    """The tiny test model ships no tcq model file; a server never fits one."""
-    log = tmp_path / "server.log"
-    server = OpenAIServer(
-        "tiny-llama",
-        mode="tcq",
-        max_model_len=1024,
-        log_path=log,
-        env={"CACHEGEN_PROFILE_DIR": str(tmp_path / "profiles")},
-    )
-    with pytest.raises(ServerError, match="exited with status"):
-        server.start()
-    server.close()
-    assert "run `cachegen profile build --model tiny-llama --codec tcq` first" in log.read_text()
-    assert not list((tmp_path / "profiles").rglob("*.cgtq"))  # nothing was fitted
