@@ -39,7 +39,7 @@ $(STAMP): requirements/cpu.lock pyproject.toml lab/pyproject.toml
 # tcq's integer synthesis kernel (C, setup.py) is compiled by the editable install: again when
 # its source changes, since the package's Python files are read in place but the kernel is not.
 KERNEL_STAMP := $(VENV)/.cachegen-kernel
-$(KERNEL_STAMP): $(STAMP) cachegen/codec/synthesis.c cachegen/codec/synthesis_loops.h setup.py
+$(KERNEL_STAMP): $(STAMP) cachegen/codec/tcq/synthesis.c cachegen/codec/tcq/synthesis_loops.h setup.py
 	$(PIP) install --quiet --no-deps -e .
 	@touch $@
 

@@ -1,6 +1,6 @@
 """The one compiled part of the package: tcq's integer synthesis kernel
-(cachegen/codec/synthesis.c and the loops it includes, loaded through ctypes by
-cachegen.codec.int_synthesis). Optional: without a C compiler the package installs without it
+(cachegen/codec/tcq/synthesis.c and the loops it includes, loaded through ctypes by
+cachegen.codec.tcq.int_synthesis). Optional: without a C compiler the package installs without it
 and tcq decodes with the float32 product.
 Everything else about the package is in pyproject.toml."""
 
@@ -9,9 +9,9 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "cachegen.codec._synthesis",
-            sources=["cachegen/codec/synthesis.c"],
-            depends=["cachegen/codec/synthesis_loops.h"],
+            "cachegen.codec.tcq._synthesis",
+            sources=["cachegen/codec/tcq/synthesis.c"],
+            depends=["cachegen/codec/tcq/synthesis_loops.h"],
             # no contraction: the kernel fuses the multiply-adds it means to (the rotary turn)
             extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,

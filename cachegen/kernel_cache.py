@@ -27,7 +27,9 @@ from numba.core.caching import _CacheLocator
 from cachegen.constants import cache_root
 
 PACKAGE = Path(__file__).resolve().parent
-_FIRST_PARTY_IMPORT = re.compile(r"^\s*from (cachegen(?:\.\w+)+) import", re.MULTILINE)
+_FIRST_PARTY_IMPORT = re.compile(
+    r"^\s*from (cachegen(?:\.\w+)+) import \(?([\w\s,]+)", re.MULTILINE
+)
 
 
 def _module_file(module: str) -> Path | None:
@@ -44,10 +46,10 @@ def kernel_sources_digest() -> str:
     users = {p for p in PACKAGE.rglob("*.py") if "numba" in p.read_text(encoding="utf-8")}
     files = set(users)
     for path in users:
-        for module in _FIRST_PARTY_IMPORT.findall(path.read_text(encoding="utf-8")):
-            found = _module_file(module)
-            if found is not None:
-                files.add(found)
+        for module, names in _FIRST_PARTY_IMPORT.findall(path.read_text(encoding="utf-8")):
+            # the module, and any of its names that is a module itself (from a package)
+            candidates = [module] + [f"{module}.{name}" for name in re.findall(r"\w+", names)]
+            files.update(f for f in map(_module_file, candidates) if f is not None)
     digest = hashlib.sha256()
     for path in sorted(files):
         digest.update(str(path.relative_to(PACKAGE)).encode() + b"\0")

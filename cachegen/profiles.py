@@ -28,9 +28,7 @@ import numpy as np
 import torch
 
 from cachegen import models, workload
-from cachegen.codec import rans
-from cachegen.codec.errors import CodecError
-from cachegen.codec.profile import (
+from cachegen.codec.cachegen.profile import (
     DEFAULT_LEVEL,
     Profile,
     locked,
@@ -38,8 +36,9 @@ from cachegen.codec.profile import (
     read_profile,
     shipped_levels,
 )
-from cachegen.codec.quant import QuantConfig, alphabet_size, paper_levels, quantize_chunk
-from cachegen.codec.tables import (
+from cachegen.codec.cachegen.quant import QuantConfig, alphabet_size, paper_levels, quantize_chunk
+from cachegen.codec.coding import rans
+from cachegen.codec.coding.tables import (
     KINDS,
     LOCAL,
     LevelTables,
@@ -49,6 +48,7 @@ from cachegen.codec.tables import (
     save_tables,
     tables_file,
 )
+from cachegen.codec.errors import CodecError
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.fitting.kvtc import ensure_kvtc_basis
 from cachegen.fitting.tcq import ensure_tcq_model

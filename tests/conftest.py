@@ -52,7 +52,7 @@ def isolated_profiles(tmp_path, monkeypatch):
     """An empty profile directory, no tables in memory, and no table provider but that
     directory: the stores of connector engines still alive in this session provide tables to
     every decoder of the process, and would find the ones a test removed."""
-    from cachegen.codec import tables
+    from cachegen.codec.coding import tables
 
     monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))
     monkeypatch.setattr(tables, "_providers", [tables.LOCAL])

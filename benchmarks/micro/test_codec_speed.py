@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import decode, get_codec, rans
-from cachegen.codec.cachegen_encode import encode_chunk
-from cachegen.codec.quant import quantize_chunk
+from cachegen.codec import decode, get_codec
+from cachegen.codec.cachegen.encode import encode_chunk
+from cachegen.codec.cachegen.quant import quantize_chunk
+from cachegen.codec.coding import rans
 from cachegen.profiles import codec_for, ensure_profile
 from cachegen_lab.bench.codec_report import coder_overhead, measure, text_windows
 from tests.support import CHUNK
@@ -446,7 +447,7 @@ def _one_torch_thread_for_bare_coders(request):
 
 
 def test_threads_setting_is_read(monkeypatch):
-    from cachegen.codec.parallel import num_threads
+    from cachegen.codec.coding.parallel import num_threads
 
     monkeypatch.setenv("CACHEGEN_CODEC_THREADS", "1")
     assert num_threads() == 1

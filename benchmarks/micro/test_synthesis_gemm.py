@@ -10,7 +10,7 @@ the 11.8 M elements of ``test_transform_codec_speed.py``, for which 300 M elemen
 39 ms in all. The cases: ``float32`` (``torch.bmm``, what a CPU without bf16 instructions
 runs), ``bf16`` (``torch.bmm``, emulated where the CPU lacks bf16 instructions) and ``int8``
 (``torch._int_mm``, int8 x int8 -> int32, one stream at a time: torch has no batched integer
-product), and ``int16``, the decoder's own integer kernel (``cachegen.codec.int_synthesis``:
+product), and ``int16``, the decoder's own integer kernel (``cachegen.codec.tcq.int_synthesis``:
 int16 x int16 -> int32 with AVX2's ``vpmaddwd``, streams split over the codec's threads as a
 decode runs it; skipped where it was not built or the CPU has no AVX2). The int16 kernel also
 writes its rows as bf16 into the output's head layout, the pass the other arithmetics leave
@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import int_synthesis
-from cachegen.codec.int_synthesis import IntegerSynthesis
-from cachegen.codec.parallel import run_batches
-from cachegen.codec.tcq_code import level_code
+from cachegen.codec.coding.parallel import run_batches
+from cachegen.codec.tcq import int_synthesis
+from cachegen.codec.tcq.code import level_code
+from cachegen.codec.tcq.int_synthesis import IntegerSynthesis
 from cachegen.profiles import codec_for
 from tests.support import CHUNK
 

@@ -32,7 +32,10 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import decode, get_codec, int_synthesis, tcq_decode, tcq_model
+from cachegen.codec import decode, get_codec
+from cachegen.codec.tcq import decode as tcq_decode
+from cachegen.codec.tcq import int_synthesis
+from cachegen.codec.tcq import model as tcq_model
 from cachegen.modes import CODED, PACKED
 from cachegen.profiles import codec_for
 from cachegen_lab.bench.codec_report import text_windows

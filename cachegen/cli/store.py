@@ -318,7 +318,7 @@ def _record_start(store, key: str, level: int) -> bytes:
 
 
 def _header_and_token_ids(blob: bytes):
-    from cachegen.codec.bitstream import parse_header, read_token_ids
+    from cachegen.codec.coding.bitstream import parse_header, read_token_ids
 
     header = parse_header(blob)
     return header, read_token_ids(blob, header)

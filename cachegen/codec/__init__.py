@@ -16,11 +16,11 @@ model files a bitstream names), and never runs a model. See docs/codec.md and do
 
 from cachegen.codec.api import available_codecs, decode, get_codec, inspect
 from cachegen.codec.base import Codec
+from cachegen.codec.cachegen.profile import Profile, load_profile
+from cachegen.codec.cachegen.quant import SCALE_KINDS, QuantConfig, paper_levels
+from cachegen.codec.coding.tables import LevelTables, TableProvider, add_provider, profiles_dir
 from cachegen.codec.errors import CodecError
-from cachegen.codec.model_file import ModelFileProvider, ModelFileRefused
-from cachegen.codec.profile import Profile, load_profile
-from cachegen.codec.quant import SCALE_KINDS, QuantConfig, paper_levels
-from cachegen.codec.tables import LevelTables, TableProvider, add_provider, profiles_dir
+from cachegen.codec.transform.model_file import ModelFileProvider, ModelFileRefused
 
 __all__ = [
     "SCALE_KINDS",

@@ -16,10 +16,10 @@ import torch
 from cachegen import models
 from cachegen.codec.base import Codec
 from cachegen.codec.baselines import Fp8Codec, Int8Codec, Int8Decoder, RawCodec
-from cachegen.codec.bitstream import Header, parse_frames, parse_header
-from cachegen.codec.cachegen_codec import CacheGenCodec
+from cachegen.codec.cachegen.codec import CacheGenCodec
+from cachegen.codec.coding.bitstream import Header, parse_frames, parse_header
 from cachegen.codec.errors import CodecError
-from cachegen.codec.tcq import TcqCodec
+from cachegen.codec.tcq.codec import TcqCodec
 from cachegen.kv import KVCache
 
 ENTRY_POINT_GROUP = "cachegen.codecs"

@@ -18,7 +18,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from cachegen.codec.bitstream import Frame, Header, pack_frame, pack_header
+from cachegen.codec.coding.bitstream import Frame, Header, pack_frame, pack_header
 from cachegen.codec.errors import CodecError
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.kv import KVCache

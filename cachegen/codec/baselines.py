@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from cachegen.codec.base import Codec, FrameDecoder, check_size, kv_tensor
-from cachegen.codec.bitstream import Frame, Header
-from cachegen.codec.quant import FP16_MAX
+from cachegen.codec.cachegen.quant import FP16_MAX
+from cachegen.codec.coding.bitstream import Frame, Header
 from cachegen.kv import KVCache
 
 _NUMPY_OF = {torch.float16: "<f2", torch.bfloat16: "<u2", torch.float32: "<f4"}

@@ -12,7 +12,7 @@ L, coded or packed), ``raw``, ``int8`` or ``fp8``. Its loss is a perplexity chan
 * ``int8``, ``fp8``: measured per model, in ``form_loss.json`` next to this module (its
   ``source`` says which command measured them); unknown for a model it does not list;
 * a tcq level: the perplexity target that ``cachegen calibrate --codec tcq`` found it to meet
-  on the calibration windows (``cachegen.codec.tcq_levels``); unknown when no calibration
+  on the calibration windows (``cachegen.codec.tcq.levels``); unknown when no calibration
   chose it. Its packed form decodes to the same KV: its coded level's loss.
 
 Unknown is ``None``: a bound never allows such a form.
@@ -64,7 +64,7 @@ def form_losses(
     given, are the only cachegen levels whose calibration target counts: a profile whose level
     differs from the shipped one (rebuilt, or another calibration) has no known loss there.
     ``tcq_targets``: the calibrated targets of the model's current tcq model file
-    (``cachegen.codec.tcq_levels.read_tcq_levels``)."""
+    (``cachegen.codec.tcq.levels.read_tcq_levels``)."""
     levels = calibrated_losses(fingerprint)
     if calibrated_levels is not None:
         keep = set(calibrated_levels)

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cachegen.codec.cachegen.profile import SHIPPED_DIR, SHIPPED_SCHEMA, SHIPPED_VERSION
 from cachegen.codec.errors import CodecError
-from cachegen.codec.profile import SHIPPED_DIR, SHIPPED_SCHEMA, SHIPPED_VERSION
 from cachegen.fileio import check_version
 
 
@@ -27,7 +27,7 @@ def shipped_calibration(fingerprint: str) -> dict[str, Any] | None:
 
 def ships_tcq_default(fingerprint: str) -> bool:
     """Whether the model with weights ``fingerprint`` ships a tcq calibration with a default
-    level (the ``tcq`` entry of its document, ``cachegen.codec.tcq_levels``)."""
+    level (the ``tcq`` entry of its document, ``cachegen.codec.tcq.levels``)."""
     doc = shipped_calibration(fingerprint) or {}
     return (doc.get("tcq") or {}).get("default_level") is not None
 

@@ -118,7 +118,7 @@ def decode(blob: bytes, out_dtype: torch.dtype) -> KVCache:
 def damaged(exc: BaseException) -> bool:
     """Whether ``exc`` means a stored chunk is damaged (as opposed to unreachable)."""
     from cachegen.codec import CodecError
-    from cachegen.codec.tables import TablesMissing, TablesRefused
+    from cachegen.codec.coding.tables import TablesMissing, TablesRefused
 
     if isinstance(exc, (TablesRefused, TablesMissing)):  # model files' errors subclass them
         return False  # the chunk is sound; the tables or model file it names are refused or missing
@@ -145,7 +145,7 @@ def _cachegen_codec(profile: Any, chunk_tokens: int) -> Any:
 
 
 def _add_store_tables(store: Any) -> Any:
-    from cachegen.codec.tables import add_provider
+    from cachegen.codec.coding.tables import add_provider
     from cachegen.store.tables import StoreTables
 
     provider = StoreTables(store)
@@ -154,7 +154,7 @@ def _add_store_tables(store: Any) -> Any:
 
 
 def _remove_store_tables(provider: Any) -> None:
-    from cachegen.codec.tables import remove_provider
+    from cachegen.codec.coding.tables import remove_provider
 
     remove_provider(provider)
 

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from cachegen import models
-from cachegen.codec.rotary import apply_rotary, rotary_cos_sin
-from cachegen.codec.tcq_code import EXACT_TOKENS
-from cachegen.codec.transform import TransformBasis
+from cachegen.codec.tcq.code import EXACT_TOKENS
+from cachegen.codec.transform.basis import TransformBasis
+from cachegen.codec.transform.rotary import apply_rotary, rotary_cos_sin
 from cachegen.fitting.kvtc import fit_kv
 from cachegen.kv import KVCache
 

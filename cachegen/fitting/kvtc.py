@@ -9,10 +9,16 @@ import numpy as np
 import torch
 
 from cachegen import models, workload
-from cachegen.codec import kvtc_basis
-from cachegen.codec.profile import locked, profile_path
-from cachegen.codec.rotary import rotate_layer_keys
-from cachegen.codec.transform import TransformBasis, allocate_bits, find_basis, fit_pca, save_basis
+from cachegen.codec.cachegen.profile import locked, profile_path
+from cachegen.codec.transform import kvtc_basis
+from cachegen.codec.transform.basis import (
+    TransformBasis,
+    allocate_bits,
+    find_basis,
+    fit_pca,
+    save_basis,
+)
+from cachegen.codec.transform.rotary import rotate_layer_keys
 from cachegen.kv import KVCache
 
 KVTC_CALIBRATION_SPLIT = "calibrate"

@@ -5,7 +5,7 @@ layer's attention output, relative to the residual stream it is added to. What t
 error then does to the next-token distributions, through the layers above, they do not see.
 So the fit measures it: on windows of the ``calibrate`` split, each (layer, K/V) stream
 alone is quantized at one step (the others exact; the rows a coded frame refines, its
-attention sinks, a quarter step finer: :mod:`cachegen.codec.tcq_refine`), and the KL
+attention sinks, a quarter step finer: :mod:`cachegen.codec.tcq.refine`), and the KL
 divergence of the continuation's next-token distributions from the exact KV's is divided by
 the weighted squared error that the stream's quantization made. Multiplying a stream's
 weights by that sensitivity makes one unit of weighted error cost the same KL in every
@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from cachegen import models, workload
-from cachegen.codec import kvtc_basis
-from cachegen.codec.rotary import rotate_layer_keys
-from cachegen.codec.tcq_refine import REFINE_RADIUS, REFINE_UNITS, refined_rows
-from cachegen.codec.transform import TransformBasis
+from cachegen.codec.tcq.refine import REFINE_RADIUS, REFINE_UNITS, refined_rows
+from cachegen.codec.transform import kvtc_basis
+from cachegen.codec.transform.basis import TransformBasis
+from cachegen.codec.transform.rotary import rotate_layer_keys
 from cachegen.fitting.kvtc import KVTC_CALIBRATION_SPLIT, KVTC_CALIBRATION_TOKENS, fit_kv
 from cachegen.fitting.replay import continuation_logits
 
@@ -115,7 +115,7 @@ def _quantized_stream(kv, basis: TransformBasis, weights, steps, layer: int, k: 
 
 def _refine(err: np.ndarray, y: np.ndarray, step: np.ndarray, rows: np.ndarray) -> None:
     """The rounding errors ``err`` [tokens, C] of coefficients ``y`` redone for ``rows`` (bool
-    [tokens]) as a coded frame refines them (:mod:`cachegen.codec.tcq_refine`: its symbol,
+    [tokens]) as a coded frame refines them (:mod:`cachegen.codec.tcq.refine`: its symbol,
     then a refinement in quarter steps), in place."""
     coarse = np.round(y[rows] / step)
     fine = np.round(REFINE_UNITS * (y[rows] / step - coarse))

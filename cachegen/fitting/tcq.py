@@ -1,4 +1,4 @@
-"""The model's ``tcq`` model (``cachegen.codec.tcq_model``): the KVTC basis, component
+"""The model's ``tcq`` model (``cachegen.codec.tcq.model``): the KVTC basis, component
 weights (:mod:`cachegen.fitting.attention`), and for each level the step that costs its bits
 per element on the ``calibrate`` split, with the radii and rANS tables of the calibration
 coefficients' histograms."""
@@ -10,13 +10,15 @@ import dataclasses
 import numpy as np
 
 from cachegen import models
-from cachegen.codec import kvtc_basis, rans, tcq_model
+from cachegen.codec.cachegen.profile import locked, profile_path
+from cachegen.codec.coding import rans
 from cachegen.codec.errors import CodecError
-from cachegen.codec.profile import locked, profile_path
-from cachegen.codec.tcq_code import OFFSET_UNITS
-from cachegen.codec.tcq_model import MAX_RADIUS
-from cachegen.codec.tcq_predict import largest_shift, layer_predictor, residual_symbols
-from cachegen.codec.transform import TransformBasis
+from cachegen.codec.tcq import model as tcq_model
+from cachegen.codec.tcq.code import OFFSET_UNITS
+from cachegen.codec.tcq.model import MAX_RADIUS
+from cachegen.codec.tcq.predict import largest_shift, layer_predictor, residual_symbols
+from cachegen.codec.transform import kvtc_basis
+from cachegen.codec.transform.basis import TransformBasis
 from cachegen.fitting import sensitivity
 from cachegen.fitting.attention import attention_stats, component_weights
 from cachegen.fitting.kvtc import (
@@ -80,7 +82,7 @@ def tcq_layer_exponent(spec: models.ModelSpec | None) -> float:
     return TCQ_LAYER_EXPONENTS.get(spec.name, TCQ_LAYER_EXPONENT) if spec else TCQ_LAYER_EXPONENT
 
 
-# The cross-layer predictor (cachegen.codec.tcq_predict): each layer's first quarter of key and
+# The cross-layer predictor (cachegen.codec.tcq.predict): each layer's first quarter of key and
 # value components from all of the layer before's, by ridge regression (penalty relative to the
 # sources' mean energy) on the first three quarters of the calibration coefficients; the
 # largest fixed-point shift that keeps every level's sums exact in float32, at most this.

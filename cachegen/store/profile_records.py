@@ -20,16 +20,16 @@ from cachegen.fileio import check_version, versioned
 from cachegen.store import record
 from cachegen.store.errors import ChunkCorrupt, ChunkTooLarge, StoreConfigError
 
-# Profile tables (``cachegen.codec.tables``) and model files (``cachegen.codec.model_file``: a
-# tcq model, a kvtc basis): content-addressed by their id (the first 32 hex of the SHA-256 of
-# the file), written once.
+# Profile tables (``cachegen.codec.coding.tables``) and model files
+# (``cachegen.codec.transform.model_file``: a tcq model, a kvtc basis): content-addressed by their
+# id (the first 32 hex of the SHA-256 of the file), written once.
 FILE_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 MAX_TABLES_BYTES = 64 << 20  # far above any model's tables file; bounds what a read accepts
 MAX_MODEL_FILE_BYTES = 64 << 20  # far above any model file; bounds what a read accepts
-# Codec profile documents (``cachegen.codec.profile``): content-addressed by the profile id (the
-# first 16 hex of the SHA-256 of the canonical document), written once; and per model and codec
-# the "adopted" pointer naming the profile every producer and consumer of the store uses,
-# written once by the first producer and never replaced.
+# Codec profile documents (``cachegen.codec.cachegen.profile``): content-addressed by the
+# profile id (the first 16 hex of the SHA-256 of the canonical document), written once; and per
+# model and codec the "adopted" pointer naming the profile every producer and consumer of the store
+# uses, written once by the first producer and never replaced.
 PROFILE_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 FINGERPRINT_RE = re.compile(r"^[0-9a-f]{16,64}$")
 CODEC_NAME_RE = re.compile(r"^[a-z0-9-]{1,32}$")
@@ -112,7 +112,7 @@ class ProfileRecords:
         if _profile_hash(document) != profile_id:
             raise StoreConfigError(
                 f"a profile document of {len(document)} bytes does not hash to its id "
-                f"{profile_id}; store the canonical document (cachegen.codec.profile)"
+                f"{profile_id}; store the canonical document (cachegen.codec.cachegen.profile)"
             )
         if record.record_size(len(document), self.signed) > MAX_PROFILE_BYTES:
             raise ChunkTooLarge(

@@ -4,7 +4,7 @@ chunks.
 A producer puts the tables its chunks name into the store (:func:`publish_tables`, once per
 tables id: the store keeps the first valid copy), and the model file of a transform codec
 (:func:`publish_model_file`: a tcq model, a kvtc basis) likewise. A consumer adds the store as
-a table provider (:class:`StoreTables`, ``cachegen.codec.tables.add_provider``; the one call
+a table provider (:class:`StoreTables`, ``cachegen.codec.coding.tables.add_provider``; the one call
 provides both) and decodes with an empty cache directory and no model weights: ``find_tables``
 and ``ModelFiles.find`` ask the store for what they do not have. What the store returns is
 verified (record checksum, the MAC when the store has a secret, the content hash against the
@@ -27,10 +27,16 @@ import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from cachegen.codec.cachegen.profile import Profile, profile_document, profile_from_document
+from cachegen.codec.coding.tables import (
+    LOCAL,
+    TablesRefused,
+    add_provider,
+    parse_tables,
+    remove_provider,
+)
 from cachegen.codec.errors import CodecError
-from cachegen.codec.model_file import ModelFile, ModelFileRefused, same_model
-from cachegen.codec.profile import Profile, profile_document, profile_from_document
-from cachegen.codec.tables import LOCAL, TablesRefused, add_provider, parse_tables, remove_provider
+from cachegen.codec.transform.model_file import ModelFile, ModelFileRefused, same_model
 from cachegen.kv import ModelIdentity
 from cachegen.store.base import ChunkStore
 from cachegen.store.errors import ChunkCorrupt, ChunkTooLarge, StoreError

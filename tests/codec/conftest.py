@@ -34,7 +34,7 @@ def small_fits_dir(tmp_path_factory, gemma3):
     calibration tokens than the recipe's, once per test run."""
     import shutil
 
-    from cachegen.codec.tables import profiles_dir
+    from cachegen.codec.coding.tables import profiles_dir
     from cachegen.profiles import ensure_profile
 
     ensure_profile(gemma3)

@@ -8,7 +8,8 @@ import pkgutil
 import re
 
 import cachegen_lab.codecs
-from cachegen.codec import api, base, bitstream
+from cachegen.codec import api, base
+from cachegen.codec.coding import bitstream
 from tests.support import REPO
 
 DOC = (REPO / "docs" / "bitstream.md").read_text()

@@ -18,11 +18,11 @@ from cachegen.codec import (
     inspect,
     load_profile,
     paper_levels,
-    quant,
-    rotary,
 )
-from cachegen.codec import tables as tables_mod
-from cachegen.codec.bitstream import parse_frames, parse_header, read_token_ids
+from cachegen.codec.cachegen import quant
+from cachegen.codec.coding import tables as tables_mod
+from cachegen.codec.coding.bitstream import parse_frames, parse_header, read_token_ids
+from cachegen.codec.transform import rotary
 from cachegen.errors import CacheGenError
 from cachegen.kv import KVCache
 from cachegen.profiles import add_level, codec_for, ensure_profile
@@ -342,7 +342,7 @@ def test_decode_needs_only_the_tables_not_the_model(tiny_kv, tiny_llama, tmp_pat
 
 
 def test_decoder_says_how_to_get_tables_it_does_not_have(tiny_kv, tiny_llama, isolated_profiles):
-    from cachegen.codec.cachegen_codec import CacheGenCodec
+    from cachegen.codec.cachegen.codec import CacheGenCodec
 
     # KV that claims to come from a model this machine does not have
     stranger = dataclasses.replace(tiny_kv.model, name="no-such-model")
@@ -546,7 +546,7 @@ def test_stacked_rotary_tables_hold_each_thetas_angles_read_only():
 def test_decoder_rotary_kernel_is_the_torch_rotation_bit_for_bit():
     """The decoder turns keys forward in a numba pass; it must give what ``rotary.apply_rotary``
     gives (quality is measured through the torch reference), in float32 and in bfloat16."""
-    from cachegen.codec.qkernels import store_rotated
+    from cachegen.codec.cachegen.kernels import store_rotated
 
     torch.manual_seed(5)
     src = torch.randn(6, 40, 64) * 7
@@ -659,10 +659,10 @@ def test_cachegen_compresses_real_kv_like_the_paper(smollm2, smollm2_kv):
 
 def test_odd_geometry_uses_the_partial_lane_paths():
     """12 channels per layer: one full group of 8 lanes and a partial one, in both coders."""
-    from cachegen.codec import rans
-    from cachegen.codec.cachegen_codec import CacheGenCodec
-    from cachegen.codec.profile import Profile
-    from cachegen.codec.tables import LevelTables, alphabets, remember
+    from cachegen.codec.cachegen.codec import CacheGenCodec
+    from cachegen.codec.cachegen.profile import Profile
+    from cachegen.codec.coding import rans
+    from cachegen.codec.coding.tables import LevelTables, alphabets, remember
     from cachegen.kv import ModelIdentity
 
     model = ModelIdentity("odd-test-model", "ab" * 32, num_layers=3, num_kv_heads=1, head_dim=12)

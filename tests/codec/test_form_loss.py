@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cachegen.codec import form_loss
-from cachegen.codec.profile import SHIPPED_DIR
+from cachegen.codec.cachegen.profile import SHIPPED_DIR
 from cachegen.errors import InputError
 
 

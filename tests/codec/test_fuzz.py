@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cachegen.codec import CodecError, decode, inspect
-from cachegen.codec.bitstream import _FIXED, FLAG_LAYER_SUBSET, FLAG_PACKED, parse_header
+from cachegen.codec.coding.bitstream import _FIXED, FLAG_LAYER_SUBSET, FLAG_PACKED, parse_header
 from cachegen.kv import KVCache
 from cachegen.profiles import codec_for
 

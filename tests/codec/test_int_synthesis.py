@@ -1,4 +1,4 @@
-"""tcq's integer synthesis (cachegen.codec.int_synthesis, the kernel of synthesis.c): the
+"""tcq's integer synthesis (cachegen.codec.tcq.int_synthesis, the kernel of synthesis.c): the
 kernel's sums are exact in each of its loops (AVX2's and, where the CPU has it,
 AVX512-VNNI's), its matrices round within their bound, and a decode through it stays within
 that bound of the model file's arithmetic, in every output dtype."""
@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import decode, int_synthesis, tcq_code, tcq_decode
-from cachegen.codec.int_synthesis import MAX_COEFFICIENT, IntegerSynthesis
+from cachegen.codec import decode
+from cachegen.codec.tcq import code as tcq_code
+from cachegen.codec.tcq import decode as tcq_decode
+from cachegen.codec.tcq import int_synthesis
+from cachegen.codec.tcq.int_synthesis import MAX_COEFFICIENT, IntegerSynthesis
 from cachegen.fitting.tcq import ensure_tcq_model
 from cachegen.profiles import codec_for
 from tests.codec.test_tcq import BY_STEP, reference_decode

@@ -11,8 +11,9 @@ import zlib
 import pytest
 import torch
 
-from cachegen.codec import CodecError, available_codecs, decode, get_codec, inspect, tcq
-from cachegen.codec.bitstream import _FIXED, FLAG_LAYER_SUBSET, parse_header
+from cachegen.codec import CodecError, available_codecs, decode, get_codec, inspect
+from cachegen.codec.coding.bitstream import _FIXED, FLAG_LAYER_SUBSET, parse_header
+from cachegen.codec.tcq import codec as tcq
 from cachegen.errors import CacheGenError, KVError
 from cachegen.kv import KVCache, ModelIdentity
 from cachegen.profiles import add_level, codec_for, ensure_profile

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import CodecError, QuantConfig, decode, inspect, tables
-from cachegen.codec.bitstream import FLAG_PACKED, parse_header
-from cachegen.codec.cachegen_codec import CacheGenCodec
-from cachegen.codec.packed import symbol_width
+from cachegen.codec import CodecError, QuantConfig, decode, inspect
+from cachegen.codec.cachegen.codec import CacheGenCodec
+from cachegen.codec.cachegen.packed import symbol_width
+from cachegen.codec.coding import tables
+from cachegen.codec.coding.bitstream import FLAG_PACKED, parse_header
 from cachegen.kv import KVCache, ModelIdentity
 from cachegen.modes import CODED, PACKED
 from cachegen.profiles import add_level, codec_for, ensure_profile
@@ -115,9 +116,9 @@ def test_every_variant_packs_to_the_same_kv(change, tiny_kv, tiny_llama, isolate
 def odd_codec() -> CacheGenCodec:
     """head_dim 12 and widths 2 to 6: rows that do not start on a byte, symbols that straddle
     bytes, streams that end inside a byte."""
-    from cachegen.codec import rans
-    from cachegen.codec.profile import Profile
-    from cachegen.codec.tables import LevelTables, alphabets, remember
+    from cachegen.codec.cachegen.profile import Profile
+    from cachegen.codec.coding import rans
+    from cachegen.codec.coding.tables import LevelTables, alphabets, remember
 
     model = ModelIdentity("odd-packed-model", "cd" * 32, num_layers=3, num_kv_heads=3, head_dim=12)
     cfg = QuantConfig((32, 16, 6), (16, 64, 4), key_scale="channel", value_scale="token-head")
@@ -195,8 +196,8 @@ def test_decoders_hadamard_row_is_the_hadamard_product(head_dim):
     """Both forms undo the Hadamard rotation with ``qkernels.hadamard_row`` (a fast transform
     with its own rounding): exactly the matrix product where every sum is exact (small
     integers), and within float32 rounding of it elsewhere."""
-    from cachegen.codec import quant
-    from cachegen.codec.qkernels import store_transformed
+    from cachegen.codec.cachegen import quant
+    from cachegen.codec.cachegen.kernels import store_transformed
 
     matrix = quant.hadamard_matrix(head_dim).double()
     gen = torch.Generator().manual_seed(head_dim)
@@ -279,7 +280,7 @@ def test_hadamard_row_adds_in_butterfly_order(head_dim):
     of a level undo the rotation with it."""
     import numba
 
-    from cachegen.codec.qkernels import hadamard_row
+    from cachegen.codec.cachegen.kernels import hadamard_row
 
     @numba.njit
     def transform(rows, inv_sqrt):
@@ -308,9 +309,9 @@ def test_hadamard_row_adds_in_butterfly_order(head_dim):
 def test_rotated_levels_pack_to_the_same_kv_at_any_head_dim(head_dim):
     """Hadamard and rotary angles undone row by row at a head dim with vector rows (128) and
     one without (16), per-token and per-channel scales: the coded form's KV, bit for bit."""
-    from cachegen.codec import rans
-    from cachegen.codec.profile import Profile
-    from cachegen.codec.tables import LevelTables, alphabets, remember
+    from cachegen.codec.cachegen.profile import Profile
+    from cachegen.codec.coding import rans
+    from cachegen.codec.coding.tables import LevelTables, alphabets, remember
 
     model = ModelIdentity(
         f"rotated-packed-{head_dim}", "ef" * 32, num_layers=2, num_kv_heads=2, head_dim=head_dim

@@ -1,4 +1,4 @@
-"""The codec threads (cachegen.codec.parallel): every stream of every job runs once, and none
+"""The codec threads (cachegen.codec.coding.parallel): every stream of every job runs once, and none
 is left running when a call returns, even when a kernel fails."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from cachegen.codec import parallel
+from cachegen.codec.coding import parallel
 
 
 @pytest.fixture(autouse=True)

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from cachegen import workload
-from cachegen.codec import CodecError, decode, get_codec, inspect, tcq_model
-from cachegen.codec.profile import SHIPPED_DIR
+from cachegen.codec import CodecError, decode, get_codec, inspect
+from cachegen.codec.cachegen.profile import SHIPPED_DIR
+from cachegen.codec.tcq import model as tcq_model
 from cachegen.extract import extract_kv
 from cachegen.fitting.tcq import ensure_tcq_model, fit_tcq_model, tcq_calibration_spec
 from cachegen.profiles import codec_for

@@ -12,21 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import (
-    CodecError,
-    available_codecs,
-    decode,
-    get_codec,
-    inspect,
-    rans,
-    tcq,
-    tcq_code,
-    tcq_decode,
-    tcq_encode,
-    tcq_model,
-)
-from cachegen.codec.bitstream import parse_frames, parse_header
-from cachegen.codec.rotary import rotate_layer_keys
+from cachegen.codec import CodecError, available_codecs, decode, get_codec, inspect
+from cachegen.codec.coding import rans
+from cachegen.codec.coding.bitstream import parse_frames, parse_header
+from cachegen.codec.tcq import code as tcq_code
+from cachegen.codec.tcq import codec as tcq
+from cachegen.codec.tcq import decode as tcq_decode
+from cachegen.codec.tcq import encode as tcq_encode
+from cachegen.codec.tcq import model as tcq_model
+from cachegen.codec.transform.rotary import rotate_layer_keys
 from cachegen.fitting.attention import LayerStats, attention_probabilities, layer_weights
 from cachegen.fitting.tcq import ensure_tcq_model, fit_tcq_model, tcq_calibration_spec
 from cachegen.kv import KVCache
@@ -241,7 +235,7 @@ def reference_decode(
 def _refinements(model, code, layer: int, k: int, part, values) -> torch.Tensor:
     """The refinements in steps [tokens, kept] of a frame's rows ``part`` of (layer, K/V)
     whose values are ``values`` [heads, tokens, head_dim]: ``r / 4`` on its refined rows."""
-    from cachegen.codec import tcq_refine
+    from cachegen.codec.tcq import refine as tcq_refine
 
     y, _ = tcq_encode._coefficients(model, code, layer, k, part, True)
     sym = tcq_encode._rounded(y, code.radius[layer][k])

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import CodecError, decode, get_codec, inspect, tcq_model
-from cachegen.codec.bitstream import pack_header, parse_frames, parse_header
+from cachegen.codec import CodecError, decode, get_codec, inspect
+from cachegen.codec.coding.bitstream import pack_header, parse_frames, parse_header
+from cachegen.codec.tcq import model as tcq_model
 from cachegen.fitting.tcq import ensure_tcq_model
 from cachegen.profiles import codec_for
 from tests.codec import transform_support as shared
@@ -152,7 +153,7 @@ def test_truncated_flipped_and_impossible_packed_frames_are_refused(kv, tiny_lla
 
 def test_the_packed_form_needs_no_rans_tables(kv, tiny_llama, model_file, monkeypatch):
     """Decoding it reads no table row: the unpacking stands in for the rANS pass."""
-    from cachegen.codec import tcq_kernels
+    from cachegen.codec.tcq import kernels as tcq_kernels
 
     blob = codec_for("tcq", tiny_llama, chunk_tokens=64).encode(kv, level=22, form="packed")
 

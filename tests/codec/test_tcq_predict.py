@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import CodecError, decode, get_codec, inspect, tcq_code, tcq_model
-from cachegen.codec.bitstream import parse_header
-from cachegen.codec.tcq_predict import (
+from cachegen.codec import CodecError, decode, get_codec, inspect
+from cachegen.codec.coding.bitstream import parse_header
+from cachegen.codec.tcq import code as tcq_code
+from cachegen.codec.tcq import model as tcq_model
+from cachegen.codec.tcq.predict import (
     EXACT_LIMIT,
     OFFSET_BOUND,
     apply_predictions,

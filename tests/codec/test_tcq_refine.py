@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import CodecError, decode, get_codec, tcq, tcq_decode, tcq_refine
-from cachegen.codec.bitstream import parse_frames, parse_header
+from cachegen.codec import CodecError, decode, get_codec
+from cachegen.codec.coding.bitstream import parse_frames, parse_header
+from cachegen.codec.tcq import codec as tcq
+from cachegen.codec.tcq import decode as tcq_decode
+from cachegen.codec.tcq import refine as tcq_refine
 from cachegen.fitting.tcq import ensure_tcq_model
 from tests.codec import transform_support as shared
 from tests.codec.test_int_synthesis import needs_kernel

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from cachegen import workload
-from cachegen.codec import kvtc_basis
-from cachegen.codec.rotary import rotate_layer_keys
-from cachegen.codec.tcq_refine import refined_rows
+from cachegen.codec.tcq.refine import refined_rows
+from cachegen.codec.transform import kvtc_basis
+from cachegen.codec.transform.rotary import rotate_layer_keys
 from cachegen.extract import load_model
 from cachegen.fitting import sensitivity
 from cachegen.fitting.kvtc import KVTC_CALIBRATION_TOKENS, ensure_kvtc_basis

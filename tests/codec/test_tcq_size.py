@@ -1,5 +1,5 @@
 """What a tcq level costs per element, estimated from its model file alone
-(``cachegen.codec.tcq_size``), against real encodings of held-out KV.
+(``cachegen.codec.tcq.size``), against real encodings of held-out KV.
 
 The estimate is for a chunk at the start of a prompt, from the calibrated tables, so it is
 closest on text like the calibration text's: within 10% of the real bits of such a chunk of
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cachegen.codec.tcq_size import estimated_bits, symbol_widths
+from cachegen.codec.tcq.size import estimated_bits, symbol_widths
 from cachegen.modes import FORMS, PACKED
 
 CHUNK = 256

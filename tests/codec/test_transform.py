@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import CodecError, lloyd_max, packing, transform
+from cachegen.codec import CodecError
+from cachegen.codec.transform import basis as transform
+from cachegen.codec.transform import lloyd_max, packing
 from cachegen.kv import ModelIdentity
 
 

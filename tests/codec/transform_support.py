@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from cachegen import workload
-from cachegen.codec import CodecError, decode, inspect, tcq_model, transform
-from cachegen.codec.bitstream import pack_frame, parse_frames, parse_header
+from cachegen.codec import CodecError, decode, inspect
+from cachegen.codec.coding.bitstream import pack_frame, parse_frames, parse_header
+from cachegen.codec.tcq import model as tcq_model
+from cachegen.codec.transform import basis as transform
 from cachegen.kv import KVCache
 
 TEXT = "\n\n".join(

@@ -57,7 +57,7 @@ def test_a_shipped_calibration_without_a_tcq_default_keeps_cachegen(tmp_path, mo
     import json
 
     from cachegen.codec import shipped
-    from cachegen.codec.profile import SHIPPED_SCHEMA, SHIPPED_VERSION
+    from cachegen.codec.cachegen.profile import SHIPPED_SCHEMA, SHIPPED_VERSION
 
     def ship(name: str, tcq: dict | None) -> None:
         doc = {"schema": SHIPPED_SCHEMA, "version": SHIPPED_VERSION, "model": {"fingerprint": name}}
@@ -279,7 +279,7 @@ def test_an_engine_that_may_serve_tcq_without_its_model_file_refuses_to_start(
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from cachegen.codec import tcq_model
+    from cachegen.codec.tcq import model as tcq_model
     from cachegen.connector import CacheGenConnector
 
     monkeypatch.setenv("CACHEGEN_PROFILE_DIR", str(tmp_path / "profiles"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cachegen.codec import tables as tables_mod
+from cachegen.codec.coding import tables as tables_mod
 from cachegen.connector.config import RequestOptions
 from cachegen.store import open_store
 from cachegen.store.tables import publish_tables

@@ -39,7 +39,7 @@ def test_the_servers_wheel_holds_no_lab_module_and_no_lab_entry_point(wheel):
     print(f"{wheel.name}: {len(names)} files; entry points:\n{declared}")
     assert not [n for n in names if n.startswith(("cachegen_lab/", "cachegen/lab/"))]
     assert all(n.startswith(("cachegen/", "cachegen-0.1.0.dist-info/")) for n in names)
-    assert "cachegen/connector/connector.py" in names and "cachegen/codec/tcq.py" in names
+    assert "cachegen/connector/connector.py" in names and "cachegen/codec/tcq/codec.py" in names
     assert not [group for group in LAB_ENTRY_POINT_GROUPS if f"[{group}]" in declared]
 
 

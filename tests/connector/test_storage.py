@@ -180,7 +180,7 @@ def test_a_mixed_tcq_ladder_stores_cachegens_packed_form_under_its_keys(tiny_lla
     level of every chunk first, then the packed records under cachegen's keys, with cachegen's
     profile in the store. A ``cachegen`` request loads only what its own ladder holds, and
     ``adaptive`` with a bound finds the chunks by the tcq level."""
-    from cachegen.codec.bitstream import parse_header
+    from cachegen.codec.coding.bitstream import parse_header
 
     t = connector_transport(tiny_llama, tmp_path, mode="tcq")
     try:
@@ -296,7 +296,7 @@ def test_the_default_level_is_stored_coded_and_packed(smollm2, real_kv, tmp_path
     import torch
 
     from cachegen.codec import decode
-    from cachegen.codec.bitstream import parse_header
+    from cachegen.codec.coding.bitstream import parse_header
 
     ids, kv = real_kv(smollm2)
     t = connector_transport(smollm2, tmp_path)

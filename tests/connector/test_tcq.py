@@ -129,8 +129,9 @@ def test_a_calibrated_tcq_level_is_a_form_a_bound_allows(tiny_llama, tmp_path, m
     form of that loss: on a slow link, with raw the other allowed form, it is loaded."""
     import torch
 
-    from cachegen.codec import tcq_model, transform
-    from cachegen.codec.tcq_levels import write_tcq_levels
+    from cachegen.codec.tcq import model as tcq_model
+    from cachegen.codec.tcq.levels import write_tcq_levels
+    from cachegen.codec.transform import basis as transform
     from cachegen.extract import extract_kv
     from cachegen.fitting.tcq import ensure_tcq_model
     from cachegen.profiles import ensure_profile

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachegen.codec import ModelFileRefused, decode, get_codec, tcq_model
-from cachegen.codec.tables import add_provider, remove_provider
+from cachegen.codec import ModelFileRefused, decode, get_codec
+from cachegen.codec.coding.tables import add_provider, remove_provider
+from cachegen.codec.tcq import model as tcq_model
 from cachegen.connector.codecs import CodecSet, damaged
 from cachegen.connector.config import ConnectorConfig
 from cachegen.extract import extract_kv

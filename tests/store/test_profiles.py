@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from cachegen.codec import CodecError, decode, inspect
-from cachegen.codec import tables as tables_mod
-from cachegen.codec.bitstream import parse_header
-from cachegen.codec.profile import profile_document, profile_from_document
-from cachegen.codec.tables import TablesRefused
+from cachegen.codec.cachegen.profile import profile_document, profile_from_document
+from cachegen.codec.coding import tables as tables_mod
+from cachegen.codec.coding.bitstream import parse_header
+from cachegen.codec.coding.tables import TablesRefused
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.transport import ChunkTransport
 from cachegen.extract import extract_kv
@@ -163,7 +163,7 @@ def test_tables_of_another_model_are_refused(
 PROBE = """
 import hashlib, json, sys
 from cachegen.codec import decode
-from cachegen.codec.tables import add_provider
+from cachegen.codec.coding.tables import add_provider
 from cachegen.store import open_store
 from cachegen.store.tables import StoreTables
 

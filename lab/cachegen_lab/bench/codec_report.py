@@ -32,11 +32,11 @@ import numpy as np
 import torch
 
 from cachegen import models, workload
-from cachegen.codec import rans
 from cachegen.codec.api import decode, get_codec, inspect
-from cachegen.codec.cachegen_codec import CacheGenCodec
-from cachegen.codec.profile import Profile
-from cachegen.codec.quant import QuantConfig, alphabet_size, paper_levels
+from cachegen.codec.cachegen.codec import CacheGenCodec
+from cachegen.codec.cachegen.profile import Profile
+from cachegen.codec.cachegen.quant import QuantConfig, alphabet_size, paper_levels
+from cachegen.codec.coding import rans
 from cachegen.errors import InputError
 from cachegen.kv import KVCache
 from cachegen.profiles import ensure_profile, transient_profile
@@ -139,8 +139,8 @@ def measure(codec, level: int, windows: list[KVCache], chunk_tokens: int) -> dic
 
 def coder_overhead(profile: Profile, level: int, windows: list[KVCache], chunk_tokens: int) -> dict:
     """Coded stream size vs the ideal code length of the same symbols under the same tables."""
-    from cachegen.codec.cachegen_encode import encode_chunk, exact_bytes
-    from cachegen.codec.quant import quantize_chunk
+    from cachegen.codec.cachegen.encode import encode_chunk, exact_bytes
+    from cachegen.codec.cachegen.quant import quantize_chunk
 
     tables = profile.tables(level)
     C = tables.num_channels

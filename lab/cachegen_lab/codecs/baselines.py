@@ -25,9 +25,9 @@ from cachegen.codec.baselines import (
     fp16_values,
     int8_body,
 )
-from cachegen.codec.bitstream import Frame, Header
+from cachegen.codec.cachegen.quant import FP16_MAX
+from cachegen.codec.coding.bitstream import Frame, Header
 from cachegen.codec.errors import CodecError
-from cachegen.codec.quant import FP16_MAX
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.kv import KVCache
 

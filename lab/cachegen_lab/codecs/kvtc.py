@@ -4,15 +4,16 @@ Per layer, keys and values each go through a PCA basis over all heads' channels 
 fitted once per model on calibration text (``cachegen.fitting.kvtc.ensure_kvtc_basis``; keys
 turned back to their pre-RoPE form first). Each level is a budget of bits per element; the
 basis file holds each level's allocation of 0..8 bits to the principal components
-(components given 0 bits are dropped), chosen by :func:`~cachegen.codec.transform.allocate_bits`
-from the components' variances. A component's coefficient, divided by its calibration
-standard deviation, is coded with the Lloyd-Max quantizer of its bits; the codes are packed
-at their width (bytes per symbol would cost DEFLATE's Huffman code at least a bit for every
-1-bit symbol) and every (layer, K/V) stream is compressed with DEFLATE (zlib). As published,
-the first ``EXACT_TOKENS`` tokens of a sequence (the attention sinks) are stored exactly.
+(components given 0 bits are dropped), chosen by
+:func:`~cachegen.codec.transform.basis.allocate_bits` from the components' variances. A component's
+coefficient, divided by its calibration standard deviation, is coded with the Lloyd-Max quantizer
+of its bits; the codes are packed at their width (bytes per symbol would cost DEFLATE's Huffman
+code at least a bit for every 1-bit symbol) and every (layer, K/V) stream is compressed with
+DEFLATE (zlib). As published, the first ``EXACT_TOKENS`` tokens of a sequence (the attention sinks)
+are stored exactly.
 
 The header's codec parameters are the basis id (16 bytes); the decoder reads the basis from
-the transforms directory (``cachegen.codec.transform``), never from a model. Frame body::
+the transforms directory (``cachegen.codec.transform.basis``), never from a model. Frame body::
 
     exact      tokens at positions below EXACT_TOKENS: keys then values [L, H, e, D] in the
                KV's dtype (empty in most frames)
@@ -35,13 +36,13 @@ import torch
 
 from cachegen import models
 from cachegen.codec.base import FrameDecoder, ModelCodec, kv_tensor
-from cachegen.codec.bitstream import Frame, Header
+from cachegen.codec.coding.bitstream import Frame, Header
 from cachegen.codec.errors import CodecError
-from cachegen.codec.kvtc_basis import EXACT_TOKENS, load_kvtc_basis
-from cachegen.codec.lloyd_max import MAX_BITS, dequantize, quantize
-from cachegen.codec.packing import inflate_exactly, pack_bits, packed_size, unpack_bits
-from cachegen.codec.rotary import rotate_layer_keys
-from cachegen.codec.transform import TransformBasis, find_basis
+from cachegen.codec.transform.basis import TransformBasis, find_basis
+from cachegen.codec.transform.kvtc_basis import EXACT_TOKENS, load_kvtc_basis
+from cachegen.codec.transform.lloyd_max import MAX_BITS, dequantize, quantize
+from cachegen.codec.transform.packing import inflate_exactly, pack_bits, packed_size, unpack_bits
+from cachegen.codec.transform.rotary import rotate_layer_keys
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.kv import KVCache
 

@@ -5,7 +5,8 @@ by a random Hadamard transform ``R = H diag(s)`` (random signs ``s`` from a seed
 the model's fingerprint, the layer and K/V, so the decoder derives the same), divided by its
 norm and scaled by ``sqrt(head_dim)``; its coordinates are then close to N(0, 1) whatever the
 input, and each is coded with the Gaussian Lloyd-Max quantizer
-(:func:`~cachegen.codec.lloyd_max.lloyd_max`). The norm is stored per (token, head) in fp16.
+(:func:`~cachegen.codec.transform.lloyd_max.lloyd_max`). The norm is stored per (token, head)
+in fp16.
 
 Levels are tenths of a bit per coordinate: ``25`` (2.5 bits) and ``35`` (3.5 bits). A
 fractional rate mixes two quantizers: after the rotation all coordinates are alike, so the
@@ -33,11 +34,11 @@ import numpy as np
 import torch
 
 from cachegen.codec.base import Codec, FrameDecoder, check_size, kv_tensor
-from cachegen.codec.bitstream import Frame, Header
+from cachegen.codec.cachegen.quant import FP16_MAX, hadamard
+from cachegen.codec.coding.bitstream import Frame, Header
 from cachegen.codec.errors import CodecError
-from cachegen.codec.lloyd_max import dequantize, quantize
-from cachegen.codec.packing import pack_bits, packed_size, unpack_bits
-from cachegen.codec.quant import FP16_MAX, hadamard
+from cachegen.codec.transform.lloyd_max import dequantize, quantize
+from cachegen.codec.transform.packing import pack_bits, packed_size, unpack_bits
 from cachegen.kv import KVCache
 
 # level -> (bits of the first half of the rotated coordinates, bits of the second half)

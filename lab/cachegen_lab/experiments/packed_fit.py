@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from cachegen.codec import QuantConfig
-from cachegen.codec.cachegen_size import packed_bits
+from cachegen.codec.cachegen.size import packed_bits
 from cachegen.connector.ladder import LADDER_BUDGET_BITS, LADDER_HEADROOM_BITS
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.fileio import check_version

@@ -27,9 +27,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from cachegen.codec import tcq, tcq_model
-from cachegen.codec.bitstream import parse_frames, parse_header
-from cachegen.codec.transform import TransformBasis
+from cachegen.codec.coding.bitstream import parse_frames, parse_header
+from cachegen.codec.tcq import codec as tcq
+from cachegen.codec.tcq import model as tcq_model
+from cachegen.codec.transform.basis import TransformBasis
 from cachegen.errors import InputError
 from cachegen.fileio import versioned
 from cachegen.kv import KVCache

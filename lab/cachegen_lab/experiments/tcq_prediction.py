@@ -6,7 +6,7 @@ machine's fitted one) plus a predictor fitted here on its own calibration coeffi
 (``cachegen.fitting.tcq.with_predictor``); without its predictor it is that file (the same
 quantizer and tables), so the quality measured for its levels holds with the predictor too.
 
-The prediction (``cachegen.codec.tcq_predict``) changes which symbols a coded stream holds,
+The prediction (``cachegen.codec.tcq.predict``) changes which symbols a coded stream holds,
 never the values they decode to, so a level's quality is the same with and without it; this
 lab measures the size and checks the sameness, bit for bit, on every window and level. The
 windows are those ``cachegen eval`` takes for the same domain, count, lengths and seed, so the
@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cachegen.codec.bitstream import parse_frames, parse_header
-from cachegen.codec.tcq import TcqCodec, decoder_with
-from cachegen.codec.tcq_model import TcqModel
+from cachegen.codec.coding.bitstream import parse_frames, parse_header
+from cachegen.codec.tcq.codec import TcqCodec, decoder_with
+from cachegen.codec.tcq.model import TcqModel
 from cachegen.errors import InputError
 from cachegen.fileio import versioned
 

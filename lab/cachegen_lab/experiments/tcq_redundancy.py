@@ -31,9 +31,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cachegen.codec import rans, tcq_code, tcq_model
 from cachegen.codec.base import kv_tensor
-from cachegen.codec.rotary import rotate_layer_keys
+from cachegen.codec.coding import rans
+from cachegen.codec.tcq import code as tcq_code
+from cachegen.codec.tcq import model as tcq_model
+from cachegen.codec.transform.rotary import rotate_layer_keys
 from cachegen.errors import InputError
 from cachegen.fileio import versioned
 from cachegen.kv import KVCache

@@ -79,7 +79,7 @@ class CalibrationSettings:
     hadamard: tuple[bool, ...] = (False, True)
     scales: tuple[str, ...] = SCALE_KINDS
     chunk_tokens: int = CHUNK_TOKENS  # the codec's chunk size (per-chunk scales depend on it)
-    # Options every allocation gets (see cachegen.codec.quant): turn keys back by the
+    # Options every allocation gets (see cachegen.codec.cachegen.quant): turn keys back by the
     # model's rotary angles (when it has RoPE) and store the first tokens exactly.
     derotate_keys: bool = True
     exact_tokens: int = 1

@@ -39,7 +39,7 @@ def config_codec(spec: ModelSpec, config, level: int):
 def codec_candidates(spec: ModelSpec, name: str, levels: list[str] | None) -> list[Candidate]:
     """One candidate per requested level of codec ``name`` (``None``: all its levels); for
     cachegen a level may also name one of the sweep's variants, for tcq ``L-unrefined`` its
-    level ``L`` without refined rows (:mod:`cachegen.codec.tcq_refine`)."""
+    level ``L`` without refined rows (:mod:`cachegen.codec.tcq.refine`)."""
     from cachegen.profiles import codec_for
 
     codec = codec_for(name, spec)

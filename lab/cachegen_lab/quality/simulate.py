@@ -2,7 +2,7 @@
 
 Calibration tries hundreds of (layer, K/V, bins) variants; running the full codec (tables,
 rANS) for each would waste time on bytes nobody stores. :func:`quantize_kv` applies the
-codec's own kernels (``cachegen.codec.quant``) chunk by chunk exactly as the encoder does,
+codec's own kernels (``cachegen.codec.cachegen.quant``) chunk by chunk exactly as the encoder does,
 and :func:`estimated_bits` estimates what the entropy coder would spend: the empirical
 entropy of each (layer, K/V, channel)'s symbols plus the fp16 scales and the exactly stored
 tokens. Final numbers
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cachegen.codec.quant import (
+from cachegen.codec.cachegen.quant import (
     QuantConfig,
     alphabet_size,
     dequantize,

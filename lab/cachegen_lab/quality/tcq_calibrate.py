@@ -1,6 +1,6 @@
 """Quality targets for the tcq levels: ``cachegen calibrate --codec tcq``.
 
-A tcq level is a number of bits per element on the calibration text (``cachegen.codec.tcq``),
+A tcq level is a number of bits per element on the calibration text (``cachegen.codec.tcq.codec``),
 so calibrating it needs no allocation search: every level of the model's tcq model file runs
 for real on the calibration windows (the ``calibrate`` split of the pydoc text, the windows
 and the model run of ``cachegen calibrate``), and each perplexity target takes the cheapest
@@ -8,7 +8,7 @@ level that meets it by the same rule as the cachegen levels (``select`` ``kl``: 
 budget the target maps to by regressing perplexity change on KL over the levels, and
 perplexity change within the target; ``ppl``: perplexity change within margin x target).
 
-The choices are recorded for that model file (``cachegen.codec.tcq_levels``): they become
+The choices are recorded for that model file (``cachegen.codec.tcq.levels``): they become
 the levels' losses for a quality bound (the connector's ``max_loss_pct``) and, with
 ``set_default``, the first target's level becomes the codec's default. A target no level
 meets is a result too, not an error: its choice has no level and says why (``unmet``), and
@@ -163,7 +163,7 @@ def save_choices(model: str, document: dict, *, make_default: bool) -> dict:
     """Record ``document``'s choices for its tcq model file; the first target's level is the
     codec's default with ``make_default`` (none if no level met it). Each level keeps the
     strictest target it met; unmet targets record nothing."""
-    from cachegen.codec.tcq_levels import write_tcq_levels
+    from cachegen.codec.tcq.levels import write_tcq_levels
     from cachegen.models import resolve
     from cachegen.profiles import codec_for
 

@@ -139,7 +139,7 @@ def test_mode_groups_expand_like_the_earlier_reproduction():
 def _shipped(model: str) -> dict:
     """The calibrated levels document shipped for ``model``: its cachegen default level, and
     its tcq default level with the perplexity target it was calibrated for."""
-    from cachegen.codec.profile import SHIPPED_DIR
+    from cachegen.codec.cachegen.profile import SHIPPED_DIR
 
     return json.loads((SHIPPED_DIR / f"{model}.json").read_text())
 

@@ -12,17 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import (
-    CodecError,
-    available_codecs,
-    decode,
-    get_codec,
-    inspect,
-    kvtc_basis,
-    lloyd_max,
-    transform,
-)
-from cachegen.codec.bitstream import pack_frame, parse_frames, parse_header
+from cachegen.codec import CodecError, available_codecs, decode, get_codec, inspect
+from cachegen.codec.coding.bitstream import pack_frame, parse_frames, parse_header
+from cachegen.codec.transform import basis as transform
+from cachegen.codec.transform import kvtc_basis, lloyd_max
 from cachegen.fitting.kvtc import ensure_kvtc_basis, fit_kvtc_basis, kvtc_calibration_spec
 from cachegen.kv import KVCache
 from cachegen.profiles import codec_for
@@ -399,7 +392,7 @@ def test_turboquant_bitstream_follows_the_documented_layout(kv, level, hi, lo):
 def _kvtc_header_for(other: KVCache, level: int, basis_id: str) -> bytes:
     """A well-formed kvtc bitstream of ``other`` (empty bodies) naming ``basis_id`` at
     ``level``: the decoder must refuse it before it looks at a body."""
-    from cachegen.codec.bitstream import pack_header
+    from cachegen.codec.coding.bitstream import pack_header
 
     header, width = pack_header(KvtcCodec.codec_id, level, other, 64, bytes.fromhex(basis_id))
     frames = [pack_frame(chunk.token_ids, width, b"") for chunk in other.chunks(64)]

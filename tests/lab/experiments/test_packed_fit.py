@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from cachegen.codec import QuantConfig, get_codec
-from cachegen.codec.cachegen_size import packed_bits
+from cachegen.codec.cachegen.size import packed_bits
 from cachegen_lab.experiments.packed_fit import rank
 from tests.support import CHUNK
 

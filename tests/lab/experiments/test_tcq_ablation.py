@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen.codec import model_file, tcq, tcq_model
+from cachegen.codec.tcq import codec as tcq
+from cachegen.codec.tcq import model as tcq_model
+from cachegen.codec.transform import model_file
 from cachegen.fitting.kvtc import ensure_kvtc_basis
 from cachegen.fitting.tcq import ensure_tcq_model, fit_tcq_model
 from cachegen_lab.experiments import tcq_ablation

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from cachegen.cli import main
-from cachegen.codec import tcq_code, tcq_encode, tcq_model
-from cachegen.codec.quant import rotate_layer_keys
+from cachegen.codec.cachegen.quant import rotate_layer_keys
+from cachegen.codec.tcq import code as tcq_code
+from cachegen.codec.tcq import encode as tcq_encode
+from cachegen.codec.tcq import model as tcq_model
 from cachegen.extract import extract_kv
 from cachegen.fitting.tcq import ensure_tcq_model
 from cachegen.kv import KVCache

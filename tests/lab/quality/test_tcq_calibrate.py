@@ -10,10 +10,11 @@ import pytest
 
 from cachegen import models
 from cachegen.cli import main
-from cachegen.codec import CodecError, tcq_levels
+from cachegen.codec import CodecError
+from cachegen.codec.cachegen.profile import SHIPPED_DIR
 from cachegen.codec.form_loss import form_losses
-from cachegen.codec.profile import SHIPPED_DIR
-from cachegen.codec.tcq_levels import read_tcq_levels, tcq_levels_path
+from cachegen.codec.tcq import levels as tcq_levels
+from cachegen.codec.tcq.levels import read_tcq_levels, tcq_levels_path
 from cachegen.errors import InputError
 from cachegen.fitting.tcq import tcq_calibration_spec
 from cachegen.profiles import codec_for

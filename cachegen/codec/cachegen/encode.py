@@ -14,10 +14,11 @@ import functools
 import numpy as np
 import torch
 
-from cachegen.codec import packed, rans
-from cachegen.codec.parallel import run_batches
-from cachegen.codec.quant import QuantConfig, exact_count, quantize_chunk
-from cachegen.codec.tables import KINDS, LevelTables
+from cachegen.codec.cachegen import packed
+from cachegen.codec.cachegen.quant import QuantConfig, exact_count, quantize_chunk
+from cachegen.codec.coding import rans
+from cachegen.codec.coding.parallel import run_batches
+from cachegen.codec.coding.tables import KINDS, LevelTables
 from cachegen.kv import KVCache, ModelIdentity
 
 

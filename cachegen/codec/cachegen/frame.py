@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import torch
 
-from cachegen.codec.qkernels import store_transformed
+from cachegen.codec.cachegen.kernels import store_transformed
 
 NO_ANGLES = torch.zeros(1, 1)
 

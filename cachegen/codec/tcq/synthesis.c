@@ -1,4 +1,4 @@
-/* The integer synthesis product of tcq's decoder (cachegen/codec/int_synthesis.py).
+/* The integer synthesis product of tcq's decoder (cachegen/codec/tcq/int_synthesis.py).
 
    row[k, t, c] = scale[k, c] * sum_j coefficients[k, t, j] * matrix[k, j, c] + mean[k, c]
 

@@ -12,7 +12,7 @@ current one of a kind is named by its reference next to its cachegen profile
 A kind may also ship files with the package, named alike (:class:`ModelFiles`'s ``shipped``
 directory): one not in the transforms directory is read from there, checked like a local one.
 A file in neither is asked of the table providers
-(``cachegen.codec.tables.add_provider``) that serve model files too
+(``cachegen.codec.coding.tables.add_provider``) that serve model files too
 (:class:`ModelFileProvider`, e.g. a chunk store: ``cachegen.store.tables.StoreTables``), so
 that it travels with the chunks as their tables do. What a provider returns is checked like a
 local file (its id, its own checks) and against the bitstream's model before it is used, then
@@ -36,9 +36,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from cachegen import models
+from cachegen.codec.cachegen.profile import profile_path
+from cachegen.codec.coding.tables import TablesMissing, TablesRefused, profiles_dir, providers
 from cachegen.codec.errors import CodecError
-from cachegen.codec.profile import profile_path
-from cachegen.codec.tables import TablesMissing, TablesRefused, profiles_dir, providers
 from cachegen.errors import CacheGenError
 from cachegen.fileio import check_version, versioned, write_atomic
 from cachegen.kv import KVError, ModelIdentity

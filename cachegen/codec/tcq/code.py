@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cachegen.codec import rans
-from cachegen.codec.int_synthesis import IntegerSynthesis
-from cachegen.codec.tcq_model import (
+from cachegen.codec.coding import rans
+from cachegen.codec.tcq.int_synthesis import IntegerSynthesis
+from cachegen.codec.tcq.model import (
     MAX_RADIUS,
     TcqModel,
     residual_table_offsets,
     residual_targets,
     table_offsets,
 )
-from cachegen.codec.tcq_predict import LayerPredictor, layer_predictor
+from cachegen.codec.tcq.predict import LayerPredictor, layer_predictor
 
 EXACT_TOKENS = 1
 OFFSET_UNITS = 4  # offsets are in 1 / OFFSET_UNITS of a step

@@ -6,7 +6,7 @@
   summed distortion ``variance * mse(bits)`` of the Lloyd-Max quantizer (a component given 0
   bits is dropped; greedy on the marginal gains, exact because ``mse`` is convex).
 * :class:`TransformBasis`: a model's fitted bases and bit allocations as a model file
-  (``CGTR``, :mod:`cachegen.codec.model_file`).
+  (``CGTR``, :mod:`cachegen.codec.transform.model_file`).
 
 Nothing here fits a basis from a model: that runs the model and lives in
 ``cachegen.fitting.kvtc``.
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cachegen.codec.lloyd_max import MAX_BITS, gaussian_mse
-from cachegen.codec.model_file import (
+from cachegen.codec.transform.lloyd_max import MAX_BITS, gaussian_mse
+from cachegen.codec.transform.model_file import (
     ModelFile,
     ModelFiles,
     pack_arrays,

@@ -3,11 +3,11 @@ rANS-coded.
 
 A level's symbols (the same quantizer, offsets and exact tokens as its coded form, so both forms
 decode to the same KV but for the coded form's refined rows, which the packed form does not
-refine: :mod:`cachegen.codec.tcq_refine`) are stored at a fixed width per kept component and
+refine: :mod:`cachegen.codec.tcq.refine`) are stored at a fixed width per kept component and
 frame: the fewest bits that hold the component's symbols in the frame less their smallest
 (``low``). Larger than the coded form, it needs no tables and no rANS decoding: the decoder
 unpacks eight symbols per load, then runs the coded form's synthesis and store passes
-(:mod:`cachegen.codec.tcq_decode`). Frame body (``encode(kv, level, form="packed")``, header
+(:mod:`cachegen.codec.tcq.decode`). Frame body (``encode(kv, level, form="packed")``, header
 flag bit 3)::
 
     exact      as the coded form: tokens at positions below EXACT_TOKENS, keys then values
@@ -30,14 +30,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from cachegen.codec.bitstream import Frame
+from cachegen.codec.cachegen.kernels import store_value
+from cachegen.codec.cachegen.packed import load_u64le
+from cachegen.codec.coding.bitstream import Frame
 from cachegen.codec.errors import CodecError
-from cachegen.codec.packed import load_u64le
-from cachegen.codec.qkernels import store_value
-from cachegen.codec.tcq_code import LevelCode, StreamTables, exact_count
-from cachegen.codec.tcq_decode import SymbolPass, TcqDecoder, checked_offsets
-from cachegen.codec.tcq_encode import frame_symbols
-from cachegen.codec.tcq_model import TcqModel
+from cachegen.codec.tcq.code import LevelCode, StreamTables, exact_count
+from cachegen.codec.tcq.decode import SymbolPass, TcqDecoder, checked_offsets
+from cachegen.codec.tcq.encode import frame_symbols
+from cachegen.codec.tcq.model import TcqModel
 from cachegen.kv import KVCache
 
 GROUP = 8  # symbols per packed group: one 64-bit load holds a group of up to 8-bit symbols

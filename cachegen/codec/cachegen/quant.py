@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cachegen.codec import qkernels
+from cachegen.codec.cachegen import kernels as qkernels
+from cachegen.codec.coding.parallel import run_batches
 from cachegen.codec.errors import CodecError
-from cachegen.codec.parallel import run_batches
-from cachegen.codec.rotary import rotate_layer_keys
+from cachegen.codec.transform.rotary import rotate_layer_keys
 
 SCALE_KINDS = ("token", "token-head", "channel")
 MIN_BINS = 4

@@ -38,11 +38,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cachegen.codec import int_synthesis, rans, tcq_kernels
+from cachegen.codec.coding import rans
 from cachegen.codec.errors import CodecError
-from cachegen.codec.packing import inflate_exactly
-from cachegen.codec.tcq_code import ZLIB_LEVEL, code_lengths, family_tables
-from cachegen.codec.tcq_model import TcqModel
+from cachegen.codec.tcq import int_synthesis
+from cachegen.codec.tcq import kernels as tcq_kernels
+from cachegen.codec.tcq.code import ZLIB_LEVEL, code_lengths, family_tables
+from cachegen.codec.tcq.model import TcqModel
+from cachegen.codec.transform.packing import inflate_exactly
 
 REFINE_BELOW = 0.5  # a row is refined where its values' norm is below this share of the median
 REFINE_UNITS = 4  # refinements are in 1 / REFINE_UNITS of a step

@@ -11,20 +11,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cachegen.codec import packed, rans
 from cachegen.codec.base import FrameDecoder
-from cachegen.codec.bitstream import Frame, Header
-from cachegen.codec.cachegen_encode import exact_section_bytes, layer_config, stream_widths
-from cachegen.codec.cachegen_frame import (
+from cachegen.codec.cachegen import packed
+from cachegen.codec.cachegen.encode import exact_section_bytes, layer_config, stream_widths
+from cachegen.codec.cachegen.frame import (
     frame_steps,
     row_transform,
     scratch,
     strided_views,
     transform_layers,
 )
-from cachegen.codec.errors import CodecError
-from cachegen.codec.parallel import run_batches, run_jobs
-from cachegen.codec.quant import (
+from cachegen.codec.cachegen.quant import (
     QuantConfig,
     exact_count,
     max_level,
@@ -33,8 +30,12 @@ from cachegen.codec.quant import (
     scale_strides,
     segment_tokens,
 )
-from cachegen.codec.rotary import rotary_cos_sin, theta_runs
-from cachegen.codec.tables import KINDS, LevelTables, num_segments
+from cachegen.codec.coding import rans
+from cachegen.codec.coding.bitstream import Frame, Header
+from cachegen.codec.coding.parallel import run_batches, run_jobs
+from cachegen.codec.coding.tables import KINDS, LevelTables, num_segments
+from cachegen.codec.errors import CodecError
+from cachegen.codec.transform.rotary import rotary_cos_sin, theta_runs
 
 _SLACK_BITS = 0.05  # per symbol, covers rANS rounding in the size lower bound (see check)
 

@@ -9,7 +9,7 @@ both decode to the same KV, bit for bit. A packed *stream* holds the symbols of 
 ``j % 8`` of byte ``j // 8``), the last byte padded with zero bits. Eight symbols fill
 ``width`` bytes, so the decoder reads a row of a head's channels eight symbols per load.
 
-Kernels release the GIL; ``cachegen.codec.parallel`` spreads streams over threads. The
+Kernels release the GIL; ``cachegen.codec.coding.parallel`` spreads streams over threads. The
 layout is also documented in ``docs/bitstream.md``.
 """
 
@@ -22,7 +22,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cachegen.codec.qkernels import (
+from cachegen.codec.cachegen.kernels import (
     f32_to_bf16,
     hadamard_row,
     hadamard_vector,
@@ -31,7 +31,7 @@ from cachegen.codec.qkernels import (
     store_value,
     vector_bf16_bits,
 )
-from cachegen.codec.quant import max_level
+from cachegen.codec.cachegen.quant import max_level
 
 
 def symbol_width(bins: int) -> int:

@@ -19,7 +19,7 @@ Decoding verifies that it consumed exactly the stream's words and that every lan
 the encoder's initial state, so corrupt input is detected without trusting any length in
 it; reads past the end are clamped, never performed.
 
-Kernels release the GIL (``nogil``); ``cachegen.codec.parallel`` spreads streams over
+Kernels release the GIL (``nogil``); ``cachegen.codec.coding.parallel`` spreads streams over
 threads. The same layout is documented in ``docs/bitstream.md``.
 """
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from cachegen.codec.qkernels import f32_to_bf16, prefetch
+from cachegen.codec.cachegen.kernels import f32_to_bf16, prefetch
 
 PROB_BITS = 10
 PROB_SCALE = 1 << PROB_BITS

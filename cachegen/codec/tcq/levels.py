@@ -1,7 +1,7 @@
 """Which tcq levels meet which quality targets: the choices of ``cachegen calibrate --codec
 tcq``, kept next to the model's cachegen profile (``tcq-levels.json``).
 
-A tcq level is a number of bits per element on the calibration text (``cachegen.codec.tcq``);
+A tcq level is a number of bits per element on the calibration text (``cachegen.codec.tcq.codec``);
 what it costs in quality is measured on the calibration windows. A calibration records, for
 the tcq model file it measured (its id), each perplexity target with the cheapest level that
 met it, and optionally the level to use by default. They count only while that model file is
@@ -24,8 +24,13 @@ from __future__ import annotations
 
 import json
 
+from cachegen.codec.cachegen.profile import (
+    SHIPPED_DIR,
+    SHIPPED_SCHEMA,
+    SHIPPED_VERSION,
+    profile_path,
+)
 from cachegen.codec.errors import CodecError
-from cachegen.codec.profile import SHIPPED_DIR, SHIPPED_SCHEMA, SHIPPED_VERSION, profile_path
 from cachegen.errors import CacheGenError
 from cachegen.fileio import check_version, versioned, write_atomic
 from cachegen.kv import ModelIdentity
@@ -77,7 +82,7 @@ def _shipped_tcq_levels(model: ModelIdentity, model_file: str, recipe: dict | No
 def quantizer_recipe(recipe: dict) -> dict:
     """What of a model file's recipe sets the KV its levels decode to: all of it but the
     cross-layer prediction, which changes which symbols are coded, never their values
-    (``cachegen.codec.tcq_predict``), so a level's measured quality holds with or without it."""
+    (``cachegen.codec.tcq.predict``), so a level's measured quality holds with or without it."""
     return {key: value for key, value in recipe.items() if key != "prediction"}
 
 

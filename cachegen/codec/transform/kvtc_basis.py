@@ -1,14 +1,14 @@
 """KVTC's per-model PCA basis: the parameters it is fitted for and where a model's is named.
 
-The basis itself is a :class:`~cachegen.codec.transform.TransformBasis`; it is fitted in the
+The basis itself is a :class:`~cachegen.codec.transform.basis.TransformBasis`; it is fitted in the
 core (``cachegen.fitting.kvtc.ensure_kvtc_basis``), which tcq's fitting reuses, while the
 ``kvtc`` codec that codes with it is a research codec (``cachegen_lab.codecs.kvtc``).
 """
 
 from __future__ import annotations
 
-from cachegen.codec.model_file import ModelFileRef
-from cachegen.codec.transform import BASES
+from cachegen.codec.transform.basis import BASES
+from cachegen.codec.transform.model_file import ModelFileRef
 
 # the first tokens of a sequence (the attention sinks), stored exactly and left out of the fit
 EXACT_TOKENS = 4

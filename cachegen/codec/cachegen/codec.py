@@ -1,7 +1,7 @@
 """The CacheGen codec: layer-wise quantization, optional token locality, per-channel rANS.
 
 Per frame (``chunk_tokens`` tokens) the keys and values are quantized with the level's
-:class:`~cachegen.codec.quant.QuantConfig` into symbol *segments* (all tokens, or anchors
+:class:`~cachegen.codec.cachegen.quant.QuantConfig` into symbol *segments* (all tokens, or anchors
 and deltas when token locality is on); every (layer, K/V, segment) becomes one rANS stream
 coded with the profile's per-channel tables. Frame body::
 
@@ -32,14 +32,14 @@ from __future__ import annotations
 
 from cachegen import models
 from cachegen.codec.base import FrameDecoder, ModelCodec
-from cachegen.codec.bitstream import Header
-from cachegen.codec.cachegen_decode import CacheGenDecoder, PackedDecoder
-from cachegen.codec.cachegen_encode import encode_chunk, encode_packed_chunk
-from cachegen.codec.cachegen_size import coded_bits, packed_bits
+from cachegen.codec.cachegen.decode import CacheGenDecoder, PackedDecoder
+from cachegen.codec.cachegen.encode import encode_chunk, encode_packed_chunk
+from cachegen.codec.cachegen.profile import Profile, load_profile
+from cachegen.codec.cachegen.quant import QuantConfig
+from cachegen.codec.cachegen.size import coded_bits, packed_bits
+from cachegen.codec.coding.bitstream import Header
+from cachegen.codec.coding.tables import find_tables
 from cachegen.codec.errors import CodecError
-from cachegen.codec.profile import Profile, load_profile
-from cachegen.codec.quant import QuantConfig
-from cachegen.codec.tables import find_tables
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.kv import KVCache
 from cachegen.modes import CODED, FORMS, PACKED
@@ -73,7 +73,7 @@ class CacheGenCodec(ModelCodec):
 
     def estimated_bits(self, level: int, chunk_tokens: int, form: str = CODED) -> float:
         """Bits/element of ``level`` in ``form`` for a chunk of ``chunk_tokens`` tokens, from
-        the profile alone (``cachegen.codec.cachegen_size``): the same on every engine."""
+        the profile alone (``cachegen.codec.cachegen.size``): the same on every engine."""
         if form == CODED:
             return coded_bits(self.profile.tables(level), chunk_tokens)
         model = self.profile.model

@@ -3,7 +3,7 @@
 Per layer, keys (turned back to their pre-RoPE form) and values each go through a PCA basis
 over all heads' channels together, like ``kvtc``; unlike ``kvtc``, every component is coded by
 a *uniform* quantizer whose symbols go through the project's rANS coder
-(:mod:`cachegen.codec.rans`) with one calibrated frequency table per component. Component
+(:mod:`cachegen.codec.coding.rans`) with one calibrated frequency table per component. Component
 ``i`` of a (layer, K/V) has the step ``step / sqrt(w_i)``, where ``w_i`` is its weight in an
 output-tracking distortion (keys: the component's mean squared effect on the attention logits
 of the queries that read it; values: its gain through the output projection), so a level is
@@ -25,8 +25,8 @@ file, a :class:`TcqModel` (``profiles/transforms/<id>.cgtq``; built from the mod
 header (16 bytes; a 17th byte, the frame layout: ``ADAPTIVE_LAYOUT`` marks frames with
 choices, format version 5; ``PREDICTED_LAYOUT`` frames whose layers' first components are
 coded as residuals of a prediction from the layer before, format version 6,
-:mod:`cachegen.codec.tcq_predict`; bit ``REFINED`` coded frames whose attention sinks' rows
-are refined a quarter step finer, format version 7, :mod:`cachegen.codec.tcq_refine`). Frame
+:mod:`cachegen.codec.tcq.predict`; bit ``REFINED`` coded frames whose attention sinks' rows
+are refined a quarter step finer, format version 7, :mod:`cachegen.codec.tcq.refine`). Frame
 body::
 
     exact      tokens at positions below EXACT_TOKENS: keys then values [L, H, e, D] in the
@@ -36,7 +36,7 @@ body::
                calibrated table, 1 + j family shape j), streams ordered (layer, K/V); no
                bytes at all when the frame has no token past the exact ones
     refinement (refined frames only) u32 byte count, then the refined rows and their
-               refinement symbols (:mod:`cachegen.codec.tcq_refine`); no bytes at all when
+               refinement symbols (:mod:`cachegen.codec.tcq.refine`); no bytes at all when
                the frame has no token past the exact ones
     directory  u32 word count of each rANS stream, streams ordered (layer, K/V)
     streams    little-endian u16 words (layout in rans.py): stream (l, K/V) codes the symbols
@@ -45,7 +45,7 @@ body::
 
 A model file without a family (format version 1, written before the choices) encodes and
 decodes frames without them; one without a predictor (version 2) frames without predictions.
-The packed form (:mod:`cachegen.codec.tcq_packed`) holds the same symbols bit-packed, never
+The packed form (:mod:`cachegen.codec.tcq.packed`) holds the same symbols bit-packed, never
 predicted nor refined.
 """
 
@@ -53,15 +53,15 @@ from __future__ import annotations
 
 from cachegen import models
 from cachegen.codec.base import FrameDecoder, ModelCodec
-from cachegen.codec.bitstream import Header
+from cachegen.codec.coding.bitstream import Header
 from cachegen.codec.errors import CodecError
-from cachegen.codec.tcq_code import level_code
-from cachegen.codec.tcq_decode import TcqDecoder
-from cachegen.codec.tcq_encode import encode_body
-from cachegen.codec.tcq_levels import read_tcq_levels
-from cachegen.codec.tcq_model import TcqModel, find_tcq_model, load_tcq_model
-from cachegen.codec.tcq_packed import TcqPackedDecoder, encode_packed_body
-from cachegen.codec.tcq_size import estimated_bits
+from cachegen.codec.tcq.code import level_code
+from cachegen.codec.tcq.decode import TcqDecoder
+from cachegen.codec.tcq.encode import encode_body
+from cachegen.codec.tcq.levels import read_tcq_levels
+from cachegen.codec.tcq.model import TcqModel, find_tcq_model, load_tcq_model
+from cachegen.codec.tcq.packed import TcqPackedDecoder, encode_packed_body
+from cachegen.codec.tcq.size import estimated_bits
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.kv import KVCache
 from cachegen.modes import CODED, FORMS, PACKED
@@ -102,7 +102,7 @@ class TcqCodec(ModelCodec):
     def calibrated_levels(self) -> dict | None:
         """The quality targets its levels met and the default level, as ``cachegen calibrate
         --codec tcq`` chose them for this model file or shipped them for its recipe
-        (``cachegen.codec.tcq_levels``); None if never calibrated."""
+        (``cachegen.codec.tcq.levels``); None if never calibrated."""
         return read_tcq_levels(self.tcq.model, self.tcq.id, self.tcq.calibration)
 
     @property
@@ -115,12 +115,12 @@ class TcqCodec(ModelCodec):
 
     def estimated_bits(self, level: int, chunk_tokens: int, form: str = CODED) -> float:
         """Bits/element of ``level`` in ``form`` for a chunk of ``chunk_tokens`` tokens, from
-        the model file alone (``cachegen.codec.tcq_size``): the same on every engine."""
+        the model file alone (``cachegen.codec.tcq.size``): the same on every engine."""
         return estimated_bits(self.tcq, level, chunk_tokens, form)
 
     def encode(self, kv: KVCache, level: int | None = None, form: str = CODED) -> bytes:
         """``form`` "coded" rANS-codes the symbols (smallest), "packed" stores them bit-packed
-        (larger, decodes faster to the same KV; :mod:`cachegen.codec.tcq_packed`)."""
+        (larger, decodes faster to the same KV; :mod:`cachegen.codec.tcq.packed`)."""
         self.fit_for(kv)
         self.tcq.check_model(kv.model)
         return super().encode(kv, level, form)

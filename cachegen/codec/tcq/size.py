@@ -1,6 +1,6 @@
 """What a tcq level costs per element, from its model file alone: a property of the model file,
 not of any KV, so every engine that reads it computes the same storage ladder (as
-:mod:`cachegen.codec.cachegen_size` does for cachegen's levels from their tables).
+:mod:`cachegen.codec.cachegen.size` does for cachegen's levels from their tables).
 
 Both forms are estimated for a chunk at the start of a prompt (its first token stored
 exactly), up to the frame's header and token ids. The coded form codes each kept component's
@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from cachegen.codec import rans
-from cachegen.codec.tcq_code import exact_count
-from cachegen.codec.tcq_model import (
+from cachegen.codec.coding import rans
+from cachegen.codec.tcq.code import exact_count
+from cachegen.codec.tcq.model import (
     TcqModel,
     residual_table_offsets,
     residual_targets,
     table_offsets,
 )
-from cachegen.codec.tcq_packed import GROUP
+from cachegen.codec.tcq.packed import GROUP
 from cachegen.modes import CODED
 
 EXACT_BITS = 16  # exactly stored tokens are bf16

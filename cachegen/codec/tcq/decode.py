@@ -1,10 +1,10 @@
-"""The ``tcq`` decoder: frame bodies (layout in :mod:`cachegen.codec.tcq`) back into KV.
+"""The ``tcq`` decoder: frame bodies (layout in :mod:`cachegen.codec.tcq.codec`) back into KV.
 
-A frame decodes in three passes over its (layer, K/V) streams (:mod:`cachegen.codec.tcq_kernels`):
+A frame decodes in three passes over its (layer, K/V) streams (:mod:`cachegen.codec.tcq.kernels`):
 rANS symbols into coefficients, one batched product with the synthesis matrices (in the
 arithmetic :func:`synthesis_arithmetic` picks for the CPU), then the channel means added and keys
 turned into the output. The int16 arithmetic does the last two in one pass
-(:mod:`cachegen.codec.int_synthesis`), and without a prediction chain each codec thread runs a
+(:mod:`cachegen.codec.tcq.int_synthesis`), and without a prediction chain each codec thread runs a
 stream's product right after its symbols, while they are still in cache, and the threads take
 the streams of a few frames in one hand-out (:meth:`TcqDecoder.decode`)."""
 
@@ -17,28 +17,30 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cachegen.codec import int_synthesis, rans, tcq_kernels
 from cachegen.codec.base import FrameDecoder
-from cachegen.codec.bitstream import Frame, Header
+from cachegen.codec.coding import rans
+from cachegen.codec.coding.bitstream import Frame, Header
+from cachegen.codec.coding.parallel import run_batches, run_jobs
 from cachegen.codec.errors import CodecError
-from cachegen.codec.packing import inflate_exactly
-from cachegen.codec.parallel import run_batches, run_jobs
-from cachegen.codec.rotary import rotary_tables
-from cachegen.codec.tcq_code import (
+from cachegen.codec.tcq import int_synthesis
+from cachegen.codec.tcq import kernels as tcq_kernels
+from cachegen.codec.tcq.code import (
     OFFSET_UNITS,
     LevelCode,
     StreamTables,
     exact_count,
     table_rows,
 )
-from cachegen.codec.tcq_model import TcqModel
-from cachegen.codec.tcq_predict import LayerPredictor, apply_predictions
-from cachegen.codec.tcq_refine import (
+from cachegen.codec.tcq.model import TcqModel
+from cachegen.codec.tcq.predict import LayerPredictor, apply_predictions
+from cachegen.codec.tcq.refine import (
     RefinedRows,
     Refinement,
     read_refined,
     read_refinement,
 )
+from cachegen.codec.transform.packing import inflate_exactly
+from cachegen.codec.transform.rotary import rotary_tables
 
 
 @functools.cache
@@ -64,7 +66,7 @@ def _cpu_has(probe: str) -> bool:
 
 
 def int16_synthesis() -> bool:
-    """Whether the product can run in integers (:mod:`cachegen.codec.int_synthesis`: the
+    """Whether the product can run in integers (:mod:`cachegen.codec.tcq.int_synthesis`: the
     kernel was built and the CPU has AVX2 and FMA), faster than float32 there (docs/codec.md,
     "The product in integers")."""
     return int_synthesis.available()
@@ -442,7 +444,7 @@ class _Synthesis:
 
     def _restore(self, coefficients: torch.Tensor, offsets: np.ndarray) -> None:
         """The predicted layers' targets, decoded as residuals, back to their symbols (less
-        the radii), layer after layer (:func:`cachegen.codec.tcq_predict.apply_predictions`)."""
+        the radii), layer after layer (:func:`cachegen.codec.tcq.predict.apply_predictions`)."""
         streams = self.streams
         first = np.append(streams.radius_off, streams.radius_off[-1] + streams.kept[-1])
         values = coefficients.numpy()

@@ -1,4 +1,4 @@
-"""Numba kernels of the ``tcq`` codec (:mod:`cachegen.codec.tcq`).
+"""Numba kernels of the ``tcq`` codec (:mod:`cachegen.codec.tcq.codec`).
 
 The encoder's :func:`choose_tables` picks each component's table for a frame. A frame
 decodes in three passes, each over all its (layer, K/V) streams:
@@ -11,12 +11,12 @@ decodes in three passes, each over all its (layer, K/V) streams:
    scaled by their steps, padded with zero rows to ``width``) is a single dense GEMM: torch's
    BLAS (vectorized and register-blocked, far faster than a numba loop; in bfloat16 on CPUs
    with bfloat16 matrix instructions, where it is several times faster), or on other CPUs
-   with AVX2 the int16 kernel of :mod:`cachegen.codec.int_synthesis`;
+   with AVX2 the int16 kernel of :mod:`cachegen.codec.tcq.int_synthesis`;
 3. :func:`write_rows` (codec threads) adds the channel means in float32, turns keys by their
    rotary angles and writes bfloat16 bits (or float32) into the output's ``[heads, tokens,
    head_dim]`` layout.
 
-The rANS layout is :mod:`cachegen.codec.rans`'s (``LANES`` interleaved states, symbol order
+The rANS layout is :mod:`cachegen.codec.coding.rans`'s (``LANES`` interleaved states, symbol order
 channel group, token, lane); corrupt streams are reported in ``status`` exactly as its
 ``decode_streams`` does.
 """
@@ -26,13 +26,20 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from cachegen.codec.qkernels import (
+from cachegen.codec.cachegen.kernels import (
     as_f32,
     prefetch,
     store_row,
     store_value,
 )
-from cachegen.codec.rans import LANES, PROB_BITS, PROB_SCALE, RANS_L, STATE_WORDS, read_states
+from cachegen.codec.coding.rans import (
+    LANES,
+    PROB_BITS,
+    PROB_SCALE,
+    RANS_L,
+    STATE_WORDS,
+    read_states,
+)
 
 # The decode kernels index with unsigned integers: numba then leaves out the wraparound of
 # negative indices, and the lane group's values fit in registers.
@@ -51,7 +58,7 @@ _TABLE_LINES = _U(PROB_SCALE // 64)  # 64-byte cache lines of one slot table
 @numba.njit(inline="always")
 def _step(x, slots, cums, slot_flat, fc_flat, words, p, last):
     """One rANS decode step of a state ``x`` whose table starts at ``slots`` in ``slot_flat``
-    and at ``cums`` in ``fc_flat`` (:func:`cachegen.codec.rans._decode_step`'s arithmetic):
+    and at ``cums`` in ``fc_flat`` (:func:`cachegen.codec.coding.rans._decode_step`'s arithmetic):
     (new state, new read position, symbol). Not that function itself, nor a helper sharing its
     update: both measured slower here (2D tables and a signed read position; a returned flag
     for the renormalisation), docs/codec.md "Decode speed"."""

@@ -11,7 +11,8 @@ carries the id and the packed config; the decoder asks :func:`find_tables` for t
 looks in memory, then in each *table provider* in turn (a directory by default; others can
 be added with :func:`add_provider`, e.g. a chunk store that holds the tables its chunks
 need) and checks that the file's hash is its id. A provider may serve the transform codecs'
-model files too (``cachegen.codec.model_file``): one ``add_provider`` call makes both travel.
+model files too (``cachegen.codec.transform.model_file``): one ``add_provider`` call makes
+both travel.
 
 Nothing here builds tables: that runs the model and lives above the codec
 (``cachegen.profiles``). A missing table is a ``CodecError`` that says where to get it.
@@ -30,9 +31,9 @@ from typing import Protocol
 
 import numpy as np
 
-from cachegen.codec import rans
+from cachegen.codec.cachegen.quant import QuantConfig, alphabet_size
+from cachegen.codec.coding import rans
 from cachegen.codec.errors import CodecError
-from cachegen.codec.quant import QuantConfig, alphabet_size
 from cachegen.constants import cache_root
 from cachegen.fileio import write_atomic
 from cachegen.kv import ModelIdentity
@@ -250,7 +251,7 @@ _lock = threading.Lock()
 
 def add_provider(provider: TableProvider) -> None:
     """Look for tables in ``provider`` too (after the ones added before it), and model files
-    when it serves them (``cachegen.codec.model_file.ModelFileProvider``)."""
+    when it serves them (``cachegen.codec.transform.model_file.ModelFileProvider``)."""
     with _lock:
         if provider not in _providers:
             _providers.append(provider)

@@ -4,12 +4,12 @@ A :class:`TcqModel` is a model's PCA bases, component weights and, per level, ea
 component's quantizer step, alphabet radius and calibrated rANS table, plus the family of
 generalized-Gaussian shapes a frame may choose tables from (format version 2; version 1
 files have none) and the cross-layer predictor of its coded streams (format version 3:
-``cachegen.codec.tcq_predict``). It is a model file (``CGTQ``,
-:mod:`cachegen.codec.model_file`) in the transforms directory, ``<id>.cgtq``, built from the
-model only by ``cachegen.fitting.tcq.ensure_tcq_model``; a model's current one is named by its
-reference, ``tcq.json`` next to its cachegen profile. The embedded models' files, fitted by
-the current recipe, ship with the package (``cachegen/codec/calibrated/<id>.cgtq``), so that
-every machine names the same one (docs/codec.md, "Shipped model files").
+``cachegen.codec.tcq.predict``). It is a model file (``CGTQ``,
+:mod:`cachegen.codec.transform.model_file`) in the transforms directory, ``<id>.cgtq``,
+built from the model only by ``cachegen.fitting.tcq.ensure_tcq_model``; a model's current one is
+named by its reference, ``tcq.json`` next to its cachegen profile. The embedded models' files,
+fitted by the current recipe, ship with the package (``cachegen/codec/calibrated/<id>.cgtq``), so
+that every machine names the same one (docs/codec.md, "Shipped model files").
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cachegen.codec import rans
-from cachegen.codec.model_file import (
+from cachegen.codec.cachegen.profile import SHIPPED_DIR
+from cachegen.codec.coding import rans
+from cachegen.codec.transform.model_file import (
     ModelFile,
     ModelFileRef,
     ModelFiles,
@@ -31,7 +32,6 @@ from cachegen.codec.model_file import (
     read_rope_thetas,
     unpack_model_file,
 )
-from cachegen.codec.profile import SHIPPED_DIR
 from cachegen.kv import ModelIdentity
 
 MAX_RADIUS = (rans.MAX_ALPHABET - 1) // 2

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cachegen.codec.packed import symbol_width
-from cachegen.codec.quant import QuantConfig, exact_count, num_scales, segment_tokens
-from cachegen.codec.tables import LevelTables
+from cachegen.codec.cachegen.packed import symbol_width
+from cachegen.codec.cachegen.quant import QuantConfig, exact_count, num_scales, segment_tokens
+from cachegen.codec.coding.tables import LevelTables
 
 SCALE_BITS = 16  # scales are stored as fp16
 EXACT_BITS = 16  # exactly stored tokens are bf16

@@ -1,4 +1,4 @@
-"""The ``tcq`` encoder: a chunk's frame body (layout in :mod:`cachegen.codec.tcq`).
+"""The ``tcq`` encoder: a chunk's frame body (layout in :mod:`cachegen.codec.tcq.codec`).
 
 Each (layer, K/V) stream's rows go through their level's analysis matrix into symbols of
 the kept components (:func:`quantize_rows`); in adaptive frames each component also gets an
@@ -12,20 +12,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cachegen.codec import rans, tcq_kernels
 from cachegen.codec.base import kv_tensor
-from cachegen.codec.parallel import run_batches
-from cachegen.codec.rotary import rotate_layer_keys
-from cachegen.codec.tcq_code import (
+from cachegen.codec.coding import rans
+from cachegen.codec.coding.parallel import run_batches
+from cachegen.codec.tcq import kernels as tcq_kernels
+from cachegen.codec.tcq.code import (
     OFFSET_UNITS,
     ZLIB_LEVEL,
     LevelCode,
     exact_count,
     table_rows,
 )
-from cachegen.codec.tcq_model import TcqModel
-from cachegen.codec.tcq_predict import residual_symbols
-from cachegen.codec.tcq_refine import encode_refinement, refined_rows, refinement_symbols
+from cachegen.codec.tcq.model import TcqModel
+from cachegen.codec.tcq.predict import residual_symbols
+from cachegen.codec.tcq.refine import encode_refinement, refined_rows, refinement_symbols
+from cachegen.codec.transform.rotary import rotate_layer_keys
 from cachegen.kv import KVCache
 
 
@@ -86,7 +87,7 @@ class FrameSymbols:
     K/V) stream the symbols [kept, m] (uint8) and offsets [kept] (int8) of
     :func:`quantize_rows` (empty for a stream without kept components, or when ``m`` is 0);
     in a refined frame also its refined rows [layers, m] and each stream's refinement symbols
-    [kept, refined tokens] (:mod:`cachegen.codec.tcq_refine`)."""
+    [kept, refined tokens] (:mod:`cachegen.codec.tcq.refine`)."""
 
     exact: bytes
     m: int
@@ -134,8 +135,8 @@ def frame_symbols(tcq: TcqModel, code: LevelCode, chunk: KVCache, refine: bool =
 
 def encode_body(tcq: TcqModel, code: LevelCode, chunk: KVCache, refine: bool = False) -> bytes:
     """The frame body of ``chunk`` at the level of ``code`` (its predicted layers' targets
-    coded as residuals: :mod:`cachegen.codec.tcq_predict`; its sinks' rows refined where
-    ``refine``: :mod:`cachegen.codec.tcq_refine`)."""
+    coded as residuals: :mod:`cachegen.codec.tcq.predict`; its sinks' rows refined where
+    ``refine``: :mod:`cachegen.codec.tcq.refine`)."""
     layers = tuple(chunk.layer_indices)
     frame = frame_symbols(tcq, code, chunk, refine)
     symbols = frame.symbols

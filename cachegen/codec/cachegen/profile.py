@@ -2,7 +2,7 @@
 
 The profile is what a model's encoder uses: quality levels (id -> quantization config, with
 the paper's presets 1/2/3 scaled to depth and any calibrated levels), the default level, and
-the id of each level's probability tables (``cachegen.codec.tables``). It is stored as
+the id of each level's probability tables (``cachegen.codec.coding.tables``). It is stored as
 ``profiles_dir()/<fingerprint[:16]>/profile.json``; ``Profile.id`` is the hash of that
 content and names the store's chunk keys.
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachegen import models
+from cachegen.codec.cachegen.quant import QuantConfig
+from cachegen.codec.coding.tables import LevelTables, find_tables, profiles_dir
 from cachegen.codec.errors import CodecError
-from cachegen.codec.quant import QuantConfig
-from cachegen.codec.tables import LevelTables, find_tables, profiles_dir
 from cachegen.errors import CacheGenError
 from cachegen.fileio import check_version, versioned, write_atomic
 from cachegen.kv import ModelIdentity
@@ -33,7 +33,7 @@ SCHEMA = "cachegen-codec-profile"
 VERSION = 2
 SHIPPED_SCHEMA = "cachegen-calibrated-levels"
 SHIPPED_VERSION = 1
-SHIPPED_DIR = Path(__file__).parent / "calibrated"
+SHIPPED_DIR = Path(__file__).parents[1] / "calibrated"
 DEFAULT_LEVEL = 2
 
 

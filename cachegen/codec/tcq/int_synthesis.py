@@ -41,7 +41,7 @@ _INT = ctypes.c_int64
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel, when it was built and the CPU runs it; else None."""
-    spec = importlib.util.find_spec("cachegen.codec._synthesis")
+    spec = importlib.util.find_spec("cachegen.codec.tcq._synthesis")
     if spec is None or spec.origin is None:
         return None
     library = ctypes.CDLL(spec.origin)

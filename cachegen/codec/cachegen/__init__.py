@@ -1,0 +1,3 @@
+"""CacheGen (SIGCOMM 2024): the codec, its encoder and decoder (coded and packed
+forms), frames, quantizers, the numba kernels, the profile and its size estimates.
+"""
