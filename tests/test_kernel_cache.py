@@ -67,7 +67,7 @@ def test_a_changed_kernel_source_is_compiled_again(tmp_path):
     cache = tmp_path / "cache"
     first, edited = _checkout(tmp_path, "a"), _checkout(tmp_path, "b")
     _probe(first, cache)
-    rans = edited / "cachegen" / "codec" / "rans.py"  # another kernel file than the probe's
+    rans = edited / "cachegen" / "codec" / "coding" / "rans.py"  # not the probe's kernel file
     rans.write_text(rans.read_text() + "\n# edited\n")
     recompiled = _probe(edited, cache)
     assert (recompiled["hits"], recompiled["misses"]) == (0, 1)

@@ -6,8 +6,8 @@
     with open_link(store, bandwidth_mbps=100, rtt_ms=10, shaper="token-bucket") as link:
         stats = stream_load(link.source, keys, decode, consume, level=2)
 
-The connector opens links through the ``cachegen.links`` entry point (``open_link``) when a
-request sets ``bandwidth_mbps`` or ``rtt_ms``; nothing in the library imports this package.
+The lab's connector (``cachegen_lab.connector``) opens links here when a request to it sets
+``bandwidth_mbps`` or ``rtt_ms``; nothing in the library imports this package.
 See docs/streaming.md.
 """
 
