@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cachegen.errors import InputError
 from cachegen.models import EMBEDDED_DEFAULT
+from cachegen.modes import PACKED_TAG, Form
 from cachegen.store import default_store_url
 
 Handler = Callable[[argparse.Namespace], int]
@@ -112,3 +113,32 @@ def command_line(words: list[str], args: argparse.Namespace, skip: set[str]) -> 
         flag = "--" + name.replace("_", "-")
         out += [flag] if value is True else [flag, str(value)]
     return " ".join(out)
+
+
+def stored_level(text: str) -> int:
+    """A record's level as the store keeps it, from a level (``11``) or a form's name
+    (``cachegen-11-packed``, ``tcq-22``). A store slot number (``32779``) is refused, naming the
+    form that replaces it: the form names are the only public vocabulary."""
+    if not text.isdigit():
+        try:
+            return Form.parse(text).slot
+        except InputError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    level = int(text)
+    if level >= PACKED_TAG:
+        packed = level & ~PACKED_TAG
+        raise argparse.ArgumentTypeError(
+            f"{text} is a store slot; name the form: cachegen-{packed}-packed or "
+            f"tcq-{packed}-packed"
+        )
+    return level
+
+
+def record_level(p, required: bool = True) -> None:
+    p.add_argument(
+        "--level",
+        type=stored_level,
+        required=required,
+        default=None,
+        help="the record's level, or its form by name, such as cachegen-11-packed",
+    )

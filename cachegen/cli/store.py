@@ -38,11 +38,11 @@ def register(subparsers) -> None:
     q = add("put-blob", "store one bitstream file under a key and level", _put_blob)
     q.add_argument("file", type=Path)
     q.add_argument("--key", required=True)
-    q.add_argument("--level", type=int, required=True)
+    options.record_level(q)
 
     q = add("get", "write one stored chunk's payload to a file", _get)
     q.add_argument("--key", required=True)
-    q.add_argument("--level", type=int, required=True)
+    options.record_level(q)
     q.add_argument("--out", type=Path, required=True)
 
     q = add("lookup", "how many leading chunks of a KV directory's tokens are stored", _lookup)
@@ -78,7 +78,7 @@ def register(subparsers) -> None:
 
     q = add("rm", "delete one chunk (one level, or all levels)", _rm)
     q.add_argument("--key", required=True)
-    q.add_argument("--level", type=int, default=None)
+    options.record_level(q, required=False)
 
 
 def _scope_arguments(q: argparse.ArgumentParser) -> None:

@@ -159,3 +159,21 @@ def test_stats_count_each_chunks_raw_bf16_once(tmp_path, tiny_llama, capsys):
         store.put("ns/not-a-bitstream", 0, b"bits")
     got = stats()
     assert got["raw_bf16_bytes"] == 3 * copy and got["raw_bf16_skipped_keys"] == 1
+
+
+def test_a_records_level_is_a_level_or_a_form_by_name_never_a_slot(tmp_path, capsys):
+    url = (tmp_path / "store").as_uri()
+    blob = tmp_path / "b.bin"
+    blob.write_bytes(b"packed bits")
+    common = ["--store", url, "--key", "ns/k", "--json"]
+    put = run(capsys, "store", "put-blob", str(blob), *common, "--level", "cachegen-11-packed")
+    assert put["bytes"] == len(b"packed bits")
+    out = tmp_path / "o"
+    run(capsys, "store", "get", *common, "--level", "cachegen-11-packed", "--out", str(out))
+    assert out.read_bytes() == b"packed bits"
+    with pytest.raises(SystemExit):
+        main(["store", "get", *common, "--level", "32779", "--out", str(out)])
+    assert "name the form: cachegen-11-packed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["store", "rm", *common, "--level", "cachegen-11-zipped"])
+    assert "unknown form 'cachegen-11-zipped'" in capsys.readouterr().err
