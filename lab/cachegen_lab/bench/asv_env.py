@@ -6,7 +6,9 @@ the pinned lock; instead asv.conf.json's install_command runs this script (by pa
 asv environment's python, standard library only) to drop a ``.pth`` file into that
 environment which appends the base virtualenv's site-packages to ``sys.path``. The commit's
 own cachegen wheel, installed into the asv environment itself, comes first on ``sys.path``
-and so always wins over anything in the base environment.
+and so always wins over anything in the base environment. The lab (``cachegen_lab``, a
+distribution of its own that the commit's wheel does not hold) comes from the checkout's
+``lab/`` folder, like the benchmark suites themselves.
 
 Usage: python lab/cachegen_lab/bench/asv_env.py BASE_VENV   (default: $CACHEGEN_ASV_BASE_VENV, else
 the ``.venv`` next to the repository's asv.conf.json)
@@ -48,7 +50,7 @@ def main() -> int:
         )
         return 1
     target = Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
-    target.write_text(purelib + "\n")
+    target.write_text(f"{purelib}\n{repo / 'lab'}\n")
     print(f"asv_env: {target} -> {purelib}")
     return 0
 
