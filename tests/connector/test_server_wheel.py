@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -19,11 +20,27 @@ from tests.support import REPO
 LAB_ENTRY_POINT_GROUPS = ("cachegen.codecs", "cachegen.commands", "cachegen.links")
 
 
+def _source_tree(into: Path) -> Path:
+    """The checkout's files (tracked, and untracked ones git does not ignore), without the
+    build folders a former build left, which setuptools would put into the wheel again."""
+    listed = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        if (REPO / name).is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, into / name)
+    return into
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    source = _source_tree(tmp_path_factory.mktemp("source"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q"] + ["-w", str(out), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(source)],
         check=True,
         capture_output=True,
     )
@@ -41,6 +58,8 @@ def test_the_servers_wheel_holds_no_lab_module_and_no_lab_entry_point(wheel):
     assert all(n.startswith(("cachegen/", "cachegen-0.1.0.dist-info/")) for n in names)
     assert "cachegen/connector/connector.py" in names and "cachegen/codec/tcq/codec.py" in names
     assert not [group for group in LAB_ENTRY_POINT_GROUPS if f"[{group}]" in declared]
+    modules = {n for n in names if n.endswith(".py")}
+    assert modules == {str(p.relative_to(REPO)) for p in (REPO / "cachegen").rglob("*.py")}
 
 
 def _lock_packages_without_cachegen(into: Path) -> None:

@@ -70,7 +70,11 @@ def test_two_servers_share_one_store_and_every_request_is_recorded(tmp_path, cap
     later = [r for r in records if r["send_s"] > stop["at_s"]]
     assert later and all(r["server"] == 0 for r in later)
     assert raw["summary"]["failovers"] == sum(1 for r in records if r["attempts"])
-    reports = [r["report"] for r in raw["records"]]
+    # A request that server 1 was finishing when it was stopped may end without the
+    # connector's report (in one run: 2 of 4 tokens streamed, ended 37 ms after the stop).
+    unreported = [r for r in records if r["report"] is None]
+    assert all(r["server"] == stop["server"] and r["end_s"] >= stop["at_s"] for r in unreported)
+    reports = [r["report"] for r in records if r["report"] is not None]
     assert all(rep["schema"] == "cachegen-connector-report" for rep in reports)
     assert any(rep.get("save_chunks") for rep in reports)
 
@@ -82,7 +86,7 @@ def test_two_servers_share_one_store_and_every_request_is_recorded(tmp_path, cap
         for r in raw["records"]
         if r["server"] == 1
         and first_server[r["key"]] == 0
-        and (r["report"].get("loaded_tokens") or 0) > 0
+        and ((r["report"] or {}).get("loaded_tokens") or 0) > 0
     ]
     assert crossed, [r["report"] for r in raw["records"]]
     assert raw["summary"]["connector_hits"] >= len(crossed)
