@@ -116,6 +116,28 @@ class Form:
         return dataclasses.replace(self, packing=CODED)
 
 
+def configured_slot(value: int | str, codec: str | None = None) -> int:
+    """The store's level of what a configuration, a request or a command line names: a level
+    (an integer 0..32767) as it is, a form's name (``cachegen-11-packed``; of ``codec`` when
+    given) as its slot. A slot number (32768 and up) is refused, naming the form that
+    replaces it: the form names are the only public vocabulary."""
+    if isinstance(value, str):
+        form = Form.parse(value)
+        if codec is not None and form.codec != codec:
+            raise InputError(f"{value!r} is not a form of {codec}")
+        return form.slot
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InputError(f"{value!r} is not a level, an integer >= 0")
+    if value >= PACKED_TAG:
+        level = value & ~PACKED_TAG
+        names = [Form(c, level, PACKED).label for c in ([codec] if codec else LEVELED)]
+        raise InputError(
+            f"{value} is a store slot, not a level; write the form {names[0]!r} instead"
+            + (f" (or the tcq one, {names[1]!r})" if len(names) > 1 else "")
+        )
+    return value
+
+
 @dataclass(frozen=True, order=True)
 class Mode:
     mode: str  # one of MODES

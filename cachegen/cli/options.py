@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cachegen.errors import InputError
 from cachegen.models import EMBEDDED_DEFAULT
-from cachegen.modes import PACKED_TAG, Form
+from cachegen.modes import configured_slot
 from cachegen.store import default_store_url
 
 Handler = Callable[[argparse.Namespace], int]
@@ -115,29 +115,24 @@ def command_line(words: list[str], args: argparse.Namespace, skip: set[str]) -> 
     return " ".join(out)
 
 
-def stored_level(text: str) -> int:
-    """A record's level as the store keeps it, from a level (``11``) or a form's name
-    (``cachegen-11-packed``, ``tcq-22``). A store slot number (``32779``) is refused, naming the
-    form that replaces it: the form names are the only public vocabulary."""
-    if not text.isdigit():
+def level_or_form(codec: str | None = None) -> Callable[[str], int]:
+    """An argparse type: the store's level of a level (``11``) or a form's name
+    (``cachegen-11-packed``; of ``codec`` when given); a slot number is refused
+    (``cachegen.modes.configured_slot``)."""
+
+    def parse(text: str) -> int:
         try:
-            return Form.parse(text).slot
+            return configured_slot(int(text) if text.isdigit() else text, codec)
         except InputError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-    level = int(text)
-    if level >= PACKED_TAG:
-        packed = level & ~PACKED_TAG
-        raise argparse.ArgumentTypeError(
-            f"{text} is a store slot; name the form: cachegen-{packed}-packed or "
-            f"tcq-{packed}-packed"
-        )
-    return level
+
+    return parse
 
 
 def record_level(p, required: bool = True) -> None:
     p.add_argument(
         "--level",
-        type=stored_level,
+        type=level_or_form(),
         required=required,
         default=None,
         help="the record's level, or its form by name, such as cachegen-11-packed",

@@ -23,14 +23,13 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from math import inf
 from typing import Any
 
 from cachegen.connector.errors import ConnectorError
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.errors import InputError
 from cachegen.kv import ModelIdentity
-from cachegen.modes import ADAPTIVE, CACHEGEN, LEVELED, PACKED_TAG, TCQ, Form
+from cachegen.modes import ADAPTIVE, CACHEGEN, LEVELED, PACKED_TAG, TCQ, Form, configured_slot
 from cachegen.modes import CONNECTOR_MODES as MODES
 from cachegen.store import StoreConfigError, default_store_url, parse_size
 from cachegen.store.keys import check_scope_part
@@ -81,7 +80,7 @@ def non_negative_number(name: str, value: Any) -> None:
 
 
 def loss_bound(name: str, value: Any) -> None:
-    if value is not None and (not _is_number(value) or not 0 <= value < inf):  # finite
+    if value is not None and (not _is_number(value) or value < 0):
         raise ConnectorError(
             f"{name} must be a number >= 0 (the largest perplexity change in % a stored form "
             f"may have, e.g. 1), got {value!r}"
@@ -93,19 +92,23 @@ def boolean(name: str, value: Any) -> None:
         raise ConnectorError(f"{name} must be true or false, got {value!r}")
 
 
-def level(name: str, value: Any) -> None:
-    """A codec level: an integer 0..32767. A larger one is a store slot (a packed form's),
-    never an option's value: the error names the form that replaces it."""
+def level(name: str, value: Any, codec: str | None = None) -> None:
+    """A codec level (of ``codec``, when given): an integer 0..32767. A larger one is a store
+    slot (a packed form's), never an option's value: the error names the form that replaces
+    it."""
     if value is None:
         return
     if not _is_int(value) or value < 0:
         raise ConnectorError(f"{name} must be a level, an integer >= 0, got {value!r}")
-    if value >= PACKED_TAG:
-        raise ConnectorError(
-            f"{name} {value} is a store slot, not a level; name the form instead: "
-            f"form {Form(CACHEGEN, value & ~PACKED_TAG, 'packed').label!r} (or the tcq one, "
-            f"{Form(TCQ, value & ~PACKED_TAG, 'packed').label!r})"
-        )
+    _slot(name, value, codec)
+
+
+def _slot(name: str, value: int | str, codec: str | None = None) -> int:
+    """``cachegen.modes.configured_slot`` of option ``name``'s ``value``."""
+    try:
+        return configured_slot(value, codec)
+    except InputError as exc:
+        raise ConnectorError(f"{name}: {exc}") from None
 
 
 def store_level(name: str, value: Any) -> None:
@@ -116,10 +119,13 @@ def store_level(name: str, value: Any) -> None:
 
 
 def form_name(name: str, value: Any) -> None:
-    if value is None:
-        return
+    if value is not None:
+        _form(name, value)
+
+
+def _form(name: str, value: Any) -> Form:
     try:
-        Form.parse(value if isinstance(value, str) else repr(value))
+        return Form.parse(value if isinstance(value, str) else repr(value))
     except InputError as exc:
         raise ConnectorError(f"{name}: {exc}") from None
 
@@ -163,25 +169,10 @@ def stored_levels(name: str, codec: str, value: Any) -> tuple[int, ...] | None:
         return None
     if isinstance(value, (str, int)) or not isinstance(value, (list, tuple)) or not value:
         raise ConnectorError(f"{name} must be a non-empty list of levels, got {value!r}")
-    slots = []
     for item in value:
-        if isinstance(item, str):
-            try:
-                form = Form.parse(item)
-            except InputError as exc:
-                raise ConnectorError(f"{name}: {exc}") from None
-            if form.codec != codec:
-                raise ConnectorError(f"{name} holds {codec}'s forms only, not {item!r}")
-            slots.append(form.slot)
-            continue
-        if _is_int(item) and item >= PACKED_TAG:
-            raise ConnectorError(
-                f"{name} entry {item} is a store slot, not a level; write the form "
-                f"{Form(codec, item & ~PACKED_TAG, 'packed').label!r} instead"
-            )
-        level(name, item)
-        slots.append(item)
-    return tuple(slots)
+        if not isinstance(item, str):
+            level(name, item, codec)
+    return tuple(_slot(name, item, codec) for item in value)
 
 
 def scope_part(name: str, value: Any) -> None:
@@ -287,8 +278,7 @@ class RequestOptions:
         level(LEVEL, params.get(LEVEL))  # a slot is refused here; internally a level may be one
         params = dict(params)
         if params.get(FORM) is not None:
-            form_name(FORM, params[FORM])
-            chosen = Form.parse(params[FORM])
+            chosen = _form(FORM, params[FORM])
             if params.get(LEVEL) is not None or params.get("mode", chosen.codec) != chosen.codec:
                 raise ConnectorError(f"form {params[FORM]!r} names its mode and level: drop them")
             params["mode"] = chosen.codec

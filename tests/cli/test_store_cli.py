@@ -173,7 +173,7 @@ def test_a_records_level_is_a_level_or_a_form_by_name_never_a_slot(tmp_path, cap
     assert out.read_bytes() == b"packed bits"
     with pytest.raises(SystemExit):
         main(["store", "get", *common, "--level", "32779", "--out", str(out)])
-    assert "name the form: cachegen-11-packed" in capsys.readouterr().err
+    assert "write the form 'cachegen-11-packed' instead" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["store", "rm", *common, "--level", "cachegen-11-zipped"])
     assert "unknown form 'cachegen-11-zipped'" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import argparse
 
 from cachegen.cli import options
 from cachegen.errors import InputError
-from cachegen.modes import PACKED_TAG, TCQ, Form
+from cachegen.modes import CACHEGEN, TCQ
 from cachegen_lab.bench.links import UNLIMITED
 from cachegen_lab.cli import experiment, tables
 
@@ -18,19 +18,6 @@ DOCUMENTS = {
     "timeline": ("cachegen-ttft-timeline", "timeline"),
     "placement": ("cachegen-ttft-placement", None),
 }
-
-
-def cachegen_level_or_form(text: str) -> int:
-    """A ``--cachegen-levels`` entry: a level, or a form's name; the store's level of it."""
-    try:
-        slot = Form.parse(text).slot if not text.isdigit() else int(text)
-    except InputError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if slot & PACKED_TAG and text.isdigit():
-        raise argparse.ArgumentTypeError(
-            f"{text} is a store slot; name the form, such as cachegen-{slot & ~PACKED_TAG}-packed"
-        )
-    return slot
 
 
 def register(subparsers) -> None:
@@ -98,7 +85,7 @@ def _table_arguments(t: argparse.ArgumentParser) -> None:
     )
     t.add_argument(
         "--cachegen-levels",
-        type=cachegen_level_or_form,
+        type=options.level_or_form(CACHEGEN),
         nargs="+",
         default=None,
         help="the cachegen levels stored and measured, and forms such as cachegen-11-packed "
