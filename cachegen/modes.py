@@ -41,7 +41,7 @@ MODES = (RECOMPUTE, *CONNECTOR_MODES, ADAPTIVE_FASTEST)
 
 CODED, PACKED = "coded", "packed"
 FORMS = (CODED, PACKED)  # how a level's symbols are stored: entropy-coded or bit-packed
-PACKED_TAG = 1 << 15  # the store's u16 level slot: this bit marks a packed record
+LEVEL_LIMIT = 1 << 15  # levels are 0..32767: a store names a form in 16 bits
 FORM_LABELS = (
     f"cachegen-<L>, cachegen-<L>-{PACKED}, tcq-<L>, tcq-<L>-{PACKED}, {', '.join(KV_BASELINES)}"
 )
@@ -67,10 +67,8 @@ class Form:
             raise InputError(f"a {self.codec} form names its level")
         if self.level is not None and self.codec not in LEVELED:
             raise InputError(f"{self.codec} has one level: its form names none")
-        if self.level is not None and not 0 <= self.level < PACKED_TAG:
-            raise InputError(
-                f"level {self.level} has no store slot (slots hold levels 0..{PACKED_TAG - 1})"
-            )
+        if self.level is not None and not 0 <= self.level < LEVEL_LIMIT:
+            raise InputError(f"level {self.level} is out of range: levels are 0..{LEVEL_LIMIT - 1}")
 
     @classmethod
     def parse(cls, label: str) -> Form:
@@ -84,17 +82,6 @@ class Form:
             raise InputError(f"unknown form {label!r}; forms are {FORM_LABELS}")
         return form if coded_label == label else dataclasses.replace(form, packing=PACKED)
 
-    @classmethod
-    def from_slot(cls, codec: str, slot: int) -> Form:
-        """The form ``codec`` stores at the store's level ``slot`` (the inverse of :attr:`slot`)."""
-        if codec not in LEVELED:
-            if slot != 0:
-                raise InputError(f"{codec} stores one level, 0, not {slot}")
-            return cls(codec)
-        if slot & PACKED_TAG:
-            return cls(codec, slot & ~PACKED_TAG, PACKED)
-        return cls(codec, slot)
-
     @property
     def label(self) -> str:
         if self.level is None:
@@ -103,39 +90,31 @@ class Form:
         return f"{self.codec}-{self.level}{suffix}"
 
     @property
-    def slot(self) -> int:
-        """The store's u16 level of this form's records: the level, with bit 15 set when packed;
-        0 for a baseline (its codec's one level)."""
-        if self.level is None:
-            return 0
-        return self.level | PACKED_TAG if self.packing == PACKED else self.level
-
-    @property
     def coded(self) -> Form:
         """The coded form of the same symbols (itself when not packed)."""
         return dataclasses.replace(self, packing=CODED)
 
 
-def configured_slot(value: int | str, codec: str | None = None) -> int:
-    """The store's level of what a configuration, a request or a command line names: a level
-    (an integer 0..32767) as it is, a form's name (``cachegen-11-packed``; of ``codec`` when
-    given) as its slot. A slot number (32768 and up) is refused, naming the form that
-    replaces it: the form names are the only public vocabulary."""
+def configured_form(value: int | str, codec: str) -> Form:
+    """The form of ``codec`` that a configuration, a request or a command line names: a level
+    (an integer 0..32767) coded, or a form by its name (``cachegen-11-packed``). A number of
+    32768 and up (a packed form's store slot in earlier releases) is refused, naming the form
+    that replaces it: the form names are the only public vocabulary."""
     if isinstance(value, str):
         form = Form.parse(value)
-        if codec is not None and form.codec != codec:
+        if form.codec != codec:
             raise InputError(f"{value!r} is not a form of {codec}")
-        return form.slot
+        return form
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InputError(f"{value!r} is not a level, an integer >= 0")
-    if value >= PACKED_TAG:
-        level = value & ~PACKED_TAG
-        names = [Form(c, level, PACKED).label for c in ([codec] if codec else LEVELED)]
-        raise InputError(
-            f"{value} is a store slot, not a level; write the form {names[0]!r} instead"
-            + (f" (or the tcq one, {names[1]!r})" if len(names) > 1 else "")
-        )
-    return value
+    if value >= LEVEL_LIMIT:
+        name = Form(codec, value & ~LEVEL_LIMIT, PACKED).label if codec in LEVELED else codec
+        raise InputError(f"{value} is a store slot, not a level; write the form {name!r} instead")
+    if codec not in LEVELED:
+        if value != 0:
+            raise InputError(f"{codec} has one level, 0, not {value}")
+        return Form(codec)
+    return Form(codec, value)
 
 
 @dataclass(frozen=True, order=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cachegen.errors import InputError
 from cachegen.models import EMBEDDED_DEFAULT
-from cachegen.modes import configured_slot
+from cachegen.modes import CACHEGEN, LEVEL_LIMIT, Form, configured_form
 from cachegen.store import default_store_url
 
 Handler = Callable[[argparse.Namespace], int]
@@ -115,25 +115,38 @@ def command_line(words: list[str], args: argparse.Namespace, skip: set[str]) -> 
     return " ".join(out)
 
 
-def level_or_form(codec: str | None = None) -> Callable[[str], int]:
-    """An argparse type: the store's level of a level (``11``) or a form's name
-    (``cachegen-11-packed``; of ``codec`` when given); a slot number is refused
-    (``cachegen.modes.configured_slot``)."""
+def level_or_form(codec: str) -> Callable[[str], Form]:
+    """An argparse type: the form of ``codec`` a level (``11``: coded) or a form's name
+    (``cachegen-11-packed``) names; a slot number is refused
+    (``cachegen.modes.configured_form``)."""
 
-    def parse(text: str) -> int:
+    def parse(text: str) -> Form:
         try:
-            return configured_slot(int(text) if text.isdigit() else text, codec)
+            return configured_form(int(text) if text.isdigit() else text, codec)
         except InputError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
 
 
-def record_level(p, required: bool = True) -> None:
+def form_name(text: str) -> Form:
+    """An argparse type: a form by its name (``cachegen-11-packed``, ``tcq-22``, ``int8``). A
+    number names no codec: refused, naming the form a slot number of earlier releases meant."""
+    try:
+        if text.isdigit():
+            if int(text) >= LEVEL_LIMIT:
+                configured_form(int(text), CACHEGEN)  # raises, naming the packed form
+            raise InputError(f"{text} names no codec: write a form, such as cachegen-{text}")
+        return Form.parse(text)
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def record_form(p, required: bool = True) -> None:
     p.add_argument(
-        "--level",
-        type=level_or_form(),
+        "--form",
+        type=form_name,
         required=required,
         default=None,
-        help="the record's level, or its form by name, such as cachegen-11-packed",
+        help="the record's form by name, such as cachegen-11-packed, tcq-22 or int8",
     )

@@ -9,8 +9,17 @@ from pathlib import Path
 
 from cachegen.cli import options
 from cachegen.errors import InputError
-from cachegen.store import chunk_keys, longest_prefix, open_store, parse_size
-from cachegen.store.keys import key_scope
+from cachegen.modes import Form, configured_form
+from cachegen.store import (
+    SLIDING,
+    ChunkInfo,
+    RecordAddress,
+    chunk_keys,
+    open_store,
+    parse_size,
+    stored_prefix,
+)
+from cachegen.store.keys import SLIDING_SUFFIX, key_scope
 
 
 def register(subparsers) -> None:
@@ -35,14 +44,14 @@ def register(subparsers) -> None:
     options.chunk_tokens(q)
     _scope_arguments(q)
 
-    q = add("put-blob", "store one bitstream file under a key and level", _put_blob)
+    q = add("put-blob", "store one bitstream file under a key, in its form", _put_blob)
     q.add_argument("file", type=Path)
-    q.add_argument("--key", required=True)
-    options.record_level(q)
+    q.add_argument("--key", required=True, help=KEY_HELP)
+    options.record_form(q)
 
     q = add("get", "write one stored chunk's payload to a file", _get)
-    q.add_argument("--key", required=True)
-    options.record_level(q)
+    q.add_argument("--key", required=True, help=KEY_HELP)
+    options.record_form(q)
     q.add_argument("--out", type=Path, required=True)
 
     q = add("lookup", "how many leading chunks of a KV directory's tokens are stored", _lookup)
@@ -76,9 +85,32 @@ def register(subparsers) -> None:
     )
     options.codec(q)
 
-    q = add("rm", "delete one chunk (one level, or all levels)", _rm)
-    q.add_argument("--key", required=True)
-    options.record_level(q, required=False)
+    q = add("rm", "delete one chunk's record in one form (or in every form)", _rm)
+    q.add_argument("--key", required=True, help=KEY_HELP)
+    options.record_form(q, required=False)
+
+
+KEY_HELP = "a chunk key as `ls` lists it (a sliding-window part's ends in -sliding)"
+
+
+def _check_form(blob: bytes, form: Form, what: str = "the record") -> None:
+    """Refuse ``blob`` unless it is a bitstream of ``form``: a key's scope belongs to one codec,
+    so another codec's form of the same level is stored in the same place."""
+    from cachegen.codec import CodecError, form_of
+
+    try:
+        written_in = form_of(blob)
+    except CodecError as exc:
+        raise InputError(f"{what} is not a bitstream: {exc}") from exc
+    if written_in != form:
+        raise InputError(f"{what} holds the form {written_in.label}, not {form.label}")
+
+
+def _address(key: str, form: Form) -> RecordAddress:
+    """The record ``key`` (as ``ls`` lists it) names in ``form``."""
+    if key.endswith(SLIDING_SUFFIX):
+        return RecordAddress.of(key.removesuffix(SLIDING_SUFFIX), form, SLIDING)
+    return RecordAddress.of(key, form)
 
 
 def _scope_arguments(q: argparse.ArgumentParser) -> None:
@@ -168,7 +200,7 @@ def _put(args) -> int:
         for key, chunk in zip(keys, kv.chunks(args.chunk_tokens)):
             for lv in levels:
                 blob = codec.encode(chunk, level=lv)
-                store.put(key, lv, blob)
+                store.write(RecordAddress.of(key, configured_form(lv, codec.name)), blob)
                 total += len(blob)
         url = store.label  # never the password a Redis URL may carry
     data = {"store": url, "codec": codec.name, "profile_id": codec.profile_id, "levels": levels,
@@ -181,24 +213,26 @@ def _put_blob(args) -> int:
         blob = args.file.read_bytes()
     except OSError as exc:
         raise InputError(f"cannot read {args.file}: {exc}") from exc
+    _check_form(blob, args.form, str(args.file))
     with open_store(args.store) as store:
-        store.put(args.key, args.level, blob)
+        store.write(_address(args.key, args.form), blob)
     return _out(
         args,
-        {"key": args.key, "level": args.level, "bytes": len(blob)},
+        {"key": args.key, "form": args.form.label, "bytes": len(blob)},
         f"stored {len(blob)} bytes",
     )
 
 
 def _get(args) -> int:
     with open_store(args.store) as store:
-        blob = store.get(args.key, args.level)
+        blob = store.read(_address(args.key, args.form))
+    _check_form(blob, args.form)
     tmp = args.out.with_name(args.out.name + ".part")
     tmp.write_bytes(blob)
     tmp.replace(args.out)
     return _out(
         args,
-        {"key": args.key, "level": args.level, "bytes": len(blob)},
+        {"key": args.key, "form": args.form.label, "bytes": len(blob)},
         f"wrote {len(blob)} bytes to {args.out}",
     )
 
@@ -209,7 +243,8 @@ def _lookup(args) -> int:
         codec = _store_codec(store, codec, kv, publish=False)
         levels = _levels(codec, args.levels)
         keys = _keys(args, codec, kv)
-        n = longest_prefix(store, keys, levels)
+        forms = [configured_form(lv, codec.name) for lv in levels]
+        n = stored_prefix(store, [[RecordAddress.of(key, f) for f in forms] for key in keys])
     tokens = min(n * args.chunk_tokens, kv.num_tokens)
     data = {
         "chunks": len(keys),
@@ -226,11 +261,13 @@ def _lookup(args) -> int:
 
 def _ls(args) -> int:
     with open_store(args.store) as store:
-        entries = list(store.list(args.prefix))
+        entries = [(e, store.form_of(e)) for e in store.list(args.prefix)]
     rows = [
-        {"key": e.key, "level": e.level, "bytes": e.size, "last_used": e.last_used} for e in entries
+        {"key": e.key, "form": form and form.label, "bytes": e.size, "last_used": e.last_used}
+        for e, form in entries
     ]
-    text = "\n".join(f"{e.key}  L{e.level}  {e.size}" for e in entries) or "(empty)"
+    lines = [f"{e.key}  {form.label if form else '?'}  {e.size}" for e, form in entries]
+    text = "\n".join(lines) or "(empty)"
     return _out(args, rows, text)
 
 
@@ -252,7 +289,6 @@ def _stats(args) -> int:
 
 # Enough for any bitstream header (fixed part, model name and fingerprint, codec parameters,
 # layer list) and a connector chunk's token ids; a record that needs more is read whole.
-_HEADER_READ = 4096
 
 
 def _raw_bf16_bytes(store) -> tuple[int, int]:
@@ -260,7 +296,7 @@ def _raw_bf16_bytes(store) -> tuple[int, int]:
     chunk's KV counted once whatever codecs and levels it is stored in. Returns (bytes, keys
     whose record is not a bitstream).
 
-    A key's levels are forms of one KV, so each key is read once, at its lowest stored level,
+    A key's records are forms of one KV, so each key is read once, at its first listed form,
     and only the start of its record: the bitstream header and the frames' token ids, nothing
     decoded or verified. Records hold the same KV when they name the same model (name,
     fingerprint, geometry), start and token count, and the same token ids (a SHA-256 of
@@ -278,21 +314,22 @@ def _raw_bf16_bytes(store) -> tuple[int, int]:
     from cachegen.codec.errors import CodecError
     from cachegen.errors import CacheGenError
 
-    first: dict[str, int] = {}
+    first: dict[str, ChunkInfo] = {}
     for info in store.list():
-        first[info.key] = min(info.level, first.get(info.key, info.level))
+        if info.key not in first or info.level < first[info.key].level:
+            first[info.key] = info
     held: dict[tuple, dict[str, int]] = {}  # (KV, layer) -> namespace -> keys holding it
     layer_bytes: dict[tuple, int] = {}  # KV -> raw bf16 bytes of one of its layers
     skipped = 0
-    for key, level in sorted(first.items()):
+    for key, info in sorted(first.items()):
         try:
-            head = _record_start(store, key, level)
+            head = store.record_start(info)
             try:
                 header, ids = _header_and_token_ids(head)
             except CodecError:
-                if len(head) < _HEADER_READ:  # the whole record: not a bitstream
+                if len(head) >= info.size:  # the whole record: not a bitstream
                     raise
-                header, ids = _header_and_token_ids(store.get(key, level))
+                header, ids = _header_and_token_ids(store.record_start(info, info.size))
         except CacheGenError:  # not a bitstream, damaged, or removed since the listing
             skipped += 1
             continue
@@ -305,16 +342,6 @@ def _raw_bf16_bytes(store) -> tuple[int, int]:
             keys[namespace] = keys.get(namespace, 0) + 1
     total = sum(max(keys.values()) * layer_bytes[kv] for (kv, _), keys in held.items())
     return total, skipped
-
-
-def _record_start(store, key: str, level: int) -> bytes:
-    """The first ``_HEADER_READ`` bytes of a record's payload (all of a shorter one), read
-    without the checksum that covers the whole payload."""
-    stream = store.get_stream(key, level, block_size=_HEADER_READ)
-    try:
-        return next(stream, b"")
-    finally:
-        stream.close()
 
 
 def _header_and_token_ids(blob: bytes):
@@ -338,7 +365,10 @@ def _evict(args) -> int:
 
 def _rm(args) -> int:
     with open_store(args.store) as store:
-        removed = store.delete(args.key, args.level)
+        if args.form is None:
+            removed = store.delete(args.key)
+        else:
+            removed = store.remove(_address(args.key, args.form))
     if not removed:
         print(f"cachegen store rm: nothing stored under {args.key}", file=sys.stderr)
     return _out(args, {"removed": removed}, f"removed {removed} entries")

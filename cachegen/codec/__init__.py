@@ -14,7 +14,7 @@ model files too, such as ``cachegen.store.tables.StoreTables``, also provides th
 model files a bitstream names), and never runs a model. See docs/codec.md and docs/bitstream.md.
 """
 
-from cachegen.codec.api import available_codecs, decode, get_codec, inspect
+from cachegen.codec.api import available_codecs, decode, form_of, get_codec, inspect
 from cachegen.codec.base import Codec
 from cachegen.codec.cachegen.profile import Profile, load_profile
 from cachegen.codec.cachegen.quant import SCALE_KINDS, QuantConfig, paper_levels
@@ -36,6 +36,7 @@ __all__ = [
     "available_codecs",
     "decode",
     "get_codec",
+    "form_of",
     "inspect",
     "load_profile",
     "paper_levels",

@@ -21,6 +21,7 @@ from cachegen.codec.coding.bitstream import Header, parse_frames, parse_header
 from cachegen.codec.errors import CodecError
 from cachegen.codec.tcq.codec import TcqCodec
 from cachegen.kv import KVCache
+from cachegen.modes import LEVELED, Form
 
 ENTRY_POINT_GROUP = "cachegen.codecs"
 # codec ids of the codecs outside the core, so that their old streams keep their id and a
@@ -158,6 +159,16 @@ def int8_size(header: Header) -> int:
         for i in range(header.num_frames)
     )
     return header.size - len(header.params) + frames
+
+
+def form_of(blob: bytes | bytearray | memoryview) -> Form:
+    """The form (codec, level, packing) a bitstream was written in, from its header alone
+    (the start of a stream is enough)."""
+    header = parse_header(blob)
+    cls = _codec_of(header)
+    if cls.name not in LEVELED:
+        return Form(cls.name)
+    return Form(cls.name, header.level, header.form)
 
 
 def inspect(blob: bytes | bytearray | memoryview) -> dict:

@@ -83,10 +83,16 @@ class FixedLayoutCodec(Codec):
     """A codec whose frames its ``decoder_class`` reads from the header alone."""
 
     decoder_class: ClassVar[type[FixedLayoutDecoder]]
+    element_bits: ClassVar[int]  # bits of one key or value element's code (bf16 KV for raw)
 
     @classmethod
     def decoder(cls, header: Header) -> FrameDecoder:
         return cls.decoder_class(header)
+
+    def estimated_bits(self, level: int | None, chunk_tokens: int, form: str = "coded") -> float:
+        """Bits per element of a record: its elements' code (the scales, header and token ids
+        left out: they are a small share of a chunk)."""
+        return float(self.element_bits)
 
 
 # ---- raw ------------------------------------------------------------------------------------
@@ -108,6 +114,7 @@ class RawCodec(FixedLayoutCodec):
     codec_id = 1
     lossless = True
     decoder_class = _RawDecoder
+    element_bits = 16
 
     def encode_body(self, chunk: KVCache, level: int) -> bytes:
         return _as_bytes(kv_tensor(chunk))
@@ -156,6 +163,7 @@ class Int8Codec(FixedLayoutCodec):
     name = "int8"
     codec_id = 2
     decoder_class = Int8Decoder
+    element_bits = 8
 
     def encode_body(self, chunk: KVCache, level: int) -> bytes:
         return int8_body(chunk)
@@ -188,6 +196,7 @@ class Fp8Codec(FixedLayoutCodec):
     name = "fp8"
     codec_id = 3
     decoder_class = _Fp8Decoder
+    element_bits = 8
 
     def encode_body(self, chunk: KVCache, level: int) -> bytes:
         x = kv_tensor(chunk).to(torch.float32)

@@ -45,6 +45,7 @@ class CodecSet:
         self.spec = spec
         self.identity = identity
         self._codecs: dict[str, Any] = {}
+        self._catalogs: dict[str, Any] = {}
         self._store_tables: Any = None  # the store as a table provider, once a codec is made
         self._published: set[str] = set()  # codecs whose tables are in the store
         # Where the cachegen profile came from (ProfileChoice.to_dict), once its codec is made.
@@ -60,6 +61,19 @@ class CodecSet:
                     self._store_tables = _add_store_tables(self.store)  # come from the store
                 self._codecs[name] = self._make(name)
             return self._codecs[name]
+
+    def catalog(self, mode: str) -> Any:
+        """The ``LevelCatalog`` of ``mode``'s codec for this model (made on first use): its
+        levels' sizes, losses, default and ladders (``cachegen.codec.catalog``)."""
+        name = codec_name(mode)
+        codec = self.get(name)
+        with self._lock:
+            if name not in self._catalogs:
+                from cachegen.codec.catalog import LevelCatalog  # the codec loads numba
+
+                fingerprint, chunk_tokens = self.identity.fingerprint, self.config.chunk_tokens
+                self._catalogs[name] = LevelCatalog(codec, fingerprint, chunk_tokens)
+            return self._catalogs[name]
 
     def resolve(self, modes: Iterable[str]) -> None:
         """Make the codec of each of ``modes`` now: a missing profile or model file stops the

@@ -29,7 +29,7 @@ from cachegen.connector.errors import ConnectorError
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.errors import InputError
 from cachegen.kv import ModelIdentity
-from cachegen.modes import ADAPTIVE, CACHEGEN, LEVELED, PACKED_TAG, TCQ, Form, configured_slot
+from cachegen.modes import ADAPTIVE, CACHEGEN, LEVEL_LIMIT, TCQ, Form, configured_form
 from cachegen.modes import CONNECTOR_MODES as MODES
 from cachegen.store import StoreConfigError, default_store_url, parse_size
 from cachegen.store.keys import check_scope_part
@@ -92,30 +92,24 @@ def boolean(name: str, value: Any) -> None:
         raise ConnectorError(f"{name} must be true or false, got {value!r}")
 
 
-def level(name: str, value: Any, codec: str | None = None) -> None:
-    """A codec level (of ``codec``, when given): an integer 0..32767. A larger one is a store
-    slot (a packed form's), never an option's value: the error names the form that replaces
-    it."""
+def level(name: str, value: Any, codec: str = CACHEGEN) -> None:
+    """A level of ``codec``: an integer 0..32767. A larger one is a store slot of earlier
+    releases (a packed form's), never an option's value: the error names the form that
+    replaces it."""
     if value is None:
         return
     if not _is_int(value) or value < 0:
         raise ConnectorError(f"{name} must be a level, an integer >= 0, got {value!r}")
-    _slot(name, value, codec)
+    if value >= LEVEL_LIMIT:
+        _configured_form(name, value, codec)
 
 
-def _slot(name: str, value: int | str, codec: str | None = None) -> int:
-    """``cachegen.modes.configured_slot`` of option ``name``'s ``value``."""
+def _configured_form(name: str, value: int | str, codec: str) -> Form:
+    """``cachegen.modes.configured_form`` of option ``name``'s ``value``."""
     try:
-        return configured_slot(value, codec)
+        return configured_form(value, codec)
     except InputError as exc:
         raise ConnectorError(f"{name}: {exc}") from None
-
-
-def store_level(name: str, value: Any) -> None:
-    """A parsed request's level: a codec level, or the store's level of a packed form that
-    ``form`` named (never given so by a client: :func:`level` refuses it there)."""
-    if value is not None and (not _is_int(value) or not 0 <= value < 2 * PACKED_TAG):
-        raise ConnectorError(f"{name} must be a level, an integer >= 0, got {value!r}")
 
 
 def form_name(name: str, value: Any) -> None:
@@ -154,15 +148,15 @@ def one_of(*choices: str) -> Check:
     return check
 
 
-def levels(name: str, value: Any) -> None:
-    if value is not None and (not value or not all(_is_int(x) for x in value)):
-        raise ConnectorError(
-            f"{name} must be a non-empty list of levels and form names, got {value!r}"
-        )
+def form_names(name: str, value: Any) -> None:
+    if value is not None and (not value or not all(isinstance(x, str) for x in value)):
+        raise ConnectorError(f"{name} must be a non-empty list of form names, got {value!r}")
+    for item in value or ():
+        _form(name, item)
 
 
-def stored_levels(name: str, codec: str, value: Any) -> tuple[int, ...] | None:
-    """The store's levels of ``value``, a configured list of ``codec``'s levels (integers:
+def stored_forms(name: str, codec: str, value: Any) -> tuple[str, ...] | None:
+    """The names of the forms of ``value``, a configured list of ``codec``'s levels (integers:
     coded) and form names (``cachegen-11-packed``). A store slot number is refused, naming the
     form that replaces it."""
     if value is None:
@@ -172,7 +166,7 @@ def stored_levels(name: str, codec: str, value: Any) -> tuple[int, ...] | None:
     for item in value:
         if not isinstance(item, str):
             level(name, item, codec)
-    return tuple(_slot(name, item, codec) for item in value)
+    return tuple(_configured_form(name, item, codec).label for item in value)
 
 
 def scope_part(name: str, value: Any) -> None:
@@ -227,7 +221,7 @@ class RequestOptions:
     level: int | None = option(
         REQUEST,
         "quality level of cachegen or tcq, one the engine stores (default: the codec's default)",
-        store_level,
+        level,
     )
     form: str | None = option(
         REQUEST,
@@ -264,7 +258,7 @@ class RequestOptions:
 
     def override(self, params: dict[str, Any] | None) -> RequestOptions:
         """These options with a request's ``kv_transfer_params`` applied on top; ``form``
-        names the mode and level (the store's level of a packed form) in one."""
+        names the mode, the level and the packing in one."""
         if not params:
             return self
         if not isinstance(params, dict):
@@ -275,14 +269,14 @@ class RequestOptions:
                 f"unknown kv_transfer_params {sorted(map(str, unknown))}; the cachegen "
                 f"connector accepts {sorted(self.keys())}"
             )
-        level(LEVEL, params.get(LEVEL))  # a slot is refused here; internally a level may be one
+        mode = params.get("mode", self.mode)
+        level(LEVEL, params.get(LEVEL), TCQ if mode == TCQ else CACHEGEN)
         params = dict(params)
         if params.get(FORM) is not None:
             chosen = _form(FORM, params[FORM])
             if params.get(LEVEL) is not None or params.get("mode", chosen.codec) != chosen.codec:
                 raise ConnectorError(f"form {params[FORM]!r} names its mode and level: drop them")
-            params["mode"] = chosen.codec
-            params[LEVEL] = chosen.slot if chosen.codec in LEVELED else None
+            params.update(mode=chosen.codec, level=chosen.level, form=chosen.label)
         elif "mode" in params or LEVEL in params:
             params[FORM] = None  # the mode and level asked for replace a default form
         return dataclasses.replace(self, **params)
@@ -307,16 +301,16 @@ class ConnectorConfig:
     save_modes: tuple[str, ...] = option(
         ENGINE, "modes whose encodings are written after a prefill (default: [mode])", modes, ()
     )
-    cachegen_levels: tuple[int, ...] | None = option(
+    cachegen_levels: tuple[str, ...] | None = option(
         ENGINE,
         'cachegen levels and forms stored, such as [11, "cachegen-11-packed"] (default: '
         "the save ladder)",
-        levels,
+        form_names,
     )
-    tcq_levels: tuple[int, ...] | None = option(
+    tcq_levels: tuple[str, ...] | None = option(
         ENGINE,
         "tcq levels and forms stored when tcq is saved, such as [22] (default: tcq's save ladder)",
-        levels,
+        form_names,
     )
     max_slo_ms: float = option(
         ENGINE, "the largest slo_ms a request may ask for (ms)", positive_number, 60_000.0
@@ -382,7 +376,7 @@ class ConnectorConfig:
             raise ConnectorError(f"save_modes must be a list of modes, got {save_modes!r}")
         kwargs: dict[str, Any] = {"defaults": defaults, "save_modes": tuple(save_modes)}
         for name, codec in (("cachegen_levels", CACHEGEN), ("tcq_levels", TCQ)):
-            kwargs[name] = stored_levels(name, codec, extra.pop(name, None))
+            kwargs[name] = stored_forms(name, codec, extra.pop(name, None))
         for name in ("max_record_bytes", "max_load_bytes"):
             if isinstance(extra.get(name), str):
                 try:

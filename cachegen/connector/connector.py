@@ -31,7 +31,7 @@ from cachegen.connector.paged_cache import cache_groups
 from cachegen.connector.scheduler import SchedulerSide
 from cachegen.connector.sources import DirectSources, SourcePool
 from cachegen.connector.stats import CacheGenPromMetrics, CacheGenStats
-from cachegen.connector.transport import ChunkTransport
+from cachegen.connector.transport import EngineStore
 from cachegen.connector.worker import WorkerSide
 from cachegen.models import ModelSpec
 
@@ -111,20 +111,23 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
         groups = cache_groups(kv_cache_config, block_size)
         if role == KVConnectorRole.SCHEDULER and any(w is not None for w in windows):
             _log_windows(spec.name, windows, len(groups))
-        transport = ChunkTransport(self.config, spec, identity, self.source_pool)
+        engine_store = EngineStore.open(self.config, spec, identity)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             # The codecs of the engine's mode and saves, made now: a missing profile or model
             # file stops the start, naming the command that makes it (a server never fits
             # one); another mode's codec is made on a request's first use, or refused there.
-            transport.codecs.resolve({self.config.defaults.mode, *self.config.save_modes})
+            engine_store.codecs.resolve({self.config.defaults.mode, *self.config.save_modes})
             self._scheduler = SchedulerSide(
-                self.config, transport, block_size, transfer.kv_role, groups
+                self.config, engine_store.index(), block_size, transfer.kv_role, groups
             )
         else:
+            sources = self.source_pool(engine_store.store)
             self._worker = WorkerSide(
-                transport,
+                engine_store.loader(identity, sources, self.config.prefill_tokens_per_s),
+                engine_store.writer(),
+                engine_store.close,
                 identity,
                 groups,
                 self.config.chunk_tokens,

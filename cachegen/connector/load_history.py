@@ -7,7 +7,6 @@ import threading
 from collections.abc import Hashable
 from typing import Any
 
-from cachegen.modes import Form
 from cachegen.stream import DECODE_EWMA, host_bound_mbps
 
 # A measured goodput is remembered per link and becomes the controller's prior for the next load.
@@ -40,8 +39,8 @@ class LoadHistory:
         with self._lock:
             return dict(self.decode_s_per_token), dict(self.host_mbps)
 
-    def learn(self, stats: Any, codec: str, link: Hashable, nominal_mbps: float | None) -> None:
-        """Remember what a finished load of ``codec``'s records over ``link`` (of configured
+    def learn(self, stats: Any, link: Hashable, nominal_mbps: float | None) -> None:
+        """Remember what a finished load over ``link`` (of configured
         rate ``nominal_mbps``) measured: the link's goodput; per form, its decode seconds per
         token (this load's median per record, averaged over loads), and its goodput over the
         whole load when it loaded every record in that one form and was bounded by the host,
@@ -49,9 +48,7 @@ class LoadHistory:
         ceiling on this host)."""
         per_form: dict[str, list[float]] = {}
         for chunk in stats.chunks:
-            choice = stats.levels[chunk.index]
-            name = choice if isinstance(choice, str) else Form.from_slot(codec, choice).label
-            per_form.setdefault(name, []).append(chunk.decode_s / self.chunk_tokens)
+            per_form.setdefault(chunk.form, []).append(chunk.decode_s / self.chunk_tokens)
         with self._lock:
             for name, samples in per_form.items():
                 now = statistics.median(samples)

@@ -1,6 +1,7 @@
 """What the scheduler-side connector tells the workers each step, and what they report back.
 
-Plain dataclasses of ints, strings and lists: vLLM may ship them between processes.
+Plain dataclasses of ints, strings, lists and load plans: vLLM may ship them between
+processes.
 """
 
 from __future__ import annotations
@@ -13,19 +14,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from cachegen.connector.config import RequestOptions
+from cachegen.connector.load_plan import LoadPlan
 
 
 @dataclass
 class LoadTask:
-    """Load tokens ``[begin, end)`` of a prompt from the store into the request's blocks."""
+    """Run ``plan``: load its tokens ``[begin, end)`` from the store into the request's
+    blocks (tokens before ``begin`` are already in vLLM's cache)."""
 
     req_id: str
-    token_ids: list[int]  # prompt tokens up to the end of the last chunk that is fetched
     block_ids: list[list[int]]  # one list per KV cache group (several with vLLM's HMA on)
-    begin: int  # first token to inject (tokens before it are already in vLLM's cache)
-    end: int  # one past the last token to inject
-    options: RequestOptions
+    plan: LoadPlan
     in_background: bool = False  # load in a worker thread while vLLM keeps stepping (load_async)
 
 

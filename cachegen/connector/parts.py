@@ -1,11 +1,11 @@
 """Which records hold a chunk, and which of them a load fetches.
 
 A model that mixes full-attention and sliding-window layers (Gemma 3) stores each chunk as two
-records (its *parts*): the full-attention layers under the chunk's key, the sliding layers
-under ``cachegen.store.keys.sliding_key`` of it. A load of a prefix ending at token ``P``
+records (its *parts*, ``cachegen.store.address``): the full-attention layers and the sliding
+layers. A load of a prefix ending at token ``P``
 fetches the sliding part only of the chunks that intersect ``[P - window, P)``
 (``skip_out_of_window``, see :func:`window_chunks`); the sliding layers never read the other
-chunks' keys. Models with one kind of layer keep one record per chunk under the chunk's key.
+chunks' keys. Models with one kind of layer keep one record per chunk (part None).
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from typing import Any
 from cachegen.connector.config import RequestOptions
 from cachegen.kv import KVCache
 from cachegen.models import ModelSpec, attention_windows
-from cachegen.store.keys import sliding_key
-
-# A part of a chunk in a load plan: None (the whole chunk, one record), FULL or SLIDING.
-FULL, SLIDING = "full", "sliding"
+from cachegen.modes import RECOMPUTE, Form
+from cachegen.store.address import FULL, SLIDING, RecordAddress
 
 # A load plan: the records a load fetches, in order, as (chunk index, part).
 Plan = list[tuple[int, str | None]]
@@ -60,10 +58,12 @@ class RecordParts:
         """Two records per chunk: only for models with both kinds of layers."""
         return bool(self.full_layers) and bool(self.sliding_layers)
 
-    def part_keys(self, key: str) -> list[str]:
-        """Every record key of the chunk stored under ``key``: itself, and for a model with
-        sliding-window and full-attention layers, its sliding part's key."""
-        return [key, sliding_key(key)] if self.split else [key]
+    def part_records(self, chunk_key: str, form: Form) -> list[RecordAddress]:
+        """Every record of the chunk ``chunk_key`` in ``form``: the whole chunk, or for a
+        model with sliding-window and full-attention layers, its two parts."""
+        if not self.split:
+            return [RecordAddress.of(chunk_key, form)]
+        return [RecordAddress.of(chunk_key, form, FULL), RecordAddress.of(chunk_key, form, SLIDING)]
 
     def sliding_from(self, end: int, options: RequestOptions) -> int:
         """The first chunk whose sliding part a load of the prefix ``[0, end)`` fetches (0: the
@@ -89,10 +89,12 @@ class RecordParts:
                 plan.append((c, SLIDING))
         return plan
 
-    def plan_keys(self, keys: Sequence[str], first_chunk: int, plan: Plan) -> list[str]:
-        """The record keys of ``plan``, from the keys of its chunks (``keys[0]``: chunk
-        ``first_chunk``'s)."""
-        return [self.record_key(keys[c - first_chunk], part) for c, part in plan]
+    def plan_records(
+        self, keys: Sequence[str], first_chunk: int, plan: Plan, form: Form
+    ) -> list[RecordAddress]:
+        """The records of ``plan`` in ``form``, from the keys of its chunks (``keys[0]``:
+        chunk ``first_chunk``'s)."""
+        return [RecordAddress.of(keys[c - first_chunk], form, part) for c, part in plan]
 
     def layers(self, part: str | None) -> tuple[int, ...] | None:
         """The layers a record of ``part`` holds (None: all)."""
@@ -111,24 +113,20 @@ class RecordParts:
             parts.append((SLIDING, chunk.select_layers(self.sliding_layers)))
         return parts
 
-    def record_key(self, key: str, part: str | None) -> str:
-        """The key of ``part`` of the chunk stored under ``key``."""
-        return sliding_key(key) if part == SLIDING else key
-
     def report(self, report: dict[str, Any], stats: Any, plan: Plan) -> dict[str, Any]:
         """A load's ``report`` (``bytes`` counts every record fetched) with, for a model of two
-        parts, ``levels`` one entry per chunk (its full part's level, or what stopped one of
+        parts, ``forms`` one entry per chunk (its full part's form, or what stopped one of
         its parts), the chunks whose sliding part was skipped, and the sliding parts' bytes."""
         if not report or not self.split:
             return report
         per_chunk: dict[int, list[Any]] = {}
-        for (chunk, _part), level in zip(plan, stats.levels):
-            per_chunk.setdefault(chunk, []).append(level)
-        levels = []
+        for (chunk, _part), form in zip(plan, stats.forms):
+            per_chunk.setdefault(chunk, []).append(form)
+        forms = []
         for chunk in sorted(per_chunk):
-            stopped = [x for x in per_chunk[chunk] if not isinstance(x, int)]
-            levels.append(stopped[0] if stopped else per_chunk[chunk][0])
-        report["levels"] = levels
+            stopped = [x for x in per_chunk[chunk] if x in (RECOMPUTE, None)]
+            forms.append(stopped[0] if stopped else per_chunk[chunk][0])
+        report["forms"] = forms
         report["window_skipped_chunks"] = len(per_chunk) - sum(p == SLIDING for _, p in plan)
         report["sliding_bytes"] = sum(
             c.bytes

@@ -7,17 +7,17 @@ from dataclasses import dataclass
 
 from cachegen.connector.parts import RecordParts
 from cachegen.kv import KVCache
+from cachegen.modes import Form
+from cachegen.store.address import RecordAddress
 
 
 @dataclass(frozen=True, eq=False)
 class SaveRecord:
-    """One record a save writes: ``kv`` (a chunk, or one part of it) under ``key`` at
-    ``level`` of ``mode``'s codec; ``first``: part of the save's first pass, after which the
-    chunk is loadable (``LevelPolicy.first_levels``)."""
+    """One record a save writes: ``kv`` (a chunk, or one part of it) at ``address`` (its
+    form's codec encodes it); ``first``: part of the save's first pass, after which the chunk
+    is loadable (``LevelPolicy.first_forms``)."""
 
-    mode: str
-    key: str
-    level: int
+    address: RecordAddress
     kv: KVCache
     first: bool
 
@@ -37,31 +37,29 @@ class SavePrefix:
 
 @dataclass(frozen=True)
 class ModeLadder:
-    """One codec's part of a save: the keys of the chunks saved, the levels stored per
+    """One codec's part of a save: the keys of the chunks saved, the forms stored per
     chunk, and those of them written in the first pass."""
 
-    mode: str
     keys: Sequence[str]
-    levels: Sequence[int]
-    first: Sequence[int]
+    forms: Sequence[Form]
+    first: Sequence[Form]
 
 
 def plan_save(
     kv: KVCache, ladders: Sequence[ModeLadder], parts: RecordParts, sliding_from: int
 ) -> list[SaveRecord]:
     """The records of a save of ``kv`` (whole chunks, from a chunk boundary): first the first
-    levels of every codec of ``ladders`` for each chunk in prefix order (a chunk is loadable
+    forms of every codec of ``ladders`` for each chunk in prefix order (a chunk is loadable
     once they are stored, and a repeat of the prompt needs the leading chunks first), then the
-    other levels, again in prefix order."""
+    other forms, again in prefix order."""
     first_chunk = kv.start // parts.chunk_tokens
     passes: tuple[list[SaveRecord], list[SaveRecord]] = ([], [])
     for at, chunk in enumerate(kv.chunks(parts.chunk_tokens)):
         chunk_parts = parts.save_parts(chunk, first_chunk + at, sliding_from)
         for ladder in ladders:
             for part, part_kv in chunk_parts:
-                key = parts.record_key(ladder.keys[at], part)
-                for level in ladder.levels:
-                    is_first = level in ladder.first
-                    record = SaveRecord(ladder.mode, key, level, part_kv, is_first)
-                    passes[not is_first].append(record)
+                for form in ladder.forms:
+                    is_first = form in ladder.first
+                    address = RecordAddress.of(ladder.keys[at], form, part)
+                    passes[not is_first].append(SaveRecord(address, part_kv, is_first))
     return passes[0] + passes[1]

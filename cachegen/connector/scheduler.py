@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from cachegen.connector.codecs import codec_name
 from cachegen.connector.config import ConnectorConfig, RequestOptions
+from cachegen.connector.index import StoreIndex
 from cachegen.connector.inputs import InputsRefused, request_inputs
+from cachegen.connector.load_plan import LoadPlan, plan_load
 from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
 from cachegen.connector.paged_cache import CacheGroup, held_from
 from cachegen.connector.stats import StatsRecorder
-from cachegen.connector.transport import ChunkTransport
 from cachegen.errors import CacheGenError
 from cachegen.fileio import versioned
 from cachegen.store.keys import key_scope
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 REPORT_KEY = "cachegen"  # output kv_transfer_params[REPORT_KEY] holds the connector's report
 REPORT_SCHEMA = "cachegen-connector-report"
-REPORT_VERSION = 1
+REPORT_VERSION = 2  # 2: per-chunk "forms" (was "levels"), "form_loss_pct" (was "forms")
 
 
 @dataclass
@@ -66,7 +67,7 @@ class SchedulerSide:
     def __init__(
         self,
         config: ConnectorConfig,
-        transport: ChunkTransport,
+        index: StoreIndex,
         block_size: int,
         role: str,
         groups: list[CacheGroup] | None = None,
@@ -74,7 +75,7 @@ class SchedulerSide:
         """``groups``: vLLM's KV cache groups (None: one group of ``block_size`` blocks)."""
         config.check_block_size(block_size)
         self.config = config
-        self.transport = transport
+        self.index = index
         self.block_size = block_size
         self.groups = groups or [CacheGroup(None, block_size)]
         # With several KV cache groups vLLM recovers a failed load only for a request waiting
@@ -94,7 +95,7 @@ class SchedulerSide:
         if tracked is None:
             try:
                 options = self.config.request_options(request.kv_transfer_params)
-                self.transport.load_levels(options)  # a level the engine does not store
+                self.index.ladder.load_forms(options)  # a form the engine does not store
                 salt = key_scope(
                     self.config.tenant,
                     getattr(request, "cache_salt", None),
@@ -148,7 +149,7 @@ class SchedulerSide:
         C = self.config.chunk_tokens
         usable = (len(prompt) - 1) // C  # whole chunks before the token vLLM must compute
         needed_from = num_computed_tokens // C
-        codec = self.transport.ladder.lookup_codec(tracked.options)
+        codec = self.index.ladder.lookup_codec(tracked.options)
         for save in self._pending_saves.values():
             if save.salt != tracked.options.salt or codec not in save.codecs:
                 continue
@@ -166,9 +167,7 @@ class SchedulerSide:
         # Never the whole prompt: vLLM must compute at least one token to produce logits.
         limit = (len(prompt) - 1) // self.block_size * self.block_size
         try:
-            end = self.transport.loadable_tokens(
-                prompt, tracked.options, num_computed_tokens, limit
-            )
+            end = self.index.loadable_tokens(prompt, tracked.options, num_computed_tokens, limit)
         except CacheGenError as exc:
             logger.warning(
                 "request %s: store lookup failed, computing instead: %s",
@@ -190,18 +189,29 @@ class SchedulerSide:
         begin = tracked.lookup[0]
         end = begin + num_external_tokens
         last_chunk_end = -(-end // self.config.chunk_tokens) * self.config.chunk_tokens
-        skipped_to = self.transport.sliding_from(end, tracked.options)
+        skipped_to = self.index.parts.sliding_from(end, tracked.options)
         if skipped_to > begin // self.config.chunk_tokens:
             tracked.sliding_from = max(tracked.sliding_from, skipped_to)
+        prompt = list(request.prompt_token_ids[:last_chunk_end])
         tracked.load = LoadTask(
             req_id=request.request_id,
-            token_ids=list(request.prompt_token_ids[:last_chunk_end]),
             block_ids=[list(ids) for ids in blocks.get_block_ids()],
-            begin=begin,
-            end=end,
-            options=tracked.options,
+            plan=self._plan(request.request_id, prompt, begin, end, tracked.options),
             in_background=self.load_async,
         )
+
+    def _plan(
+        self, req_id: str, prompt: list[int], begin: int, end: int, options: RequestOptions
+    ) -> LoadPlan:
+        """The request's load plan; one refused, so that the request recomputes, when the
+        store cannot be asked."""
+        try:
+            return plan_load(self.index, prompt, begin, end, options, self.config.max_load_bytes)
+        except CacheGenError as exc:
+            logger.warning(
+                "request %s: planning its load failed, computing instead: %s", req_id, exc
+            )
+            return LoadPlan(prompt, begin, end, [], [], options, refused=f"planning failed: {exc}")
 
     # ---- per-step metadata ----------------------------------------------------------------------
 
@@ -210,7 +220,8 @@ class SchedulerSide:
         for tracked in self._tracked.values():
             if tracked.load is not None:  # a load is issued once; a failure makes vLLM recompute
                 meta.loads.append(tracked.load)
-                tracked.report["load_planned_tokens"] = tracked.load.end - tracked.load.begin
+                plan = tracked.load.plan
+                tracked.report["load_planned_tokens"] = plan.end - plan.begin
                 tracked.loading = tracked.load.in_background
                 tracked.load = None
         block_state = scheduler_output.kv_connector_block_state
@@ -238,9 +249,7 @@ class SchedulerSide:
         if full == 0:
             return None
         try:
-            stored = self.transport.saved_chunks(
-                prompt[:full], self.config.save_modes, options.salt
-            )
+            stored = self.index.saved_chunks(prompt[:full], self.config.save_modes, options.salt)
         except CacheGenError as exc:
             logger.warning("request %s: store unavailable, not saving: %s", request.request_id, exc)
             tracked.report["save_error"] = str(exc)

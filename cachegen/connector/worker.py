@@ -35,11 +35,12 @@ from typing import Any
 import torch
 
 from cachegen.connector.head_shards import HeadExchange, Heads, HeadShard
+from cachegen.connector.loader import Loader
 from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
 from cachegen.connector.paged_cache import CacheGroup, PagedCache
 from cachegen.connector.save_plan import SavePrefix, SaveRecord
 from cachegen.connector.stats import StatsRecorder
-from cachegen.connector.transport import ChunkTransport
+from cachegen.connector.writer import ChunkWriter
 from cachegen.kv import KVCache, ModelIdentity
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class _Background:
 @dataclass(eq=False)
 class _SaveJob:
     """One prompt's save: its KV until the saver thread plans it, then the records of its first
-    pass and the rest (``ChunkTransport.save_records``)."""
+    pass and the rest (``ChunkWriter.save_records``)."""
 
     task: SaveTask
     kv: KVCache | None
@@ -251,7 +252,9 @@ class _Saver:
 class WorkerSide:
     def __init__(
         self,
-        transport: ChunkTransport,
+        loader: Loader,
+        writer: ChunkWriter,
+        close: Callable[[], None],  # releases the store and codecs the two share
         model: ModelIdentity,
         groups: list[CacheGroup],
         chunk_tokens: int,
@@ -260,7 +263,9 @@ class WorkerSide:
         windows: tuple[int | None, ...] | None = None,
         exchange: HeadExchange | None = None,
     ) -> None:
-        self.transport = transport
+        self.loader = loader
+        self.writer = writer
+        self._close = close
         self.exchange = exchange or HeadExchange(HeadShard(0, 1, model.num_kv_heads))
         self.cache = PagedCache(model, groups, windows, self.exchange.shard)
         self.chunk_tokens = chunk_tokens
@@ -309,40 +314,26 @@ class WorkerSide:
                 self._load(task)
 
     def _load(self, task: LoadTask) -> None:
+        """Run the task's plan: fetch -> decode -> check -> inject into its blocks."""
         t0 = time.perf_counter()
-        first = task.begin // self.chunk_tokens
-        count = -(-task.end // self.chunk_tokens) - first
-        inject_s = 0.0
-
-        def on_chunk(kv: KVCache) -> None:
-            nonlocal inject_s
-            t = time.perf_counter()
-            self.cache.inject(task.block_ids, kv, task.begin, task.end)
-            inject_s += time.perf_counter() - t
-
+        plan = task.plan
+        first = plan.begin // self.chunk_tokens
+        count = -(-plan.end // self.chunk_tokens) - first
+        inject = _TimedInject(self.cache, task.block_ids, plan.begin, plan.end)
         try:
-            result = self.transport.load(
-                task.token_ids,
-                first,
-                count,
-                task.options,
-                on_chunk,
-                self.prefill_tokens_per_s,
-                end=task.end,
-                out_dtype=self.cache.dtype,
-            )
+            result = self.loader.run(plan, inject, self.prefill_tokens_per_s, self.cache.dtype)
             error, done_chunks, stats = result.error, result.chunks_loaded, result.stats
         except Exception as exc:  # noqa: BLE001 - any failure of a load must become a recompute
             logger.exception("request %s: KV load failed", task.req_id)
             error, done_chunks, stats = f"{type(exc).__name__}: {exc}", 0, {}
-        loaded_end = max(task.begin, min(task.end, (first + done_chunks) * self.chunk_tokens))
-        if error is None and loaded_end < task.end:
+        loaded_end = max(plan.begin, min(plan.end, (first + done_chunks) * self.chunk_tokens))
+        if error is None and loaded_end < plan.end:
             error = f"only {done_chunks} of {count} chunks arrived"
         report = {
             **stats,
-            "loaded_tokens": loaded_end - task.begin,
+            "loaded_tokens": loaded_end - plan.begin,
             "chunks": done_chunks,
-            "inject_s": inject_s,
+            "inject_s": inject.seconds,
             "load_s": time.perf_counter() - t0,
         }
         with self._lock:
@@ -361,8 +352,8 @@ class WorkerSide:
                 "request %s: loaded %d of %d tokens; vLLM recomputes the rest (all of the "
                 "request with several KV cache groups): %s",
                 task.req_id,
-                loaded_end - task.begin,
-                task.end - task.begin,
+                loaded_end - plan.begin,
+                plan.end - plan.begin,
                 error,
             )
 
@@ -375,7 +366,8 @@ class WorkerSide:
             self._failed_loads.add(task.req_id)
             return
         size = groups[0].block_size
-        self._invalid_blocks.update(task.block_ids[0][loaded_end // size : -(-task.end // size)])
+        end = task.plan.end
+        self._invalid_blocks.update(task.block_ids[0][loaded_end // size : -(-end // size)])
 
     def finished_loads(self, idle: bool) -> tuple[set[str], set[str]]:
         """Background loads done since the last call, and those of them that failed with
@@ -459,14 +451,14 @@ class WorkerSide:
             return None
 
     def _write(self, record: SaveRecord) -> int:
-        written = self.transport.write(record)
+        written = self.writer.write(record)
         if written:
-            self.stats.count("saved_bytes", record.mode, written)
+            self.stats.count("saved_bytes", record.address.form.codec, written)
         return written
 
     def _save_records(self, task: SaveTask, kv: KVCache) -> list[SaveRecord]:
         prefix = SavePrefix(task.token_ids, task.modes, task.sliding_from, task.salt)
-        return self.transport.save_records(prefix, kv)
+        return self.writer.save_records(prefix, kv)
 
     def _save(self, task: SaveTask, kv: KVCache) -> None:
         """Store ``kv`` inside this engine step (``save_async=false``)."""
@@ -502,4 +494,19 @@ class WorkerSide:
         self._loader.close(timeout=30)
         if self._saver is not None:
             self._saver.close(timeout=60)
-        self.transport.close()
+        self.loader.close()
+        self._close()
+
+
+class _TimedInject:
+    """Writes each decoded record into a request's blocks (tokens ``[begin, end)`` of it),
+    counting the seconds spent."""
+
+    def __init__(self, cache: PagedCache, block_ids: list[list[int]], begin: int, end: int):
+        self.cache, self.block_ids, self.begin, self.end = cache, block_ids, begin, end
+        self.seconds = 0.0
+
+    def __call__(self, kv: KVCache) -> None:
+        t = time.perf_counter()
+        self.cache.inject(self.block_ids, kv, self.begin, self.end)
+        self.seconds += time.perf_counter() - t

@@ -3,11 +3,13 @@
 store = open_store("file:///var/cache/kv")          # or "redis://127.0.0.1:6379/0"
 store = open_store(url, secret=b"...")               # signed records (or CACHEGEN_STORE_SECRET)
 keys = chunk_keys(model_identity, codec_profile_id, token_ids, chunk_tokens)
-store.put(keys[0], level, blob); store.get(keys[0], level)
-n = longest_prefix(store, keys, levels)              # leading chunks stored at every level
+records = [RecordAddress.of(key, "cachegen-11-packed") for key in keys]
+store.write(records[0], blob); store.read(records[0])
+n = stored_prefix(store, [[r] for r in records])     # leading chunks stored in full
 """
 
-from cachegen.store.base import ChunkInfo, ChunkStore, StoreStats, longest_prefix
+from cachegen.store.address import FULL, SLIDING, RecordAddress
+from cachegen.store.base import ChunkInfo, ChunkStore, StoreStats, stored_prefix
 from cachegen.store.errors import (
     ChunkCorrupt,
     ChunkForged,
@@ -21,6 +23,10 @@ from cachegen.store.keys import chunk_keys, namespace, validate_key
 from cachegen.store.url import default_store_url, open_store, parse_size
 
 __all__ = [
+    "FULL",
+    "SLIDING",
+    "RecordAddress",
+    "stored_prefix",
     "ChunkCorrupt",
     "ChunkForged",
     "ChunkInfo",
@@ -33,7 +39,6 @@ __all__ = [
     "StoreUnavailable",
     "chunk_keys",
     "default_store_url",
-    "longest_prefix",
     "namespace",
     "open_store",
     "parse_size",

@@ -6,14 +6,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
+from cachegen.errors import CacheGenError
+from cachegen.modes import Form
 from cachegen.store import record
+from cachegen.store.address import RecordAddress, locate
 from cachegen.store.errors import ChunkTooLarge, StoreConfigError, StoreError
 from cachegen.store.profile_records import ProfileRecords
 
 
 @dataclass(frozen=True)
 class ChunkInfo:
-    """One stored (key, level): payload size in bytes and last use (Unix seconds, or None)."""
+    """One stored record as a backend lists it: its key, its slot (``level``; the form it
+    holds is :meth:`ChunkStore.form_of`), payload size in bytes and last use (Unix seconds, or
+    None)."""
 
     key: str
     level: int
@@ -34,8 +39,14 @@ class StoreStats:
         return asdict(self)
 
 
+HEADER_READ = 4096  # bytes of a payload that hold a bitstream's header
+
+
 class ChunkStore(ProfileRecords, ABC):
-    """Encoded chunks addressed by ``(key, level)``; keys come from :func:`chunk_keys`.
+    """Encoded chunks, each record named by a :class:`RecordAddress` (its chunk, part and
+    form). Callers use the address methods (:meth:`read`, :meth:`write`, :meth:`holds`,
+    :meth:`payload_sizes`, :meth:`remove`); the ``(key, level)`` methods are what a backend
+    implements, its level being the address's private slot (``cachegen.store.address``).
 
     Readers never see a partial chunk: ``get`` returns a payload verified against the
     checksum written with it, or raises ``ChunkMissing`` / ``ChunkCorrupt`` /
@@ -97,6 +108,70 @@ class ChunkStore(ProfileRecords, ABC):
             "max_record_bytes (URL ?max_record_bytes=SIZE or open_store(..., "
             "max_record_bytes=...)) if chunks this large are expected"
         )
+
+    # ---- records by address ---------------------------------------------------------------
+
+    def read(self, address: RecordAddress) -> bytes:
+        """The verified payload of the record at ``address``."""
+        return self.get(*locate(address))
+
+    def read_many(self, addresses: Sequence[RecordAddress]) -> list[bytes | StoreError]:
+        """The verified payloads at ``addresses``, in order (see ``get_records``)."""
+        return self.get_many([locate(a) for a in addresses])
+
+    def read_records(self, addresses: Sequence[RecordAddress]) -> list[bytes | StoreError]:
+        """The stored records (header + payload) at ``addresses``, unverified, in order: for
+        forwarding to a remote reader, who checks each with ``record.unpack_at``."""
+        return self.get_records([locate(a) for a in addresses])
+
+    def record_start(self, entry: ChunkInfo, length: int = HEADER_READ) -> bytes:
+        """The first ``length`` bytes of ``entry``'s payload (all of a shorter one), read
+        without the checksum that covers the whole payload."""
+        stream = self.get_stream(entry.key, entry.level, block_size=length)
+        try:
+            return next(stream, b"")
+        finally:
+            stream.close()
+
+    def form_of(self, entry: ChunkInfo) -> Form | None:
+        """The form a listed record holds, from its bitstream header (None: not a bitstream,
+        or removed since the listing)."""
+        from cachegen.codec import form_of  # the codec loads numba: only when asked
+
+        try:
+            return form_of(self.record_start(entry))
+        except CacheGenError:
+            return None
+
+    def write(self, address: RecordAddress, blob: bytes) -> None:
+        """Store ``blob`` at ``address`` (replacing any previous one) atomically."""
+        self.put(*locate(address), blob)
+
+    def holds(self, addresses: Sequence[RecordAddress]) -> list[bool]:
+        """For each address, whether its record is stored (a round trip per form)."""
+        return self._per_slot(addresses, self.exists_many)
+
+    def payload_sizes(self, addresses: Sequence[RecordAddress]) -> list[int | None]:
+        """Payload bytes of each address's record (None where missing)."""
+        return self._per_slot(addresses, self.sizes)
+
+    def remove(self, address: RecordAddress) -> int:
+        """Delete the record at ``address``; returns the records removed (0 or 1)."""
+        return self.delete(*locate(address))
+
+    def _per_slot(self, addresses: Sequence[RecordAddress], ask) -> list:
+        """``ask(keys, slot)`` once per slot among ``addresses``, answers in their order."""
+        located = [locate(a) for a in addresses]
+        by_slot: dict[int, list[int]] = {}
+        for i, (_, slot) in enumerate(located):
+            by_slot.setdefault(slot, []).append(i)
+        out: list = [None] * len(located)
+        for slot, indices in by_slot.items():
+            for i, answer in zip(indices, ask([located[i][0] for i in indices], slot)):
+                out[i] = answer
+        return out
+
+    # ---- what a backend implements ------------------------------------------------------
 
     @abstractmethod
     def put(self, key: str, level: int, blob: bytes) -> None:
@@ -238,17 +313,12 @@ def lru_victims(entries: Iterable[ChunkInfo], max_bytes: int) -> tuple[list[Chun
     return victims, total
 
 
-def longest_prefix(store: ChunkStore, keys: Sequence[str], levels: int | Sequence[int]) -> int:
-    """How many leading ``keys`` are stored at every one of ``levels``.
-
-    Keys are chained hashes, so this is the length (in chunks) of the longest stored prefix
-    of the token sequence the keys were derived from.
-    """
-    wanted = [levels] if isinstance(levels, int) else list(levels)
-    present = [True] * len(keys)
-    for level in wanted:
-        present = [a and b for a, b in zip(present, store.exists_many(keys, level))]
-    for i, ok in enumerate(present):
-        if not ok:
+def stored_prefix(store: ChunkStore, chunks: Sequence[Sequence[RecordAddress]]) -> int:
+    """How many leading ``chunks`` (each the addresses of the records it needs) are stored in
+    full: with chained keys, the longest stored prefix of their token sequence, in chunks."""
+    flat = [address for needed in chunks for address in needed]
+    held = iter(store.holds(flat))
+    for i, needed in enumerate(chunks):
+        if not all([next(held) for _ in needed]):
             return i
-    return len(keys)
+    return len(chunks)

@@ -40,6 +40,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from cachegen.store.address import RecordAddress, locate
 from cachegen.store.errors import ChunkCorrupt, ChunkForged, StoreConfigError
 
 MAGIC = b"CGCK"
@@ -279,3 +280,18 @@ def iter_payload(
         )
     if keyed is not None and not hmac.compare_digest(keyed.digest(), mac):
         raise _forged(key, level, "its signature (HMAC-SHA256) does not match")
+
+
+def pack_at(
+    address: RecordAddress, payload: bytes | bytearray | memoryview, signer: Signer | None = None
+) -> bytes:
+    """:func:`pack` of ``payload`` for the place of ``address``: what a backend stores there."""
+    return pack(*locate(address), payload, signer)
+
+
+def unpack_at(
+    data: bytes | memoryview, address: RecordAddress, signer: Signer | None = None
+) -> bytes:
+    """:func:`unpack` of a record read at ``address`` (``ChunkStore.read_records``): the
+    payload, verified against the record's place and, with ``signer``, its signature."""
+    return unpack(data, *locate(address), signer)

@@ -1,9 +1,10 @@
 """Loading encoded chunks pipelined with decoding, at levels a controller picks per chunk.
 
-    from cachegen.store import open_store, chunk_keys, longest_prefix
+    from cachegen.store import open_store, chunk_keys, RecordAddress
     from cachegen.stream import DirectSource, stream_load, AdaptiveController, RECOMPUTE
 
-    stats = stream_load(DirectSource(store), keys, decode, consume, level=2)
+    records = [RecordAddress.of(key, "cachegen-2") for key in keys]
+    stats = stream_load(DirectSource(store), records, decode, consume)
     # or: controller=AdaptiveController(slo_s, sizes, chunk_tokens, prefill_tokens_per_s=...)
     # or: controller=FastestController(options, chunk_tokens, max_loss_pct=..., ...)
 

@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cachegen.errors import InputError
-from cachegen.modes import RECOMPUTE
+from cachegen.modes import RECOMPUTE, Form
+from cachegen.store.address import RecordAddress
 
 DECODE_EWMA = 0.5  # weight of a new decode-time sample (the connector's memory across loads too)
 DEFAULT_DROP_FACTOR = 3.0  # chosen from the trace evaluation in docs/streaming.md
@@ -74,13 +75,12 @@ class Decision:
 
 @dataclass(frozen=True)
 class Option:
-    """One stored form a chunk can be loaded in: ``keys[i]`` and the store level slot
-    ``slot`` name chunk ``i``'s record, ``sizes[i]`` its payload bytes (None: not stored),
-    ``loss_pct`` its quality loss (None: unknown, never allowed by a bound)."""
+    """One stored form a chunk can be loaded in: ``addresses[i]`` names chunk ``i``'s
+    record, ``sizes[i]`` its payload bytes (None: not stored), ``loss_pct`` its quality loss
+    (None: unknown, never allowed by a bound)."""
 
     name: str
-    keys: Sequence[str]
-    slot: int
+    addresses: Sequence[RecordAddress]
     sizes: Sequence[int | None]
     loss_pct: float | None
 
@@ -228,10 +228,12 @@ class LoadEstimator:
         """The first of ``order`` that chunk ``index`` is stored as (RECOMPUTE: none)."""
         return next((c for c in order if self.sizes[c][index] is not None), RECOMPUTE)
 
-    def record(self, index: int, choice: Choice, key: str) -> tuple[str, int]:
-        """The store record ``(key, level slot)`` of chunk ``index`` loaded as ``choice``;
-        ``key`` is the loader's key of the chunk."""
-        return key, int(choice)
+    def record(self, index: int, choice: Choice, address: RecordAddress) -> RecordAddress:
+        """The record of chunk ``index`` loaded as ``choice``, a level of the codec of
+        ``address`` (the loader's record of the chunk), coded, or a form's name."""
+        if isinstance(choice, str):
+            return address.with_form(Form.parse(choice))
+        return address.with_form(Form(address.form.codec, int(choice)))
 
     def _decide(self, index: int, choice: Choice, elapsed_s: float, predicted: float) -> Choice:
         self.decisions.append(Decision(index, choice, elapsed_s, self.estimate_mbps, predicted))
@@ -352,8 +354,10 @@ class FastestController(LoadEstimator):
         if len(set(names)) != len(names) or RECOMPUTE in names:
             raise InputError(f"option names must be distinct and not {RECOMPUTE!r}: {names}")
         for o in options:
-            if len(o.keys) != len(chunk_tokens):
-                raise InputError(f"{o.name} has {len(o.keys)} keys for {len(chunk_tokens)} chunks")
+            if len(o.addresses) != len(chunk_tokens):
+                raise InputError(
+                    f"{o.name} has {len(o.addresses)} records for {len(chunk_tokens)} chunks"
+                )
         self.options = {o.name: o for o in options}
         self.max_loss_pct = max_loss_pct
         allowed = [o for o in options if o.within(max_loss_pct)]
@@ -398,9 +402,8 @@ class FastestController(LoadEstimator):
         """The allowed option names, smallest first."""
         return self.order
 
-    def record(self, index: int, choice: Choice, key: str) -> tuple[str, int]:
-        option = self.options[str(choice)]
-        return option.keys[index], option.slot
+    def record(self, index: int, choice: Choice, address: RecordAddress) -> RecordAddress:
+        return self.options[str(choice)].addresses[index]
 
     def choose(self, index: int, elapsed_s: float, inflight_bytes: int = 0) -> str:
         """Option name for chunk ``index`` (or RECOMPUTE), ``elapsed_s`` into the load."""

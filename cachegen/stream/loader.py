@@ -1,11 +1,12 @@
 """Pipelined loading: fetch chunk i+1 while chunk i decodes, deliver chunks in order.
 
-    stats = stream_load(source, keys, decode, consume, level=2)            # fixed level
-    stats = stream_load(source, keys, decode, consume, controller=ctrl)    # adaptive
+    stats = stream_load(source, records, decode, consume)                   # as addressed
+    stats = stream_load(source, records, decode, consume, controller=ctrl)  # adaptive
 
-A controller chooses per chunk: a level of the chunk's record (``AdaptiveController``) or
-a stored form with records of its own keys (``FastestController``; ``keys`` then only give
-the chunk count and name the chunks in errors).
+``records`` are the chunks' ``cachegen.store.RecordAddress`` values, in order. A controller
+chooses per chunk: a level of the chunk's codec (``AdaptiveController``: the record of that
+level, coded) or a stored form with records of its own (``FastestController``; ``records``
+then only give the chunk count and name the chunks in errors).
 
 A fetch thread requests chunks and receives them over the source's connection; the calling
 thread decodes each chunk and calls ``consume(index, decoded)`` in order. At most
@@ -13,7 +14,7 @@ thread decodes each chunk and calls ``consume(index, decoded)`` in order. At mos
 bounded by a few chunks whatever the context length; when the decoder falls behind, the
 fetcher stops reading and TCP flow control pushes back to the server.
 
-With a fixed level every request is sent up front (pipelined on one connection). With a
+Without a controller every request is sent up front (pipelined on one connection). With a
 controller, chunk i+1's level is chosen while chunk i is arriving, once ``lookahead`` of it
 has arrived, from the throughput measured on it, so the link never idles for a decision.
 
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Generic, TypeVar
 
 from cachegen.errors import CacheGenError, InputError
+from cachegen.store.address import RecordAddress
 from cachegen.stream.controller import RECOMPUTE, AdaptiveController, FastestController
 from cachegen.stream.errors import StreamError
 from cachegen.stream.source import DEFAULT_STALL_TIMEOUT_S, ChunkSource
@@ -45,7 +47,7 @@ _END = object()
 @dataclass
 class ChunkStat:
     index: int
-    level: int  # the store level slot it came from
+    form: str  # the name of the form it was loaded in
     bytes: int
     transfer_s: float  # from when the link could start on it to its last byte
     decode_s: float
@@ -59,8 +61,8 @@ class LoadStats:
     n_chunks: int
     n_loaded: int = 0
     recompute_from: int | None = None  # first chunk left to recomputation (None: all loaded)
-    # per chunk: level (or the controller's option name), "recompute", or None (not reached)
-    levels: list = field(default_factory=list)
+    # per chunk: the name of the form it was loaded in, "recompute", or None (not reached)
+    forms: list = field(default_factory=list)
     bytes: int = 0
     transfer_s: float = 0.0  # first request to last byte received
     decode_s: float = 0.0  # sum of decode times
@@ -83,11 +85,10 @@ class LoadStats:
 
 def stream_load(
     source: ChunkSource,
-    keys: Sequence[str],
+    records: Sequence[RecordAddress],
     decode: Callable[[bytes], T],
     consume: Callable[[int, T], None],
     *,
-    level: int | Sequence[int] | None = None,
     controller: Controller | None = None,
     chunk_tokens: Sequence[int] | None = None,
     max_buffered: int = 2,
@@ -95,46 +96,37 @@ def stream_load(
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     timeout_s: float | None = None,
 ) -> LoadStats:
-    """Load ``keys`` in order; see the module docstring.
+    """Load ``records`` in order; see the module docstring.
 
-    ``level``: one level for all chunks or one per chunk; or ``controller`` to choose.
-    ``chunk_tokens`` (optional): tokens per chunk, checked against the keys and controller.
+    ``controller`` (optional) chooses each chunk's form.
+    ``chunk_tokens`` (optional): tokens per chunk, checked against the records and controller.
     ``timeout_s``: deadline for the whole load; ``stall_timeout_s``: longest silence.
     """
-    if (level is None) == (controller is None):
-        raise InputError("give exactly one of level= or controller=")
     if max_buffered < 1 or not 0 < lookahead <= 1:
         raise InputError("max_buffered must be >= 1 and lookahead in (0, 1]")
-    n = len(keys)
+    n = len(records)
     if controller is not None and controller.n != n:
-        raise InputError(f"controller was built for {controller.n} chunks, got {n} keys")
+        raise InputError(f"controller was built for {controller.n} chunks, got {n} records")
     if chunk_tokens is not None and (
         len(chunk_tokens) != n
         or (controller is not None and list(chunk_tokens) != controller.tokens)
     ):
-        raise InputError("chunk_tokens must give one count per key, the same as the controller's")
-    fixed = (
-        None
-        if level is None
-        else ([int(level)] * n if isinstance(level, int) else [int(x) for x in level])
-    )
-    if fixed is not None and len(fixed) != n:
-        raise InputError(f"{len(fixed)} levels for {n} chunks")
+        raise InputError(
+            "chunk_tokens must give one count per record, the same as the controller's"
+        )
     pipeline = _Pipeline(
-        source, keys, fixed, controller, max_buffered, lookahead, stall_timeout_s, timeout_s
+        source, records, controller, max_buffered, lookahead, stall_timeout_s, timeout_s
     )
     return pipeline.run(decode, consume)
 
 
 class _Pipeline(Generic[T]):
-    def __init__(
-        self, source, keys, fixed, controller, max_buffered, lookahead, stall_s, timeout_s
-    ):
-        self.source, self.keys, self.fixed, self.controller = source, list(keys), fixed, controller
+    def __init__(self, source, records, controller, max_buffered, lookahead, stall_s, timeout_s):
+        self.source, self.records, self.controller = source, list(records), controller
         self.lookahead, self.stall_s, self.timeout_s = lookahead, stall_s, timeout_s
         self.buffer: queue.Queue = queue.Queue(maxsize=max_buffered)
         self.stop = threading.Event()
-        self.stats = LoadStats(n_chunks=len(self.keys), levels=[None] * len(self.keys))
+        self.stats = LoadStats(n_chunks=len(self.records), forms=[None] * len(self.records))
         self.t0 = 0.0
         self.conn = None
 
@@ -142,28 +134,25 @@ class _Pipeline(Generic[T]):
 
     def _choose(self, index: int, inflight_bytes: int) -> bool:
         """Decide chunk ``index`` and request it; False when it goes to recomputation."""
-        if self.fixed is not None:
-            choice = self.fixed[index]
-        else:
-            choice = self.controller.choose(index, time.monotonic() - self.t0, inflight_bytes)
-        if choice == RECOMPUTE:
-            self.stats.recompute_from = index
-            for j in range(index, len(self.keys)):
-                self.stats.levels[j] = RECOMPUTE
-            return False
-        self.stats.levels[index] = choice
-        key, slot = self.keys[index], choice
+        address = self.records[index]
         if self.controller is not None:
-            key, slot = self.controller.record(index, choice, key)
-        self.conn.request(key, slot)
+            choice = self.controller.choose(index, time.monotonic() - self.t0, inflight_bytes)
+            if choice == RECOMPUTE:
+                self.stats.recompute_from = index
+                for j in range(index, len(self.records)):
+                    self.stats.forms[j] = RECOMPUTE
+                return False
+            address = self.controller.record(index, choice, address)
+        self.stats.forms[index] = address.form.label
+        self.conn.request(address)
         return True
 
     def _fetch(self) -> None:
         try:
             deadline = self.t0 + self.timeout_s if self.timeout_s is not None else None
             self.conn = self.source.open(stall_timeout_s=self.stall_s, deadline=deadline)
-            n = len(self.keys)
-            if self.fixed is not None:
+            n = len(self.records)
+            if self.controller is None:
                 for i in range(n):
                     self._choose(i, 0)
                 requested = n
@@ -239,7 +228,14 @@ class _Pipeline(Generic[T]):
                 consume(index, decoded)
                 consume_s = time.monotonic() - t
                 stats.chunks.append(
-                    ChunkStat(index, chunk.level, chunk.nbytes, transfer_s, decode_s, consume_s)
+                    ChunkStat(
+                        index,
+                        chunk.address.form.label,
+                        chunk.nbytes,
+                        transfer_s,
+                        decode_s,
+                        consume_s,
+                    )
                 )
                 stats.n_loaded += 1
                 stats.bytes += chunk.nbytes

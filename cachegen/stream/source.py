@@ -1,7 +1,8 @@
 """Where a loader gets chunks: ``ChunkSource``, and ``DirectSource`` (straight from a store).
 
-A source gives a connection with ``request(key, level)`` (pipelined: send many, then receive in
-order) and ``receive(on_progress) -> ReceivedChunk`` (a verified payload, or a typed error).
+A source gives a connection with ``request(address)`` (a ``cachegen.store.RecordAddress``;
+pipelined: send many, then receive in order) and ``receive(on_progress) -> ReceivedChunk``
+(a verified payload, or a typed error).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachegen.errors import InputError
+from cachegen.store.address import RecordAddress
 from cachegen.store.base import ChunkStore
 from cachegen.store.errors import StoreError
 from cachegen.stream.errors import StreamProtocolError
@@ -27,8 +29,7 @@ ProgressFn = Callable[[int, int], None]  # (bytes received of this chunk, total)
 
 @dataclass
 class ReceivedChunk:
-    key: str
-    level: int
+    address: RecordAddress
     payload: bytes
     t_request: float  # monotonic time the request was sent
     t_last: float  # last byte of the response
@@ -40,7 +41,7 @@ class ReceivedChunk:
 
 class ChunkConnection(ABC):
     @abstractmethod
-    def request(self, key: str, level: int) -> None: ...
+    def request(self, address: RecordAddress) -> None: ...
 
     @abstractmethod
     def receive(self, on_progress: ProgressFn | None = None) -> ReceivedChunk: ...
@@ -62,7 +63,7 @@ class DirectSource(ChunkSource):
 
     Reads run ahead of ``receive``: after the first chunk (read alone, so the decoder starts
     on it soonest), up to ``prefetch`` requested chunks of about ``FETCH_BATCH_BYTES`` in all
-    are read per store round trip (``ChunkStore.get_many``), so a remote store's latency is
+    are read per store round trip (``ChunkStore.read_many``), so a remote store's latency is
     paid once per batch of small chunks; large ones are read one by one, as a batch arrives
     whole.
     """
@@ -83,32 +84,32 @@ class _DirectConnection(ChunkConnection):
     def __init__(self, store: ChunkStore, prefetch: int) -> None:
         self.store = store
         self.prefetch = prefetch
-        self._pending: collections.deque = collections.deque()  # (key, level, t_request)
+        self._pending: collections.deque = collections.deque()  # (address, t_request)
         self._read: collections.deque = collections.deque()  # payload or StoreError, in order
         self._largest = 0  # the largest payload read so far; none yet: read one chunk
 
-    def request(self, key: str, level: int) -> None:
-        self._pending.append((key, level, time.monotonic()))
+    def request(self, address: RecordAddress) -> None:
+        self._pending.append((address, time.monotonic()))
 
     def receive(self, on_progress: ProgressFn | None = None) -> ReceivedChunk:
         if not self._pending:
             raise StreamProtocolError("receive() without an outstanding request")
         if not self._read:
             self._read_ahead()
-        key, level, t_request = self._pending.popleft()
+        address, t_request = self._pending.popleft()
         payload = self._read.popleft()
         if isinstance(payload, StoreError):
             raise payload
         if on_progress is not None:
             on_progress(len(payload), len(payload))
-        return ReceivedChunk(key, level, payload, t_request, time.monotonic())
+        return ReceivedChunk(address, payload, t_request, time.monotonic())
 
     def _read_ahead(self) -> None:
         batch = 1
         if self._largest:
             batch = min(self.prefetch, max(1, FETCH_BATCH_BYTES // self._largest))
         ahead = list(itertools.islice(self._pending, batch))
-        found = self.store.get_many([(key, level) for key, level, _ in ahead])
+        found = self.store.read_many([address for address, _ in ahead])
         self._read.extend(found)
         sizes = [len(x) for x in found if not isinstance(x, StoreError)]
         self._largest = max([self._largest, *sizes])

@@ -57,7 +57,7 @@ class LoadRow:
     context_tokens: int | None = None
     loaded_tokens: int | None = None
     bytes: int | None = None
-    levels: list | None = None
+    levels: list | None = None  # per chunk: the name of the form it was loaded in
     transfer_s: float | None = None
     decode_s: float | None = None
     load_s: float | None = None
@@ -69,8 +69,11 @@ class LoadRow:
 
     @staticmethod
     def measures(report: dict) -> dict:
-        """The fields of ``LOAD_MEASURES`` from a loader's report (None where it has none)."""
-        return {k: report.get(k) for k in LOAD_MEASURES}
+        """The fields of ``LOAD_MEASURES`` from a loader's report (None where it has none):
+        ``levels`` are the report's ``forms``, the name of the form each chunk was loaded in
+        (``LoadStats.forms``, the connector's report)."""
+        named = {**report, "levels": report.get("forms")}
+        return {k: named.get(k) for k in LOAD_MEASURES}
 
 
 @dataclass(kw_only=True)

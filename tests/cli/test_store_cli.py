@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,8 +49,8 @@ def test_put_lookup_ls_stats_evict(tmp_path, kv_dir, capsys):
         url,
         "--key",
         key,
-        "--level",
-        "0",
+        "--form",
+        "int8",
         "--out",
         str(got),
         "--json",
@@ -65,48 +66,38 @@ def test_put_lookup_ls_stats_evict(tmp_path, kv_dir, capsys):
     )
 
 
-def test_put_blob_and_errors(tmp_path, capsys):
-    url = (tmp_path / "store").as_uri()
+def _int8_bitstream(tmp_path, kv_dir) -> Path:
+    from cachegen.codec import get_codec
+
+    chunk = KVCache.load(kv_dir).chunks(256)[0]
     blob = tmp_path / "b.bin"
-    blob.write_bytes(b"bits")
+    blob.write_bytes(get_codec("int8").encode(chunk))
+    return blob
+
+
+def test_put_blob_and_errors(tmp_path, kv_dir, capsys):
+    url = (tmp_path / "store").as_uri()
+    blob = _int8_bitstream(tmp_path, kv_dir)
+    common = ["--store", url, "--key", "ns/k"]
+    put = run(capsys, "store", "put-blob", str(blob), *common, "--form", "int8", "--json")
+    assert put["bytes"] == blob.stat().st_size and put["form"] == "int8"
+    listing = run(capsys, "store", "ls", "--store", url, "--json")
+    assert [e["form"] for e in listing["entries"]] == ["int8"]
     assert (
-        run(
-            capsys,
-            "store",
-            "put-blob",
-            str(blob),
-            "--store",
-            url,
-            "--key",
-            "ns/k",
-            "--level",
-            "3",
-            "--json",
-        )["bytes"]
-        == 4
-    )
-    assert (
-        main(
-            [
-                "store",
-                "get",
-                "--store",
-                url,
-                "--key",
-                "ns/k",
-                "--level",
-                "2",
-                "--out",
-                str(tmp_path / "o"),
-            ]
-        )
-        == 1
+        main(["store", "get", *common, "--form", "cachegen-3", "--out", str(tmp_path / "o")]) == 1
     )
     assert "is not in" in capsys.readouterr().err
-    assert (
-        main(["store", "put-blob", str(blob), "--store", url, "--key", "../x", "--level", "0"]) == 1
-    )
+    assert main(["store", "get", *common, "--form", "raw", "--out", str(tmp_path / "o")]) == 1
+    assert "the record holds the form int8, not raw" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    bad_key = ["--store", url, "--key", "../x", "--form", "int8"]
+    assert main(["store", "put-blob", str(blob), *bad_key]) == 1
     assert "invalid chunk key" in capsys.readouterr().err
+    assert main(["store", "put-blob", str(blob), *common, "--form", "fp8"]) == 1
+    assert "holds the form int8, not fp8" in capsys.readouterr().err
+    (tmp_path / "junk").write_bytes(b"bits")
+    assert main(["store", "put-blob", str(tmp_path / "junk"), *common, "--form", "int8"]) == 1
+    assert "is not a bitstream" in capsys.readouterr().err
     assert main(["store", "stats", "--store", "gopher://x"]) == 1
 
 
@@ -161,19 +152,21 @@ def test_stats_count_each_chunks_raw_bf16_once(tmp_path, tiny_llama, capsys):
     assert got["raw_bf16_bytes"] == 3 * copy and got["raw_bf16_skipped_keys"] == 1
 
 
-def test_a_records_level_is_a_level_or_a_form_by_name_never_a_slot(tmp_path, capsys):
+def test_a_record_is_named_by_its_form_never_by_a_slot(tmp_path, kv_dir, capsys):
     url = (tmp_path / "store").as_uri()
-    blob = tmp_path / "b.bin"
-    blob.write_bytes(b"packed bits")
+    blob = _int8_bitstream(tmp_path, kv_dir)
     common = ["--store", url, "--key", "ns/k", "--json"]
-    put = run(capsys, "store", "put-blob", str(blob), *common, "--level", "cachegen-11-packed")
-    assert put["bytes"] == len(b"packed bits")
+    run(capsys, "store", "put-blob", str(blob), *common, "--form", "int8")
     out = tmp_path / "o"
-    run(capsys, "store", "get", *common, "--level", "cachegen-11-packed", "--out", str(out))
-    assert out.read_bytes() == b"packed bits"
+    run(capsys, "store", "get", *common, "--form", "int8", "--out", str(out))
+    assert out.read_bytes() == blob.read_bytes()
     with pytest.raises(SystemExit):
-        main(["store", "get", *common, "--level", "32779", "--out", str(out)])
+        main(["store", "get", *common, "--form", "32779", "--out", str(out)])
     assert "write the form 'cachegen-11-packed' instead" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["store", "rm", *common, "--level", "cachegen-11-zipped"])
+        main(["store", "get", *common, "--form", "11", "--out", str(out)])
+    assert "names no codec" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["store", "rm", *common, "--form", "cachegen-11-zipped"])
     assert "unknown form 'cachegen-11-zipped'" in capsys.readouterr().err
+    assert run(capsys, "store", "rm", *common, "--form", "int8")["removed"] == 1

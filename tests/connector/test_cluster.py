@@ -18,6 +18,8 @@ import pytest
 import redis
 
 from cachegen.connector.config import RequestOptions
+from cachegen.store import RecordAddress
+from cachegen.store.address import locate
 from cachegen_lab.bench.engine import ConnectorEngine, Measurement
 from tests.support import CHUNK, ENGINE_DTYPE, connector_engine
 
@@ -65,8 +67,9 @@ def _produce(engine: ConnectorEngine, ids: list[int]) -> Measurement:
 
 def _record_name(engine: ConnectorEngine, ids: list[int], chunk: int) -> str:
     """The Redis key of a raw chunk of ``ids`` (see cachegen/store/redis_backend.py)."""
-    level = engine.transport.load_levels(RequestOptions(mode="raw"))[0]
-    return f"cachegen:{{{engine.transport.keys('raw', ids)[chunk]}}}:L{level}"
+    (form,) = engine.transport.load_forms(RequestOptions(mode="raw"))
+    key, slot = locate(RecordAddress.of(engine.transport.keys("raw", ids)[chunk], form))
+    return f"cachegen:{{{key}}}:L{slot}"
 
 
 def test_producer_saves_into_the_cluster_and_a_consumer_loads_every_chunk(
@@ -84,7 +87,7 @@ def test_producer_saves_into_the_cluster_and_a_consumer_loads_every_chunk(
     report = hit.connector
     assert report["loaded_tokens"] == DOC_CHUNKS * CHUNK and hit.cached_tokens == DOC_CHUNKS * CHUNK
     assert "load_error" not in report and "error" not in report
-    assert report["levels"] == [0] * DOC_CHUNKS
+    assert report["forms"] == ["raw"] * DOC_CHUNKS
     assert_answers_alike(hit, text)
     assert PASSWORD not in json.dumps(report)
 
@@ -113,7 +116,8 @@ def test_a_chunk_evicted_from_the_middle_loads_the_prefix_before_it(
             node.config_set("maxmemory", 0)
             node.delete(filler)
     keys = engine.transport.keys("raw", ids)
-    assert engine.transport.store.exists_many(keys, 0) == [True] * 3 + [False] + [True] * 2
+    records = [RecordAddress.of(key, "raw") for key in keys]
+    assert engine.transport.store.holds(records) == [True] * 3 + [False] + [True] * 2
     assert engine.stored_chunks(ids) == 3
 
     hit = engine.run(ids, mode="raw", margins=True)

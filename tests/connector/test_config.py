@@ -9,6 +9,7 @@ import pytest
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
 from cachegen.errors import CacheGenError
+from cachegen.modes import CODED, Form
 from cachegen.profiles import ensure_profile
 
 
@@ -156,7 +157,7 @@ def test_a_request_chooses_only_among_what_the_engine_serves():
     with pytest.raises(ConnectorError, match="mode 'tcq' is not one this engine serves"):
         config.request_options({"mode": "tcq"})
     packed = config.request_options({"form": "cachegen-11-packed"})
-    assert (packed.mode, packed.level) == ("cachegen", 11 | 1 << 15)  # the store's level
+    assert (packed.mode, packed.level, packed.form) == ("cachegen", 11, "cachegen-11-packed")
     assert config.request_options({"form": "int8"}).mode == "int8"
     assert config.request_options({"mode": "cachegen", "level": 11}).form is None
     int8_only = ConnectorConfig.from_extra_config({"mode": "int8"})
@@ -198,18 +199,23 @@ def test_adaptive_chooses_among_the_calibrated_levels(smollm2, tiny_llama, tmp_p
         )
         transport = ChunkTransport(config, spec, spec.identity())
         try:
-            return transport.ladder.adaptive_levels, transport.levels("cachegen")
+            return transport.ladder.adaptive_levels, transport.forms("cachegen")
         finally:
             transport.close()
 
     calibrated = ensure_profile(smollm2).calibrated_levels()
     assert calibrated and not {1, 2, 3} & set(calibrated)
     adaptive, stored = levels(smollm2)
-    coded = [lv for lv in stored if lv < 1 << 15]  # the ladder also holds a packed form
+    coded = [f.level for f in stored if f.packing == CODED]  # the ladder also holds a packed form
     assert adaptive == coded and set(coded) <= set(calibrated)  # the default save ladder
-    assert levels(smollm2, cachegen_levels=[2, 4]) == ([4], [2, 4])
+    assert levels(smollm2, cachegen_levels=[2, 4]) == (
+        [4],
+        [Form("cachegen", 2), Form("cachegen", 4)],
+    )
     adaptive, stored = levels(tiny_llama)
-    assert adaptive == stored and set(stored) <= set(ensure_profile(tiny_llama).levels)
+    assert all(f.packing == CODED for f in stored)
+    levels_ = [f.level for f in stored]
+    assert adaptive == levels_ and set(levels_) <= set(ensure_profile(tiny_llama).levels)
 
 
 def _documented_keys() -> list[set[str]]:

@@ -12,7 +12,7 @@ import pytest
 
 from cachegen.connector.config import RequestOptions
 from cachegen.errors import InputError
-from cachegen.store import open_store
+from cachegen.store import RecordAddress, open_store
 from cachegen_lab import rows as row_schema
 from cachegen_lab.bench.engine import ConnectorEngine
 from tests.support import connector_engine
@@ -51,7 +51,7 @@ def test_raw_hit_gives_the_same_answer_and_computes_only_the_rest(engine, text_i
     assert hit.token_ids == text.token_ids
     assert hit.connector["loaded_tokens"] == 512
     assert hit.cached_tokens == 512  # vLLM computed only the other 88 tokens
-    assert hit.connector["bytes"] > 0 and hit.connector["levels"] == [0, 0]
+    assert hit.connector["bytes"] > 0 and hit.connector["forms"] == ["raw", "raw"]
 
 
 def test_connector_kv_matches_transformers(engine, tiny_llama, text_ids):
@@ -59,13 +59,13 @@ def test_connector_kv_matches_transformers(engine, tiny_llama, text_ids):
     from cachegen.codec import decode
     from cachegen.extract import extract_kv
     from cachegen.kv import KVCache
+    from cachegen.store import RecordAddress
 
     ids = text_ids(engine, 520, offset=10_000)
     engine.store_prefix(ids)
     transport = engine.transport
-    got = KVCache.concat(
-        [decode(transport.store.get(key, 0)) for key in transport.keys("raw", ids)]
-    )
+    records = [RecordAddress.of(key, "raw") for key in transport.keys("raw", ids)]
+    got = KVCache.concat([decode(transport.store.read(r)) for r in records])
     ref = extract_kv(tiny_llama, token_ids=ids[:512])
     for a, b in ((got.keys, ref.keys), (got.values, ref.values)):
         error = (a.float() - b.float()).flatten(1).norm(dim=1) / b.float().flatten(1).norm(dim=1)
@@ -117,7 +117,8 @@ def test_undecodable_chunk_falls_back_to_recomputation(engine, store_dir, text_i
     text = engine.run(ids)
     key = engine.transport.keys("raw", ids)[0]
     with open_store(store_dir.as_uri()) as store:
-        store.put(key, 0, b"\x00" * 1000)  # a well-formed record whose payload is no chunk
+        # a well-formed record whose payload is no chunk
+        store.write(RecordAddress.of(key, "raw"), b"\x00" * 1000)
     hit = engine.run(ids, mode="raw")
     assert hit.connector["load_error"]
     assert hit.connector["loaded_tokens"] == 0
@@ -163,7 +164,7 @@ def test_ttft_bench_measures_every_mode_on_one_engine(engine):
         raw["loaded_tokens"] == 512 and raw["cached_tokens"] == 512 and text["cached_tokens"] == 0
     )
     assert raw["output_token_ids"] == text["output_token_ids"]
-    assert raw["ttft_s"] > 0 and raw["bytes"] > 0 and raw["levels"] == [0, 0]
+    assert raw["ttft_s"] > 0 and raw["bytes"] > 0 and raw["levels"] == ["raw", "raw"]
     table = markdown(rows)
     assert "| raw |" in table and "100 Mbit/s" in table
     bench.close()  # leaves the module's engine running

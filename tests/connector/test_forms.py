@@ -16,11 +16,13 @@ import torch
 from cachegen.codec.form_loss import form_losses
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
-from cachegen.connector.load_control import fastest_control
+from cachegen.connector.load_control import controller_of
+from cachegen.connector.load_plan import plan_load
 from cachegen.connector.transport import ChunkTransport
 from cachegen.extract import extract_kv
 from cachegen.modes import PACKED, Form
 from cachegen.profiles import codec_for
+from cachegen.store import RecordAddress
 from cachegen_lab.connector.options import LabRequestOptions
 from tests.support import CHUNK, connector_engine, generate_with_params
 
@@ -79,13 +81,16 @@ def tiny_saved(tiny_llama, tmp_path_factory):
 
 def test_the_stored_forms_are_every_level_and_codec_with_their_own_keys(tiny_saved):
     t, ids = tiny_saved
-    forms = t.stored_forms(ids, t.parts.load_plan(0, CHUNKS, CHUNKS * CHUNK, _bound(5)), None)
-    names = [Form.from_slot("cachegen", lv).label for lv in t.levels("cachegen")]
+    plan = t.parts.load_plan(0, CHUNKS, CHUNKS * CHUNK, _bound(5))
+    forms = t.index.stored_options(ids, plan, None)
+    names = [f.label for f in t.forms("cachegen")]
     assert any(name.endswith("-packed") for name in names)
     assert sorted(f.name for f in forms) == sorted([*names, "int8", "raw"])
     by_name = {f.name: f for f in forms}
-    assert by_name["int8"].keys == t.keys("int8", ids)
-    assert by_name["raw"].keys == t.keys("raw", ids) != by_name["int8"].keys
+    for name, option in by_name.items():  # each form's records, under its own codec's keys
+        codec = Form.parse(name).codec
+        assert option.addresses == [RecordAddress.of(key, name) for key in t.keys(codec, ids)]
+    assert t.keys("raw", ids) != t.keys("int8", ids)
     assert all(size and size > 0 for f in forms for size in f.sizes)
     assert by_name["raw"].sizes[0] > by_name["int8"].sizes[0]
     # the tiny model has no calibration and no measured int8 loss: only raw is known
@@ -105,8 +110,8 @@ def test_a_bound_no_stored_form_meets_recomputes_and_says_why(tiny_llama, tmp_pa
         result = t.load(ids, 0, CHUNKS, _bound(100), lambda kv: got.append(kv.start))
         assert result.chunks_loaded == 0 and got == []
         assert "max_loss_pct=100" in result.error and "no option has a loss" in result.error
-        stored = {"int8", *(Form.from_slot("cachegen", lv).label for lv in t.levels("cachegen"))}
-        assert set(result.stats["forms"]) == stored
+        stored = {"int8", *(f.label for f in t.forms("cachegen"))}
+        assert set(result.stats["form_loss_pct"]) == stored
     finally:
         t.close()
 
@@ -121,10 +126,8 @@ def test_earlier_loads_give_each_form_its_decode_prior_and_host_ceiling(tiny_sav
     # an unlimited link: the load's goodput (bytes over its whole load, which outlasts its
     # transfer) is what the host reached
     assert 0 < t.history.host_mbps["raw"] <= fixed.stats["goodput_mbps"]
-    forms = t.stored_forms(ids, t.parts.load_plan(0, CHUNKS, CHUNKS * CHUNK, _bound(0)), None)
-    controller = fastest_control(
-        forms, _bound(0), CHUNK, SLOW_PREFILL_TOKENS_PER_S, None, t.history.priors()
-    )
+    plan = plan_load(t.index, ids, 0, CHUNKS * CHUNK, _bound(0))
+    controller = controller_of(plan, CHUNK, SLOW_PREFILL_TOKENS_PER_S, None, t.history.priors())
     assert controller.allowed == ["raw"]  # the one form of known loss 0
     assert controller.decode_spt["raw"] == decode
     assert controller._host_bps["raw"] == t.history.host_mbps["raw"] * 1e6 / 8
@@ -132,7 +135,7 @@ def test_earlier_loads_give_each_form_its_decode_prior_and_host_ceiling(tiny_sav
     got.clear()
     result = t.load(ids, 0, CHUNKS, _bound(0), lambda kv: got.append(kv.start))
     assert result.error is None and got == [0, CHUNK]
-    assert result.stats["levels"] == ["raw", "raw"]
+    assert result.stats["forms"] == ["raw", "raw"]
     assert [d["choice"] for d in result.stats["decisions"]] == ["raw", "raw"]
     # the earlier load on this link gave the throughput prior: every choice has a prediction
     assert all(d["predicted_s"] > 0 for d in result.stats["decisions"])
@@ -180,8 +183,9 @@ def test_a_bound_loads_stored_forms_within_it_and_answers_like_that_form(engine,
         engine, ids, {"mode": "adaptive", "max_loss_pct": 0.5}, MAX_TOKENS
     )
     assert "load_error" not in report and report["loaded_tokens"] == CHUNKS * CHUNK
-    assert report["forms"]["int8"] <= 0.5 < report["forms"][coded] == report["forms"][packed]
-    assert _choices(report) == report["levels"] == ["int8"] * CHUNKS
+    losses = report["form_loss_pct"]
+    assert losses["int8"] <= 0.5 < losses[coded] == losses[packed]
+    assert _choices(report) == report["forms"] == ["int8"] * CHUNKS
     assert tokens == engine.run(ids, mode="int8", max_tokens=MAX_TOKENS).token_ids
 
     # within 1%: the default level too; on a slow link its fewer bytes win
@@ -189,7 +193,8 @@ def test_a_bound_loads_stored_forms_within_it_and_answers_like_that_form(engine,
         engine, ids, {"mode": "adaptive", "max_loss_pct": 1, "bandwidth_mbps": 20}, MAX_TOKENS
     )
     assert "load_error" not in report and report["loaded_tokens"] == CHUNKS * CHUNK
-    allowed = {name for name, loss in report["forms"].items() if loss is not None and loss <= 1}
+    losses = report["form_loss_pct"]
+    allowed = {name for name, loss in losses.items() if loss is not None and loss <= 1}
     assert allowed == {coded, packed, "int8"}
     assert set(_choices(report)) <= {coded, packed}  # both decode to the same KV
     assert all(d["predicted_s"] > 0 for d in report["decisions"])  # the link's rate is a prior
@@ -236,7 +241,7 @@ def test_the_ttft_table_names_the_bound_packed_levels_and_forms_chosen():
 
     rows = [
         row("recompute", None, 2.0),
-        row("cachegen", Form("cachegen", 11, PACKED).slot, 1.0),
+        row("cachegen", Form("cachegen", 11, PACKED).label, 1.0),
         row("adaptive", None, 0.5, ["cachegen-11", "int8", "cachegen-11"]),
     ]
     text = markdown(rows, max_loss_pct=1)

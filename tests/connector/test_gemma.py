@@ -453,6 +453,7 @@ def test_connector_kv_matches_transformers_past_the_window(engine, gemma3, store
     from cachegen.codec import decode
     from cachegen.extract import extract_kv
     from cachegen.kv import KVCache
+    from cachegen.modes import Form
 
     transport = engine.transport
     keys = transport.keys("raw", stored)
@@ -460,7 +461,10 @@ def test_connector_kv_matches_transformers_past_the_window(engine, gemma3, store
     got = KVCache.concat(  # each chunk is two records: full-attention and sliding layers
         [
             KVCache.merge_layers(
-                [decode(transport.store.get(k, 0)) for k in transport.parts.part_keys(key)]
+                [
+                    decode(transport.store.read(record))
+                    for record in transport.parts.part_records(key, Form("raw"))
+                ]
             )
             for key in keys
         ]
@@ -491,7 +495,7 @@ def _check_report(report: dict, cached_tokens: int, mode: str) -> None:
     """The connector's report of a load of the 4 shared chunks (docs/connector.md)."""
     assert (report["schema"], report["version"], report["mode"]) == (
         "cachegen-connector-report",
-        1,
+        2,
         mode,
     )
     assert report["load_planned_tokens"] == report["loaded_tokens"] == CONTEXT
@@ -511,8 +515,8 @@ def test_lossy_modes_load_the_prefix(engine, stored, prompts, recomputed, level,
         max_tokens=ANSWER,
     )
     _check_report(hit.connector, hit.cached_tokens, mode)
-    levels = [0] * 4 if mode == "int8" else [level] * 4
-    assert hit.connector["levels"] == levels
+    forms = ["int8"] * 4 if mode == "int8" else [f"cachegen-{level}"] * 4
+    assert hit.connector["forms"] == forms
     # The quantized prefix changes the logits a little, not the answer's start.
     assert hit.token_ids[0] == recomputed.token_ids[0]
 
@@ -527,7 +531,7 @@ def raw_hit(engine, stored, prompts) -> tuple[list[int], list[float], dict, int]
 def test_raw_hit_reports_the_loaded_prefix(raw_hit):
     _, _, report, cached = raw_hit
     _check_report(report, cached, "raw")
-    assert report["levels"] == [0] * (CONTEXT // CHUNK)
+    assert report["forms"] == ["raw"] * (CONTEXT // CHUNK)
 
 
 def test_a_corrupt_chunk_is_recomputed(engine, store_dir, doc_text, assert_answers_alike):
@@ -575,7 +579,11 @@ def _random_kv(spec, tokens: int):
 def test_gemma_chunks_are_stored_as_two_parts_and_loads_skip_out_of_window(gemma3, tmp_path):
     from cachegen.connector.config import RequestOptions
     from cachegen.kv import KVCache
-    from cachegen.store.keys import sliding_key
+    from cachegen.modes import Form
+    from cachegen.store import FULL, SLIDING, RecordAddress
+
+    def record(key: str, part: str) -> RecordAddress:
+        return RecordAddress.of(key, Form("raw"), part)
 
     transport = connector_transport(gemma3, tmp_path)
     try:
@@ -586,7 +594,8 @@ def test_gemma_chunks_are_stored_as_two_parts_and_loads_skip_out_of_window(gemma
         transport.save(ids, kv, ["raw"])
         keys = transport.keys("raw", ids)
         listed = sorted(info.key for info in transport.store.list())
-        assert listed == sorted(keys + [sliding_key(k) for k in keys])
+        assert listed == sorted(record(k, part).key for k in keys for part in (FULL, SLIDING))
+        assert record(keys[0], FULL).key == keys[0] != record(keys[0], SLIDING).key
         on = RequestOptions(mode="raw", skip_out_of_window=True)
         off = RequestOptions(mode="raw", skip_out_of_window=False)
         for end in (2048, 1800, 1024, 600, 300):
@@ -611,20 +620,20 @@ def test_gemma_chunks_are_stored_as_two_parts_and_loads_skip_out_of_window(gemma
 
         # The lookup counts a prefix only if the sliding parts its load needs are stored.
         assert transport.loadable_tokens(ids, on, 0, 2047) == 2047
-        transport.store.delete(sliding_key(keys[2]))
+        transport.store.remove(record(keys[2], SLIDING))
         assert transport.stored_chunks(ids, on) == 2
         assert transport.loadable_tokens(ids, on, 0, 2047) == 2047  # chunk 2 is out of the window
         assert transport.loadable_tokens(ids, off, 0, 2047) == 2 * CHUNK
         assert transport.loadable_tokens(ids, on, 0, 1000) == 2 * CHUNK  # window 488..999
-        transport.store.delete(sliding_key(keys[6]))
+        transport.store.remove(record(keys[6], SLIDING))
         assert transport.loadable_tokens(ids, on, 0, 2047) == 6 * CHUNK  # window 1024..1535
         assert transport.loadable_tokens(ids, off, 3 * CHUNK, 2047) == 6 * CHUNK
         # A save after a load that skipped sliding parts writes none before the window.
-        transport.store.delete(keys[7])
-        transport.store.delete(sliding_key(keys[7]))
+        last = [record(keys[7], FULL), record(keys[7], SLIDING)]
+        for address in last:
+            transport.store.remove(address)
         transport.save(ids, kv.slice(7 * CHUNK, 8 * CHUNK), ["raw"], sliding_from=8)
-        assert transport.store.exists(keys[7], 0)
-        assert not transport.store.exists(sliding_key(keys[7]), 0)
+        assert transport.store.holds(last) == [True, False]
     finally:
         transport.close()
 
@@ -635,7 +644,8 @@ def test_a_save_without_early_sliding_parts_counts_as_saved(gemma3, tmp_path):
     chunks. A load of the prefix fetches none of them either: the save check (and the
     bench's wait for a save) counts the prefix as saved."""
     from cachegen.connector.config import RequestOptions
-    from cachegen.store.keys import sliding_key
+    from cachegen.modes import Form
+    from cachegen.store import SLIDING, RecordAddress
 
     transport = connector_transport(gemma3, tmp_path)
     try:
@@ -646,7 +656,8 @@ def test_a_save_without_early_sliding_parts_counts_as_saved(gemma3, tmp_path):
         assert transport.stored_chunks(ids, RequestOptions(mode="raw")) == 0  # every part
         assert transport.saved_chunks(ids, ["raw"]) == 8
         assert transport.saved_chunks(ids[: 7 * CHUNK], ["raw"]) == 0  # needs chunk 5's
-        transport.store.delete(sliding_key(transport.keys("raw", ids)[7]))
+        key = transport.keys("raw", ids)[7]
+        transport.store.remove(RecordAddress.of(key, Form("raw"), SLIDING))
         assert transport.saved_chunks(ids, ["raw"]) == 0
     finally:
         transport.close()
@@ -698,7 +709,7 @@ def test_window_aware_cachegen_load_fetches_less(engine, stored, prompts, level)
     for skip in (True, False):
         _, _, report, cached = _hit(engine, prompts[1], mode="cachegen", skip_out_of_window=skip)
         assert cached == CONTEXT and "load_error" not in report
-        assert report["levels"] == [level] * (CONTEXT // CHUNK)
+        assert report["forms"] == [f"cachegen-{level}"] * (CONTEXT // CHUNK)
         reports[skip] = report
     assert reports[True]["window_skipped_chunks"] == 2
     assert reports[True]["bytes"] < reports[False]["bytes"]
@@ -736,7 +747,7 @@ def test_window_aware_raw_load_is_exact_and_fetches_less(
         )
         assert cached == CONTEXT and report["loaded_tokens"] == CONTEXT
         assert "load_error" not in report and report["chunks"] == CONTEXT // CHUNK
-        assert report["levels"] == [0] * (CONTEXT // CHUNK)
+        assert report["forms"] == ["raw"] * (CONTEXT // CHUNK)
         assert tokens == reused["token_ids"], skip
         diffs[skip] = max(abs(a - b) for a, b in zip(logprobs, reused["logprobs"]))
         logprobs_of[skip] = logprobs

@@ -160,7 +160,7 @@ def test_raw_loads_answer_like_recomputation(hits, text, skip, assert_answers_al
     report = hit.connector
     assert "load_error" not in report and "error" not in report
     assert hit.cached_tokens == CONTEXT and report["loaded_tokens"] == CONTEXT
-    assert report["levels"] == [0] * (CONTEXT // CHUNK)
+    assert report["forms"] == ["raw"] * (CONTEXT // CHUNK)
     assert_answers_alike(hit, text)
 
 

@@ -93,7 +93,7 @@ def scheduler(tiny_llama, tmp_path):
     with_image = key_scope(None, None, request_inputs(_request(ids, mm_features=[_image("a", 32)])))
     transport.save(ids[: 2 * CHUNK], kv, ["raw"], salt=with_image)
     transport.save(ids[: 2 * CHUNK], kv, ["raw"])
-    side = SchedulerSide(config, transport, BLOCK, "kv_both")
+    side = SchedulerSide(config, transport.index, BLOCK, "kv_both")
     yield side, ids
     transport.close()
 

@@ -56,7 +56,7 @@ def _report(response) -> dict:
     params = response.model_extra.get("kv_transfer_params") or {}
     report = params.get("cachegen")
     assert report is not None, f"no connector report in {response.model_extra}"
-    assert (report["schema"], report["version"]) == ("cachegen-connector-report", 1)
+    assert (report["schema"], report["version"]) == ("cachegen-connector-report", 2)
     return report
 
 

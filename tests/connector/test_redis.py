@@ -72,7 +72,7 @@ def test_adaptive_controller_gives_up_and_vllm_recomputes(engine, redis_up, text
     text = engine.run(ids)
     # 1 Mbit/s cannot deliver even the smallest level within 1 ms: recompute from text.
     hit = engine.run(ids, mode="adaptive", slo_ms=1, bandwidth_mbps=1)
-    assert hit.connector["levels"][0] == "recompute"
+    assert hit.connector["forms"][0] == "recompute"
     assert hit.connector["loaded_tokens"] == 0
     assert hit.token_ids == text.token_ids
     # With a generous budget the same prompt loads at the best level.

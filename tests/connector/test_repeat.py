@@ -15,6 +15,7 @@ from cachegen.connector.metadata import SaveTask
 from cachegen.connector.save_plan import SavePrefix
 from cachegen.connector.worker import _SaveJob, _Saver
 from cachegen.extract import extract_kv
+from cachegen.modes import CACHEGEN, Form
 from cachegen_lab.connector.options import LabRequestOptions
 from tests.support import CHUNK, connector_engine, connector_transport
 
@@ -31,13 +32,19 @@ ADAPTIVE = RequestOptions(mode="adaptive", slo_ms=60_000.0)
 
 
 def test_first_levels_are_what_a_request_without_a_level_needs(smollm2, tmp_path):
-    for extra, firsts in (({}, [11]), ({"cachegen_levels": [2, 4]}, [4]), ({}, [0])):
+    raw = [Form("raw")]
+    for extra, firsts in (
+        ({}, [Form(CACHEGEN, 11)]),
+        ({"cachegen_levels": [2, 4]}, [Form(CACHEGEN, 4)]),
+        ({}, raw),
+    ):
         t = connector_transport(smollm2, tmp_path, **extra)
         try:
-            mode = "raw" if firsts == [0] else "cachegen"
-            assert t.ladder.first_levels(mode) == firsts
+            mode = "raw" if firsts == raw else "cachegen"
+            assert t.ladder.first_of(mode) == firsts
             if mode == "cachegen":
-                assert t.load_levels(ADAPTIVE) == [t.ladder.adaptive_levels[0]] == firsts
+                first_adaptive = [Form(CACHEGEN, t.ladder.adaptive_levels[0])]
+                assert t.load_forms(ADAPTIVE) == first_adaptive == firsts
         finally:
             t.close()
 
@@ -48,18 +55,26 @@ def test_a_save_writes_the_first_level_of_every_chunk_before_the_others(
     ids, kv = tiny_kv
     t = connector_transport(tiny_llama, tmp_path, cachegen_levels=[2, 1])
     try:
-        ladder = t.levels("cachegen")
+        ladder = t.forms("cachegen")
         assert len(ladder) >= 2  # else there is no second pass to order
-        int8 = t.levels("int8")[0]
+        (int8,) = t.forms("int8")
         keys = {m: t.keys(m, ids) for m in ("cachegen", "int8")}
         records = t.save_records(SavePrefix(ids, ["cachegen", "int8"]), kv)
-        got = [(r.mode, keys[r.mode].index(r.key), r.level, r.first) for r in records]
-        first_pass = [
-            (m, c, lv, True)
-            for c in range(CHUNKS)
-            for m, lv in (("cachegen", ladder[0]), ("int8", int8))
+        got = [
+            (
+                r.address.form.codec,
+                keys[r.address.form.codec].index(r.address.key),
+                r.address.form,
+                r.first,
+            )
+            for r in records
         ]
-        rest = [("cachegen", c, lv, False) for c in range(CHUNKS) for lv in ladder[1:]]
+        first_pass = [
+            (m, c, form, True)
+            for c in range(CHUNKS)
+            for m, form in (("cachegen", ladder[0]), ("int8", int8))
+        ]
+        rest = [("cachegen", c, form, False) for c in range(CHUNKS) for form in ladder[1:]]
         assert got == first_pass + rest
 
         # Against the real store: after the first pass every chunk is loadable in every mode
@@ -91,7 +106,7 @@ def test_adaptive_loads_chunks_stored_at_their_first_level_only(tiny_llama, tiny
         assert coarse  # the tiny model's ladder has a cheaper level
         # Chunk 0 also at the cheaper levels, the others only at the first: a save half done.
         for record in records:
-            if not record.first and record.key == t.keys("cachegen", ids)[0]:
+            if not record.first and record.address.key == t.keys("cachegen", ids)[0]:
                 t.write(record)
         for bandwidth in (None, 50.0):  # without a throughput prior, and with one
             got: list[int] = []
@@ -99,9 +114,10 @@ def test_adaptive_loads_chunks_stored_at_their_first_level_only(tiny_llama, tiny
             result = t.load(ids, 0, CHUNKS, options, lambda kv: got.append(kv.start))
             assert result.error is None and result.chunks_loaded == CHUNKS
             assert got == [c * CHUNK for c in range(CHUNKS)]
-            levels = result.stats["levels"]
-            assert levels[0] in t.ladder.adaptive_levels
-            assert levels[1:] == [first] * (CHUNKS - 1)  # the only level they are stored at
+            forms = result.stats["forms"]
+            assert forms[0] in [Form(CACHEGEN, lv).label for lv in t.ladder.adaptive_levels]
+            # the only level they are stored at
+            assert forms[1:] == [Form(CACHEGEN, first).label] * (CHUNKS - 1)
     finally:
         t.close()
 
@@ -120,12 +136,12 @@ def test_the_saver_writes_every_queued_first_pass_before_any_other_level(
 
     def write(record):
         submitted.wait(timeout=60)  # the first record waits until both jobs are queued
-        written.append((salts[record.key], record.first))
+        written.append((salts[record.address.key], record.first))
         return t.write(record)
 
     def plan(task, kv):
         records = t.save_records(SavePrefix(task.token_ids, task.modes, salt=task.salt), kv)
-        salts.update({r.key: task.salt for r in records})
+        salts.update({r.address.key: task.salt for r in records})
         return records
 
     saver = _Saver(plan, write, lambda timeout: None, lambda job: reported.append(job.task.salt), 4)
@@ -134,7 +150,7 @@ def test_the_saver_writes_every_queued_first_pass_before_any_other_level(
             saver.submit(_SaveJob(SaveTask(salt, ids, [], ("cachegen",), salt=salt), kv))
         submitted.set()
         saver.close(timeout=120)
-        ladder = t.levels("cachegen")
+        ladder = t.forms("cachegen")
         firsts = [(s, True) for s in ("a", "b") for _ in range(CHUNKS)]
         rest = [(s, False) for s in ("a", "b") for _ in range(CHUNKS * (len(ladder) - 1))]
         assert written == firsts + rest
@@ -172,4 +188,5 @@ def test_an_immediate_repeat_loads_every_whole_chunk_of_the_document(engine, tex
     assert "save_wait_timed_out" not in second.connector
     third = engine.run(document + ask[2], mode="adaptive", slo_ms=60_000.0, max_tokens=4)
     assert third.connector["loaded_tokens"] == 6 * CHUNK, third.connector
-    assert set(third.connector["levels"]) <= set(engine.transport.ladder.adaptive_levels)
+    adaptive = {Form(CACHEGEN, lv).label for lv in engine.transport.ladder.adaptive_levels}
+    assert set(third.connector["forms"]) <= adaptive

@@ -17,7 +17,9 @@ from cachegen.codec import decode
 from cachegen.extract import extract_kv, load_model
 from cachegen.fitting.replay import continuation_logits
 from cachegen.kv import KVCache
+from cachegen.modes import Form
 from cachegen.profiles import codec_for
+from cachegen.store import RecordAddress
 from cachegen_lab.bench.engine import ConnectorEngine
 from tests.support import CHUNK, connector_engine
 
@@ -34,17 +36,18 @@ def engine(smollm2, tmp_path_factory):
         yield eng
 
 
-def _stored_kv(engine: ConnectorEngine, ids: list[int], mode: str, level: int) -> KVCache:
-    """The prompt's whole chunks as stored by the connector, decoded."""
+def _stored_kv(engine: ConnectorEngine, ids: list[int], form: Form) -> KVCache:
+    """The prompt's whole chunks as stored by the connector in ``form``, decoded."""
     transport = engine.transport
-    parts = [decode(transport.store.get(key, level)) for key in transport.keys(mode, ids)]
+    keys = transport.keys(form.codec, ids)
+    parts = [decode(transport.store.read(RecordAddress.of(key, form))) for key in keys]
     return KVCache.concat(parts)
 
 
 def test_connector_kv_matches_transformers(engine, smollm2, text_ids):
     ids = text_ids(engine, 700)
     engine.store_prefix(ids)
-    got = _stored_kv(engine, ids, "raw", 0)
+    got = _stored_kv(engine, ids, Form("raw"))
     assert got.num_tokens == 512 and got.token_ids.tolist() == ids[:512]
     ref = extract_kv(smollm2, token_ids=ids[:512])
     for layer in range(ref.num_layers):
@@ -71,7 +74,7 @@ def test_raw_hit_answers_as_recompute_on_full_and_partial_prefix(
         assert hit.connector["loaded_tokens"] == 1024 and hit.cached_tokens == 1024
         assert (hit.connector["schema"], hit.connector["version"]) == (
             "cachegen-connector-report",
-            1,
+            2,
         )
         assert_answers_alike(hit, text)
 
@@ -108,8 +111,9 @@ def test_cachegen_through_vllm_agrees_with_the_offline_quality_path(engine, smol
         ids = text_ids(engine, 512, offset=9_000 + 3_400 * i) + engine.tokenize(QUESTION, bos=False)
         engine.store_prefix(ids)
         hit = engine.run(ids, mode="cachegen", level=level, max_tokens=2)
-        assert hit.connector["loaded_tokens"] == 512 and hit.connector["levels"] == [level, level]
-        decoded = _stored_kv(engine, ids, "cachegen", level)
+        assert hit.connector["loaded_tokens"] == 512
+        assert hit.connector["forms"] == [f"cachegen-{level}"] * 2
+        decoded = _stored_kv(engine, ids, Form("cachegen", level))
         with torch.inference_mode():
             logits = continuation_logits(hf_model, [decoded], torch.tensor(ids[512:]))
         agree += int(logits[0, -1].argmax()) == hit.token_ids[0]

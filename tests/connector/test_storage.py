@@ -14,21 +14,22 @@ import pytest
 import torch
 
 from cachegen.cli import main
+from cachegen.codec.catalog import storage_ladder, tcq_storage_ladder
 from cachegen.connector.config import RequestOptions
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.ladder import (
     LADDER_BUDGET_BITS,
     LADDER_HEADROOM_BITS,
     TCQ_LADDER_BUDGET_BITS,
-    storage_ladder,
-    tcq_storage_ladder,
 )
 from cachegen.connector.save_plan import SavePrefix
-from cachegen.modes import CACHEGEN, PACKED, PACKED_TAG, TCQ, Form
+from cachegen.modes import CACHEGEN, CODED, PACKED, TCQ, Form
+from cachegen.store import RecordAddress
 from cachegen_lab.connector.options import LabRequestOptions
 from tests.support import CHUNK, connector_transport, generate_with_params
 
 CHUNKS = 3
+BUDGET = LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS  # cachegen's save ladder's
 
 
 @pytest.mark.parametrize("model", ["smollm2", "gemma3", "tiny_llama"])
@@ -37,9 +38,9 @@ def test_default_ladder_fits_half_of_raw_bf16(model, request, tmp_path):
     t = connector_transport(spec, tmp_path)
     try:
         codec = t.codec("cachegen")
-        ladder = t.levels("cachegen")
+        ladder = t.forms("cachegen")
         default = codec.default_level
-        coded = [lv for lv in ladder if lv < PACKED_TAG]
+        coded = [f.level for f in ladder if f.packing == CODED]
         assert coded[0] == default and len(coded) <= 3 and len(set(ladder)) == len(ladder)
         assert set(coded) <= set(codec.levels)
         bits = {lv: codec.estimated_bits(lv, CHUNK) for lv in coded}
@@ -47,16 +48,18 @@ def test_default_ladder_fits_half_of_raw_bf16(model, request, tmp_path):
         assert bits[default] < packed  # the packed form is the larger one
         budget = LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS
         if bits[default] + packed <= budget:  # the default, coded and packed, fits: both stored
-            assert ladder[:2] == [default, default | PACKED_TAG] and len(ladder) == len(coded) + 1
+            both = [Form(CACHEGEN, default), Form(CACHEGEN, default, PACKED)]
+            assert ladder[:2] == both and len(ladder) == len(coded) + 1
             assert sum(bits.values()) + packed <= budget
         else:
-            assert ladder == coded and sum(bits.values()) <= budget
+            assert ladder == [Form(CACHEGEN, lv) for lv in coded]
+            assert sum(bits.values()) <= budget
         assert all(bits[lv] < bits[default] for lv in coded[1:])  # smaller forms only
         assert t.ladder.adaptive_levels == coded  # adaptive chooses among the coded levels stored
         calibrated = codec.profile.calibrated_levels()
         if calibrated:
             assert set(coded) <= set(calibrated)
-        assert t.levels("int8") == t.codec("int8").levels  # other codecs: unchanged
+        assert t.forms("int8") == [Form("int8")]  # other codecs: their one form, unchanged
     finally:
         t.close()
 
@@ -71,16 +74,18 @@ def test_saving_adaptive_adds_cheaper_levels_after_both_forms(model, request, tm
         codec = t.codec("cachegen")
         default = codec.default_level
         pool = {*codec.profile.calibrated_levels(), default}
-        coded = storage_ladder(default, {lv: codec.estimated_bits(lv, CHUNK) for lv in pool})
+        coded = storage_ladder(
+            default, {lv: codec.estimated_bits(lv, CHUNK) for lv in pool}, BUDGET
+        )
         assert len(coded) > 1  # the rule finds cheaper levels for both shipped models
         packed = codec.estimated_bits(default, CHUNK, PACKED)
         both = codec.estimated_bits(default, CHUNK) + packed
         forms = (
-            [default, default | PACKED_TAG]
+            [Form(CACHEGEN, default), Form(CACHEGEN, default, PACKED)]
             if both <= LADDER_BUDGET_BITS - LADDER_HEADROOM_BITS
-            else [default]
+            else [Form(CACHEGEN, default)]
         )
-        assert t.levels("adaptive") == [*forms, *coded[1:]]
+        assert t.forms("adaptive") == [*forms, *(Form(CACHEGEN, lv) for lv in coded[1:])]
         assert t.ladder.adaptive_levels == coded
     finally:
         t.close()
@@ -92,23 +97,27 @@ def test_ladders_of_the_shipped_models(smollm2, gemma3, tiny_llama, tmp_path):
     for spec in (smollm2, gemma3, tiny_llama):
         t = connector_transport(spec, tmp_path)
         try:
-            got[spec.name] = (t.levels("cachegen"), [f.label for f in t.ladder.tcq_ladder])
+            got[spec.name] = (
+                [f.label for f in t.forms("cachegen")],
+                [f.label for f in t.ladder.tcq_ladder],
+            )
         finally:
             t.close()
     assert got == {
-        "smollm2-135m": ([11, 11 | PACKED_TAG], ["tcq-22", "cachegen-11-packed"]),
-        "gemma3-270m": ([9, 9 | PACKED_TAG], ["tcq-23", "cachegen-9-packed"]),
-        "tiny-llama": ([2], ["tcq-23", "cachegen-2-packed"]),  # nor would preset 2, coded
+        "smollm2-135m": (["cachegen-11", "cachegen-11-packed"], ["tcq-22", "cachegen-11-packed"]),
+        "gemma3-270m": (["cachegen-9", "cachegen-9-packed"], ["tcq-23", "cachegen-9-packed"]),
+        "tiny-llama": (["cachegen-2"], ["tcq-23", "cachegen-2-packed"]),  # nor would preset 2
     }
 
 
 def test_storage_ladder_rule():
     bits = {1: 1.0, 2: 1.5, 3: 2.0, 4: 3.0, 5: 4.0}
-    assert storage_ladder(4, bits) == [4, 1, 3]  # the cheapest, then the nearest the midpoint
-    assert storage_ladder(4, bits, budget=5.9) == [4, 1, 2]  # level 3 no longer fits
-    assert storage_ladder(4, bits, budget=3.5) == [4]  # not even the cheapest fits
-    assert storage_ladder(1, bits) == [1]  # nothing cheaper than the default
-    assert storage_ladder(5, {5: 4.0, 1: 1.0}) == [5, 1]
+    # the cheapest, then the nearest the midpoint
+    assert storage_ladder(4, bits, BUDGET) == [4, 1, 3]
+    assert storage_ladder(4, bits, 5.9) == [4, 1, 2]  # level 3 no longer fits
+    assert storage_ladder(4, bits, 3.5) == [4]  # not even the cheapest fits
+    assert storage_ladder(1, bits, BUDGET) == [1]  # nothing cheaper than the default
+    assert storage_ladder(5, {5: 4.0, 1: 1.0}, BUDGET) == [5, 1]
 
 
 def test_tcq_storage_ladder_rule():
@@ -143,14 +152,14 @@ def test_the_tcq_default_ladder_follows_the_rule(model, request, tmp_path):
         ladder = t.ladder.tcq_ladder
         assert ladder == tcq_storage_ladder(default, fast, bits, budget)
         assert ladder[0] == default and sum(bits[f] for f in ladder) <= budget
-        assert t.config.save_modes == ("tcq",) and t.levels("tcq") == [
-            f.slot for f in ladder if f.codec == TCQ
+        assert t.config.save_modes == ("tcq",) and t.forms("tcq") == [
+            f for f in ladder if f.codec == TCQ
         ]
-        by_codec: dict[str, list[int]] = {}
+        by_codec: dict[str, list[Form]] = {}
         for form in ladder:
-            by_codec.setdefault(form.codec, []).append(form.slot)
-        assert t.ladder.stored_slots(["tcq"]) == by_codec
-        assert t.ladder.first_slots(["tcq"]) == {"tcq": [default.level]}  # loadable soonest
+            by_codec.setdefault(form.codec, []).append(form)
+        assert t.ladder.stored_forms(["tcq"]) == by_codec
+        assert t.ladder.first_forms(["tcq"]) == {"tcq": [default]}  # loadable soonest
         # the loss of every stored form is known where the model ships both calibrations
         losses = t.ladder.form_loss_pct
         assert all((losses[f.label] is not None) == (model != "tiny_llama") for f in ladder)
@@ -159,18 +168,19 @@ def test_the_tcq_default_ladder_follows_the_rule(model, request, tmp_path):
 
 
 def test_explicit_tcq_levels_are_stored_as_given(smollm2, tmp_path):
-    for levels in ([24], [23, 24 | PACKED_TAG], [24 | PACKED_TAG]):
-        named = [Form.from_slot(TCQ, lv).label if lv & PACKED_TAG else lv for lv in levels]
+    packed = Form(TCQ, 24, PACKED)
+    for forms in ([Form(TCQ, 24)], [Form(TCQ, 23), packed], [packed]):
+        named = [f.label if f.packing == PACKED else f.level for f in forms]
         t = connector_transport(smollm2, tmp_path, mode="tcq", tcq_levels=named)
         try:
-            assert t.levels("tcq") == levels
-            assert t.ladder.stored_slots(["tcq"]) == {"tcq": levels}  # nothing borrowed
+            assert t.forms("tcq") == forms
+            assert t.ladder.stored_forms(["tcq"]) == {"tcq": forms}  # nothing borrowed
         finally:
             t.close()
     t = connector_transport(smollm2, tmp_path, tcq_levels=["tcq-99-packed", 24])
     try:
-        with pytest.raises(ConnectorError, match=r"tcq_levels \[32867\] are not levels"):
-            t.levels("tcq")
+        with pytest.raises(ConnectorError, match=r"tcq_levels \['tcq-99-packed'\] are not levels"):
+            t.forms("tcq")
     finally:
         t.close()
 
@@ -189,9 +199,9 @@ def test_a_mixed_tcq_ladder_stores_cachegens_packed_form_under_its_keys(tiny_lla
         ids = list(range(5, 5 + CHUNKS * CHUNK))
         kv = _random_kv(tiny_llama, ids)
         records = t.save_records(SavePrefix(ids, ["tcq"]), kv)
-        assert [(r.mode, r.key, r.level, r.first) for r in records] == [
-            *((TCQ, key, tcq_form.slot, True) for key in t.keys("tcq", ids)),
-            *((CACHEGEN, key, fast.slot, False) for key in t.keys("cachegen", ids)),
+        assert [(r.address, r.first) for r in records] == [
+            *((RecordAddress.of(key, tcq_form), True) for key in t.keys("tcq", ids)),
+            *((RecordAddress.of(key, fast), False) for key in t.keys("cachegen", ids)),
         ]
         for record in records[:CHUNKS]:  # the first pass: loadable, not yet saved in full
             t.write(record)
@@ -200,20 +210,21 @@ def test_a_mixed_tcq_ladder_stores_cachegens_packed_form_under_its_keys(tiny_lla
         for record in records[CHUNKS:]:
             t.write(record)
         assert t.saved_chunks(ids, ["tcq"]) == CHUNKS
-        header = parse_header(t.store.get(t.keys("cachegen", ids)[0], fast.slot))
+        header = parse_header(t.store.read(RecordAddress.of(t.keys("cachegen", ids)[0], fast)))
         assert (header.form, header.level) == (PACKED, fast.level)
         profile = t.codec("cachegen").profile
         assert all(t.store.get_tables(i) is not None for i in profile.tables_ids.values())
 
-        assert t.levels("cachegen") == [fast.level]  # cachegen's own ladder: the coded level
+        assert t.forms("cachegen") == [fast.coded]  # cachegen's own ladder: the coded level
         assert t.stored_chunks(ids, RequestOptions(mode="cachegen")) == 0  # no save wrote it
-        with pytest.raises(ConnectorError, match=rf"cachegen stores levels \[2\], not {fast.slot}"):
-            t.stored_chunks(ids, RequestOptions(mode="cachegen", level=fast.slot))
+        stored = rf"cachegen stores the forms \['cachegen-2'\], not {fast.label}"
+        with pytest.raises(ConnectorError, match=stored):
+            t.stored_chunks(ids, RequestOptions().override({"form": fast.label}))
 
         bound = RequestOptions(mode="adaptive", max_loss_pct=1)
         assert t.ladder.lookup_codec(bound) == TCQ and t.stored_chunks(ids, bound) == CHUNKS
         plan = t.parts.load_plan(0, CHUNKS, CHUNKS * CHUNK, bound)
-        sizes = {f.name: f.sizes for f in t.stored_forms(ids, plan, None)}
+        sizes = {o.name: o.sizes for o in t.index.stored_options(ids, plan, None)}
         assert sizes.keys() == {"cachegen-2", "cachegen-2-packed", tcq_form.label}
         assert sizes["cachegen-2"] == [None] * CHUNKS  # offered (another engine may store it)
         assert all(sizes[name][0] for name in ("cachegen-2-packed", tcq_form.label))
@@ -242,12 +253,12 @@ def test_explicit_cachegen_levels_are_stored_as_given(smollm2, tmp_path):
         ([2, 4], [4]),
         ([1, 2, 3, 4, 6, 7, 8, 9, 10], [4, 6, 7, 8, 9, 10]),
         ([1, 2, 3], [1, 2, 3]),
-        ([4 | PACKED_TAG, 4, 10], [4, 10]),  # a packed form is stored, never adaptive's choice
+        (["cachegen-4-packed", 4, 10], [4, 10]),  # a packed form is stored, never adaptive's
     ):
-        named = [Form.from_slot(CACHEGEN, lv).label if lv & PACKED_TAG else lv for lv in levels]
-        t = connector_transport(smollm2, tmp_path, cachegen_levels=named)
+        forms = [Form.parse(lv) if isinstance(lv, str) else Form(CACHEGEN, lv) for lv in levels]
+        t = connector_transport(smollm2, tmp_path, cachegen_levels=levels)
         try:
-            assert t.levels("cachegen") == t.levels("adaptive") == levels
+            assert t.forms("cachegen") == t.forms("adaptive") == forms
             assert t.ladder.adaptive_levels == adaptive
         finally:
             t.close()
@@ -258,10 +269,11 @@ def test_a_level_outside_the_ladder_is_a_clean_miss(smollm2, tmp_path):
     scheduler turns into a recomputation with the reason in the request's report."""
     t = connector_transport(smollm2, tmp_path)
     try:
-        assert t.load_levels(RequestOptions(mode="cachegen")) == [11]
-        packed = RequestOptions(mode="cachegen", level=11 | PACKED_TAG)
-        assert t.load_levels(packed) == [11 | PACKED_TAG]  # the packed form is a stored level
-        with pytest.raises(ConnectorError, match=r"stores levels \[11, 32779\], not 3"):
+        assert t.load_forms(RequestOptions(mode="cachegen")) == [Form(CACHEGEN, 11)]
+        packed = RequestOptions(mode="cachegen", level=11, form="cachegen-11-packed")
+        assert t.load_forms(packed) == [Form(CACHEGEN, 11, PACKED)]  # the packed form is stored
+        stored = r"stores the forms \['cachegen-11', 'cachegen-11-packed'\], not cachegen-3"
+        with pytest.raises(ConnectorError, match=stored):
             t.stored_chunks(list(range(CHUNKS * CHUNK)), RequestOptions(level=3))
     finally:
         t.close()
@@ -291,8 +303,8 @@ def real_kv():
 
 
 def test_the_default_level_is_stored_coded_and_packed(smollm2, real_kv, tmp_path):
-    """With default settings each chunk's default level is stored twice, coded and packed (under
-    its store slot); both decode to the same KV, and a request naming the slot finds the chunks."""
+    """With default settings each chunk's default level is stored twice, coded and packed; both
+    decode to the same KV, and a request naming the packed form finds the chunks."""
     import torch
 
     from cachegen.codec import decode
@@ -304,12 +316,15 @@ def test_the_default_level_is_stored_coded_and_packed(smollm2, real_kv, tmp_path
         default = t.codec("cachegen").default_level
         t.save(ids, kv, ["cachegen"])
         key = t.keys("cachegen", ids)[0]
-        coded, packed = (t.store.get(key, lv) for lv in (default, default | PACKED_TAG))
+        coded, packed = (
+            t.store.read(RecordAddress.of(key, Form(CACHEGEN, default, packing)))
+            for packing in (CODED, PACKED)
+        )
         assert (parse_header(coded).form, parse_header(packed).form) == ("coded", "packed")
         assert len(coded) < len(packed)
         a, b = decode(coded), decode(packed)
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-        tagged = RequestOptions(mode="cachegen", level=default | PACKED_TAG)
+        tagged = RequestOptions().override({"form": f"cachegen-{default}-packed"})
         assert t.stored_chunks(ids, tagged) == CHUNKS
     finally:
         t.close()
@@ -329,8 +344,8 @@ def test_adaptive_chooses_among_the_forms_of_a_mixed_tcq_ladder(smollm2, real_kv
         assert (tcq_form.label, fast.label) == ("tcq-22", "cachegen-11-packed")
         t.save(ids, kv, ["tcq"])
         for form in (tcq_form, fast):  # each decoder's kernels compiled before it is timed
-            decode(t.store.get(t.keys(form.codec, ids)[0], form.slot))
-        for fixed in (RequestOptions(mode="tcq"), RequestOptions(mode="cachegen", level=fast.slot)):
+            decode(t.store.read(RecordAddress.of(t.keys(form.codec, ids)[0], form)))
+        for fixed in (RequestOptions(mode="tcq"), RequestOptions().override({"form": fast.label})):
             assert t.load(ids, 0, CHUNKS, fixed, lambda kv: None).chunks_loaded == CHUNKS
 
         def adaptive(**link) -> list[str]:
@@ -339,10 +354,10 @@ def test_adaptive_chooses_among_the_forms_of_a_mixed_tcq_ladder(smollm2, real_kv
             assert result.error is None and result.chunks_loaded == CHUNKS
             assert {tcq_form.label, fast.label} <= {
                 name
-                for name, loss in result.stats["forms"].items()
+                for name, loss in result.stats["form_loss_pct"].items()
                 if loss is not None and loss <= 2
             }
-            return result.stats["levels"]
+            return result.stats["forms"]
 
         assert adaptive() == [fast.label] * CHUNKS
         assert adaptive(bandwidth_mbps=20) == [tcq_form.label] * CHUNKS
@@ -390,7 +405,9 @@ def cost_options(spec, config: str, tmp_path) -> dict:
         if config == "all":
             return {"cachegen_levels": list(codec.levels)}
         pool = {*codec.profile.calibrated_levels(), default}
-        ladder = storage_ladder(default, {lv: codec.estimated_bits(lv, CHUNK) for lv in pool})
+        ladder = storage_ladder(
+            default, {lv: codec.estimated_bits(lv, CHUNK) for lv in pool}, BUDGET
+        )
         return {"cachegen_levels": ladder}
     finally:
         t.close()
@@ -407,8 +424,8 @@ def test_storage_cost(model, name, request, real_kv, tmp_path, capsys):
     t = connector_transport(spec, tmp_path, **extra)
     try:
         written = t.save(ids, kv, modes)
-        slots = t.ladder.stored_slots(modes).items()
-        forms = [Form.from_slot(codec, slot).label for codec, levels in slots for slot in levels]
+        stored = t.ladder.stored_forms(modes).values()
+        forms = [form.label for codec_forms in stored for form in codec_forms]
     finally:
         t.close()
     stats = store_stats(capsys, (tmp_path / "store").as_uri())
@@ -427,11 +444,12 @@ def test_storage_cost(model, name, request, real_kv, tmp_path, capsys):
 
 
 def test_stats_text_output_and_non_bitstream_records(tmp_path, capsys):
+    from cachegen.store import open_store
+
     url = (tmp_path / "store").as_uri()
-    blob = tmp_path / "blob.bin"
-    blob.write_bytes(b"not a bitstream")
-    put = ["store", "put-blob", str(blob), "--key", "ns/abc", "--level", "0", "--store", url]
-    assert main(put) == 0
+    # `store put-blob` refuses what is not a bitstream: such a record is written directly
+    with open_store(url) as store:
+        store.write(RecordAddress.of("ns/abc", "int8"), b"not a bitstream")
     stats = store_stats(capsys, url)
     assert stats["raw_bf16_bytes"] == 0 and stats["payload_to_raw"] is None
     assert stats["raw_bf16_skipped_keys"] == 1
@@ -473,7 +491,7 @@ def test_serving_a_document_with_default_settings(smollm2, tmp_path, capsys):
         engine.store_prefix(document + question)
         _, again = generate_with_params(engine, document + question, {})
         assert again["mode"] == "tcq" and again["loaded_tokens"] == 1536
-        assert again["levels"] == [default] * 6
+        assert again["forms"] == [f"tcq-{default}"] * 6
         forms = engine.transport.ladder.tcq_ladder
         labels = [f.label for f in forms]
         assert labels == [f"tcq-{default}", "cachegen-11-packed"]  # the rule's fast form
@@ -481,7 +499,7 @@ def test_serving_a_document_with_default_settings(smollm2, tmp_path, capsys):
         _, bounded = generate_with_params(
             engine, document + question, {"mode": "adaptive", "max_loss_pct": 1}
         )
-        assert bounded["loaded_tokens"] == 1536 and set(bounded["levels"]) <= ladder
+        assert bounded["loaded_tokens"] == 1536 and set(bounded["forms"]) <= ladder
     stats = store_stats(capsys, url)
     # each chunk under the keys of each codec of the ladder
     assert stats["chunks"] == 6 * len(codecs) and stats["payload_to_raw"] <= 0.4

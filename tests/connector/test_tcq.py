@@ -14,6 +14,7 @@ from cachegen.connector.errors import ConnectorError
 from cachegen.connector.transport import ChunkTransport
 from cachegen.modes import Form, Mode
 from cachegen.profiles import codec_for
+from cachegen.store import RecordAddress
 from cachegen_lab import rows as row_schema
 from tests.support import CHUNK, connector_engine, connector_transport
 
@@ -40,9 +41,9 @@ def engine(tiny_llama, levels, tmp_path_factory):
 
 def test_tcq_modes_parse_and_name_their_forms():
     assert Mode.parse("tcq-21") == Mode("tcq", 21) and Mode("tcq", 21).codec_name == "tcq"
-    assert Mode("tcq", 21).form == Form.from_slot("tcq", 21) and Form("tcq", 21).label == "tcq-21"
+    assert Mode("tcq", 21).form == Form("tcq", 21) and Form("tcq", 21).label == "tcq-21"
     config = ConnectorConfig.from_extra_config({"save_modes": ["tcq"], "tcq_levels": [20, 26]})
-    assert config.tcq_levels == (20, 26)
+    assert config.tcq_levels == ("tcq-20", "tcq-26")
     with pytest.raises(ConnectorError, match="tcq_levels must be a non-empty list"):
         ConnectorConfig.from_extra_config({"tcq_levels": 21})
     with pytest.raises(ConnectorError, match="tcq_levels: unknown form .21."):
@@ -68,8 +69,8 @@ def test_a_tcq_level_the_model_lacks_is_refused(tiny_llama, tmp_path):
     )
     t = ChunkTransport(config, tiny_llama, tiny_llama.identity())
     try:
-        with pytest.raises(ConnectorError, match=r"tcq_levels \[99\] are not levels"):
-            t.levels("tcq")
+        with pytest.raises(ConnectorError, match=r"tcq_levels \['tcq-99'\] are not levels"):
+            t.forms("tcq")
     finally:
         t.close()
 
@@ -81,12 +82,12 @@ def test_tcq_levels_are_saved_and_loaded_as_requested(engine, levels, text_ids):
     for level in levels:
         keys = transport.keys("tcq", ids)
         assert len(keys) == 2
-        blob = transport.store.get(keys[0], level)
+        blob = transport.store.read(RecordAddress.of(keys[0], Form("tcq", level)))
         assert decode(blob).num_tokens == CHUNK  # a tcq bitstream of the whole chunk
         hit = engine.run(ids, mode="tcq", level=level, max_tokens=MAX_TOKENS)
         assert "load_error" not in hit.connector, hit.connector
         assert hit.connector["loaded_tokens"] == 2 * CHUNK and hit.cached_tokens == 2 * CHUNK
-        assert hit.connector["levels"] == [level, level]
+        assert hit.connector["forms"] == [f"tcq-{level}"] * 2
     # the finer level moves more bytes
     small, large = (engine.run(ids, mode="tcq", level=lv).connector["bytes"] for lv in levels)
     assert 0 < small < large
@@ -99,7 +100,7 @@ def test_a_tcq_level_that_is_not_stored_recomputes_and_says_why(engine, levels, 
     text = engine.run(ids, max_tokens=MAX_TOKENS)
     miss = engine.run(ids, mode="tcq", level=missing, max_tokens=MAX_TOKENS)
     assert miss.connector.get("loaded_tokens", 0) == 0
-    assert f"not {missing}" in miss.connector["error"]
+    assert f"not tcq-{missing}" in miss.connector["error"]
     assert miss.token_ids == text.token_ids
 
 
@@ -114,14 +115,14 @@ def test_stored_tcq_levels_are_forms_of_unknown_loss(engine, levels, text_ids):
     )
     out = engine.llm.generate([{"prompt_token_ids": ids}], sampling, use_tqdm=False)[0]
     report = out.kv_transfer_params["cachegen"]
-    stored = engine.transport.levels("cachegen")
+    stored = engine.transport.forms("cachegen")
     # raw (lossless) is the one form a bound of 0 allows; tcq levels are offered, not allowed
-    assert report["forms"] == {
-        **{Form.from_slot("cachegen", lv).label: None for lv in stored},
+    assert report["form_loss_pct"] == {
+        **{form.label: None for form in stored},
         "raw": 0.0,
         **{f"tcq-{lv}": None for lv in levels},
     }
-    assert set(report["levels"]) == {"raw"} and report["loaded_tokens"] == 2 * CHUNK
+    assert set(report["forms"]) == {"raw"} and report["loaded_tokens"] == 2 * CHUNK
 
 
 def test_a_calibrated_tcq_level_is_a_form_a_bound_allows(tiny_llama, tmp_path, monkeypatch):
@@ -150,7 +151,8 @@ def test_a_calibrated_tcq_level_is_a_form_a_bound_allows(tiny_llama, tmp_path, m
     )
     config = t.config
     try:
-        (level,) = t.levels("tcq")
+        (form,) = t.forms("tcq")
+        level = form.level
         write_tcq_levels(t.identity, t.codec("tcq").profile_id, {level: 2.0}, None, {})
         ids = list(range(3, 3 + 2 * CHUNK))
         t.save(ids, extract_kv(tiny_llama, token_ids=torch.tensor(ids)), config.save_modes)
@@ -158,8 +160,9 @@ def test_a_calibrated_tcq_level_is_a_form_a_bound_allows(tiny_llama, tmp_path, m
         options = LabRequestOptions(mode="adaptive", max_loss_pct=2, bandwidth_mbps=50)
         result = t.load(ids, 0, 2, options, lambda kv: got.append(kv.start))
         assert result.error is None and got == [0, CHUNK]
-        assert result.stats["forms"][f"tcq-{level}"] == 2.0 and result.stats["forms"]["raw"] == 0
-        assert result.stats["levels"] == [f"tcq-{level}"] * 2  # far fewer bytes than raw
+        losses = result.stats["form_loss_pct"]
+        assert losses[f"tcq-{level}"] == 2.0 and losses["raw"] == 0
+        assert result.stats["forms"] == [f"tcq-{level}"] * 2  # far fewer bytes than raw
     finally:
         t.close()
         transform.forget_cached_bases()

@@ -152,19 +152,20 @@ def test_cache_salt_isolates_tenants_through_vllm(engine, text_ids):
 def test_a_forged_chunk_is_refused_and_recomputed(engine, text_ids):
     """A writer without the secret replaces the first stored chunk with well-formed bytes (a
     record with a correct checksum): the signed engine refuses it and answers like recompute."""
-    from cachegen.store import open_store
+    from cachegen.store import RecordAddress, open_store
 
     prompt = text_ids(engine, CONTEXT, offset=50_000) + engine.tokenize(QUESTION, bos=False)
     engine.store_prefix(prompt)
     key = engine.transport.keys("int8", prompt)[0]
-    level = engine.transport.levels("int8")[0]
+    (form,) = engine.transport.forms("int8")
+    record = RecordAddress.of(key, form)
     assert engine.run(prompt, mode="int8", max_tokens=4).connector["loaded_tokens"] == CONTEXT
 
     intruder = open_store(engine.config.store, secret="")  # no secret: writes unsigned records
     try:
-        blob = bytearray(intruder.get(key, level))  # reading without the secret is possible
+        blob = bytearray(intruder.read(record))  # reading without the secret is possible
         blob[-64:] = bytes(64)  # change the KV's last bytes
-        intruder.put(key, level, bytes(blob))
+        intruder.write(record, bytes(blob))
     finally:
         intruder.close()
     forged = engine.run(prompt, mode="int8", max_tokens=8)

@@ -43,9 +43,12 @@ def _stored_kv(engine, ids, mode):
     """The KV of ``ids``'s whole chunks as the engine stored them in ``mode``."""
     from cachegen.codec import decode
     from cachegen.kv import KVCache
+    from cachegen.modes import Form
+    from cachegen.store import RecordAddress
 
-    transport = engine.transport
-    return KVCache.concat([decode(transport.store.get(k, 0)) for k in transport.keys(mode, ids)])
+    transport, form = engine.transport, Form(mode)  # raw or int8: a codec of one form
+    records = [RecordAddress.of(k, form) for k in transport.keys(mode, ids)]
+    return KVCache.concat([decode(transport.store.read(r)) for r in records])
 
 
 @pytest.fixture(scope="module")

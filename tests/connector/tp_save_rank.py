@@ -69,8 +69,11 @@ def save_once(rank: int, size: int, store: str, failing_rank: int) -> None:
         {"store": store, "chunk_tokens": CHUNK, "save_modes": ["raw"], "save_async": False}
     )
     shard = HeadShard(rank, size, model.num_kv_heads)
+    transport = ChunkTransport(config, spec, model)
     worker = WorkerSide(
-        ChunkTransport(config, spec, model),
+        transport.loader,
+        transport.writer,
+        transport.close,
         model,
         [CacheGroup(None, BLOCK)],
         CHUNK,

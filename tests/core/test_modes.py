@@ -6,7 +6,8 @@ import pytest
 
 from cachegen.codec import get_codec
 from cachegen.errors import InputError
-from cachegen.modes import CODED, KV_BASELINES, PACKED, PACKED_TAG, Form, Mode
+from cachegen.modes import CODED, KV_BASELINES, LEVEL_LIMIT, PACKED, Form, Mode, configured_form
+from cachegen.store.address import form_at, slot_of
 
 LABELS = {
     "cachegen-11": Form("cachegen", 11),
@@ -24,26 +25,37 @@ LABELS = {
 def test_a_form_label_parses_and_prints_back(label):
     form = Form.parse(label)
     assert form == LABELS[label] and form.label == label
-    assert Form.from_slot(form.codec, form.slot) == form
+    assert form_at(form.codec, slot_of(form)) == form
     assert form.coded == Form(form.codec, form.level, CODED)
 
 
 @pytest.mark.parametrize("codec", ["cachegen", "tcq"])
 def test_a_packed_slot_is_its_level_with_bit_15_set(codec):
-    assert PACKED_TAG == 1 << 15
-    assert Form(codec, 4).slot == 4 and Form(codec, 4, PACKED).slot == 0x8004
-    for level in (0, 4, 24, PACKED_TAG - 1):
+    """How a store lays a form out (cachegen.store.address, private to the store)."""
+    assert LEVEL_LIMIT == 1 << 15
+    assert slot_of(Form(codec, 4)) == 4 and slot_of(Form(codec, 4, PACKED)) == 0x8004
+    for level in (0, 4, 24, LEVEL_LIMIT - 1):
         for packing in (CODED, PACKED):
             form = Form(codec, level, packing)
-            assert Form.from_slot(codec, form.slot) == form
+            assert form_at(codec, slot_of(form)) == form
     assert Form.parse(f"{codec}-11-packed").coded.label == f"{codec}-11"
 
 
 @pytest.mark.parametrize("codec", KV_BASELINES)
 def test_a_baseline_is_stored_at_its_codecs_one_level(codec):
-    assert Form(codec).slot == get_codec(codec).default_level == 0
-    with pytest.raises(InputError, match="one level"):
-        Form.from_slot(codec, 4)
+    assert slot_of(Form(codec)) == get_codec(codec).default_level == 0
+    with pytest.raises(Exception, match="one form"):
+        form_at(codec, 4)
+
+
+@pytest.mark.parametrize("codec", ["cachegen", "tcq"])
+def test_a_configuration_names_a_level_or_a_form_never_a_slot(codec):
+    assert configured_form(4, codec) == Form(codec, 4)
+    assert configured_form(f"{codec}-4-packed", codec) == Form(codec, 4, PACKED)
+    with pytest.raises(InputError, match=f"write the form '{codec}-4-packed' instead"):
+        configured_form(LEVEL_LIMIT | 4, codec)
+    with pytest.raises(InputError, match="is not a form of"):
+        configured_form("int8", codec)
 
 
 @pytest.mark.parametrize(
@@ -70,10 +82,10 @@ def test_a_bad_label_is_refused_naming_the_forms(label):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("cachegen", PACKED_TAG), "no store slot"),
-        (("cachegen", -1), "no store slot"),
+        (("cachegen", LEVEL_LIMIT), "out of range"),
+        (("cachegen", -1), "out of range"),
         (("int8", None, PACKED), "only cachegen and tcq levels do"),
-        (("tcq", PACKED_TAG, PACKED), "no store slot"),
+        (("tcq", LEVEL_LIMIT, PACKED), "out of range"),
         (("cachegen", 4, "zipped"), "unknown form 'zipped'"),
         (("cachegen",), "names its level"),
         (("int8", 0), "one level"),

@@ -20,7 +20,7 @@ import torch
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.transport import ChunkTransport
 from cachegen.extract import extract_kv
-from cachegen.store import ChunkMissing, StoreError, StoreUnavailable, open_store
+from cachegen.store import ChunkMissing, RecordAddress, StoreError, StoreUnavailable, open_store
 from cachegen.store.keys import key_scope
 from tests.support import CHUNK
 
@@ -291,17 +291,18 @@ def test_real_maxmemory_eviction_of_a_middle_chunk_cuts_the_prefix(
     try:
         transport.save(ids, kv, ["raw"])
         keys = transport.keys("raw", ids)
-        level = transport.load_levels(options)[0]
+        form = transport.load_forms(options)[0]
+        records = [RecordAddress.of(key, form) for key in keys]
         with open_store(f"{url}&ttl_s=3600") as expiring:
-            blob = transport.codec("raw").encode(kv.chunks(CHUNK)[3], level=level)
-            expiring.put(keys[3], level, blob)
+            blob = transport.codec("raw").encode(kv.chunks(CHUNK)[3], level=form.level)
+            expiring.write(records[3], blob)
         raw = redis.Redis(port=evicting_redis)
         used = raw.info("memory")["used_memory"]
         raw.config_set("maxmemory", used + 64 * 1024)  # room for less than one more chunk
         with contextlib.suppress(redis.exceptions.OutOfMemoryError):
             raw.set("filler", b"x" * len(blob))
         raw.close()
-        assert transport.store.exists_many(keys, level) == [True] * 3 + [False] + [True] * 4
+        assert transport.store.holds(records) == [True] * 3 + [False] + [True] * 4
         assert transport.stored_chunks(ids, options) == 3
         assert transport.loadable_tokens(ids, options) == 3 * CHUNK
         result, received = _load(transport, ids, kv, options, n=3)

@@ -22,6 +22,7 @@ from cachegen.store import (
     ChunkCorrupt,
     ChunkForged,
     ChunkTooLarge,
+    RecordAddress,
     StoreConfigError,
     StoreError,
     StoreUnavailable,
@@ -266,8 +267,8 @@ def test_chunk_server_path_verifies(tmp_path):
             for secret, ok in ((signed.record_signer, [KEY]), (SECRET, [KEY]), (None, [])):
                 conn = SocketSource(server.address, secret=secret).open()
                 try:
-                    conn.request(KEY, 0)
-                    conn.request(OTHER_KEY, 0)
+                    conn.request(RecordAddress.of(KEY, "raw"))
+                    conn.request(RecordAddress.of(OTHER_KEY, "raw"))
                     assert conn.receive().payload == b"genuine"
                     if ok:
                         with pytest.raises(ChunkForged):

@@ -16,14 +16,15 @@ from cachegen.store import (
     ChunkCorrupt,
     ChunkMissing,
     ChunkTooLarge,
+    RecordAddress,
     StoreConfigError,
     StoreError,
     StoreUnavailable,
     chunk_keys,
-    longest_prefix,
     open_store,
     parse_size,
     record,
+    stored_prefix,
 )
 from cachegen.store.local import LocalStore
 from tests.support import REPO, free_cluster_port, require_tool
@@ -102,17 +103,22 @@ def test_round_trip(store):
         list(store.get_stream(keys[2], 1))
 
 
-def test_longest_prefix(store):
+def needed(keys, *levels: int) -> list[list[RecordAddress]]:
+    """Per chunk of ``keys``, its records at the cachegen ``levels``."""
+    return [[RecordAddress.of(k, f"cachegen-{lv}") for lv in levels] for k in keys]
+
+
+def test_stored_prefix(store):
     keys = chunk_keys(MODEL, "p", list(range(256 * 6)), 256)
     for k in keys[:4]:
         store.put(k, 0, b"low")
     for k in keys[:2] + keys[3:4]:
         store.put(k, 2, b"high")
-    assert longest_prefix(store, keys, 0) == 4
-    assert longest_prefix(store, keys, [0, 2]) == 2  # chunk 2 lacks level 2
-    assert longest_prefix(store, keys, 5) == 0
+    assert stored_prefix(store, needed(keys, 0)) == 4
+    assert stored_prefix(store, needed(keys, 0, 2)) == 2  # chunk 2 lacks level 2
+    assert stored_prefix(store, needed(keys, 5)) == 0
     store.put(keys[5], 0, b"orphan")  # beyond a gap: not part of the prefix
-    assert longest_prefix(store, keys, 0) == 4
+    assert stored_prefix(store, needed(keys, 0)) == 4
 
 
 def test_evict_least_recently_used(store):
@@ -362,7 +368,7 @@ def test_redis_cluster_single_node(tmp_path):
         for k in keys[:2]:
             s.put(k, 1, b"cluster-" + k.encode())
         assert s.get(keys[1], 1) == b"cluster-" + keys[1].encode()
-        assert longest_prefix(s, keys, 1) == 2
+        assert stored_prefix(s, needed(keys, 1)) == 2
         assert {e.key for e in s.list()} == set(keys[:2])
         items, want = _get_many_cases(s)
         _check_many(s.get_many(items), want)

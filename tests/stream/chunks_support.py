@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from cachegen.store import open_store
+from cachegen.modes import CACHEGEN, Form
+from cachegen.store import RecordAddress, open_store
 
 LEVELS = (0, 1, 2)
 N_CHUNKS = 12
@@ -25,6 +26,21 @@ def kv_blob(seed: int, level: int) -> bytes:
             "values": torch.randn(shape, generator=g).bfloat16(),
         }
     )
+
+
+def records(keys, levels) -> list[RecordAddress]:
+    """The records of ``keys`` at ``levels`` (one for all, or one per key): the fixtures store
+    level ``lv`` as the form ``cachegen-<lv>``."""
+    per_key = [levels] * len(keys) if isinstance(levels, int) else list(levels)
+    return [RecordAddress.of(key, form(lv)) for key, lv in zip(keys, per_key, strict=True)]
+
+
+def form(level: int) -> Form:
+    return Form(CACHEGEN, level)
+
+
+def label(level: int) -> str:
+    return form(level).label
 
 
 def decode(blob: bytes) -> dict:

@@ -6,22 +6,26 @@ from __future__ import annotations
 import pytest
 
 from cachegen.errors import InputError
-from cachegen.modes import CACHEGEN, PACKED, Form
+from cachegen.store import RecordAddress
 from cachegen.stream import RECOMPUTE, FastestController, Option
 
 N = 10
 TOKENS = [100] * N
-PACKED_4 = Form(CACHEGEN, 4, PACKED).slot
 
 
-def option(name: str, size: int, loss: float | None, slot: int = 0) -> Option:
-    return Option(name, [f"{name}/{i}" for i in range(N)], slot, [size] * N, loss)
+def records(name: str, form: str) -> list[RecordAddress]:
+    """Chunk ``i``'s record of the option ``name``, stored in ``form``."""
+    return [RecordAddress.of(f"{name}/c{i}", form) for i in range(N)]
 
 
-CODED = option("cachegen-4", 100_000, 1.0, 4)
-PACKED = option("cachegen-4-packed", 300_000, 1.0, PACKED_4)
+def option(name: str, size: int, loss: float | None, form: str | None = None) -> Option:
+    return Option(name, records(name, form or name), [size] * N, loss)
+
+
+CODED = option("cachegen-4", 100_000, 1.0)
+PACKED = option("cachegen-4-packed", 300_000, 1.0)
 INT8 = option("int8", 400_000, 0.1)
-COARSE = option("cachegen-9", 50_000, 10.0, 9)
+COARSE = option("cachegen-9", 50_000, 10.0)
 DECODE = {"cachegen-4": 1e-3, "cachegen-4-packed": 1e-4, "int8": 2e-4, "cachegen-9": 1e-3}
 
 
@@ -45,8 +49,11 @@ def test_a_faster_allowed_form_wins():
     assert slow.choose(0, 0.0) == "cachegen-4"
     # 1 MB in 1 s, then the last chunk's 0.1 s of decoding
     assert slow.decisions[0].predicted_s == pytest.approx(1.1)
-    assert slow.record(3, "int8", "ignored") == ("int8/3", 0)
-    assert slow.record(3, "cachegen-4-packed", "ignored") == ("cachegen-4-packed/3", PACKED_4)
+    ignored = RecordAddress.of("other/c3", "cachegen-4")
+    assert slow.record(3, "int8", ignored) == RecordAddress.of("int8/c3", "int8")
+    assert slow.record(3, "cachegen-4-packed", ignored) == RecordAddress.of(
+        "cachegen-4-packed/c3", "cachegen-4-packed"
+    )
 
 
 def test_a_form_the_host_receives_slowly_is_priced_at_its_ceiling():
@@ -72,7 +79,7 @@ def test_a_form_the_host_receives_slowly_is_priced_at_its_ceiling():
 def test_a_lossier_faster_form_is_not_chosen():
     cases = ((1.0, ["cachegen-4"]), (10.0, ["cachegen-9", "cachegen-4"]))
     for bound, allowed in cases:
-        c = make([CODED, COARSE, option("loss-unknown", 1, None)], bound=bound)
+        c = make([CODED, COARSE, option("loss-unknown", 1, None, "fp8")], bound=bound)
         assert c.allowed == allowed  # smallest first; an unknown loss is never allowed
         assert c.choose(0, 0.0) == allowed[0]  # no rate yet: the smallest allowed form
         c.observe_throughput(1_000_000, 1.0)  # the bytes decide: cachegen-9 has half of them
@@ -163,5 +170,5 @@ def test_each_option_moves_at_its_own_measured_rate():
 def test_options_are_checked():
     with pytest.raises(InputError, match="distinct"):
         make([CODED, CODED])
-    with pytest.raises(InputError, match="keys"):
-        make([Option("int8", ["k"], 0, [1] * N, 0.0)])
+    with pytest.raises(InputError, match="records"):
+        make([Option("int8", records("int8", "int8")[:1], [1] * N, 0.0)])

@@ -9,14 +9,15 @@ import pytest
 
 from cachegen.stream import RECOMPUTE, AdaptiveController, DirectSource, stream_load
 from cachegen.stream.source import DIRECT_PREFETCH
-from tests.stream.chunks_support import N_CHUNKS, collect, decode, same_kv
+from tests.stream.chunks_support import N_CHUNKS, collect, decode, label, records, same_kv
 
 
 def test_per_chunk_levels_and_direct_source(local_store, chunks):
     levels = [i % 3 for i in range(N_CHUNKS)]
     got, consume = collect()
-    stats = stream_load(DirectSource(local_store), local_store.keys, decode, consume, level=levels)
-    assert stats.levels == levels
+    loads = records(local_store.keys, levels)
+    stats = stream_load(DirectSource(local_store), loads, decode, consume)
+    assert stats.forms == [label(lv) for lv in levels]
     assert all(same_kv(kv, decode(chunks[(i, levels[i])])) for i, kv in got)
 
 
@@ -41,10 +42,9 @@ def test_buffer_bounds_memory(local_store):
 
     stream_load(
         DirectSource(local_store),
-        local_store.keys,
+        records(local_store.keys, 0),
         slow_decode,
         lambda i, x: None,
-        level=0,
         max_buffered=2,
     )
     # chunk being decoded + buffer + one waiting to be handed over + its read's other chunks

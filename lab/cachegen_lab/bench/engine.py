@@ -34,7 +34,7 @@ from cachegen.constants import CHUNK_TOKENS
 from cachegen.cpu import engine_dtype
 from cachegen.errors import InputError
 from cachegen.models import EMBEDDED_DEFAULT, ModelSpec, resolve
-from cachegen.modes import CACHEGEN, CONNECTOR_MODES, PACKED_TAG, RECOMPUTE, TCQ, Form
+from cachegen.modes import CACHEGEN, CONNECTOR_MODES, RECOMPUTE, TCQ, Form
 from cachegen_lab.bench.store_client import StoreClient
 from cachegen_lab.connector import LAB_CONNECTOR, LAB_CONNECTOR_MODULE
 from cachegen_lab.connector.options import LabRequestOptions, lab_config
@@ -47,7 +47,7 @@ class Measurement:
     load_error, ...). ``cachegen_lab.rows.RequestRow.from_measurement`` makes it a row."""
 
     mode: str
-    level: int | None
+    level: int | str | None  # a coded level, or a form's name (cachegen-11-packed)
     bandwidth_mbps: float | None
     slo_ms: float | None
     prompt_tokens: int
@@ -92,7 +92,7 @@ class Submitted:
 
     request_id: str
     mode: str
-    level: int | None
+    level: int | str | None  # a coded level, or a form's name (cachegen-11-packed)
     bandwidth_mbps: float | None
     slo_ms: float | None
     prompt_tokens: int
@@ -131,13 +131,10 @@ class Submitted:
         )
 
 
-def configured_levels(codec: str, levels: Sequence[int | str]) -> list[int | str]:
-    """``levels`` as a connector's configuration names them: a packed form (the store's level
-    the lab's tables carry) by its form name, a coded level as the number."""
-    return [
-        Form.from_slot(codec, lv).label if isinstance(lv, int) and lv & PACKED_TAG else lv
-        for lv in levels
-    ]
+def configured_levels(codec: str, levels: Sequence[int | str | Form]) -> list[int | str]:
+    """``levels`` as a connector's configuration names them: a coded level as the number, a
+    form (``cachegen-11-packed``) by its name."""
+    return [lv.label if isinstance(lv, Form) else lv for lv in levels]
 
 
 def _margins(logprobs: Any) -> list[float] | None:
@@ -168,7 +165,7 @@ class ConnectorEngine(StoreClient):
         store: str | None = None,
         chunk_tokens: int = CHUNK_TOKENS,
         save_modes: Sequence[str] | None = ("raw",),
-        cachegen_levels: Sequence[int] | None = None,
+        cachegen_levels: Sequence[int | str | Form] | None = None,
         kv_role: str = "kv_both",
         shaper: str = "token-bucket",
         prefill_tokens_per_s: float | None = None,
@@ -250,7 +247,7 @@ class ConnectorEngine(StoreClient):
         prompt_token_ids: Sequence[int],
         *,
         mode: str = RECOMPUTE,
-        level: int | None = None,
+        level: int | str | None = None,
         bandwidth_mbps: float | None = None,
         slo_ms: float | None = None,
         max_loss_pct: float | None = None,
@@ -262,7 +259,8 @@ class ConnectorEngine(StoreClient):
         margins: bool = False,
     ) -> Submitted:
         """Add a request without waiting for it; drive it with :meth:`step_until_done`.
-        ``mode`` is ``recompute`` or a connector mode; ``margins`` records how far each greedy
+        ``mode`` is ``recompute`` or a connector mode; ``level`` a coded level of it, or the
+        name of a form of it (``cachegen-11-packed``); ``margins`` records how far each greedy
         token led the runner-up."""
         from vllm import SamplingParams
 
@@ -277,12 +275,16 @@ class ConnectorEngine(StoreClient):
             params: dict[str, Any] = {"load": False, "save": save}
         else:
             params = {"mode": mode, "load": True, "save": save, "rtt_ms": rtt_ms}
-            if level is not None and level & PACKED_TAG:  # a packed form is asked by its name
+            coded = level
+            if isinstance(level, str):  # a form is asked by its name
+                form = Form.parse(level)
+                if form.codec != mode:
+                    raise InputError(f"{level} is not a form of {mode}")
                 del params["mode"]
-                params["form"] = Form.from_slot(mode, level).label
-                level = None
+                params["form"] = form.label
+                coded = None
             for key, value in (
-                ("level", level),
+                ("level", coded),
                 ("bandwidth_mbps", bandwidth_mbps),
                 ("slo_ms", slo_ms),
                 ("max_loss_pct", max_loss_pct),
@@ -348,9 +350,12 @@ class ConnectorEngine(StoreClient):
     # ---- the store -----------------------------------------------------------------------------
 
     def stored_chunks(
-        self, prompt_token_ids: Sequence[int], mode: str = "raw", level: int | None = None
+        self, prompt_token_ids: Sequence[int], mode: str = "raw", level: int | str | None = None
     ) -> int:
-        options = RequestOptions(mode=mode, level=level, slo_ms=1.0 if mode == "adaptive" else None)
+        """Leading chunks of the prompt stored for ``mode`` (``level``: a coded level, or a
+        form's name)."""
+        params = {"form": level} if isinstance(level, str) else {"mode": mode, "level": level}
+        options = RequestOptions(slo_ms=1.0 if mode == "adaptive" else None).override(params)
         return self.transport.stored_chunks(list(prompt_token_ids), options)
 
     def store_prefix(

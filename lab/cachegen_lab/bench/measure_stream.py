@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from cachegen.errors import CacheGenError
-from cachegen.modes import Mode
+from cachegen.modes import Mode, configured_form
 from cachegen_lab.bench import stream_bench
 from cachegen_lab.bench.codec_report import size_stats
 from cachegen_lab.bench.prompts import Context
@@ -79,16 +79,17 @@ def _measure_mode(cfg, store, model: str, ids, kv, context: Context, mode: Mode)
     from cachegen.profiles import codec_for
 
     level = codec_for(mode.codec_name, model).resolve_level(mode.level)
+    form = configured_form(level, mode.codec_name)
     prep = stream_bench.prepare(
-        store, model, mode.codec_name, ids, cfg.chunk_tokens, [level], kv=kv, log=lambda msg: None
+        store, model, mode.codec_name, ids, cfg.chunk_tokens, [form], kv=kv, log=lambda msg: None
     )
-    sizes = size_stats([store.get(key, level) for key in prep.keys])
+    sizes = size_stats([store.read(record) for record in prep.records(form)])
     stream_bench.warm_up(store, prep)
     rows = []
     for bandwidth in cfg.stream_links:  # None: the unlimited link
         for repeat in range(cfg.repeats):
             stats, link = stream_bench.run_load(
-                store, prep, shaper=cfg.shaper, bandwidth=bandwidth, rtt_ms=0.0, level=level
+                store, prep, shaper=cfg.shaper, bandwidth=bandwidth, rtt_ms=0.0, form=form
             )
             row = stream_bench.load_row(stats, link, prep, level, prep.prefill_tps)
             run = Run.of(
@@ -101,7 +102,7 @@ def _measure_mode(cfg, store, model: str, ids, kv, context: Context, mode: Mode)
                 bits_per_element=sizes["bits_per_element"],
                 ratio_vs_fp16=sizes["ratio_vs_fp16"],
                 ratio_vs_int8=sizes["ratio_vs_int8"],
-                encode_s=prep.encode_s.get(level),  # None: the store had them
+                encode_s=prep.encode_s.get(form),  # None: the store had them
             )
             rows.append(run.to_dict())
     return rows

@@ -25,6 +25,7 @@ from cachegen.modes import (
     CODED,
     KV_BASELINES,
     MODES,
+    PACKED,
     RECOMPUTE,
     TCQ,
     Form,
@@ -104,12 +105,22 @@ def union(mode_lists: Iterable[list[Mode]]) -> list[Mode]:
     return sorted(every, key=lambda m: (MODES.index(m.mode), m.level or 0))
 
 
-def mode_name(mode: str, level: int | None) -> str:
-    """A table's name for a mode: ``int8``, ``cachegen level 11``, ``cachegen level 11 packed``."""
-    return mode if level is None else f"{mode} level {_level_name(level)}"
+OLD_PACKED_BIT = 1 << 15  # how documents of earlier releases named a packed form: a number
 
 
-def _level_name(level: int) -> str:
-    """A stored cachegen level: ``11``, or ``11 packed`` for its packed form's store slot."""
-    form = Form.from_slot(CACHEGEN, level)
-    return str(level) if form.packing == CODED else f"{form.level} {form.packing}"
+def mode_name(mode: str, level: int | str | None) -> str:
+    """A table's name for a mode at a level (a number: coded) or in a form (its name):
+    ``int8``, ``cachegen level 11``, ``cachegen level 11 packed``."""
+    return mode if level is None else f"{mode} level {_level_name(mode, level)}"
+
+
+def _level_name(mode: str, level: int | str) -> str:
+    """``11``, or ``11 packed`` for a packed form (by its name; in documents of earlier
+    releases, by its level with bit 15 set)."""
+    if isinstance(level, int):
+        if level < OLD_PACKED_BIT:
+            return str(level)
+        form = Form(mode, level & ~OLD_PACKED_BIT, PACKED)
+    else:
+        form = Form.parse(level)
+    return str(form.level) if form.packing == CODED else f"{form.level} {form.packing}"

@@ -2,12 +2,12 @@
 
 1. Tokenize CPython's documentation text (``pydoc_data.topics``, minus the topics the codec
    profile was calibrated on) and take the first ``tokens`` tokens (``bench_tokens``).
-2. ``prepare``: if the store lacks any chunk at any needed level, prefill the model
-   (transformers) to get the KV, encode each chunk at each level and put it. The prefill is
+2. ``prepare``: if the store lacks any chunk in any needed form, prefill the model
+   (transformers) to get the KV, encode each chunk in each form and write it. The prefill is
    timed: its rate (tokens/s) is what recomputation costs the controller, unless
    ``prefill_tps`` is given.
 3. For each shaper and bandwidth, load all chunks through the link with pipelined decoding
-   (``run_load``) and report bytes, transfer, decode, load time, goodput, waits and levels
+   (``run_load``) and report bytes, transfer, decode, load time, goodput, waits and forms
    (``load_row``, a :class:`~cachegen_lab.rows.StreamRow`).
 
 The sweep's ``stream`` part (``measure_stream``) is made of the same three steps.
@@ -27,8 +27,8 @@ import torch
 from cachegen import models, workload
 from cachegen.errors import InputError
 from cachegen.fileio import versioned
-from cachegen.modes import CODED, Form
-from cachegen.store import ChunkStore, chunk_keys, longest_prefix
+from cachegen.modes import LEVELED, Form, configured_form
+from cachegen.store import ChunkStore, RecordAddress, chunk_keys, stored_prefix
 from cachegen.stream.controller import DEFAULT_DROP_FACTOR, RECOMPUTE, AdaptiveController
 from cachegen.stream.loader import LoadStats, stream_load
 from cachegen.stream.source import DirectSource
@@ -43,6 +43,14 @@ LINK_BOUND_SLACK = 0.05  # transfer-only goodput this far under the rate still c
 EVAL_SCHEMA = "cachegen-stream-controller-eval"
 VERSION = 1
 
+Choice = int | str  # what the adaptive controller picks: a coded level, or a form's name
+
+
+def choice_of(form: Form) -> Choice:
+    """The adaptive controller's name for ``form``: its level when it is a coded level of
+    cachegen or tcq (the controller's ladder), else the form's name."""
+    return form.level if form.codec in LEVELED and form.coded == form else form.label
+
 
 @dataclass
 class Prepared:
@@ -50,29 +58,37 @@ class Prepared:
 
     model: str
     codec: str
-    levels: list[int]
+    forms: list[Form]
     token_ids: torch.Tensor
     chunk_tokens: list[int]
     keys: list[str]
-    sizes: dict[int, list[int]]
+    sizes: dict[Form, list[int | None]]
     prefill_tps: float | None  # measured while preparing, if a prefill ran
     encoded_now: bool
-    encode_s: dict[int, float]  # seconds to encode every chunk, per level (when encoded now)
+    encode_s: dict[Form, float]  # seconds to encode every chunk, per form (when encoded now)
     kv_bytes_bf16: int
     kv: object = None  # the KV it was encoded from, when it was encoded now (not reported)
+
+    def records(self, form: Form) -> list[RecordAddress]:
+        """The records of every chunk in ``form``."""
+        return [RecordAddress.of(key, form) for key in self.keys]
+
+    def by_choice(self, values: dict[Form, object]) -> dict[Choice, object]:
+        """``values`` per form keyed as the adaptive controller names the forms."""
+        return {choice_of(form): value for form, value in values.items()}
 
     def to_dict(self) -> dict:
         return {
             "model": self.model,
             "codec": self.codec,
-            "levels": self.levels,
+            "levels": [f.label for f in self.forms],  # the forms, by name
             "tokens": int(self.token_ids.numel()),
             "chunks": len(self.keys),
             "chunk_tokens": self.chunk_tokens[0] if self.chunk_tokens else None,
-            "bytes_per_level": {str(lv): sum(s) for lv, s in self.sizes.items()},
+            "bytes_per_level": {f.label: sum(s) for f, s in self.sizes.items()},
             "kv_bytes_bf16": self.kv_bytes_bf16,
             "encoded_now": self.encoded_now,
-            "encode_s": {str(lv): s for lv, s in self.encode_s.items()},
+            "encode_s": {f.label: s for f, s in self.encode_s.items()},
         }
 
 
@@ -105,46 +121,54 @@ def prepare(
     codec_name: str,
     ids: torch.Tensor,
     chunk_tokens: int,
-    levels: list[int] | None = None,
+    forms: list[Form | int | str] | None = None,
     *,
     kv=None,
     log=None,
 ) -> Prepared:
-    """Chunks of the tokens ``ids`` in ``store`` at ``levels`` (store level slots,
-    ``cachegen.modes.Form.slot``: a packed form's has bit 15 set), encoded if any is missing
-    (from ``kv``, their KV, when given; else from a timed prefill)."""
+    """Chunks of the tokens ``ids`` in ``store`` in ``forms`` of ``codec_name`` (``Form``
+    values, levels, coded, or forms' names; default: every level of the codec, coded),
+    encoded if any is missing (from ``kv``, their KV, when given; else from a timed
+    prefill)."""
     from cachegen.profiles import codec_for
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     spec = models.resolve(model)
     codec = codec_for(codec_name, spec, chunk_tokens=chunk_tokens)
-    levels = list(levels or codec.levels)
-    for lv in levels:
-        codec.resolve_level(Form.from_slot(codec_name, lv).level)
+    forms = [
+        f if isinstance(f, Form) else configured_form(f, codec_name)
+        for f in (forms or codec.levels)
+    ]
+    for f in forms:
+        if f.codec != codec_name:
+            raise InputError(f"{f.label} is not a form of {codec_name}")
+        codec.resolve_level(f.level)
     tokens = ids.numel()
     keys = chunk_keys(spec.identity(), codec.profile_id, ids, chunk_tokens)
+    records = {f: [RecordAddress.of(key, f) for key in keys] for f in forms}
     tps = None
     encode_s = {}
-    encoded = longest_prefix(store, keys, levels) < len(keys)
+    encoded = stored_prefix(store, list(zip(*records.values()))) < len(keys)
     if encoded:
-        log(f"encoding {len(keys)} chunks x levels {levels} of {tokens} tokens of {spec.name} ...")
+        labels = ", ".join(f.label for f in forms)
+        log(f"encoding {len(keys)} chunks x forms {labels} of {tokens} tokens of {spec.name} ...")
         if kv is None:
             tps, kv = measure_prefill_tps(spec, ids)
-        encode_s = dict.fromkeys(levels, 0.0)
-        for key, chunk in zip(keys, kv.chunks(chunk_tokens)):
-            for lv in levels:
+        encode_s = dict.fromkeys(forms, 0.0)
+        for i, chunk in enumerate(kv.chunks(chunk_tokens)):
+            for f in forms:
                 begin = time.perf_counter()
-                blob = encode_slot(codec, chunk, lv)
-                encode_s[lv] += time.perf_counter() - begin
-                store.put(key, lv, blob)
-    sizes = {lv: store.sizes(keys, lv) for lv in levels}
+                blob = encode_form(codec, chunk, f)
+                encode_s[f] += time.perf_counter() - begin
+                store.write(records[f][i], blob)
+    sizes = {f: store.payload_sizes(records[f]) for f in forms}
     counts = [min(chunk_tokens, tokens - i * chunk_tokens) for i in range(len(keys))]
     ident = spec.identity()
     kv_bytes = tokens * ident.num_layers * ident.num_kv_heads * ident.head_dim * 2 * 2
     return Prepared(
         spec.name,
         codec_name,
-        levels,
+        forms,
         ids,
         counts,
         keys,
@@ -157,11 +181,8 @@ def prepare(
     )
 
 
-def encode_slot(codec, chunk, slot: int) -> bytes:
-    """``chunk`` encoded for the store level slot ``slot`` of ``codec`` (``Form.slot``)."""
-    form = Form.from_slot(codec.name, slot)
-    if form.packing == CODED:
-        return codec.encode(chunk, level=form.level)
+def encode_form(codec, chunk, form: Form) -> bytes:
+    """``chunk`` encoded by ``codec`` in ``form``."""
     return codec.encode(chunk, form.level, form.packing)
 
 
@@ -181,40 +202,44 @@ def make_decoder(expected: Prepared):
     return decode, consume
 
 
-def warm_up(store: ChunkStore, prep: Prepared) -> dict[int, float]:
-    """Decode every chunk at each level twice (the first pass warms kernels and caches) and
-    return the second pass's decode seconds per token per level."""
+def warm_up(store: ChunkStore, prep: Prepared) -> dict[Form, float]:
+    """Decode every chunk in each form twice (the first pass warms kernels and caches) and
+    return the second pass's decode seconds per token per form."""
     decode, consume = make_decoder(prep)
     out = {}
     for _ in range(2):
-        for lv in prep.levels:
-            stats = stream_load(DirectSource(store), prep.keys, decode, consume, level=lv)
-            out[lv] = stats.decode_s / sum(prep.chunk_tokens)
+        for f in prep.forms:
+            stats = stream_load(DirectSource(store), prep.records(f), decode, consume)
+            out[f] = stats.decode_s / sum(prep.chunk_tokens)
     return out
 
 
 def run_load(
-    store, prep, *, shaper, bandwidth, rtt_ms, level=None, controller=None, check=True
+    store, prep, *, shaper, bandwidth, rtt_ms, form=None, controller=None, check=True
 ) -> tuple[LoadStats, dict]:
-    """One load of ``prep``'s chunks through a new link; its stats and the link's description."""
+    """One load of ``prep``'s chunks through a new link, in ``form`` or as ``controller``
+    chooses; its stats and the link's description."""
     decode, consume = make_decoder(prep)
+    if (form is None) == (controller is None):
+        raise InputError("give exactly one of form= or controller=")
+    # with a controller, the records only count and name the chunks: it picks their forms
+    records = prep.records(form if form is not None else prep.forms[0])
     with open_link(store, bandwidth_mbps=bandwidth, rtt_ms=rtt_ms, shaper=shaper) as link:
         link_info = link.describe()
         stats = stream_load(
             link.source,
-            prep.keys,
+            records,
             decode,
             consume if check else (lambda i, kv: None),
-            level=level,
             controller=controller,
         )
     return stats, link_info
 
 
-def transfer_only(store, prep, *, shaper, bandwidth, rtt_ms, level) -> LoadStats:
+def transfer_only(store, prep, *, shaper, bandwidth, rtt_ms, form) -> LoadStats:
     """A load with a no-op decoder: the transfer alone."""
     with open_link(store, bandwidth_mbps=bandwidth, rtt_ms=rtt_ms, shaper=shaper) as link:
-        return stream_load(link.source, prep.keys, len, lambda i, x: None, level=level)
+        return stream_load(link.source, prep.records(form), len, lambda i, x: None)
 
 
 def stream_bench(
@@ -234,8 +259,9 @@ def stream_bench(
     log = log or (lambda msg: print(msg, file=sys.stderr))
     if (level is None) == (slo_ms is None):
         raise InputError("give exactly one of --level or --slo-ms")
+    form = None if level is None else configured_form(level, prep.codec)
     decode_spt = warm_up(store, prep)
-    decode_alone = {lv: spt * sum(prep.chunk_tokens) for lv, spt in decode_spt.items()}
+    decode_alone = {f: spt * sum(prep.chunk_tokens) for f, spt in decode_spt.items()}
     runs = []
     for shaper in shapers:
         for bw in bandwidths:
@@ -255,20 +281,20 @@ def stream_bench(
                     shaper=shaper,
                     bandwidth=bw,
                     rtt_ms=rtt_ms,
-                    level=level,
+                    form=form,
                     controller=controller,
                 )
                 row = load_row(stats, link, prep, level, prefill_tps)
                 row.loadavg_1min = [load_before, os.getloadavg()[0]]
-                if standalone and level is not None:
+                if standalone and form is not None:
                     alone = transfer_only(
-                        store, prep, shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, level=level
+                        store, prep, shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, form=form
                     )
                     row.transfer_alone_s = alone.load_s
                     row.goodput_alone_mbps = alone.goodput_mbps
-                    row.decode_alone_s = decode_alone[level]
+                    row.decode_alone_s = decode_alone[form]
                     row.pipeline_ratio_vs_alone = stats.load_s / max(
-                        alone.load_s, decode_alone[level]
+                        alone.load_s, decode_alone[form]
                     )
                 runs.append(row.to_dict())
                 rate = bw if bw is not None else UNLIMITED
@@ -283,7 +309,7 @@ def stream_bench(
         {
             "prepared": prep.to_dict(),
             "prefill_tps": prefill_tps,
-            "decode_s_per_token": decode_spt,
+            "decode_s_per_token": {f.label: spt for f, spt in decode_spt.items()},
             "summary": summarize(runs),
             "runs": runs,
         },
@@ -334,7 +360,7 @@ def load_row(
     stats: LoadStats, link: dict, prep: Prepared, level: int | None, prefill_tps: float | None
 ) -> StreamRow:
     """The row of one load through ``link`` (its ``describe()``; empty: no link) at ``level``
-    (None: the controller chose)."""
+    (None: the controller chose); its ``levels`` are the forms each chunk was loaded in."""
     recompute_tokens = (
         sum(prep.chunk_tokens[stats.recompute_from :]) if stats.recompute_from is not None else 0
     )
@@ -363,7 +389,9 @@ def load_row(
         goodput_error=stats.goodput_mbps / bandwidth - 1 if bandwidth else None,
         pipeline_ratio=stats.load_s / max(stats.transfer_s, stats.decode_s),
         ttft_model_s=stats.load_s + (recompute_tokens / prefill_tps if prefill_tps else 0.0),
-        mean_level=statistics.fmean(lv for lv in stats.levels if lv != RECOMPUTE)
+        mean_level=statistics.fmean(
+            Form.parse(f).level or 0 for f in stats.forms if f not in (None, RECOMPUTE)
+        )
         if stats.n_loaded
         else None,
         decisions=list(stats.decisions),
@@ -387,7 +415,9 @@ def controller_eval(
     socket."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     decode_spt = warm_up(store, prep)
-    work = Workload(prep.sizes, prep.chunk_tokens, decode_spt, prefill_tps)
+    work = Workload(
+        prep.by_choice(prep.sizes), prep.chunk_tokens, prep.by_choice(decode_spt), prefill_tps
+    )
     traces = standard_traces(rates, seeds)
     out = versioned(
         EVAL_SCHEMA,
@@ -395,7 +425,7 @@ def controller_eval(
         {
             "prepared": prep.to_dict(),
             "prefill_tps": prefill_tps,
-            "decode_s_per_token": decode_spt,
+            "decode_s_per_token": {f.label: spt for f, spt in decode_spt.items()},
             "evaluations": [],
         },
     )
@@ -452,7 +482,7 @@ def _real_replays(
                 "sim_hit": sim["hit"],
                 "real_mean_level": row.mean_level,
                 "sim_mean_level": sim["mean_level"],
-                "real_levels": stats.levels,
+                "real_levels": [_choice(f) for f in stats.forms],
                 "sim_levels": sim["levels"],
             }
         )
@@ -466,15 +496,22 @@ def _controller(
     decode_spt: dict,
     drop_factor: float = DEFAULT_DROP_FACTOR,
 ) -> AdaptiveController:
-    """The adaptive controller of a load of ``prep`` within ``slo_ms``."""
+    """The adaptive controller of a load of ``prep`` within ``slo_ms`` (``decode_spt``: the
+    decode seconds per token of each form)."""
     return AdaptiveController(
         slo_ms / 1000,
-        prep.sizes,
+        prep.by_choice(prep.sizes),
         prep.chunk_tokens,
         prefill_tokens_per_s=prefill_tps,
-        decode_s_per_token=decode_spt,
+        decode_s_per_token=prep.by_choice(decode_spt),
         drop_factor=drop_factor,
     )
+
+
+def _choice(label: str | None) -> Choice | None:
+    """A loaded chunk's form as the simulation names it (``choice_of``): what the real and
+    the simulated loads are compared by."""
+    return label if label in (None, RECOMPUTE) else choice_of(Form.parse(label))
 
 
 def parse_bandwidths(text: str | None) -> list:

@@ -36,7 +36,7 @@ from cachegen_lab.bench.links import UNLIMITED
 from cachegen_lab.bench.stream_bench import Prepared, prepare, run_load, warm_up
 
 SCHEMA = "cachegen-stream-forms-bench"
-VERSION = 1
+VERSION = 2  # 2: forms by name only (no "slot"), prepared forms by name
 DEFAULT_FORMS = "default"
 WITHIN = 1.10  # adaptive should finish within this factor of the best allowed fixed form
 
@@ -118,15 +118,15 @@ def default_bound(cachegen_codec) -> float:
 def prepare_forms(
     store: ChunkStore, model: str, forms: list[Form], ids, chunk_tokens: int, log=None
 ) -> dict[str, Prepared]:
-    """Each codec's chunks in ``store`` at the slots of ``forms``, from one prefill."""
-    slots: dict[str, list[int]] = {}
+    """Each codec's chunks in ``store`` in ``forms``, from one prefill."""
+    by_codec: dict[str, list[Form]] = {}
     for f in forms:
-        slots.setdefault(f.codec, []).append(f.slot)
+        by_codec.setdefault(f.codec, []).append(f)
     preps: dict[str, Prepared] = {}
     kv = None
-    for codec_name, codec_slots in slots.items():
+    for codec_name, codec_forms in by_codec.items():
         preps[codec_name] = prepare(
-            store, model, codec_name, ids, chunk_tokens, codec_slots, kv=kv, log=log
+            store, model, codec_name, ids, chunk_tokens, codec_forms, kv=kv, log=log
         )
         kv = preps[codec_name].kv or kv
     return preps
@@ -156,7 +156,7 @@ def forms_bench(
     for prep in preps.values():
         warm_up(store, prep)  # compiles the kernels and fills caches, which no load pays for
     options = [
-        Option(f.label, preps[f.codec].keys, f.slot, preps[f.codec].sizes[f.slot], losses[f.label])
+        Option(f.label, preps[f.codec].records(f), preps[f.codec].sizes[f], losses[f.label])
         for f in forms
     ]
     anchor = preps[forms[0].codec]  # its keys count the chunks, its tokens check each chunk
@@ -205,7 +205,6 @@ def forms_bench(
             "forms": [
                 {
                     "name": o.name,
-                    "slot": o.slot,
                     "loss_pct": o.loss_pct,
                     "allowed": o.name in allowed,
                     "bytes": sum(s for s in o.sizes if s is not None),
@@ -246,7 +245,7 @@ def _measure_column(
     for _ in range(repeat):
         for f in forms:
             stats, _ = run_load(
-                store, preps[f.codec], shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, level=f.slot
+                store, preps[f.codec], shaper=shaper, bandwidth=bw, rtt_ms=rtt_ms, form=f
             )
             fixed[f.label].append(stats.load_s)
             ceiling = host_bound_mbps(stats.bytes, stats.load_s, bw)
@@ -293,7 +292,7 @@ def _adaptive_run(stats, anchor: Prepared, prefill_tps: float) -> dict:
         "bytes": stats.bytes,
         "transfer_s": stats.transfer_s,
         "decode_s": stats.decode_s,
-        "choices": list(stats.levels),
+        "choices": list(stats.forms),
         "decisions": list(stats.decisions),
     }
 

@@ -37,7 +37,7 @@ from typing import Any
 from cachegen import workload
 from cachegen.errors import InputError
 from cachegen.models import EMBEDDED_DEFAULT
-from cachegen.modes import CACHEGEN, LEVELED, RECOMPUTE, Mode
+from cachegen.modes import CACHEGEN, LEVELED, RECOMPUTE, Form, Mode
 from cachegen_lab.bench.engine import ConnectorEngine
 from cachegen_lab.bench.links import UNLIMITED, link_order
 from cachegen_lab.bench.modes import mode_name
@@ -142,21 +142,22 @@ class TTFTBench:
         self,
         prompt: Sequence[int],
         mode: str,
-        level: int | None = None,
+        level: int | str | None = None,
         bandwidth_mbps: float | None = None,
         *,
         slo_ms: float | None = None,
         repeats: int = 3,
         max_tokens: int = OUTPUT_TOKENS,
     ) -> dict[str, Any]:
-        """Median TTFT over ``repeats`` runs of ``prompt`` (already :meth:`prepare`-d).
+        """Median TTFT over ``repeats`` runs of ``prompt`` (already :meth:`prepare`-d) in
+        ``mode`` at ``level`` (a coded level, or a form's name: ``cachegen-11-packed``).
 
         Returns a :class:`~cachegen_lab.rows.TTFTRow` as a dict: ``ttft_s`` (vLLM's
         RequestOutput.metrics.first_token_latency), ``ttft_wall_s``, ``e2e_s``,
         ``output_tokens_per_s`` (medians), every run's ``ttft_runs_s``, and the last run's
         tokens vLLM did not compute (``cached_tokens``), output and connector report
-        (``loaded_tokens``, ``bytes``, ``levels``, ``transfer_s``, ``decode_s``, ``inject_s``,
-        ``load_s``, ``goodput_mbps``, ``load_error``).
+        (``loaded_tokens``, ``bytes``, ``levels`` (each chunk's form), ``transfer_s``,
+        ``decode_s``, ``inject_s``, ``load_s``, ``goodput_mbps``, ``load_error``).
         """
         if repeats < 1:
             raise InputError("repeats must be >= 1")
@@ -206,7 +207,7 @@ class TTFTBench:
 def measure_ttft(
     model: str,
     mode: str,
-    level: int | None,
+    level: int | str | None,
     bandwidth_mbps: float | None,
     context_tokens: int,
     *,
@@ -235,11 +236,11 @@ def ttft_table(
     repeats: int = 3,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """Rows for every context x mode (x stored level of ``cachegen`` and ``tcq``) x bandwidth;
+    """Rows for every context x mode (x stored form of ``cachegen`` and ``tcq``) x bandwidth;
     ``recompute`` once per context."""
     rows = []
     transport = bench.engine.transport
-    levels = {m: transport.levels(m) for m in LEVELED if m in modes}
+    levels = {m: [bench_level(f) for f in transport.forms(m)] for m in LEVELED if m in modes}
     for context in contexts:
         prompt = bench.prompt(context)
         bench.prepare(prompt)
@@ -264,6 +265,12 @@ def ttft_table(
                             file=sys.stderr,
                         )
     return rows
+
+
+def bench_level(form: Form) -> int | str:
+    """How a row names ``form`` of its mode: a coded level by its number, another form (a
+    packed one) by its name."""
+    return form.level if form.coded == form else form.label
 
 
 def _column(bandwidth_mbps: float | None) -> str:
@@ -341,9 +348,13 @@ def markdown(rows: Sequence[dict[str, Any]], max_loss_pct: float | None = None) 
 
 
 def _levels_text(levels: Sequence[Any]) -> str:
-    """Each chunk's level, or for choices among forms (names) each form with its count."""
+    """Each chunk's form (earlier rows: its level), or for choices among several codecs
+    and packings each form with its count."""
     if all(isinstance(x, int) or x == RECOMPUTE for x in levels):
         return ",".join(str(x) for x in levels)
+    forms = {Form.parse(x) for x in levels if x != RECOMPUTE}
+    if len({(f.codec, f.packing) for f in forms}) == 1:  # one codec's coded levels: the levels
+        return ",".join(x if x == RECOMPUTE else str(Form.parse(x).level) for x in levels)
     counts = Counter(str(x) for x in levels)
     return ", ".join(f"{name} x{count}" for name, count in counts.items())
 
@@ -354,7 +365,7 @@ def _levels_text(levels: Sequence[Any]) -> str:
 def timeline(
     bench: TTFTBench,
     context_tokens: int,
-    modes: Sequence[tuple[str, int | None]],
+    modes: Sequence[tuple[str, int | str | None]],
     bandwidth_mbps: float | None,
     repeats: int = 3,
 ) -> list[dict[str, Any]]:
@@ -424,7 +435,7 @@ def timeline_markdown(rows: Sequence[dict[str, Any]]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        name = r["mode"] if r["level"] is None else f"{r['mode']} level {r['level']}"
+        name = mode_name(r["mode"], r["level"])
         link = "-" if r["bandwidth_mbps"] is None else f"{r['bandwidth_mbps']:g}"
         out.append(
             f"| {name} | {link} | {r['ttft_s']:.3f} | {r['load_s']:.3f} "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cachegen.fileio import versioned, write_atomic
 
-VERSION = 1
+VERSION = 2  # 2: a ttft table row's level may name a packed form (cachegen-11-packed)
 
 
 def add_outputs(p: argparse.ArgumentParser) -> None:

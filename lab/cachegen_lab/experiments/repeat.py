@@ -6,8 +6,8 @@ caching off). Per repeat, over a fresh document each time (nothing of it stored)
 
 * ``delay``: a request saves a ``context``-token document; from the end of its prefill (its
   first token) the store is polled until every whole chunk is loadable (stored at its first
-  level, ``LevelPolicy.first_levels`` in ``cachegen.connector.ladder``) and until every level
-  of the ladder is stored;
+  form, ``LevelPolicy.first_of`` in ``cachegen.connector.ladder``) and until every form of
+  the ladder is stored;
 * ``repeat``: a first question over the document, then at once a second one; their TTFTs, the
   tokens the second loaded and how long the scheduler held it for the save (``save_wait_s``).
 
@@ -87,7 +87,7 @@ def delay_row(
         "model": bench.model,
         "prompt_tokens": len(prompt),
         "chunks": chunks,
-        "levels": transport.levels(CACHEGEN),
+        "levels": [f.label for f in transport.forms(CACHEGEN)],  # the ladder's forms
         "output_tokens": output_tokens,
         "loadable_s": None if loadable is None else loadable - prefill_end,
         "every_level_s": None if every is None else every - prefill_end,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cachegen.errors import InputError
-from cachegen.modes import RECOMPUTE
+from cachegen.modes import RECOMPUTE, Form
 from cachegen_lab.bench.ttft import OUTPUT_TOKENS, TTFTBench
 
 MODES = ("raw", "cachegen")
@@ -66,12 +66,12 @@ def window_rows(
                 prompt, mode=mode, skip_out_of_window=skip, max_tokens=output_tokens
             )
             report = hit.connector
-            levels = report.get("levels") or [None]
+            forms = report.get("forms") or [None]
             rows.append(
                 {
                     "model": bench.model,
                     "mode": mode,
-                    "level": levels[0] if mode == "cachegen" else None,
+                    "level": _level(forms[0]) if mode == "cachegen" else None,
                     "context_tokens": context_tokens,
                     "skip_out_of_window": skip,
                     "loaded_tokens": report.get("loaded_tokens", 0),
@@ -118,3 +118,8 @@ def window_markdown(rows: Sequence[dict[str, Any]]) -> str:
             f"of {on['output_tokens']} |"
         )
     return "\n".join(lines)
+
+
+def _level(form: str | None) -> int | None:
+    """The level of a loaded chunk's form (None: the chunk was not loaded)."""
+    return None if form in (None, RECOMPUTE) else Form.parse(form).level

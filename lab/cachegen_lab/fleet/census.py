@@ -1,5 +1,5 @@
-"""What a run wrote to the fleet's store: its entries counted by kind and level, and each one
-read back and verified.
+"""What a run wrote to the fleet's store: its entries counted by kind and by the form each one
+holds, and each one read back and verified.
 
 The fleet's store may hold what earlier runs wrote (a configuration's runs share its store; on a
 shared Redis base, every configuration's tenant shares it), so a run's census is the difference
@@ -8,62 +8,75 @@ between the entries listed before its requests and after them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from cachegen.store import ChunkStore, StoreError, open_store
+from cachegen.store import ChunkInfo, ChunkStore, StoreError, open_store
 from cachegen.store.keys import SLIDING_SUFFIX
 
-Entry = tuple[str, int]  # (key, level)
+# A listed record as the store's listing names it (its key and the backend's own slot); only
+# compared between two listings and handed back to the store, never written out.
+Entry = tuple[str, int]
+UNKNOWN = "unknown"  # the form of a record that is not a bitstream
 READ_BATCH = 16  # entries read back per round trip: a few MB of raw chunks at most
 
 
 def entries(url: str) -> dict[Entry, int]:
-    """Every ``(key, level)`` in the store at ``url`` with its payload size in bytes."""
+    """Every record in the store at ``url`` with its payload size in bytes."""
     with open_store(url) as store:
-        return _listing(store)
+        return {_entry(info): info.size for info in store.list()}
 
 
-def _listing(store: ChunkStore) -> dict[Entry, int]:
-    return {(info.key, info.level): info.size for info in store.list()}
+def _entry(info: ChunkInfo) -> Entry:
+    return info.key, info.level
 
 
 def written(url: str, before: dict[Entry, int]) -> dict[str, Any]:
-    """The entries of the store at ``url`` that ``before`` (its earlier listing) lacks: their
+    """The records of the store at ``url`` that ``before`` (its earlier listing) lacks: their
     distinct keys (``chunks``, as ``StoreStats`` calls them), count and payload bytes, per
     kind (``full``: a chunk, or the full-attention part of a chunk of a model with
-    sliding-window layers; ``sliding``: that part) and per level, and ``unreadable``: how many
-    of them do not read back whole and verified (missing, corrupt, forged or too large)."""
+    sliding-window layers; ``sliding``: that part) and per form (its name, read from the
+    record's bitstream header; ``unknown``: not a bitstream), and ``unreadable``: how many of
+    them do not read back whole and verified (missing, corrupt, forged or too large)."""
     with open_store(url) as store:
-        new = {entry: size for entry, size in _listing(store).items() if entry not in before}
-        unreadable = _unreadable(store, sorted(new))
+        new = sorted((info for info in store.list() if _entry(info) not in before), key=_entry)
+        forms = {info: _form(store, info) for info in new}
+        unreadable = _unreadable(store, new)
     return {
-        "chunks": len({key for key, _ in new}),
+        "chunks": len({info.key for info in new}),
         "entries": len(new),
-        "payload_bytes": sum(new.values()),
-        "kinds": _by(new, lambda e: "sliding" if e[0].endswith(SLIDING_SUFFIX) else "full"),
-        "levels": _by(new, lambda e: str(e[1])),
+        "payload_bytes": sum(info.size for info in new),
+        "kinds": _by(new, lambda info: "sliding" if info.key.endswith(SLIDING_SUFFIX) else "full"),
+        "forms": _by(new, forms.__getitem__),
         "unreadable": unreadable,
     }
 
 
-def _by(new: dict[Entry, int], group) -> dict[str, dict[str, int]]:
+def _form(store: ChunkStore, info: ChunkInfo) -> str:
+    form = store.form_of(info)
+    return UNKNOWN if form is None else form.label
+
+
+def _by(new: list[ChunkInfo], group: Callable[[ChunkInfo], str]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
-    for entry, size in new.items():
-        tally = out.setdefault(group(entry), {"entries": 0, "payload_bytes": 0})
+    for info in new:
+        tally = out.setdefault(group(info), {"entries": 0, "payload_bytes": 0})
         tally["entries"] += 1
-        tally["payload_bytes"] += size
+        tally["payload_bytes"] += info.size
     return out
 
 
-def _unreadable(store: ChunkStore, items: list[Entry]) -> int:
+def _unreadable(store: ChunkStore, new: list[ChunkInfo]) -> int:
+    # The store reads a listed record, verified, by the listing's own (key, slot): a record's
+    # address would have to be rebuilt from its header, which a record that is not a bitstream
+    # lacks.
     return sum(
         isinstance(found, StoreError)
-        for batch in _batches(items, READ_BATCH)
-        for found in store.get_many(batch)
+        for batch in _batches(new, READ_BATCH)
+        for found in store.get_many([_entry(info) for info in batch])
     )
 
 
-def _batches(items: list[Entry], size: int) -> Iterable[list[Entry]]:
+def _batches(items: list[ChunkInfo], size: int) -> Iterable[list[ChunkInfo]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]

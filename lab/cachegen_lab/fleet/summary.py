@@ -16,10 +16,12 @@ run's (when one ran), and for the connector: requests with a report, hits (repor
 ``loaded_tokens`` > 0), the hit rate (hits per request), loaded tokens and bytes, and load
 errors (reports with ``load_error`` or ``error``: part of a prefix recomputed). A run's
 ``store`` (null without the connector) is what its requests wrote to the store
-(``cachegen_lab.fleet.census``): keys, entries and payload bytes, per kind and level, and how
-many of them do not read back verified. The document holds the settings, every run (its setup,
-summary, stops, records and store census) and the failure that ended the bench early (null
-when every configuration ran). Version 3 documents, without the store census, are still read.
+(``cachegen_lab.fleet.census``): keys, entries and payload bytes, per kind and per form (its
+name: ``tcq-22``, ``cachegen-11-packed``...), and how many of them do not read back verified.
+The document holds the settings, every run (its setup, summary, stops, records and store
+census) and the failure that ended the bench early (null when every configuration ran).
+Versions 3 (without the store census), 4 and 5 (the census per the store's internal number for
+a form, under ``levels``) are still read.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from cachegen.fileio import versioned
 from cachegen_lab.bench.links import link_label
 
 SCHEMA = "cachegen-fleet-bench"
-VERSION = 5
+VERSION = 6
 
 _NUM = {"type": ["number", "null"]}
 _INT = {"type": ["integer", "null"]}
@@ -140,7 +142,7 @@ STORE_FIELDS = {
     "entries": {"type": "integer"},
     "payload_bytes": {"type": "integer"},
     "kinds": TALLIES,
-    "levels": TALLIES,
+    "forms": TALLIES,  # by form name ("unknown": a record that is not a bitstream)
     "unreadable": {"type": "integer"},
 }
 
@@ -159,15 +161,19 @@ RUN_FIELDS = {
     "records": {"type": "array", "items": _object(RECORD_FIELDS)},
     "store": _census(STORE_FIELDS),
 }
-# version 3: the same without the runs' store census; version 4: the census's `chunks` were `keys`
-READABLE = (3, 4, VERSION)
+# version 3: the same without the runs' store census; version 5: the census tallied `levels`
+# (keyed by the store's slot of a form) where this one tallies `forms`; version 4: as 5, its
+# `chunks` called `keys`
+READABLE = (3, 4, 5, VERSION)
+OLD_NAMES = {5: {"forms": "levels"}, 4: {"forms": "levels", "chunks": "keys"}}
 
 
 def _run_fields(version: int) -> dict[str, Any]:
     if version == 3:
         return {k: v for k, v in RUN_FIELDS.items() if k != "store"}
-    if version == 4:
-        fields = {("keys" if k == "chunks" else k): v for k, v in STORE_FIELDS.items()}
+    if version in OLD_NAMES:
+        names = OLD_NAMES[version]
+        fields = {names.get(k, k): v for k, v in STORE_FIELDS.items()}
         return {**RUN_FIELDS, "store": _census(fields)}
     return RUN_FIELDS
 

@@ -4,7 +4,8 @@
     from cachegen.stream import stream_load
 
     with open_link(store, bandwidth_mbps=100, rtt_ms=10, shaper="token-bucket") as link:
-        stats = stream_load(link.source, keys, decode, consume, level=2)
+        records = [RecordAddress.of(key, "cachegen-2") for key in keys]
+        stats = stream_load(link.source, records, decode, consume)
 
 The lab's connector (``cachegen_lab.connector``) opens links here when a request to it sets
 ``bandwidth_mbps`` or ``rtt_ms``; nothing in the library imports this package.

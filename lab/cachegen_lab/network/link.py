@@ -1,7 +1,8 @@
 """``open_link``: a bandwidth-limited path from a store to a loader, in one call.
 
     with open_link(store, bandwidth_mbps=100, rtt_ms=10, shaper="token-bucket") as link:
-        stats = stream_load(link.source, keys, decode, consume, level=2)
+        records = [RecordAddress.of(key, "cachegen-2") for key in keys]
+        stats = stream_load(link.source, records, decode, consume)
 
 Shapers:
   * ``token-bucket`` (portable default): a ChunkServer on 127.0.0.1 paces its sends with a

@@ -1,12 +1,16 @@
 """The chunk protocol spoken over TCP between a loader and a ChunkServer.
 
-Request (client -> server), one per chunk, any number in flight:
-    "CGRQ" | request id u32 | level u16 | key length u16 | key (ASCII)
+Request (client -> server), one per record, any number in flight:
+    "CGRQ" | request id u32 | key length u16 | part length u8 | form length u8
+           | chunk key | part | form (ASCII)
+naming the record by its address (``cachegen.store.RecordAddress``): the chunk's key, its part
+(empty: the whole chunk; ``full`` or ``sliding``) and its form's name (``cachegen-11-packed``,
+``int8``...); the server rebuilds the address with ``RecordAddress.of``.
 Response (server -> client), in request order:
     "CGRS" | request id u32 | status u8 | body length u64 | body
-The body of an OK response is the chunk's stored record (record.py: header with length,
-key digest and SHA-256, then the payload), which the client verifies; any other status
-carries a UTF-8 message. All integers are little-endian.
+The body of an OK response is the record as stored (record.py: header with length, key
+digest and SHA-256, then the payload), which the client verifies; any other status carries a
+UTF-8 message. All integers are little-endian.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ from __future__ import annotations
 import socket
 import struct
 
+from cachegen.store import RecordAddress
 from cachegen.store.errors import ChunkCorrupt, ChunkMissing, StoreError, StoreUnavailable
 from cachegen.stream.errors import StreamProtocolError, StreamTimeout
 
-REQUEST = struct.Struct("<4sIHH")
+REQUEST = struct.Struct("<4sIHBB")
 RESPONSE = struct.Struct("<4sIBQ")
 REQUEST_MAGIC = b"CGRQ"
 RESPONSE_MAGIC = b"CGRS"
@@ -47,9 +52,20 @@ def error_for(status: int, message: str) -> StoreError:
     return kind(f"chunk server: {message}")
 
 
-def pack_request(request_id: int, key: str, level: int) -> bytes:
-    raw = key.encode("ascii")
-    return REQUEST.pack(REQUEST_MAGIC, request_id, level, len(raw)) + raw
+def pack_request(request_id: int, address: RecordAddress) -> bytes:
+    key, part, form = (
+        address.chunk_key.encode("ascii"),
+        (address.part or "").encode("ascii"),
+        address.form.label.encode("ascii"),
+    )
+    head = REQUEST.pack(REQUEST_MAGIC, request_id, len(key), len(part), len(form))
+    return head + key + part + form
+
+
+def unpack_address(key: bytes, part: bytes, form: bytes) -> RecordAddress:
+    """The address a request names (``StoreConfigError`` / ``InputError`` if it names none)."""
+    text = [raw.decode("ascii", "replace") for raw in (key, part, form)]
+    return RecordAddress.of(text[0], text[2], text[1] or None)
 
 
 def pack_response_header(request_id: int, status: int, length: int) -> bytes:

@@ -1,7 +1,8 @@
 """ChunkServer: serves a chunk store over TCP, paced by a token bucket.
 
-It plays the remote side of a link: for each request it reads the chunk's record from the
-store and sends it through the link's token bucket, starting no earlier than ``rtt_ms`` after
+It plays the remote side of a link: for each request (a record's address: chunk key, part and
+form name, ``protocol``) it reads the record from the store and sends it through the link's
+token bucket, starting no earlier than ``rtt_ms`` after
 the request arrived. The bucket is shared by all connections, as one link would be. Without a
 rate the socket runs as fast as loopback.
 
@@ -9,7 +10,7 @@ Each connection has three threads: a reader parses requests, a fetcher reads the
 from the store ahead of the sender, at most ``prefetch`` chunks and about ``prefetch_bytes``
 bytes ahead, and a sender puts them on the wire. So the store's latency overlaps the transfer
 of earlier chunks instead of showing as link idle time. Small records share a store round trip
-(``ChunkStore.get_records``, up to about ``FETCH_BATCH_BYTES``); large ones, and the first
+(up to about ``FETCH_BATCH_BYTES``); large ones, and the first
 after the sender went idle, are read one by one, so the sender waits for one record, never
 for a batch.
 
@@ -39,7 +40,7 @@ from typing import Any
 
 import cachegen
 import cachegen_lab
-from cachegen.errors import InputError
+from cachegen.errors import CacheGenError, InputError
 from cachegen.store.base import ChunkStore
 from cachegen.store.errors import StoreError
 from cachegen.stream.errors import StreamError
@@ -163,14 +164,19 @@ class ChunkServer:
                 head = _recv_frame_start(conn, protocol.REQUEST.size)
                 if head is None:
                     break
-                magic, request_id, level, key_len = protocol.REQUEST.unpack(head)
+                magic, request_id, key_len, part_len, form_len = protocol.REQUEST.unpack(head)
                 if magic != protocol.REQUEST_MAGIC or key_len > protocol.MAX_KEY:
                     raise StreamError("client sent a malformed request")
                 arrival = time.monotonic()
                 if self.bucket is not None:
                     self.bucket.set_origin(arrival)
-                key = protocol.recv_exact(conn, key_len, "request key").decode("ascii", "replace")
-                if not _put(requests, (request_id, arrival, key, level), outbox):
+                raw = protocol.recv_exact(conn, key_len + part_len + form_len, "request address")
+                key, part = raw[:key_len], raw[key_len : key_len + part_len]
+                try:
+                    address = protocol.unpack_address(key, part, raw[key_len + part_len :])
+                except CacheGenError as exc:  # names no record: that request fails, not the rest
+                    address = exc
+                if not _put(requests, (request_id, arrival, address), outbox):
                     break
         except (OSError, StreamError) as exc:
             log.debug("chunk server connection ended: %s", exc)
@@ -206,16 +212,21 @@ class ChunkServer:
             outbox.put_all([None])  # the sender ends the connection after what is queued
 
     def _responses(self, batch: list) -> list:
-        records = (
-            self.store.get_records([(key, level) for _, _, key, level in batch]) if batch else []
-        )
+        """The response to each request of ``batch``: its record as stored (the client verifies
+        it), or the error that request met."""
+        wanted = [address for *_, address in batch if not isinstance(address, CacheGenError)]
+        found = iter(self.store.read_records(wanted) if wanted else [])
         out = []
-        for (request_id, arrival, _, _), found in zip(batch, records):
-            if isinstance(found, StoreError):
-                body = str(found).encode()[: protocol.MAX_MESSAGE]
-                out.append((request_id, arrival, protocol.status_of(found), body))
+        for request_id, arrival, address in batch:
+            record = address if isinstance(address, CacheGenError) else next(found)
+            if isinstance(record, CacheGenError):
+                body = str(record).encode()[: protocol.MAX_MESSAGE]
+                status = (
+                    protocol.status_of(record) if isinstance(record, StoreError) else protocol.ERROR
+                )
+                out.append((request_id, arrival, status, body))
             else:
-                out.append((request_id, arrival, protocol.OK, found))
+                out.append((request_id, arrival, protocol.OK, record))
         return out
 
     def _send_responses(self, conn: socket.socket, outbox: _Outbox) -> None:

@@ -12,7 +12,7 @@ import socket
 import time
 from collections.abc import Callable
 
-from cachegen.store import record
+from cachegen.store import RecordAddress, record
 from cachegen.store.errors import ChunkTooLarge, StoreUnavailable
 from cachegen.stream.errors import StreamProtocolError, StreamTimeout
 from cachegen.stream.source import (
@@ -83,16 +83,14 @@ class _SocketConnection(ChunkConnection):
     ) -> None:
         self.sock, self.stall_s, self.deadline, self.max_bytes = sock, stall_s, deadline, max_bytes
         self.signer = signer
-        self._pending: collections.deque = (
-            collections.deque()
-        )  # (request_id, key, level, t_request)
+        self._pending: collections.deque = collections.deque()  # (request_id, address, t_request)
         self._next_id = 0
 
-    def request(self, key: str, level: int) -> None:
+    def request(self, address: RecordAddress) -> None:
         request_id = self._next_id
         self._next_id += 1
-        frame = protocol.pack_request(request_id, key, level)
-        self._pending.append((request_id, key, level, time.monotonic()))
+        frame = protocol.pack_request(request_id, address)
+        self._pending.append((request_id, address, time.monotonic()))
         try:
             self.sock.sendall(frame)
         except TimeoutError:
@@ -124,7 +122,8 @@ class _SocketConnection(ChunkConnection):
     def receive(self, on_progress: ProgressFn | None = None) -> ReceivedChunk:
         if not self._pending:
             raise StreamProtocolError("receive() without an outstanding request")
-        request_id, key, level, t_request = self._pending.popleft()
+        request_id, address, t_request = self._pending.popleft()
+        key = str(address)  # names the record in errors
         try:
             head = self._recv(protocol.RESPONSE.size, f"response header of chunk {key}")
         except OSError as exc:
@@ -161,7 +160,7 @@ class _SocketConnection(ChunkConnection):
                 except TimeoutError:
                     self._check_deadline()
                     raise StreamTimeout(
-                        f"chunk {key} level {level} stalled after {got} of {length} bytes "
+                        f"chunk {key} stalled after {got} of {length} bytes "
                         f"(no data for {self.sock.gettimeout():.3g} s)"
                     ) from None
                 if k == 0:
@@ -177,8 +176,8 @@ class _SocketConnection(ChunkConnection):
             ) from exc
         t_last = time.monotonic()
         del view
-        payload = record.unpack(buf, key, level, self.signer)
-        return ReceivedChunk(key, level, payload, t_request, t_last)
+        payload = record.unpack_at(buf, address, self.signer)
+        return ReceivedChunk(address, payload, t_request, t_last)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -21,7 +21,7 @@ FIXTURE = FIXTURES / "bench_results.json"
 REPORT = {
     "loaded_tokens": 512,
     "bytes": 9000,
-    "levels": [2, 2],
+    "forms": ["cachegen-2", "cachegen-2"],
     "transfer_s": 0.1,
     "decode_s": 0.05,
     "inject_s": 0.01,
@@ -67,6 +67,12 @@ def test_a_measurement_makes_one_row_for_the_sweep_and_the_ttft_table():
     ttft = TTFTRow(**{**request.to_dict(), "context_tokens": 512}, repeats=1, ttft_runs_s=[0.3])
     rows.validate([run.to_dict()], "run", "runs")
     rows.validate([ttft.to_dict()], "ttft", "ttft")
+    assert request.levels == ["cachegen-2", "cachegen-2"]  # the report's forms, by name
+    packed = RequestRow.from_measurement(_measurement(level="cachegen-2-packed"), "m")
+    packed_ttft = {**packed.to_dict(), "context_tokens": 512, "repeats": 1, "ttft_runs_s": [0.3]}
+    rows.validate([packed_ttft], "ttft", "ttft")  # a packed form, by its name
+    with pytest.raises(InputError, match="level"):
+        rows.validate([{**packed_ttft, "level": "cachegen-2-zipped"}], "ttft", "ttft")
     assert list(run.to_dict())[:4] == ["kind", "model", "mode", "level"]
     recompute = RequestRow.from_measurement(_measurement("recompute", None, {}), "m")
     assert recompute.loaded_tokens == 0 and recompute.bytes is None
@@ -77,7 +83,7 @@ def test_a_measurement_makes_one_row_for_the_sweep_and_the_ttft_table():
 def test_a_stream_row_is_a_stream_row_and_a_run():
     row = StreamRow(
         model="m", codec="int8", level=0, shaper="token-bucket", bandwidth_mbps=100.0,
-        context_tokens=512, loaded_tokens=512, bytes=600_000, levels=[0, 0],
+        context_tokens=512, loaded_tokens=512, bytes=600_000, levels=["int8", "int8"],
         transfer_s=0.05, decode_s=0.01, load_s=0.06, goodput_mbps=96.0,
         n_chunks=2, n_loaded=2, consume_s=0.001, wait_bytes_s=0.04, wait_decoder_s=0.0,
     )  # fmt: skip

@@ -39,16 +39,17 @@ def test_stream_bench_json(tmp_path, capsys, tiny_llama):
             "wait_bytes_s",
         ):
             assert field in r
-        assert r["levels"] == [0] * 4 and r["n_loaded"] == 4 and r["bytes"] == runs[0]["bytes"]
+        assert r["levels"] == ["int8"] * 4 and r["n_loaded"] == 4 and r["bytes"] == runs[0]["bytes"]
     from cachegen import models
+    from cachegen.modes import Form
     from cachegen.store import open_store
     from cachegen_lab.bench.stream_bench import bench_tokens, prepare
 
-    assert list(out["prepared"]["encode_s"]) == ["0"]
+    assert list(out["prepared"]["encode_s"]) == ["int8"]
     ids = bench_tokens(models.resolve("tiny-llama"), 512)
     again = prepare(open_store(url), "tiny-llama", "int8", ids, 128, [0], log=lambda msg: None)
     assert not again.encoded_now and not again.encode_s  # a second run reuses the stored chunks
-    assert sum(again.sizes[0]) == runs[0]["bytes"]
+    assert sum(again.sizes[Form("int8")]) == runs[0]["bytes"]
 
 
 def test_stream_bench_adaptive_and_errors(tmp_path, capsys, tiny_llama):
@@ -57,7 +58,7 @@ def test_stream_bench_adaptive_and_errors(tmp_path, capsys, tiny_llama):
     argv += ["--prefill-tps", "1000", "--json"]
     assert main(argv) == 0
     run = json.loads(capsys.readouterr().out)["runs"][0]
-    assert run["levels"] == [0, 0] and len(run["decisions"]) == 2
+    assert run["levels"] == ["int8", "int8"] and len(run["decisions"]) == 2
     assert main(argv[:-1] + ["--shaper", "carrier-pigeon"]) == 1
     assert "unknown shaper" in capsys.readouterr().err
 
@@ -72,7 +73,7 @@ def test_stream_bench_forms(tmp_path, capsys, tiny_llama):
     assert main(argv) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)
-    assert (out["schema"], out["version"]) == ("cachegen-stream-forms-bench", 1)
+    assert (out["schema"], out["version"]) == ("cachegen-stream-forms-bench", 2)
     losses = {f["name"]: (f["loss_pct"], f["allowed"]) for f in out["forms"]}
     assert losses == {
         "cachegen-2": (1.0, True),

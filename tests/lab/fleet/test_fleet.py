@@ -40,7 +40,7 @@ def test_two_servers_share_one_store_and_every_request_is_recorded(tmp_path, cap
 
     doc = json.loads(out.read_text())
     summary.validate(doc)
-    assert (doc["schema"], doc["version"]) == ("cachegen-fleet-bench", 5)
+    assert (doc["schema"], doc["version"]) == ("cachegen-fleet-bench", 6)
     assert doc["failure"] is None and doc["settings"]["kv_cache_blocks"] == BLOCKS
     for i in range(2):  # vLLM says it sized the KV cache to the blocks asked for
         log = (tmp_path / "logs" / f"raw-server{i}.log").read_text()
@@ -92,11 +92,11 @@ def test_two_servers_share_one_store_and_every_request_is_recorded(tmp_path, cap
     assert raw["summary"]["connector_hits"] >= len(crossed)
     assert raw["summary"]["loaded_bytes"] > 0
 
-    # What the run wrote to the store: whole chunks of one level (tiny-llama has no sliding
+    # What the run wrote to the store: whole chunks of one form (tiny-llama has no sliding
     # layers), every one of them read back verified after a server was stopped mid-run.
     stored = raw["store"]
     assert stored["entries"] > 0 and stored["unreadable"] == 0
     assert stored["kinds"] == {
         "full": {"entries": stored["entries"], "payload_bytes": stored["payload_bytes"]}
     }
-    assert len(stored["levels"]) == 1 and stored["chunks"] == stored["entries"]
+    assert list(stored["forms"]) == ["raw"] and stored["chunks"] == stored["entries"]

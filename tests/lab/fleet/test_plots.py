@@ -61,7 +61,7 @@ def _census(entries: int) -> dict:
         "chunks": entries,
         **tally,
         "kinds": {"full": tally},
-        "levels": {"0": tally},
+        "forms": {"raw": tally},
         "unreadable": 0,
     }
 

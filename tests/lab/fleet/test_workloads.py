@@ -165,7 +165,7 @@ def test_the_summary_counts_hits_errors_and_servers_and_the_document_validates(t
     assert result["output_tokens"] == 8 and result["wall_s"] == pytest.approx(3.0)
     run = {"config": "raw", "bandwidth_mbps": 1000.0, "setup": setup("raw", True)}
     tally = {"entries": 3, "payload_bytes": 3000}
-    census = {"chunks": 3, **tally, "kinds": {"full": tally}, "levels": {"0": tally}}
+    census = {"chunks": 3, **tally, "kinds": {"full": tally}, "forms": {"raw": tally}}
     run |= {"summary": result, "stops": [], "records": records, "store": census | {"unreadable": 0}}
     doc = summary.document(SETTINGS, [run])
     summary.validate(doc)
@@ -178,12 +178,15 @@ def test_the_summary_counts_hits_errors_and_servers_and_the_document_validates(t
     summary.validate({**without, "version": 3})
     with pytest.raises(jsonschema.ValidationError):
         summary.validate(without)
-    # Version 4 called the census's distinct keys `keys`; this version calls them `chunks`.
-    renamed = {"keys" if k == "chunks" else k: v for k, v in run["store"].items()}
-    older = {**doc, "version": 4, "runs": [{**run, "store": renamed}]}
-    summary.validate(older)
-    with pytest.raises(jsonschema.ValidationError):
-        summary.validate({**older, "version": summary.VERSION})
+    # Versions 4 and 5 tallied the census per store slot under `levels`, this version per form
+    # name under `forms`; version 4 also called the census's distinct keys `keys`, not `chunks`.
+    for version, names in ((5, {"forms": "levels"}), (4, {"forms": "levels", "chunks": "keys"})):
+        renamed = {names.get(k, k): v for k, v in run["store"].items()}
+        renamed = renamed | {"levels": {"0": tally}}
+        older = {**doc, "version": version, "runs": [{**run, "store": renamed}]}
+        summary.validate(older)
+        with pytest.raises(jsonschema.ValidationError):
+            summary.validate({**older, "version": summary.VERSION})
     del records[0]["server"]
     with pytest.raises(jsonschema.ValidationError):
         summary.validate(doc)
@@ -368,7 +371,7 @@ def test_a_failed_configuration_keeps_the_runs_before_it_and_exits_with_one_line
     )
     doc = json.loads(out.read_text())
     summary.validate(doc)
-    assert doc["version"] == 5
+    assert doc["version"] == 6
     assert doc["failure"] == {
         "config": "int8",
         "error": "int8 at 100: the warm-up request on server 1 failed: boom",

@@ -8,7 +8,7 @@ import torch
 
 from cachegen.codec import decode
 from cachegen.modes import CACHEGEN, PACKED, Form
-from cachegen.store import chunk_keys, open_store
+from cachegen.store import RecordAddress, chunk_keys, open_store
 from cachegen.stream import FastestController, Option, stream_load
 from cachegen_lab.network import open_link
 
@@ -43,17 +43,26 @@ def forms_store(tmp_path_factory, tiny_llama):
         store.put(keys["int8"][i], 0, blobs["int8", i])
         if i != 2:
             blobs["packed", i] = cachegen.encode(chunk, level, form="packed")
-            store.put(keys["cachegen"][i], Form(CACHEGEN, level, PACKED).slot, blobs["packed", i])
+            address = RecordAddress.of(keys["cachegen"][i], Form(CACHEGEN, level, PACKED))
+            store.write(address, blobs["packed", i])
     yield store, keys, level, blobs
     store.close()
 
 
+def forms(level) -> tuple[str, str]:
+    """The labels of the coded and the packed form of ``level``."""
+    return Form(CACHEGEN, level).label, Form(CACHEGEN, level, PACKED).label
+
+
 def form_options(store, keys, level, int8_loss):
-    packed = Form(CACHEGEN, level, PACKED).slot
+    def option(form: Form, codec: str, loss: float) -> Option:
+        records = [RecordAddress.of(key, form) for key in keys[codec]]
+        return Option(form.label, records, store.payload_sizes(records), loss)
+
     return [
-        Option("coded", keys["cachegen"], level, store.sizes(keys["cachegen"], level), 1.0),
-        Option("packed", keys["cachegen"], packed, store.sizes(keys["cachegen"], packed), 1.0),
-        Option("int8", keys["int8"], 0, store.sizes(keys["int8"], 0), int8_loss),
+        option(Form(CACHEGEN, level), "cachegen", 1.0),
+        option(Form(CACHEGEN, level, PACKED), "cachegen", 1.0),
+        option(Form("int8"), "int8", int8_loss),
     ]
 
 
@@ -70,7 +79,7 @@ def load(store, options, decode_priors):
     with open_link(store, bandwidth_mbps=1000) as link:
         stats = stream_load(
             link.source,
-            options[0].keys,
+            options[0].addresses,
             decode,
             lambda i, kv: got.append(kv),
             controller=controller,
@@ -86,16 +95,16 @@ def test_fastest_form_over_a_socket(forms_store):
     store, keys, level, blobs = forms_store
     # int8 loses more than the bound allows; the coded form decodes far slower than packed
     options = form_options(store, keys, level, int8_loss=5.0)
-    stats, got = load(store, options, {"coded": 1.0, "packed": 1e-6, "int8": 1e-9})
-    assert stats.levels == ["packed", "packed", "coded", "packed"]  # chunk 2 has no packed
-    packed = Form(CACHEGEN, level, PACKED).slot
-    assert [c.level for c in stats.chunks] == [packed, packed, level, packed]
+    coded, packed = forms(level)
+    stats, got = load(store, options, {coded: 1.0, packed: 1e-6, "int8": 1e-9})
+    assert stats.forms == [packed, packed, coded, packed]  # chunk 2 has no packed
+    assert [c.form for c in stats.chunks] == [packed, packed, coded, packed]
     for i, kv in enumerate(got):  # the packed form decodes to the coded form's KV, bit for bit
         assert same(kv, decode(blobs["coded", i]))
-    assert [d["choice"] for d in stats.decisions] == stats.levels
+    assert [d["choice"] for d in stats.decisions] == stats.forms
 
     options = form_options(store, keys, level, int8_loss=0.5)  # now int8 is allowed
-    stats, got = load(store, options, {"coded": 1.0, "packed": 1.0, "int8": 1e-9})
-    assert stats.levels == ["int8"] * CHUNKS and [c.level for c in stats.chunks] == [0] * CHUNKS
+    stats, got = load(store, options, {coded: 1.0, packed: 1.0, "int8": 1e-9})
+    assert stats.forms == ["int8"] * CHUNKS and [c.form for c in stats.chunks] == ["int8"] * CHUNKS
     for i, kv in enumerate(got):
         assert same(kv, decode(blobs["int8", i]))

@@ -11,7 +11,16 @@ import time
 
 import pytest
 
-from cachegen.store import ChunkCorrupt, ChunkMissing, StoreUnavailable, open_store, record
+from cachegen.modes import Form
+from cachegen.store import (
+    SLIDING,
+    ChunkCorrupt,
+    ChunkMissing,
+    RecordAddress,
+    StoreUnavailable,
+    open_store,
+    record,
+)
 from cachegen.stream import (
     RECOMPUTE,
     AdaptiveController,
@@ -30,7 +39,16 @@ from cachegen_lab.network import (
 )
 from cachegen_lab.network import server as server_module
 from cachegen_lab.network.ratelimit import TokenBucket
-from tests.stream.chunks_support import LEVELS, N_CHUNKS, TOKENS, collect, decode, same_kv
+from tests.stream.chunks_support import (
+    LEVELS,
+    N_CHUNKS,
+    TOKENS,
+    collect,
+    decode,
+    label,
+    records,
+    same_kv,
+)
 
 # ---- traces and the token bucket (pure arithmetic, no clocks) --------------------------
 
@@ -96,12 +114,12 @@ def test_socket_load_in_order(local_store, chunks, rate):
     with ChunkServer(local_store, rate_mbps=rate) as server:
         got, consume = collect()
         stats = stream_load(
-            SocketSource(server.address), local_store.keys, decode, consume, level=1
+            SocketSource(server.address), records(local_store.keys, 1), decode, consume
         )
     assert [i for i, _ in got] == list(range(N_CHUNKS))
     assert all(same_kv(kv, decode(chunks[(i, 1)])) for i, kv in got)
     assert stats.n_loaded == N_CHUNKS and stats.recompute_from is None
-    assert stats.levels == [1] * N_CHUNKS
+    assert stats.forms == [label(1)] * N_CHUNKS
     assert stats.bytes == sum(len(chunks[(i, 1)]) for i in range(N_CHUNKS))
     assert stats.load_s >= stats.transfer_s > 0 and stats.goodput_mbps > 0
     if rate:  # the kernel cannot deliver faster than the server's bucket lets bytes out
@@ -114,7 +132,7 @@ def test_shared_link_serves_concurrent_loads(local_store):
         results = []
         threads = [
             threading.Thread(target=lambda: results.append(stream_load(link.source,
-                local_store.keys, len, lambda i, x: None, level=2)))
+                records(local_store.keys, 2), len, lambda i, x: None)))
             for _ in range(3)
         ]  # fmt: skip
         for t in threads:
@@ -131,7 +149,7 @@ def test_server_process_serves_redis_with_url_options(redis_url, chunks):
         store.put(k, 1, chunks[(i, 1)])
     with open_link(store, bandwidth_mbps=500, server="process") as link:
         got, consume = collect()
-        stream_load(link.source, keys, decode, consume, level=1)
+        stream_load(link.source, records(keys, 1), decode, consume)
     assert all(same_kv(kv, decode(chunks[(i, 1)])) for i, kv in got) and len(got) == 4
 
 
@@ -143,7 +161,7 @@ def test_missing_chunk_mid_stream(local_store, chunks):
     got, consume = collect()
     with ChunkServer(local_store) as server:
         with pytest.raises(ChunkMissing) as info:
-            stream_load(SocketSource(server.address), local_store.keys, decode, consume, level=1)
+            stream_load(SocketSource(server.address), records(local_store.keys, 1), decode, consume)
     assert info.value.stats.n_loaded == 5
     assert [i for i, _ in got] == list(range(5))
     assert all(same_kv(kv, decode(chunks[(i, 1)])) for i, kv in got)
@@ -187,7 +205,7 @@ def test_redis_fetch_ahead_delivers_every_chunk_in_order(request, chunks, kind, 
     got, consume = collect()
     with contextlib.ExitStack() as stack:
         source = _source(kind, store, stack)
-        stats = stream_load(source, store.keys, decode, consume, level=2)
+        stats = stream_load(source, records(store.keys, 2), decode, consume)
     assert [i for i, _ in got] == list(range(N_CHUNKS)) and stats.n_loaded == N_CHUNKS
     assert all(same_kv(kv, decode(chunks[(i, 2)])) for i, kv in got)
 
@@ -200,7 +218,7 @@ def test_redis_fetch_ahead_stops_at_a_missing_chunk(redis_chunks, chunks, kind):
     with contextlib.ExitStack() as stack:
         source = _source(kind, redis_chunks, stack)
         with pytest.raises(ChunkMissing) as info:
-            stream_load(source, redis_chunks.keys, decode, consume, level=1)
+            stream_load(source, records(redis_chunks.keys, 1), decode, consume)
     assert info.value.stats.n_loaded == 5 and [i for i, _ in got] == list(range(5))
     assert all(same_kv(kv, decode(chunks[(i, 1)])) for i, kv in got)
 
@@ -217,9 +235,46 @@ def test_server_reads_ahead_within_its_bounds(local_store, chunks):
     local_store.get_records = recording_get_records
     got, consume = collect()
     with ChunkServer(local_store, rate_mbps=20, prefetch=3) as server:
-        stream_load(SocketSource(server.address), local_store.keys, decode, consume, level=2)
+        stream_load(SocketSource(server.address), records(local_store.keys, 2), decode, consume)
     assert [i for i, _ in got] == list(range(N_CHUNKS))
     assert batches[0] == 1 and sum(batches) == N_CHUNKS and max(batches) <= 3
+
+
+def test_a_request_names_a_record_by_its_address():
+    """Chunk key, part and form name travel as text; the server rebuilds the address."""
+    address = RecordAddress.of("ns/chunk000", "cachegen-11-packed", SLIDING)
+    frame = protocol.pack_request(7, address)
+    magic, rid, key_len, part_len, form_len = protocol.REQUEST.unpack_from(frame)
+    body = frame[protocol.REQUEST.size :]
+    assert (magic, rid) == (protocol.REQUEST_MAGIC, 7)
+    assert body == b"ns/chunk000" + b"sliding" + b"cachegen-11-packed"
+    key, part = body[:key_len], body[key_len : key_len + part_len]
+    assert protocol.unpack_address(key, part, body[key_len + part_len :]) == address
+    whole = RecordAddress.of("ns/chunk000", "int8")
+    assert protocol.pack_request(0, whole).endswith(b"ns/chunk000int8")  # no part: empty
+
+
+def test_a_request_that_names_no_record_fails_alone(local_store, chunks):
+    """A form no codec has gets an error response; the connection serves the next request."""
+    with ChunkServer(local_store) as server:
+        sock = socket.create_connection(server.address)
+        try:
+            key, form = local_store.keys[0].encode(), b"cachegen-x"
+            head = protocol.REQUEST.pack(protocol.REQUEST_MAGIC, 0, len(key), 0, len(form))
+            good = protocol.pack_request(1, records(local_store.keys[:1], 1)[0])
+            sock.sendall(head + key + form + good)
+            first = protocol.recv_exact(sock, protocol.RESPONSE.size, "response")
+            _, rid, status, length = protocol.RESPONSE.unpack(first)
+            message = protocol.recv_exact(sock, length, "message").decode()
+            assert (rid, status) == (0, protocol.ERROR) and "unknown form 'cachegen-x'" in message
+            _, rid, status, length = protocol.RESPONSE.unpack(
+                protocol.recv_exact(sock, protocol.RESPONSE.size, "response")
+            )
+            body = protocol.recv_exact(sock, length, "record")
+            assert (rid, status) == (1, protocol.OK)
+            assert record.unpack(body, local_store.keys[0], 1) == chunks[(0, 1)]
+        finally:
+            sock.close()
 
 
 def test_outbox_bounds_what_is_read_ahead():
@@ -249,7 +304,7 @@ def test_corrupt_stored_chunk(local_store):
     got, consume = collect()
     with ChunkServer(local_store, rate_mbps=1000) as server:
         with pytest.raises(ChunkCorrupt):
-            stream_load(SocketSource(server.address), local_store.keys, decode, consume, level=2)
+            stream_load(SocketSource(server.address), records(local_store.keys, 2), decode, consume)
     assert [i for i, _ in got] == [0, 1, 2]
 
 
@@ -272,7 +327,11 @@ def test_redis_stopped_mid_stream(redis_server, redis_url):
         with ChunkServer(store, rate_mbps=100) as server:
             with pytest.raises(StoreUnavailable) as info:
                 stream_load(
-                    SocketSource(server.address), keys, bytes, consume, level=2, stall_timeout_s=10
+                    SocketSource(server.address),
+                    records(keys, 2),
+                    bytes,
+                    consume,
+                    stall_timeout_s=10,
                 )
     finally:
         redis_server.start()
@@ -281,7 +340,7 @@ def test_redis_stopped_mid_stream(redis_server, redis_url):
 
 
 class RawServer:
-    """A real TCP peer that answers the first request with ``reply(request_key)`` bytes and then
+    """A real TCP peer that answers the first request with ``reply(id, address)`` bytes and then
     keeps the connection open without sending more (a stalled or misbehaving server)."""
 
     def __init__(self, reply, close_after: bool = False):
@@ -295,9 +354,12 @@ class RawServer:
         conn, _ = self.sock.accept()
         with conn:
             head = protocol.recv_exact(conn, protocol.REQUEST.size, "req")
-            _, rid, level, key_len = protocol.REQUEST.unpack(head)
-            key = protocol.recv_exact(conn, key_len, "key").decode()
-            conn.sendall(self.reply(rid, key, level))
+            _, rid, key_len, part_len, form_len = protocol.REQUEST.unpack(head)
+            raw = protocol.recv_exact(conn, key_len + part_len + form_len, "address")
+            address = protocol.unpack_address(
+                raw[:key_len], raw[key_len : key_len + part_len], raw[key_len + part_len :]
+            )
+            conn.sendall(self.reply(rid, address))
             if not self.close_after:
                 self.release.wait(30)
 
@@ -307,21 +369,21 @@ class RawServer:
         self.thread.join(5)
 
 
-def _response(rid, key, level, payload: bytes, cut: int = 0, flip: bool = False) -> bytes:
-    rec = bytearray(record.pack(key, level, payload))
+def _response(rid, address, payload: bytes, cut: int = 0, flip: bool = False) -> bytes:
+    rec = bytearray(record.pack_at(address, payload))
     if flip:
         rec[-1] ^= 0xFF
     return protocol.pack_response_header(rid, protocol.OK, len(rec)) + bytes(rec[: len(rec) - cut])
 
 
 def test_stalled_socket_times_out():
-    server = RawServer(lambda rid, key, lv: _response(rid, key, lv, b"x" * 100_000, cut=50_000))
+    server = RawServer(lambda rid, address: _response(rid, address, b"x" * 100_000, cut=50_000))
     got, consume = collect()
     start = time.monotonic()
     try:
         with pytest.raises(StreamTimeout, match="stalled"):
-            stream_load(SocketSource(server.sock.getsockname()), ["ns/a", "ns/b"], len, consume,
-                        level=0, stall_timeout_s=0.5)  # fmt: skip
+            stream_load(SocketSource(server.sock.getsockname()), records(["ns/a", "ns/b"], 0),
+                        len, consume, stall_timeout_s=0.5)  # fmt: skip
     finally:
         server.close()
     assert got == []
@@ -338,13 +400,16 @@ def test_stalled_socket_times_out():
 )
 def test_a_damaged_response_is_detected(size, damage, close_after, error, match):
     server = RawServer(
-        lambda rid, key, lv: _response(rid, key, lv, b"x" * size, **damage),
+        lambda rid, address: _response(rid, address, b"x" * size, **damage),
         close_after=close_after,
     )
     try:
         with pytest.raises(error, match=match):
             stream_load(
-                SocketSource(server.sock.getsockname()), ["ns/a"], len, lambda i, x: None, level=0
+                SocketSource(server.sock.getsockname()),
+                records(["ns/a"], 0),
+                len,
+                lambda i, x: None,
             )
     finally:
         server.close()
@@ -355,10 +420,9 @@ def test_deadline(local_store):
         with pytest.raises(StreamTimeout, match="deadline"):
             stream_load(
                 SocketSource(server.address),
-                local_store.keys,
+                records(local_store.keys, 2),
                 len,
                 lambda i, x: None,
-                level=2,
                 timeout_s=0.3,
             )
 
@@ -372,7 +436,7 @@ def test_consumer_error_stops_the_fetcher(local_store):
 
     with ChunkServer(local_store, rate_mbps=100) as server:
         with pytest.raises(RuntimeError, match="injection failed"):
-            stream_load(SocketSource(server.address), local_store.keys, len, consume, level=2)
+            stream_load(SocketSource(server.address), records(local_store.keys, 2), len, consume)
     assert threading.active_count() == before
 
 
@@ -382,19 +446,21 @@ def test_adaptive_load_over_socket(local_store, chunks):
     with open_link(local_store, bandwidth_mbps=200) as link:
         relaxed = AdaptiveController(1000.0, sizes, tokens, prefill_tokens_per_s=1.0)
         got, consume = collect()
-        stats = stream_load(link.source, local_store.keys, decode, consume, controller=relaxed)
+        loads = records(local_store.keys, 0)
+        stats = stream_load(link.source, loads, decode, consume, controller=relaxed)
         # an hour of budget: every chunk after the first goes at the best level
-        assert stats.levels == [0] + [2] * (N_CHUNKS - 1)
-        assert all(same_kv(kv, decode(chunks[(i, stats.levels[i])])) for i, kv in got)
+        assert stats.forms == [label(0)] + [label(2)] * (N_CHUNKS - 1)
+        levels = [Form.parse(f).level for f in stats.forms]
+        assert all(same_kv(kv, decode(chunks[(i, levels[i])])) for i, kv in got)
         assert len(stats.decisions) == N_CHUNKS
 
         hopeless = AdaptiveController(
             1e-6, sizes, tokens, prefill_tokens_per_s=1e12, initial_mbps=1.0
         )
         got, consume = collect()
-        stats = stream_load(link.source, local_store.keys, decode, consume, controller=hopeless)
+        stats = stream_load(link.source, loads, decode, consume, controller=hopeless)
         assert stats.recompute_from == 0 and stats.n_loaded == 0 and got == []
-        assert stats.levels == [RECOMPUTE] * N_CHUNKS
+        assert stats.forms == [RECOMPUTE] * N_CHUNKS
 
 
 # ---- netns + tc ------------------------------------------------------------------------
@@ -405,7 +471,7 @@ def test_netns_shaper_shapes_and_cleans_up(local_store):
     with open_link(local_store, bandwidth_mbps=100, shaper="netns") as link:
         name = link.netns.name
         assert "tbf" in link.describe()["qdisc"]
-        stats = stream_load(link.source, local_store.keys, len, lambda i, x: None, level=2)
+        stats = stream_load(link.source, records(local_store.keys, 2), len, lambda i, x: None)
         burst = link.netns.burst_bytes
     assert stats.n_loaded == N_CHUNKS
     assert stats.transfer_s >= (stats.bytes - burst) * 8 / 100e6
