@@ -31,6 +31,7 @@ LEVELED = (CACHEGEN, TCQ)  # codecs whose modes name a level
 ADAPTIVE = "adaptive"
 ADAPTIVE_FASTEST = "adaptive-fastest"  # adaptive with max_loss_pct, named apart from slo_ms's
 KV_BASELINES = ("raw", "int8", "fp8")
+LOSSLESS = ("raw",)  # the forms that hold the engine's KV exactly
 CONNECTOR_MODES = (
     *KV_BASELINES,
     CACHEGEN,

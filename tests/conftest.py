@@ -133,8 +133,18 @@ class RedisServer:
         redis.Redis.from_url(self.url).flushall()
         return self.url
 
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open and nothing answers (a hung or partitioned server)."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
             self.proc.terminate()
             self.proc.wait(timeout=10)
             self.proc = None

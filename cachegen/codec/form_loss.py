@@ -24,12 +24,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from cachegen.codec.shipped import read_versioned, shipped_calibration
-from cachegen.modes import CACHEGEN, TCQ, Form
+from cachegen.modes import CACHEGEN, LOSSLESS, TCQ, Form
 
 LOSS_FILE = Path(__file__).with_name("form_loss.json")
 LOSS_SCHEMA = "cachegen-form-loss"
 LOSS_VERSION = 1
-LOSSLESS = ("raw",)
 
 
 def calibrated_losses(fingerprint: str) -> dict[int, float]:

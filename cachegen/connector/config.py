@@ -320,13 +320,37 @@ class ConnectorConfig:
         "prefill rate adaptive prices recomputation with (default: measured)",
         positive_number,
     )
-    load_async: bool = option(ENGINE, "load in a background thread", boolean, True)
+    load_async: bool = option(ENGINE, "load in background threads", boolean, True)
+    load_threads: int = option(
+        ENGINE,
+        "threads that run background loads (a slow load holds only its own)",
+        positive_integer,
+        2,
+    )
+    load_timeout_s: float = option(
+        ENGINE,
+        "the longest one load may take (s); the rest of its prompt is computed",
+        positive_number,
+        60.0,
+    )
     save_async: bool = option(ENGINE, "encode and store in a background thread", boolean, True)
     save_wait_ms: float = option(
         ENGINE,
         "how long a request waits for this engine's save of its chunks",
         non_negative_number,
         2000.0,
+    )
+    store_deadline_ms: float = option(
+        ENGINE,
+        "longest the scheduler waits for the store's answer to a lookup (ms); later is a miss",
+        positive_number,
+        200.0,
+    )
+    store_backoff_s: float = option(
+        ENGINE,
+        "how long the store counts as down after it failed or answered late (s)",
+        positive_number,
+        1.0,
     )
     tenant: str | None = option(ENGINE, "a scope of every chunk key of this engine", scope_part)
     store_secret: str | None = option(

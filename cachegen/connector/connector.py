@@ -7,7 +7,9 @@ routes vLLM's calls to the right side.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +48,28 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+def contained(fallback: Any = None) -> Callable[[Callable], Callable]:
+    """A hook vLLM calls that no exception leaves: one is logged with its traceback, counted
+    in ``/metrics`` (``hook_errors``, by hook), and the hook answers ``fallback`` (called with
+    the hook's arguments when callable): what vLLM is told when the connector has nothing."""
+
+    def wrap(hook: Callable) -> Callable:
+        @functools.wraps(hook)
+        def run(self: CacheGenConnector, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return hook(self, *args, **kwargs)
+            except Exception:  # noqa: BLE001 - a connector fault must never stop the engine
+                logger.exception("cachegen connector: %s failed", hook.__name__)
+                side = self._worker if self._worker is not None else self._scheduler
+                if side is not None:
+                    side.stats.count("hook_errors", hook.__name__)
+                return fallback(*args, **kwargs) if callable(fallback) else fallback
+
+        return run
+
+    return wrap
 
 
 def served_model(model_path: str) -> ModelSpec:
@@ -125,13 +149,14 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             sources = self.source_pool(engine_store.store)
             self._worker = WorkerSide(
-                engine_store.loader(identity, sources, self.config.prefill_tokens_per_s),
+                engine_store.loader(identity, sources, self.config),
                 engine_store.writer(),
                 engine_store.close,
                 identity,
                 groups,
                 self.config.chunk_tokens,
                 save_async=self.config.save_async,
+                load_threads=self.config.load_threads,
                 windows=windows,
                 exchange=HeadExchange(
                     *tensor_parallel_shard(
@@ -160,6 +185,7 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.step_started()  # called before the forward pass of every step
 
+    @contained()
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
@@ -178,15 +204,18 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         return  # the whole prompt is copied out once, in wait_for_save
 
+    @contained()
     def wait_for_save(self) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, StepMetadata)
         self._worker.submit_saves(meta)
 
+    @contained((None, None))
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self.get_transfer_results(finished_req_ids).finished_recving or None
 
+    @contained(lambda finished_req_ids: KVConnectorTransferResults())
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
         meta = self._connector_metadata
@@ -194,20 +223,26 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
         done, failed = self._worker.finished_loads(idle)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
+    @contained(set)
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.block_ids_with_load_errors()
 
+    @contained()
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert self._worker is not None
         return self._worker.take_reports()
 
+    @contained()
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # ---- metrics (both sides) ------------------------------------------------------------------
 
+    @contained()
     def get_kv_connector_stats(self) -> CacheGenStats | None:
         side = self._worker if self._worker is not None else self._scheduler
         return side.stats.take() if side is not None else None
@@ -224,22 +259,26 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side ------------------------------------------------------------------------
 
+    @contained((0, False))
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
 
+    @contained()
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
         self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
+    @contained(lambda scheduler_output: StepMetadata())
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_meta(scheduler_output)
 
+    @contained()
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         reports = connector_output.kv_connector_worker_meta
@@ -248,6 +287,7 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
             set(connector_output.finished_recving or ()),
         )
 
+    @contained((False, None))
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:

@@ -61,17 +61,21 @@ def adapter_fingerprint(path: str, name: str = "") -> str:
     """SHA-256 (hex) of the adapter directory's files, names and bytes, in sorted order;
     recomputed only when a file's size or modification time changes."""
     root = Path(path).expanduser()
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
-    if not files:
-        raise InputsRefused(
-            "adapter_unreadable",
-            f"LoRA adapter {name!r}: no files at {path!r} in this process, so its KV cannot be "
-            "keyed by its weights; the connector neither loads nor saves it (give vLLM a local "
-            "adapter directory)",
-        )
-    stats = [(p, p.stat()) for p in files]
-    state = tuple((str(p.relative_to(root)), st.st_size, st.st_mtime_ns) for p, st in stats)
-    return _fingerprint(str(root.resolve()), state)
+    try:
+        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
+        stats = [(p, p.stat()) for p in files]
+        state = tuple((str(p.relative_to(root)), st.st_size, st.st_mtime_ns) for p, st in stats)
+        if files:
+            return _fingerprint(str(root.resolve()), state)
+        why = "no files"
+    except OSError as exc:  # a file replaced or removed while it was read, or unreadable
+        why = f"files that cannot be read ({type(exc).__name__}: {exc.strerror or exc})"
+    raise InputsRefused(
+        "adapter_unreadable",
+        f"LoRA adapter {name!r}: {why} at {path!r} in this process, so its KV cannot be keyed "
+        "by its weights; the connector neither loads nor saves it (give vLLM a local adapter "
+        "directory)",
+    )
 
 
 @functools.lru_cache(maxsize=64)

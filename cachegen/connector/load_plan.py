@@ -23,7 +23,7 @@ from cachegen.connector.config import RequestOptions
 from cachegen.connector.errors import ConnectorError
 from cachegen.connector.index import StoreIndex
 from cachegen.connector.parts import Plan
-from cachegen.modes import ADAPTIVE, CACHEGEN, Form
+from cachegen.modes import ADAPTIVE, CACHEGEN, LOSSLESS, Form
 from cachegen.store import RecordAddress
 from cachegen.stream import Option
 
@@ -70,6 +70,18 @@ class LoadPlan:
     strategy: Strategy = field(default_factory=FixedForm)
     refused: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def lossless(self) -> bool:
+        """Whether every record the plan may load holds the KV exactly (``raw``): a prompt
+        computed on top of another form's KV is not what a full prefill computes."""
+        strategy = self.strategy
+        if isinstance(strategy, TimeBudget):
+            return False
+        if isinstance(strategy, LossBound):
+            allowed = [o for o in strategy.options if o.within(strategy.max_loss_pct)]
+            return all(o.name in LOSSLESS for o in allowed)
+        return all(r.form.label in LOSSLESS for r in self.records)
 
     def chunks_done(self, n_loaded: int) -> int:
         """Chunks complete after the first ``n_loaded`` records."""

@@ -52,12 +52,14 @@ class Loader:
         parts: RecordParts,
         identity: ModelIdentity,
         prefill_tokens_per_s: float | None = None,  # the engine's configured rate, if any
+        timeout_s: float | None = None,  # the longest one load may take
     ) -> None:
         self.store = store
         self.sources = sources
         self.parts = parts
         self.identity = identity
         self.configured_prefill_tps = prefill_tokens_per_s
+        self.timeout_s = timeout_s
         self.history = LoadHistory(parts.chunk_tokens)
 
     def run(
@@ -95,6 +97,7 @@ class Loader:
                 lambda blob: decode(blob, out_dtype),
                 check,
                 controller=controller,
+                timeout_s=self.timeout_s,
             )
         except CacheGenError as exc:
             return self._failed(exc, plan, controller)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +20,9 @@ from cachegen.connector.inputs import InputsRefused, request_inputs
 from cachegen.connector.load_plan import LoadPlan, plan_load
 from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
 from cachegen.connector.paged_cache import CacheGroup, held_from
+from cachegen.connector.pending_saves import PendingSave, PendingSaves
 from cachegen.connector.stats import StatsRecorder
+from cachegen.connector.store_guard import StoreGuard, StoreUnanswered
 from cachegen.errors import CacheGenError
 from cachegen.fileio import versioned
 from cachegen.store.keys import key_scope
@@ -49,18 +50,9 @@ class _Tracked:
     loading: bool = False  # an asynchronous load is running on the workers
     load_failed: bool = False  # never retried: vLLM recomputes instead
     sliding_from: int = 0  # chunks before it hold no valid sliding-layer KV (a load skipped it)
+    lossy: bool = False  # a load may give it KV of a lossy form: what it computes is not saved
     save_wait_since: float | None = None  # first held back for a save of this engine (monotonic)
     report: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class _PendingSave:
-    """A save sent to the workers whose first pass they have not reported stored yet."""
-
-    token_ids: list[int]  # whole chunks
-    codecs: frozenset[str]  # the codecs it writes (``adaptive`` writes ``cachegen``'s)
-    first_chunk: int  # chunks before it were stored already
-    salt: str | None
 
 
 class SchedulerSide:
@@ -85,8 +77,9 @@ class SchedulerSide:
         self.can_save = role in ("kv_producer", "kv_both")
         self._tracked: dict[str, _Tracked] = {}
         self._save_ids = itertools.count(1)
-        self._pending_saves: dict[int, _PendingSave] = {}
+        self.pending_saves = PendingSaves(config.chunk_tokens, config.save_wait_ms)
         self.stats = StatsRecorder()  # lookups and loads (the workers count saves)
+        self.guard = StoreGuard(config.store_deadline_ms / 1000.0, config.store_backoff_s)
 
     # ---- lookup ------------------------------------------------------------------------------
 
@@ -126,65 +119,59 @@ class SchedulerSide:
             or tracked.load_failed
         ):
             return 0, False
-        if self._held_for_save(tracked, num_computed_tokens):
+        codec = self.index.ladder.lookup_codec(tracked.options)
+        if self.pending_saves.holds(tracked, codec, num_computed_tokens):
             return None, False  # vLLM asks again on a later step
         if tracked.lookup is None or tracked.lookup[0] != num_computed_tokens:
             tracked.lookup = (num_computed_tokens, self._lookup(tracked, num_computed_tokens))
         matched = tracked.lookup[1]
         return matched, matched > 0 and self.load_async
 
-    def _held_for_save(self, tracked: _Tracked, num_computed_tokens: int) -> bool:
-        """Whether to hold the request back (vLLM asks again later) because a save of this
-        engine is still writing the first pass of chunks it could load (a repeat of a prompt
-        that finished its prefill a moment ago), at most ``save_wait_ms`` from the first ask."""
-        if self.config.save_wait_ms <= 0:
-            return False
-        if tracked.save_wait_since is not None:
-            waited = time.monotonic() - tracked.save_wait_since
-            if waited * 1000.0 >= self.config.save_wait_ms:
-                tracked.report.setdefault("save_wait_s", waited)
-                tracked.report["save_wait_timed_out"] = True
-                return False
-        prompt = tracked.request.prompt_token_ids or []
-        C = self.config.chunk_tokens
-        usable = (len(prompt) - 1) // C  # whole chunks before the token vLLM must compute
-        needed_from = num_computed_tokens // C
-        codec = self.index.ladder.lookup_codec(tracked.options)
-        for save in self._pending_saves.values():
-            if save.salt != tracked.options.salt or codec not in save.codecs:
-                continue
-            shared = _shared_chunks(prompt, save.token_ids, C, usable)
-            if shared > max(save.first_chunk, needed_from):
-                if tracked.save_wait_since is None:
-                    tracked.save_wait_since = time.monotonic()
-                return True
-        if tracked.save_wait_since is not None:
-            tracked.report.setdefault("save_wait_s", time.monotonic() - tracked.save_wait_since)
-        return False
-
     def _lookup(self, tracked: _Tracked, num_computed_tokens: int) -> int:
         prompt = tracked.request.prompt_token_ids or []
         # Never the whole prompt: vLLM must compute at least one token to produce logits.
         limit = (len(prompt) - 1) // self.block_size * self.block_size
+        options = tracked.options
         try:
-            end = self.index.loadable_tokens(prompt, tracked.options, num_computed_tokens, limit)
-        except CacheGenError as exc:
+            end = self.guard.ask(
+                lambda: self.index.loadable_tokens(prompt, options, num_computed_tokens, limit),
+                "lookup",
+            )
+        except StoreUnanswered as exc:
             logger.warning(
                 "request %s: store lookup failed, computing instead: %s",
                 tracked.request.request_id,
                 exc,
             )
             tracked.error = f"lookup failed: {exc}"
-            tracked.fallback = "lookup_failed"
+            tracked.fallback = exc.reason
             return 0
         return max(0, end - num_computed_tokens)
 
     def after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        tracked = self._track(request)
+        """A load of the tokens vLLM granted; one that fails at once when anything goes wrong
+        here, since the request waits for its load to end."""
         if num_external_tokens <= 0:
             return
+        try:
+            self._after_alloc(request, blocks, num_external_tokens)
+        except Exception as exc:  # noqa: BLE001 - the request must get its (failed) load
+            logger.exception("request %s: planning its load failed", request.request_id)
+            tracked = self._tracked.setdefault(request.request_id, _Tracked(request, None))
+            tracked.fallback = "internal_error"
+            begin = request.num_computed_tokens
+            end = begin + num_external_tokens
+            prompt = list(request.prompt_token_ids or [])
+            plan = LoadPlan(prompt, begin, end, [], [], RequestOptions(), refused=str(exc))
+            block_ids = [list(ids) for ids in blocks.get_block_ids()]
+            tracked.load = LoadTask(request.request_id, block_ids, plan, self.load_async)
+
+    def _after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        tracked = self._track(request)
         assert tracked.lookup is not None and tracked.options is not None
         begin = tracked.lookup[0]
         end = begin + num_external_tokens
@@ -193,24 +180,30 @@ class SchedulerSide:
         if skipped_to > begin // self.config.chunk_tokens:
             tracked.sliding_from = max(tracked.sliding_from, skipped_to)
         prompt = list(request.prompt_token_ids[:last_chunk_end])
+        plan = self._plan(tracked, prompt, begin, end)
+        tracked.lossy |= plan.refused is None and not plan.lossless
         tracked.load = LoadTask(
             req_id=request.request_id,
             block_ids=[list(ids) for ids in blocks.get_block_ids()],
-            plan=self._plan(request.request_id, prompt, begin, end, tracked.options),
+            plan=plan,
             in_background=self.load_async,
         )
 
-    def _plan(
-        self, req_id: str, prompt: list[int], begin: int, end: int, options: RequestOptions
-    ) -> LoadPlan:
+    def _plan(self, tracked: _Tracked, prompt: list[int], begin: int, end: int) -> LoadPlan:
         """The request's load plan; one refused, so that the request recomputes, when the
-        store cannot be asked."""
+        store does not answer in time."""
+        options, cap = tracked.options, self.config.max_load_bytes
         try:
-            return plan_load(self.index, prompt, begin, end, options, self.config.max_load_bytes)
-        except CacheGenError as exc:
-            logger.warning(
-                "request %s: planning its load failed, computing instead: %s", req_id, exc
+            return self.guard.ask(
+                lambda: plan_load(self.index, prompt, begin, end, options, cap), "load plan"
             )
+        except StoreUnanswered as exc:
+            logger.warning(
+                "request %s: planning its load failed, computing instead: %s",
+                tracked.request.request_id,
+                exc,
+            )
+            tracked.fallback = exc.reason
             return LoadPlan(prompt, begin, end, [], [], options, refused=f"planning failed: {exc}")
 
     # ---- per-step metadata ----------------------------------------------------------------------
@@ -228,10 +221,20 @@ class SchedulerSide:
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             tracked = self._tracked.get(req_id)
             if tracked is not None and tracked.options is not None:
-                save = self._plan_save(tracked, num_scheduled, block_state)
+                save = self._contained_save(tracked, num_scheduled, block_state)
                 if save is not None:
                     meta.saves.append(save)
         return meta
+
+    def _contained_save(
+        self, tracked: _Tracked, num_scheduled: int, block_state: Any
+    ) -> SaveTask | None:
+        """:meth:`_plan_save`, a failure of which skips the save (and nothing else)."""
+        try:
+            return self._plan_save(tracked, num_scheduled, block_state)
+        except Exception:  # noqa: BLE001 - one request's save must not stop the others' loads
+            logger.exception("request %s: planning its save failed", tracked.request.request_id)
+            return self._skip_save(tracked, "internal_error")
 
     def _plan_save(
         self, tracked: _Tracked, num_scheduled: int, block_state: Any
@@ -248,12 +251,17 @@ class SchedulerSide:
         full = len(prompt) // self.config.chunk_tokens * self.config.chunk_tokens
         if full == 0:
             return None
+        if tracked.lossy:  # its KV after the loaded prefix was computed on a lossy form's KV
+            return self._skip_save(tracked, "lossy_ancestry")
+        modes = self.config.save_modes
         try:
-            stored = self.index.saved_chunks(prompt[:full], self.config.save_modes, options.salt)
-        except CacheGenError as exc:
+            stored = self.guard.ask(
+                lambda: self.index.saved_chunks(prompt[:full], modes, options.salt), "save plan"
+            )
+        except StoreUnanswered as exc:
             logger.warning("request %s: store unavailable, not saving: %s", request.request_id, exc)
             tracked.report["save_error"] = str(exc)
-            return None
+            return self._skip_save(tracked, exc.reason)
         if stored * self.config.chunk_tokens >= full:
             return None
         groups = block_state.get_block_ids(request.request_id) if block_state is not None else None
@@ -261,11 +269,14 @@ class SchedulerSide:
             return None
         tracked.report["save_chunks"] = full // self.config.chunk_tokens - stored
         save_id = next(self._save_ids)
-        self._pending_saves[save_id] = _PendingSave(
-            list(prompt[:full]),
-            frozenset(map(codec_name, self.config.save_modes)),
-            stored,
-            options.salt,
+        self.pending_saves.add(
+            save_id,
+            PendingSave(
+                list(prompt[:full]),
+                frozenset(map(codec_name, self.config.save_modes)),
+                stored,
+                options.salt,
+            ),
         )
         return SaveTask(
             request.request_id,
@@ -277,6 +288,11 @@ class SchedulerSide:
             salt=options.salt,
             save_id=save_id,
         )
+
+    def _skip_save(self, tracked: _Tracked, reason: str) -> None:
+        """Store nothing of the request's prompt, for ``reason`` (a reason code)."""
+        tracked.report["save_skipped"] = reason
+        self.stats.count("saves_skipped", reason)
 
     def _held_chunks(self, block_ids: tuple[list[int], ...]) -> int:
         """The first chunk all of whose tokens every KV cache group keeps (vLLM's HMA frees a
@@ -292,7 +308,7 @@ class SchedulerSide:
     def on_worker_output(self, reports: LoadReports | None, finished_loading: set[str]) -> None:
         if reports is not None:
             for save_id in reports.saved:
-                self._pending_saves.pop(save_id, None)
+                self.pending_saves.done(save_id)
             for req_id, report in reports.reports.items():
                 tracked = self._tracked.get(req_id)
                 if tracked is not None:
@@ -307,41 +323,44 @@ class SchedulerSide:
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
+        # A background load still writing into the request's blocks keeps them until the
+        # worker reports it finished (vLLM frees them then), whatever else fails here.
+        try:
+            report = self._final_report(tracked)
+        except Exception:  # noqa: BLE001 - the blocks' fate must still reach vLLM
+            logger.exception("request %s: its report failed", request.request_id)
+            report = versioned(REPORT_SCHEMA, REPORT_VERSION, {"fallback": "internal_error"})
+        return tracked.loading, {REPORT_KEY: report}
+
+    def _final_report(self, tracked: _Tracked) -> dict[str, Any]:
         report = versioned(REPORT_SCHEMA, REPORT_VERSION, tracked.report)
         if tracked.options is not None:
             report.setdefault("mode", tracked.options.mode)
         if tracked.error:
             report["error"] = tracked.error
-        self._count(tracked)
-        # A background load still writing into the request's blocks keeps them until the
-        # worker reports it finished (vLLM frees them then).
-        return tracked.loading, {REPORT_KEY: report}
+        if tracked.fallback:
+            report["fallback"] = tracked.fallback
+        count_finished(self.stats, tracked)
+        return report
 
-    def _count(self, tracked: _Tracked) -> None:
-        """A finished request's part of the metrics (docs/connector.md, "Metrics")."""
-        report = tracked.report
-        fallback = tracked.fallback or ("load_failed" if "load_error" in report else None)
-        if fallback is not None:
-            self.stats.count("fallbacks", fallback)
-        if tracked.lookup is None or tracked.options is None:
-            return
-        mode = tracked.options.mode
-        self.stats.count("lookups", mode)
-        loaded = report.get("loaded_tokens", 0)
-        if loaded:
-            self.stats.count("hits", mode)
-            self.stats.count("hit_tokens", mode, loaded)
-        if "load_s" in report:
-            self.stats.count("loaded_bytes", mode, report.get("bytes", 0))
-            self.stats.observe_load(mode, report["load_s"])
+    def close(self) -> None:
+        self.guard.close()
 
 
-def _shared_chunks(a: list[int], b: list[int], chunk_tokens: int, limit: int) -> int:
-    """Leading whole chunks (at most ``limit``) that token lists ``a`` and ``b`` share."""
-    count = 0
-    while count < limit:
-        span = slice(count * chunk_tokens, (count + 1) * chunk_tokens)
-        if len(a) < span.stop or len(b) < span.stop or a[span] != b[span]:
-            break
-        count += 1
-    return count
+def count_finished(stats: StatsRecorder, tracked: _Tracked) -> None:
+    """A finished request's part of the metrics (docs/connector.md, "Metrics")."""
+    report = tracked.report
+    fallback = tracked.fallback or ("load_failed" if "load_error" in report else None)
+    if fallback is not None:
+        stats.count("fallbacks", fallback)
+    if tracked.lookup is None or tracked.options is None:
+        return
+    mode = tracked.options.mode
+    stats.count("lookups", mode)
+    loaded = report.get("loaded_tokens", 0)
+    if loaded:
+        stats.count("hits", mode)
+        stats.count("hit_tokens", mode, loaded)
+    if "load_s" in report:
+        stats.count("loaded_bytes", mode, report.get("bytes", 0))
+        stats.observe_load(mode, report["load_s"])

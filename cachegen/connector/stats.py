@@ -25,6 +25,8 @@ COUNTERS = {
     "loaded_bytes": ("Bytes fetched from the store by loads", "mode"),
     "fallbacks": ("Requests recomputed (in part or whole) instead of loaded, by reason", "reason"),
     "saves": ("Prompts whose new chunks were stored", "mode"),
+    "saves_skipped": ("Prompts whose new chunks were not stored, by reason", "reason"),
+    "hook_errors": ("Exceptions a connector hook contained, by hook", "reason"),
     "saved_bytes": ("Bytes written to the store by saves", "mode"),
 }
 LOAD_SECONDS = "load_seconds"  # a histogram of each load's seconds, by mode

@@ -64,9 +64,16 @@ class EngineStore:
         return ChunkWriter(self.store, self.codecs, self.keys, self.ladder, self.parts)
 
     def loader(
-        self, identity: ModelIdentity, sources: SourcePool, prefill_tokens_per_s: float | None
+        self, identity: ModelIdentity, sources: SourcePool, config: ConnectorConfig
     ) -> Loader:
-        return Loader(self.store, sources, self.parts, identity, prefill_tokens_per_s)
+        return Loader(
+            self.store,
+            sources,
+            self.parts,
+            identity,
+            config.prefill_tokens_per_s,
+            config.load_timeout_s,
+        )
 
     def close(self) -> None:
         self.codecs.close()
@@ -94,9 +101,7 @@ class ChunkTransport:
         self.parts = self.engine_store.parts
         self.index = self.engine_store.index()
         self.writer = self.engine_store.writer()
-        self.loader = self.engine_store.loader(
-            identity, sources(self.store), config.prefill_tokens_per_s
-        )
+        self.loader = self.engine_store.loader(identity, sources(self.store), config)
 
     @property
     def history(self) -> Any:

@@ -2,7 +2,8 @@
 prefill's KV out of it for saving.
 
 Where the work runs (chosen by measurement, see docs/connector.md "Where the work runs"):
-  * loads (``load_async``, default): a background thread streams, decodes and injects while
+  * loads (``load_async``, default): background threads (``load_threads``: a slow load holds
+    only its own) stream, decode and inject, each within ``load_timeout_s``, while
     vLLM keeps stepping the other requests; the request waits in vLLM's
     WAITING_FOR_REMOTE_KVS state and is released through ``get_finished``. Inline loads
     (``load_async=false``) run in ``start_load_kv`` before the forward pass and stall every
@@ -54,12 +55,17 @@ IDLE_WAIT_S = 0.005  # longest wait of an idle engine step for a background load
 
 
 class _Background:
-    """One daemon thread running queued jobs in order; ``pending`` counts unfinished jobs."""
+    """``threads`` daemon threads running queued jobs in their order; ``pending`` counts
+    unfinished jobs."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, threads: int = 1) -> None:
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, job: Callable[[], None]) -> bool:
         try:
@@ -88,8 +94,10 @@ class _Background:
         deadline = time.monotonic() + timeout
         while self.pending and time.monotonic() < deadline:
             time.sleep(0.01)
-        self._jobs.put(None)
-        self._thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1)
+        for thread in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1)
 
 
 @dataclass(eq=False)
@@ -260,6 +268,7 @@ class WorkerSide:
         chunk_tokens: int,
         *,
         save_async: bool,
+        load_threads: int = 1,
         windows: tuple[int | None, ...] | None = None,
         exchange: HeadExchange | None = None,
     ) -> None:
@@ -279,7 +288,7 @@ class WorkerSide:
         self._reports: dict[str, dict[str, Any]] = {}
         self._finished_loads: set[str] = set()
         self._failed_inline: set[str] = set()
-        self._loader = _Background("cachegen-load")
+        self._loader = _Background("cachegen-load", load_threads)
         self.stats = StatsRecorder()  # saves (the scheduler side counts lookups and loads)
         stores = self.exchange.shard.is_leader  # with tensor parallelism, the first rank stores
         self._saver = (
@@ -426,20 +435,30 @@ class WorkerSide:
         if not self.exchange.shard.is_leader:
             return
         for task, heads in zip(meta.saves, wholes, strict=True):
+            self._submit_save(task, heads)
+
+    def _submit_save(self, task: SaveTask, heads: Heads | None) -> None:
+        """Save ``task`` from its KV ``heads``; a save that cannot start ends its first pass
+        at once, so that no request waits for it."""
+        try:
             if heads is None:
                 self._first_pass_ended(task.save_id)
-                continue
+                return
             kv = self.cache.as_kv(heads, task.token_ids, task.first_chunk * self.chunk_tokens)
-            with self._lock:
-                self._saving.add(task.save_id)
-            if self._saver is None:
-                self._save(task, kv)
-            elif not self._saver.submit(_SaveJob(task, kv)):
-                logger.warning("request %s: save queue full, not storing this prefix", task.req_id)
-                self._first_pass_ended(task.save_id)
-                continue
-            for mode in task.modes:  # a save that runs (inline or queued)
-                self.stats.count("saves", mode)
+        except Exception:  # noqa: BLE001 - a failed save is a future cache miss, never a crash
+            logger.exception("request %s: preparing its save failed", task.req_id)
+            self._first_pass_ended(task.save_id)
+            return
+        with self._lock:
+            self._saving.add(task.save_id)
+        if self._saver is None:
+            self._save(task, kv)
+        elif not self._saver.submit(_SaveJob(task, kv)):
+            logger.warning("request %s: save queue full, not storing this prefix", task.req_id)
+            self._first_pass_ended(task.save_id)
+            return
+        for mode in task.modes:  # a save that runs (inline or queued)
+            self.stats.count("saves", mode)
 
     def _read(self, task: SaveTask) -> Heads | None:
         """This rank's heads of the prompt to save, or None when reading them failed."""

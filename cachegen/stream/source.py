@@ -18,7 +18,7 @@ from cachegen.errors import InputError
 from cachegen.store.address import RecordAddress
 from cachegen.store.base import ChunkStore
 from cachegen.store.errors import StoreError
-from cachegen.stream.errors import StreamProtocolError
+from cachegen.stream.errors import StreamProtocolError, StreamTimeout
 
 DEFAULT_STALL_TIMEOUT_S = 5.0
 DIRECT_PREFETCH = 4
@@ -77,13 +77,17 @@ class DirectSource(ChunkSource):
     def open(
         self, *, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, deadline: float | None = None
     ) -> ChunkConnection:
-        return _DirectConnection(self.store, self.prefetch)
+        return _DirectConnection(self.store, self.prefetch, deadline)
 
 
 class _DirectConnection(ChunkConnection):
-    def __init__(self, store: ChunkStore, prefetch: int) -> None:
+    """Reads in the caller's thread; past ``deadline`` (monotonic) it reads nothing more: a
+    read already waiting on the store ends at the store's own timeout."""
+
+    def __init__(self, store: ChunkStore, prefetch: int, deadline: float | None) -> None:
         self.store = store
         self.prefetch = prefetch
+        self.deadline = deadline
         self._pending: collections.deque = collections.deque()  # (address, t_request)
         self._read: collections.deque = collections.deque()  # payload or StoreError, in order
         self._largest = 0  # the largest payload read so far; none yet: read one chunk
@@ -95,6 +99,8 @@ class _DirectConnection(ChunkConnection):
         if not self._pending:
             raise StreamProtocolError("receive() without an outstanding request")
         if not self._read:
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                raise StreamTimeout("the load overran its deadline before the store answered")
             self._read_ahead()
         address, t_request = self._pending.popleft()
         payload = self._read.popleft()

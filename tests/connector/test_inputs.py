@@ -8,6 +8,7 @@ scheduler counts for them. LoRA through a real engine: test_adapters.py.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +41,26 @@ def test_an_adapter_is_named_by_its_files_not_its_name(tmp_path):
     assert adapter_fingerprint(str(tmp_path / "a"), "tuned") != a  # a changed file is re-read
     with pytest.raises(InputsRefused, match="no files at") as refused:
         adapter_fingerprint(str(tmp_path / "missing"), "tuned")
+    assert refused.value.reason == "adapter_unreadable"
+
+
+def test_an_adapter_file_replaced_while_it_is_read_is_refused_not_raised(tmp_path, monkeypatch):
+    """A file listed and then gone (an adapter swapped under the server) refuses the adapter's
+    requests the connector's way (neither loaded nor saved), never with an exception."""
+    path = _adapter(tmp_path / "swapped", 1)
+    real_stat = Path.stat
+    seen = []
+
+    def vanished(self, *args, **kwargs):
+        if self.name == "adapter_model.safetensors":
+            seen.append(self)
+            if len(seen) > 1:  # listed as a file, then gone
+                raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", vanished)
+    with pytest.raises(InputsRefused, match="files that cannot be read") as refused:
+        adapter_fingerprint(str(path), "tuned")
     assert refused.value.reason == "adapter_unreadable"
 
 

@@ -24,6 +24,9 @@ def engine(tiny_llama, redis_server):
         cachegen_levels=(1, 3),
         load_async=False,
         save_async=False,
+        # A store that failed counts as down for store_backoff_s: short here, since each test
+        # restarts the store and stores a prompt at once.
+        connector_extra={"store_backoff_s": 0.1},
     ) as eng:
         yield eng
 

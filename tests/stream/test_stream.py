@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from cachegen.stream import RECOMPUTE, AdaptiveController, DirectSource, stream_load
+from cachegen.store import RecordAddress, open_store
+from cachegen.stream import RECOMPUTE, AdaptiveController, DirectSource, StreamTimeout, stream_load
 from cachegen.stream.source import DIRECT_PREFETCH
 from tests.stream.chunks_support import N_CHUNKS, collect, decode, label, records, same_kv
 
@@ -127,3 +128,21 @@ def test_recoverability_rule():
     assert greedy.choose(1, 0.81) == 1
     assert careful.choose(1, 0.81) == 0
     assert careful.choose(1, 0.0) == 2  # with room to spare both agree
+
+
+def test_a_load_past_its_deadline_reads_no_more_from_a_direct_store(tmp_path):
+    """DirectSource reads in the fetch thread: once the load's deadline has passed it asks the
+    store for nothing more, and the load stops with StreamTimeout and its statistics."""
+    store = open_store((tmp_path / "store").as_uri())
+    records = [RecordAddress.of(f"ns/chunk{i}", "int8") for i in range(6)]
+    for address in records:
+        store.write(address, b"x" * 1000)
+    consumed = []
+
+    def slow_consume(index, payload):
+        consumed.append(index)
+        time.sleep(0.2)  # a decoder slower than the deadline allows
+
+    with pytest.raises(StreamTimeout, match="deadline") as late:
+        stream_load(DirectSource(store, prefetch=1), records, bytes, slow_consume, timeout_s=0.3)
+    assert 0 < late.value.stats.n_loaded < len(records) and consumed == list(range(len(consumed)))
