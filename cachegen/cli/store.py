@@ -329,7 +329,10 @@ def _raw_bf16_bytes(store) -> tuple[int, int]:
             except CodecError:
                 if len(head) >= info.size:  # the whole record: not a bitstream
                     raise
-                header, ids = _header_and_token_ids(store.record_start(info, info.size))
+                (whole,) = store.read_listed([info])
+                if isinstance(whole, CacheGenError):
+                    raise whole
+                header, ids = _header_and_token_ids(whole)
         except CacheGenError:  # not a bitstream, damaged, or removed since the listing
             skipped += 1
             continue

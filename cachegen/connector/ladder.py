@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from cachegen.connector.codecs import codec_name
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.errors import ConnectorError
-from cachegen.modes import ADAPTIVE, CACHEGEN, CODED, LEVELED, PACKED, TCQ, Form, configured_form
+from cachegen.modes import ADAPTIVE, CACHEGEN, CODED, PACKED, TCQ, Form, configured_form
 
 if TYPE_CHECKING:
     from cachegen.connector.codecs import CodecSet
@@ -145,8 +145,7 @@ class LevelPolicy:
         a request that names no level needs (the codec's default level, and the level that
         makes a chunk loadable for ``adaptive``), so the chunks become loadable soonest."""
         stored = self.forms(mode)
-        codec = codec_name(mode)
-        needed = {_coded(codec, self.codecs.get(mode).default_level)}
+        needed = {self.codecs.catalog(mode).default}
         if mode in (CACHEGEN, ADAPTIVE):
             needed.add(Form(CACHEGEN, self.adaptive_levels[0]))
         return [form for form in stored if form in needed] or stored[:1]
@@ -174,10 +173,10 @@ class LevelPolicy:
             return [Form(CACHEGEN, self.adaptive_levels[0])]
         if options.form is not None:
             form = Form.parse(options.form)
-        else:
-            codec = self.codecs.get(options.mode)
-            level = codec.default_level if options.level is None else options.level
-            form = _coded(codec_name(options.mode), level)
+        elif options.level is None:
+            form = self.codecs.catalog(options.mode).default
+        else:  # a level of a codec of one level other than 0 is refused here
+            form = configured_form(options.level, codec_name(options.mode))
         stored = self.forms(options.mode)
         if form not in stored:
             names = [f.label for f in stored]
@@ -203,11 +202,6 @@ class LevelPolicy:
             for codec, forms in self.loadable_forms.items()
             for form in forms
         }
-
-
-def _coded(codec: str, level: int) -> Form:
-    """The coded form of ``codec`` at ``level`` (its one form for a codec of one level)."""
-    return Form(codec, level) if codec in LEVELED else Form(codec)
 
 
 def _configured(

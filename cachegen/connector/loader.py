@@ -21,7 +21,7 @@ from cachegen.connector.load_history import LoadHistory
 from cachegen.connector.load_plan import LoadPlan
 from cachegen.connector.parts import RecordParts
 from cachegen.connector.sources import SourcePool
-from cachegen.errors import CacheGenError, InputError
+from cachegen.errors import CacheGenError
 from cachegen.kv import KVCache, ModelIdentity
 from cachegen.stream import stream_load
 
@@ -79,16 +79,13 @@ class Loader:
         prefill_tps = (
             self.configured_prefill_tps or prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
         )
-        try:
-            controller = controller_of(
-                plan,
-                self.parts.chunk_tokens,
-                prefill_tps,
-                self.history.initial_mbps(link, nominal),
-                self.history.priors(),
-            )
-        except InputError as exc:  # no stored form within a quality bound
-            return LoadResult(0, f"max_loss_pct={plan.options.max_loss_pct}: {exc}", plan.extra)
+        controller = controller_of(
+            plan,
+            self.parts.chunk_tokens,
+            prefill_tps,
+            self.history.initial_mbps(link, nominal),
+            self.history.priors(),
+        )
         check = RecordCheck(plan.rows, plan.token_ids, self.identity, self.parts, inject)
         try:
             stats = stream_load(

@@ -124,6 +124,11 @@ class ChunkStore(ProfileRecords, ABC):
         forwarding to a remote reader, who checks each with ``record.unpack_at``."""
         return self.get_records([locate(a) for a in addresses])
 
+    def read_listed(self, entries: Sequence[ChunkInfo]) -> list[bytes | StoreError]:
+        """The verified payloads of records as :meth:`list` gave them, in order (see
+        ``get_records``): for tools that walk a store's listing."""
+        return self.get_many([(entry.key, entry.level) for entry in entries])
+
     def record_start(self, entry: ChunkInfo, length: int = HEADER_READ) -> bytes:
         """The first ``length`` bytes of ``entry``'s payload (all of a shorter one), read
         without the checksum that covers the whole payload."""

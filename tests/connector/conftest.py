@@ -63,3 +63,15 @@ def assert_answers_alike():
                 return
 
     return check
+
+
+@pytest.fixture
+def redis_up(redis_server):
+    """The shared redis-server, running and answering before and after a test that stops or
+    pauses it."""
+    if redis_server.proc is None:
+        redis_server.start()
+    yield redis_server
+    redis_server.resume()
+    if redis_server.proc is None:
+        redis_server.start()

@@ -31,16 +31,6 @@ def engine(tiny_llama, redis_server):
         yield eng
 
 
-@pytest.fixture
-def redis_up(redis_server):
-    """The shared server, running again after a test that stops it."""
-    if redis_server.proc is None:
-        redis_server.start()
-    yield redis_server
-    if redis_server.proc is None:
-        redis_server.start()
-
-
 def test_store_down_at_lookup_recomputes(engine, redis_up, text_ids):
     ids = text_ids(engine, 600, offset=5_000)
     engine.store_prefix(ids)

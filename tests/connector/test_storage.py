@@ -23,6 +23,7 @@ from cachegen.connector.ladder import (
     TCQ_LADDER_BUDGET_BITS,
 )
 from cachegen.connector.save_plan import SavePrefix
+from cachegen.errors import InputError
 from cachegen.modes import CACHEGEN, CODED, PACKED, TCQ, Form
 from cachegen.store import RecordAddress
 from cachegen_lab.connector.options import LabRequestOptions
@@ -60,6 +61,9 @@ def test_default_ladder_fits_half_of_raw_bf16(model, request, tmp_path):
         if calibrated:
             assert set(coded) <= set(calibrated)
         assert t.forms("int8") == [Form("int8")]  # other codecs: their one form, unchanged
+        assert t.load_forms(RequestOptions(mode="int8")) == [Form("int8")]
+        with pytest.raises(InputError, match="int8 has one level, 0, not 3"):
+            t.load_forms(RequestOptions(mode="int8", level=3))
     finally:
         t.close()
 

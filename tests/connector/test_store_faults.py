@@ -30,15 +30,6 @@ def engine(smollm2, redis_server):
         yield eng
 
 
-@pytest.fixture
-def redis_up(redis_server):
-    """The shared server, answering again after a test that pauses it."""
-    if redis_server.proc is None:
-        redis_server.start()
-    yield redis_server
-    redis_server.resume()
-
-
 def _stored(engine, ids, chunks: int, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while engine.stored_chunks(ids, mode="int8") < chunks:

@@ -14,23 +14,12 @@ from cachegen.store import (
     RecordAddress,
     StoreConfigError,
     chunk_keys,
-    open_store,
     stored_prefix,
 )
 from cachegen.store.keys import sliding_key
 
 MODEL = ModelIdentity("m", "f" * 64, num_layers=2, num_kv_heads=1, head_dim=64)
 KEYS = chunk_keys(MODEL, "p", list(range(256 * 4)), 256)
-
-
-@pytest.fixture(params=["local", "redis"])
-def store(request, tmp_path):
-    if request.param == "local":
-        s = open_store((tmp_path / "store").as_uri())
-    else:
-        s = open_store(request.getfixturevalue("redis_url"))
-    yield s
-    s.close()
 
 
 def test_an_address_names_a_records_chunk_part_and_form():

@@ -33,16 +33,6 @@ MODEL = ModelIdentity("m", "f" * 64, num_layers=2, num_kv_heads=1, head_dim=64)
 OTHER = ModelIdentity("m", "e" * 64, num_layers=2, num_kv_heads=1, head_dim=64)
 
 
-@pytest.fixture(params=["local", "redis"])
-def store(request, tmp_path):
-    if request.param == "local":
-        s = open_store((tmp_path / "store").as_uri())
-    else:
-        s = open_store(request.getfixturevalue("redis_url"))
-    yield s
-    s.close()
-
-
 # ---- keys ------------------------------------------------------------------------------
 
 

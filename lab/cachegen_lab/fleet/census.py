@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from cachegen.codec import CodecError, form_of
+from cachegen.modes import Form
 from cachegen.store import ChunkInfo, ChunkStore, StoreError, open_store
 from cachegen.store.keys import SLIDING_SUFFIX
 
@@ -40,8 +42,7 @@ def written(url: str, before: dict[Entry, int]) -> dict[str, Any]:
     them do not read back whole and verified (missing, corrupt, forged or too large)."""
     with open_store(url) as store:
         new = sorted((info for info in store.list() if _entry(info) not in before), key=_entry)
-        forms = {info: _form(store, info) for info in new}
-        unreadable = _unreadable(store, new)
+        forms, unreadable = _read_back(store, new)
     return {
         "chunks": len({info.key for info in new}),
         "entries": len(new),
@@ -50,11 +51,6 @@ def written(url: str, before: dict[Entry, int]) -> dict[str, Any]:
         "forms": _by(new, forms.__getitem__),
         "unreadable": unreadable,
     }
-
-
-def _form(store: ChunkStore, info: ChunkInfo) -> str:
-    form = store.form_of(info)
-    return UNKNOWN if form is None else form.label
 
 
 def _by(new: list[ChunkInfo], group: Callable[[ChunkInfo], str]) -> dict[str, dict[str, int]]:
@@ -66,15 +62,30 @@ def _by(new: list[ChunkInfo], group: Callable[[ChunkInfo], str]) -> dict[str, di
     return out
 
 
-def _unreadable(store: ChunkStore, new: list[ChunkInfo]) -> int:
-    # The store reads a listed record, verified, by the listing's own (key, slot): a record's
-    # address would have to be rebuilt from its header, which a record that is not a bitstream
-    # lacks.
-    return sum(
-        isinstance(found, StoreError)
-        for batch in _batches(new, READ_BATCH)
-        for found in store.get_many([_entry(info) for info in batch])
-    )
+def _read_back(store: ChunkStore, new: list[ChunkInfo]) -> tuple[dict[ChunkInfo, str], int]:
+    """Each record's form name and how many do not read back verified: each is read once,
+    whole; the form of one that does not read is taken from its header alone."""
+    forms: dict[ChunkInfo, str] = {}
+    unreadable = 0
+    for batch in _batches(new, READ_BATCH):
+        for info, found in zip(batch, store.read_listed(batch), strict=True):
+            if isinstance(found, StoreError):
+                unreadable += 1
+                forms[info] = _label(store.form_of(info))
+            else:
+                forms[info] = _label(_payload_form(found))
+    return forms, unreadable
+
+
+def _payload_form(payload: bytes) -> Form | None:
+    try:
+        return form_of(payload)
+    except CodecError:
+        return None
+
+
+def _label(form: Form | None) -> str:
+    return UNKNOWN if form is None else form.label
 
 
 def _batches(items: list[ChunkInfo], size: int) -> Iterable[list[ChunkInfo]]:
