@@ -255,8 +255,11 @@ class RedisCluster(LocalRedisCluster):
 
     def nodes(self) -> list[dict]:
         """The live view of ``CLUSTER NODES``: port, id, role, master id, slot count, ok."""
-        cmd = [self._cli, "-p", str(self.alive()[0]), *self._cli_auth(), "cluster", "nodes"]
-        text = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout
+        cmd = [self._cli, "-p", str(self.alive()[0]), "cluster", "nodes"]
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=10, check=True, env=self.cli_env()
+        )
+        text = done.stdout
         out = []
         for line in text.strip().splitlines():
             fields = line.split()

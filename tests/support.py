@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +43,46 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def private_file(path: Path, text: str) -> Path:
+    """``path``, written with ``text`` and readable by its owner only (mode 600): how a
+    secret or a password is handed to a server."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    return path
+
+
+@contextlib.contextmanager
+def configured_redis(directory: Path, *conf: str):
+    """A redis-server configured by ``conf`` lines (a password too: a config file keeps it off
+    the command line); yields its port (the TLS port with TLS)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    tls = any(line.startswith("tls-cert-file") for line in conf)
+    lines = ["bind 127.0.0.1", 'save ""', "appendonly no", f"dir {directory}"]
+    lines += [f"port 0\ntls-port {port}" if tls else f"port {port}", *conf]
+    config = private_file(directory / "redis.conf", "\n".join(lines) + "\n")
+    proc = subprocess.Popen(
+        [require_tool("redis-server"), str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"redis-server did not start with {config}") from None
+                time.sleep(0.02)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def require_cpu_kernel(isa: str, dtype, block_size: int = 32, head_dim: int = 64) -> None:

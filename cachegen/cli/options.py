@@ -11,6 +11,7 @@ from cachegen.errors import InputError
 from cachegen.models import EMBEDDED_DEFAULT
 from cachegen.modes import CACHEGEN, LEVEL_LIMIT, Form, configured_form
 from cachegen.store import default_store_url
+from cachegen.store.secret_files import inline_password_error
 
 Handler = Callable[[argparse.Namespace], int]
 MODEL_HELP = "model name, hub id or directory"
@@ -75,7 +76,24 @@ def codec(p) -> None:
 
 
 def store(p, what: str = "store URL") -> None:
-    p.add_argument("--store", default=None, help=f"{what} (default: {default_store_url()})")
+    p.add_argument(
+        "--store",
+        default=None,
+        type=store_url,
+        help=f"{what}; a Redis password by ?password_file=PATH or ?password_env=NAME, never "
+        f"inline (default: {default_store_url()})",
+    )
+
+
+def store_url(text: str) -> str:
+    """A ``--store`` URL; one with its Redis password inline is refused with the fix (a
+    command line is seen by ``ps`` and kept in shell history)."""
+    refusal = inline_password_error(
+        text, "the URL", "a command line is seen by ps and kept in shell history"
+    )
+    if refusal is not None:
+        raise argparse.ArgumentTypeError(str(refusal))  # argparse shows it without the value
+    return text
 
 
 def chunk_tokens(p, help: str = "tokens per chunk" + DEFAULT) -> None:

@@ -47,6 +47,8 @@ class RedisEndpoint:
         cannot be reached does not, except for a cluster client, which connects at once: the
         first operation that needs it raises ``StoreUnavailable``, so an engine can start while
         its store is down, and recompute."""
+        # The client URL may carry a password the public URL names by file or environment.
+        self._password = urlsplit(url).password or self._password
         # Few, fast retries: a dead server must turn into StoreUnavailable within about
         # timeout_s, so the caller can recompute instead of waiting on backoff.
         options = dict(
@@ -120,7 +122,8 @@ class RedisEndpoint:
                 "check the password or the ACL user"
                 if self._password is not None
                 else "check the password or the ACL user: the server requires one and the URL "
-                "gives none (redis://:PASSWORD@host:port/db or redis://USER:PASSWORD@...)"
+                "gives none (name it with ?password_file=/path or ?password_env=NAME, and an "
+                "ACL user as redis://USER@host:port/db)"
             )
             return StoreConfigError(
                 f"authentication failed for user {self.user!r} at {self.host}: {hint} "
@@ -137,6 +140,12 @@ class RedisEndpoint:
         cert = next((e for e in chain if isinstance(e, ssl.SSLCertVerificationError)), None)
         if cert is not None or "CERTIFICATE_VERIFY_FAILED" in said:
             reason = getattr(cert, "verify_message", None) or _first_line(said)
+            if "mismatch" in reason:
+                return StoreConfigError(
+                    f"the TLS certificate of redis at {self.host} does not name that host "
+                    f"({reason}): connect by a host name or address the certificate lists "
+                    "(its subjectAltName), or have the server's certificate list this one"
+                )
             return StoreConfigError(
                 f"the TLS certificate of redis at {self.host} could not be verified ({reason}): "
                 "set the store option ssl_ca_certs to the CA certificate that signed the "
@@ -174,6 +183,9 @@ def _ssl_options(tls: bool, **given: str | None) -> dict:
             raise StoreConfigError(f"store option {name}: {path!r} is not a readable file")
     out = {name: os.path.expanduser(chosen[name]) for name in SSL_FILES if name in chosen}
     out["ssl_cert_reqs"] = reqs
+    # A verified certificate must also name the host connected to (a certificate of another
+    # host signed by the same CA would pass otherwise); ssl_cert_reqs=none turns both off.
+    out["ssl_check_hostname"] = reqs != "none"
     return out
 
 

@@ -2,16 +2,19 @@
 
     file:///abs/dir[?max_bytes=2gb&fsync=1]     local directory (a plain path works too)
     redis://host:port/db[?ttl_s=3600&max_memory=1gb&prefix=cachegen&timeout_s=5]
-    redis://:PASSWORD@host:port/db               a password (requirepass)
-    redis://USER:PASSWORD@host:port/db           an ACL user
+    redis://host:port/db?password_file=/path     a password (requirepass) read from a file
+    redis://USER@host:port/db?password_env=NAME  an ACL user, its password in $NAME
+    redis://USER:PASSWORD@host:port/db           a password inline (Python code only: the
+                                                  connector and the CLI refuse it)
     rediss://host:port/db?ssl_ca_certs=/ca.pem   the same over TLS (ssl_certfile, ssl_keyfile
                                                   for a client certificate; ssl_cert_reqs)
     valkey://host:port/db                         Valkey (speaks the Redis protocol)
     redis+cluster://host:port                     a Redis Cluster, any node as entry point
 
 Every store also takes ``max_record_bytes`` (refuse records larger than this). Options may
-also be given as keyword arguments; they override the URL's query. The store secret that
-signs records is never part of a URL: ``open_store(url, secret=...)`` or the environment
+also be given as keyword arguments; they override the URL's query (``password_file`` and
+``password_env`` are URL-only, so that the URL reopens the store elsewhere). The store secret
+that signs records is never part of a URL: ``open_store(url, secret=...)`` or the environment
 variable ``CACHEGEN_STORE_SECRET``.
 """
 
@@ -19,11 +22,12 @@ from __future__ import annotations
 
 import os
 import re
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 from cachegen.constants import cache_root
 from cachegen.store.base import ChunkStore
 from cachegen.store.errors import StoreConfigError
+from cachegen.store.secret_files import PASSWORD_ENV, PASSWORD_FILE, named_password
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
@@ -79,16 +83,34 @@ def _convert(name: str, kind: str, value):
 
 
 def without_password(url: str) -> str:
-    """``url`` with its password (if any) replaced by ``***``: what messages and logs show."""
+    """``url`` with its password (if any, inline or in a ``password`` query option) replaced
+    by ``***``: what messages and logs show."""
     parts = urlsplit(url)
-    if parts.password is None:
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    queried = any(name == "password" for name, _ in query)
+    if parts.password is None and not queried:
         return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
+    if queried:
+        hidden = [(name, "***" if name == "password" else value) for name, value in query]
+        parts = parts._replace(query=urlencode(hidden, safe="*/"))
+    if parts.password is not None:
+        host = parts.netloc.rsplit("@", 1)[1]
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
+    return urlunsplit(parts)
 
 
-def _split_options(query: str, known: dict[str, str], overrides: dict) -> tuple[dict, str]:
+def _with_password(netloc: str, password: str) -> str:
+    """``netloc`` (``[USER@]HOST:PORT``, no password) with ``password`` added: the address
+    only redis-py sees, never shown."""
+    user, _, host = netloc.rpartition("@")
+    return f"{user}:{quote(password, safe='')}@{host}"
+
+
+def _split_options(
+    query: str, known: dict[str, str], overrides: dict, consumed: tuple[str, ...] = ()
+) -> tuple[dict, str]:
+    """The store options of ``query`` (``known``) with ``overrides`` on top, and the rest of
+    the query (for redis-py), without the ``consumed`` names."""
     ours, rest = {}, []
     for name, value in parse_qsl(query, keep_blank_values=True):
         if name.lower() in _SECRET_NAMES:
@@ -96,6 +118,8 @@ def _split_options(query: str, known: dict[str, str], overrides: dict) -> tuple[
                 "a store secret cannot be given in the store URL (URLs are shown in messages "
                 "and logs): pass open_store(url, secret=...) or set CACHEGEN_STORE_SECRET"
             )
+        if name in consumed:
+            continue
         (ours.__setitem__(name, value) if name in known else rest.append((name, value)))
     ours.update(overrides)
     unknown = set(overrides) - set(known)
@@ -138,12 +162,16 @@ def open_store(
     if scheme in ("redis", "rediss", "valkey", "valkeys", "redis+cluster", "rediss+cluster"):
         from cachegen.store.redis_backend import RedisStore
 
-        opts, rest = _split_options(parts.query, REDIS_OPTIONS, options)
+        password = named_password(url)
+        opts, rest = _split_options(
+            parts.query, REDIS_OPTIONS, options, consumed=(PASSWORD_FILE, PASSWORD_ENV)
+        )
         cluster = scheme.endswith("+cluster")
         wire_scheme = {"valkey": "redis", "valkeys": "rediss"}.get(
             scheme, scheme.removesuffix("+cluster")
         )
-        client_url = urlunsplit((wire_scheme, parts.netloc, parts.path, rest, ""))
+        netloc = parts.netloc if password is None else _with_password(parts.netloc, password)
+        client_url = urlunsplit((wire_scheme, netloc, parts.path, rest, ""))
         return RedisStore(client_url, cluster=cluster, public_url=url, secret=secret, **opts)
     raise StoreConfigError(
         f"unknown store URL scheme {parts.scheme!r} in {shown!r}; use file:///dir, "

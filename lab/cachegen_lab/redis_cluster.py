@@ -9,6 +9,7 @@ starts Redis.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -16,7 +17,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import urlencode
 
 from cachegen.errors import CacheGenError, InputError
 
@@ -65,6 +66,14 @@ def redis_binaries() -> tuple[str, str]:
     return found["redis-server"], found["redis-cli"]
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a new ``path`` that only its owner can read (mode 600 from the
+    start, so no one else can open it in between)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
 def _log_tail(path: Path) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -76,8 +85,10 @@ def _log_tail(path: Path) -> str:
 class LocalRedisCluster:
     """``size`` redis-server nodes (``size // 2`` masters, each with a replica) in ``root``
     (default: a temporary directory, removed by :meth:`stop`). ``password`` sets
-    ``requirepass`` and ``masterauth`` on every node; ``query`` holds the store options that
-    :meth:`url` adds. Start with :meth:`start` or ``with``; :meth:`stop` ends every node."""
+    ``requirepass`` and ``masterauth`` on every node, through files in ``root`` that only this
+    user can read, never a command line; :meth:`url` names it by that file. ``query`` holds the
+    store options that :meth:`url` adds. Start with :meth:`start` or ``with``; :meth:`stop`
+    ends every node."""
 
     def __init__(
         self,
@@ -113,11 +124,26 @@ class LocalRedisCluster:
 
     def url(self, port: int | None = None, query: str | None = None) -> str:
         """The ``redis+cluster://`` store URL with ``port`` (default: the first node) as entry
-        point and ``query`` (default: the cluster's) as store options."""
-        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        point and ``query`` (default: the cluster's) as store options; with a password, its
+        ``password_file`` (written by :meth:`start`)."""
         query = self.query if query is None else query
+        if self.password:
+            if self.root is None:
+                raise LocalClusterError("start the cluster first: its password file is made then")
+            named = urlencode({"password_file": self.password_file}, safe="/")
+            query = f"{query}&{named}" if query else named
         tail = f"?{query}" if query else ""
-        return f"redis+cluster://{auth}127.0.0.1:{port or self.ports[0]}{tail}"
+        return f"redis+cluster://127.0.0.1:{port or self.ports[0]}{tail}"
+
+    @property
+    def password_file(self) -> Path:
+        """The file holding the password (``requirepass``), readable by its owner only."""
+        return self.root / "password"
+
+    def cli_env(self) -> dict[str, str]:
+        """The environment of a ``redis-cli`` run on this cluster: the password in
+        ``REDISCLI_AUTH``, not on its command line."""
+        return {**os.environ, "REDISCLI_AUTH": self.password} if self.password else dict(os.environ)
 
     def start(self) -> None:
         """Start every node, create the cluster and wait until it is ok; on any failure every
@@ -127,6 +153,8 @@ class LocalRedisCluster:
             if self.root is None:
                 self.root = Path(tempfile.mkdtemp(prefix="cachegen-redis-cluster-"))
                 self._made_root = True
+            if self.password:
+                _write_private(self.password_file, self.password)
             for port in self.ports:
                 self.start_node(port)
             self._create()
@@ -140,15 +168,17 @@ class LocalRedisCluster:
         accepts connections. Its output goes to redis.log in its directory."""
         directory = self.root / str(port)
         directory.mkdir(parents=True, exist_ok=True)
-        args = [
-            self._server,
+        args = [self._server]
+        if self.password:  # a config file: redis-server's arguments are seen by `ps`
+            auth = directory / "auth.conf"
+            _write_private(auth, f"requirepass {self.password}\nmasterauth {self.password}\n")
+            args.append(str(auth))
+        args += [
             "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
             "--cluster-node-timeout", str(self.node_timeout_ms),
             "--appendonly", "no", "--save", "",
         ]  # fmt: skip
-        if self.password:
-            args += ["--requirepass", self.password, "--masterauth", self.password]
         log = directory / "redis.log"
         with log.open("ab") as out:
             proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
@@ -164,14 +194,13 @@ class LocalRedisCluster:
                 )
             time.sleep(0.02)
 
-    def _cli_auth(self) -> list[str]:
-        return ["-a", self.password, "--no-auth-warning"] if self.password else []
-
     def _create(self) -> None:
         cmd = [self._cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
-        cmd += ["--cluster-replicas", "1", "--cluster-yes", *self._cli_auth()]
+        cmd += ["--cluster-replicas", "1", "--cluster-yes"]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=CREATE_TIMEOUT_S)
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=CREATE_TIMEOUT_S, env=self.cli_env()
+            )
         except subprocess.TimeoutExpired:
             raise LocalClusterError(
                 f"redis-cli --cluster create did not finish in {CREATE_TIMEOUT_S:.0f} s"

@@ -1,11 +1,11 @@
 """The connector's producer and consumer on a real Redis Cluster (3 masters, 3 replicas, a
 password), through vLLM with the real model (SmolLM2-135M), under faults.
 
-The engine's store is ``redis+cluster://:PASSWORD@node``: the requests that save (producer)
-and the requests that load (consumer) share the cluster through it. Every answer is compared
-with the same engine answering from text (greedy), the ground truth for raw loads and for every
-fallback to recomputation. The tests share one cluster and run in file order; the failover test
-kills a master for good, so it comes last.
+The engine's store is ``redis+cluster://node?password_file=...``: the requests that save
+(producer) and the requests that load (consumer) share the cluster through it. Every answer is
+compared with the same engine answering from text (greedy), the ground truth for raw loads and
+for every fallback to recomputation. The tests share one cluster and run in file order; the
+failover test kills a master for good, so it comes last.
 """
 
 from __future__ import annotations

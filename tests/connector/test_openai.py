@@ -2,8 +2,11 @@
 a system document asked about three times (non-streaming, streaming right after, and once the
 document's chunks are stored), the last one loading the document from the store.
 
-One server (SmolLM2-135M, mode cachegen, a fresh file store) serves the whole module. Times to
-first token are printed (``pytest -rP``), never asserted.
+One server (SmolLM2-135M, mode cachegen) serves the whole module. Its store is a fresh
+redis-server that requires a password, which the server reads from a file the store URL names,
+and its records are signed with a secret it reads from ``store_secret_file``: neither value is on
+its command line or in its log. Times to first token are printed (``pytest -rP``), never
+asserted.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import urllib.request
 import pytest
 
 from cachegen.connector.errors import ConnectorError
+from cachegen.store import open_store, record
 from cachegen_lab.bench.openai_server import OpenAIServer, ServerError
+from tests.support import configured_redis, private_file
 
 MODEL = "smollm2-135m"
 DOCUMENT_TOKENS = 1024  # four chunks: enough for a save and a load to show
@@ -26,12 +31,23 @@ QUESTIONS = (
     "Name one Python statement the text above describes.",
     "What is the main topic of the text above?",
 )
+SECRET = "store-secret-Jm6t-never-logged"  # what must appear nowhere in the server's log
+PASSWORD = "redis-pw-Vb3q-never-logged"
 
 
 @pytest.fixture(scope="module")
-def server():
-    with OpenAIServer(MODEL, mode="cachegen") as running:
-        yield running
+def server(tmp_path_factory):
+    secrets = tmp_path_factory.mktemp("secrets")
+    secret_file = private_file(secrets / "store-secret", SECRET + "\n")
+    password_file = private_file(secrets / "redis-password", PASSWORD + "\n")
+    with configured_redis(secrets / "redis", f"requirepass {PASSWORD}") as port:
+        with OpenAIServer(
+            MODEL,
+            mode="cachegen",
+            store=f"redis://127.0.0.1:{port}/0?password_file={password_file}",
+            connector_extra={"store_secret_file": str(secret_file)},
+        ) as running:
+            yield running
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +123,37 @@ def test_a_stored_document_is_loaded_by_a_later_question(server, document):
     assert report["loaded_tokens"] >= 0.9 * doc_tokens, (report, doc_tokens)
 
 
+def test_neither_the_store_secret_nor_the_redis_password_reaches_the_log(server, document):
+    """A request saves and a later one loads, in a key scope of their own (``cache_salt``), on
+    the signed, password-protected store: the server's whole log, which shows its
+    ``kv_connector_extra_config``, and its command line hold neither value."""
+    text, doc_tokens = document
+    client = server.client(timeout=1800)
+    asked = {"model": server.model, "max_tokens": 2, "temperature": 0}
+    salted = {"extra_body": {"cache_salt": "secrets-test"}}
+    saving = _chat(text, QUESTIONS[0])
+    assert _report(client.chat.completions.create(messages=saving, **asked, **salted))[
+        "save_chunks"
+    ]
+    server.wait_stored(server.tokenize_chat(saving), cache_salt="secrets-test")
+    loading = client.chat.completions.create(messages=_chat(text, QUESTIONS[1]), **asked, **salted)
+    assert _report(loading)["loaded_tokens"] >= 0.9 * doc_tokens
+    with open_store(server.config.store, secret="") as store:  # the records are signed
+        entry = next(iter(store.list()))
+        assert store.get_record(entry.key, entry.level)[4] == record.VERSION_SIGNED
+    log = server.log_path.read_text(errors="replace")
+    assert "store_secret_file" in log and "password_file" in log  # vLLM logged the config
+    command = " ".join(server.command())
+    for value in (SECRET, PASSWORD):
+        assert value not in log and value not in command
+
+
 def test_bad_connector_options_fail_before_the_server_starts():
     with pytest.raises(ConnectorError, match="unknown kv_connector_extra_config keys"):
         OpenAIServer(MODEL, mode="cachegen", connector_extra={"no_such_option": 1})
+    with pytest.raises(ConnectorError, match="store_secret_file") as caught:
+        OpenAIServer(MODEL, mode="cachegen", connector_extra={"store_secret": SECRET})
+    assert SECRET not in str(caught.value)
 
 
 def test_a_server_that_exits_at_start_reports_its_log_and_leaves_no_process():

@@ -16,18 +16,18 @@ from cachegen.connector.errors import ConnectorError
 from cachegen.connector.transport import ChunkTransport
 from cachegen.modes import RECOMPUTE
 from cachegen.store.keys import chunk_keys, key_scope
-from tests.support import CHUNK, connector_engine
+from tests.support import CHUNK, connector_engine, private_file
 
 CONTEXT = 512  # two chunks: enough to tell a salt's chunks from another's
 QUESTION = "\n\nQuestion: what is this text about? Answer:"
 
 
 def test_salts_and_tenants_give_disjoint_keys(tiny_llama):
-    identity = tiny_llama.identity()
+    identity, weights = tiny_llama.identity(), tiny_llama.served_weights()
     ids = list(range(4 * CHUNK))
 
     def keys(salt):
-        return chunk_keys(identity, "p", ids, CHUNK, salt=salt)
+        return chunk_keys(identity, "p", ids, CHUNK, weights=weights, salt=salt)
 
     scopes = [
         None,
@@ -41,8 +41,8 @@ def test_salts_and_tenants_give_disjoint_keys(tiny_llama):
     all_keys = [k for scope in scopes for k in keys(scope)]
     assert len(set(all_keys)) == len(all_keys) == 4 * len(scopes)
     assert keys(key_scope(None, "tenant-a")) == keys(key_scope(None, "tenant-a"))
-    # Unsalted keys are those of earlier releases: stores written before stay readable.
-    assert keys(None) == chunk_keys(identity, "p", ids, CHUNK)
+    # Unsalted keys are the keys without a scope (those of a tenant-less engine).
+    assert keys(None) == chunk_keys(identity, "p", ids, CHUNK, weights=weights)
     # Every key keeps the namespace, so `cachegen store ls --prefix NS` still lists a model's.
     assert {k.split("/")[0] for k in all_keys} == {keys(None)[0].split("/")[0]}
 
@@ -57,11 +57,12 @@ def test_a_malformed_salt_or_tenant_is_refused_with_the_rule(bad):
         ConnectorConfig.from_extra_config({"tenant": bad})
 
 
-def test_a_client_cannot_choose_its_key_scope():
+def test_a_client_cannot_choose_its_key_scope(tmp_path):
     with pytest.raises(ConnectorError, match="unknown kv_transfer_params"):
         RequestOptions().override({"salt": '[null, "tenant-b"]'})
+    secret_file = private_file(tmp_path / "secret", "s3cr3t-value-of-16+")
     config = ConnectorConfig.from_extra_config(
-        {"tenant": "acme", "store_secret": "s3cr3t-value", "max_load_bytes": "1mb"}
+        {"tenant": "acme", "store_secret_file": str(secret_file), "max_load_bytes": "1mb"}
     )
     assert config.max_load_bytes == 1_000_000 and "s3cr3t-value" not in repr(config)
     with pytest.raises(ConnectorError, match="max_record_bytes"):
@@ -107,10 +108,14 @@ SECRET = "test-secret-not-for-production"
 
 @pytest.fixture(scope="module")
 def engine(smollm2, tmp_path_factory):
-    """A connector engine whose store is signed with ``SECRET``."""
+    """A connector engine whose store is signed with ``SECRET`` (read from a file)."""
     store = tmp_path_factory.mktemp("tenant-store").as_uri()
+    secret_file = private_file(tmp_path_factory.mktemp("tenant-secret") / "secret", SECRET)
     with connector_engine(
-        smollm2, store, save_modes=("int8",), connector_extra={"store_secret": SECRET}
+        smollm2,
+        store,
+        save_modes=("int8",),
+        connector_extra={"store_secret_file": str(secret_file)},
     ) as eng:
         yield eng
 

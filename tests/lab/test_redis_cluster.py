@@ -53,11 +53,17 @@ def test_a_local_cluster_serves_a_store_and_stops_without_a_trace():
     require_tool("redis-server")
     require_tool("redis-cli")
     cluster = Recording(password=PASSWORD, query="timeout_s=2")
-    assert len(set(cluster.ports)) == 6 and cluster.url().startswith("redis+cluster://")
+    assert len(set(cluster.ports)) == 6
     with cluster:
         root = cluster.root
         assert root is not None and root.is_dir()
         assert len(cluster.started) == 6
+        # The password is in files only this user can read, never on a command line or in a URL.
+        assert cluster.url().startswith("redis+cluster://127.0.0.1:") and PASSWORD not in (
+            cluster.url()
+        )
+        assert not any(PASSWORD in " ".join(proc.args) for proc in cluster.started)
+        assert cluster.password_file.stat().st_mode & 0o077 == 0
         assert {cluster.info(p)["cluster_state"] for p in cluster.ports} == {"ok"}
         # Any node is an entry point; each key goes to the master of its slot.
         with open_store(cluster.url(), secret=SECRET) as store:

@@ -6,14 +6,10 @@ user, TLS with a throwaway CA made by the openssl CLI).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import pickle
-import shutil
-import socket
 import struct
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +26,7 @@ from cachegen.store import (
     record,
 )
 from cachegen.store.local import LocalStore
-from tests.support import free_port, require_tool
+from tests.support import configured_redis, free_port, private_file, require_tool
 
 SECRET = "s3cret-Zq8v-do-not-print"
 OTHER_SECRET = b"another-secret-entirely"
@@ -39,36 +35,6 @@ PASSWORD = "pw-Hx91-never-shown"
 
 
 # ---- helpers -------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _redis_server(directory: Path, *conf: str):
-    """A redis-server configured by ``conf`` lines; yields its port (TLS port with TLS)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    tls = any(line.startswith("tls-cert-file") for line in conf)
-    lines = ["bind 127.0.0.1", 'save ""', "appendonly no", f"dir {directory}"]
-    lines += [f"port 0\ntls-port {port}" if tls else f"port {port}", *conf]
-    (directory / "redis.conf").write_text("\n".join(lines) + "\n")
-    proc = subprocess.Popen(
-        [shutil.which("redis-server"), str(directory / "redis.conf")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"redis-server did not start with {conf}") from None
-                time.sleep(0.02)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -285,7 +251,7 @@ def test_chunk_server_path_verifies(tmp_path):
 @pytest.fixture(scope="module")
 def auth_redis(tmp_path_factory):
     require_tool("redis-server")
-    with _redis_server(
+    with configured_redis(
         tmp_path_factory.mktemp("auth"),
         f"requirepass {PASSWORD}",
         f"user alice on >{PASSWORD}-alice ~* &* +@all",
@@ -320,6 +286,55 @@ def test_redis_password(auth_redis):
     )
 
 
+def test_redis_password_from_a_file_or_the_environment(auth_redis, tmp_path, monkeypatch):
+    """A password named by ``password_file`` or ``password_env``, never written in the URL:
+    the store's URL and label show where it is, not what it is."""
+    host = f"127.0.0.1:{auth_redis}"
+    good = private_file(tmp_path / "pw", PASSWORD + "\n")  # echo's line break is not part of it
+    monkeypatch.setenv("CACHEGEN_TEST_REDIS_PASSWORD", f"{PASSWORD}-alice")
+    for url in (
+        f"redis://{host}/0?password_file={good}",
+        f"redis://alice@{host}/0?password_env=CACHEGEN_TEST_REDIS_PASSWORD&timeout_s=2",
+    ):
+        with open_store(url, secret=SECRET) as s:
+            s.put(KEY, 2, b"behind a named password")
+            assert s.get(KEY, 2) == b"behind a named password"
+            assert s.url == url and s.label == url
+            assert PASSWORD not in repr(s) and PASSWORD not in str(s.stats().to_dict())
+    _assert_config_error(
+        lambda: open_store(f"redis://{host}/0?password_file={private_file(tmp_path / 'x', 'x')}"),
+        "authentication failed",
+        "check the password",
+    )
+
+
+def test_a_password_file_or_variable_that_cannot_serve_is_refused_by_name(
+    auth_redis, tmp_path, monkeypatch
+):
+    host = f"127.0.0.1:{auth_redis}"
+    shared = private_file(tmp_path / "shared", PASSWORD)
+    shared.chmod(0o640)
+    empty = private_file(tmp_path / "empty", "\n")
+    monkeypatch.setenv("CACHEGEN_TEST_EMPTY", "")
+    monkeypatch.delenv("CACHEGEN_TEST_UNSET", raising=False)
+    cases = {
+        f"password_file={shared}": (str(shared), "group or others", "chmod 600"),
+        f"password_file={tmp_path / 'absent'}": ("absent", "does not exist"),
+        f"password_file={empty}": (str(empty), "is empty"),
+        f"password_file={tmp_path}": (str(tmp_path), "not a regular file"),
+        "password_env=CACHEGEN_TEST_EMPTY": ("CACHEGEN_TEST_EMPTY", "is empty"),
+        "password_env=CACHEGEN_TEST_UNSET": ("CACHEGEN_TEST_UNSET", "is not set"),
+        f"password_file={shared}&password_env=X": ("more than once",),
+        f"password={PASSWORD}": ("password_file", "password_env"),
+    }
+    for query, needles in cases.items():
+        _assert_config_error(lambda q=query: open_store(f"redis://{host}/0?{q}"), *needles)
+    _assert_config_error(
+        lambda: open_store(f"redis://:{PASSWORD}@{host}/0?password_file={shared}"),
+        "more than once",
+    )
+
+
 def test_redis_acl_user(auth_redis):
     host = f"127.0.0.1:{auth_redis}"
     with open_store(f"redis://alice:{PASSWORD}-alice@{host}/0") as s:
@@ -347,7 +362,7 @@ def _tls_conf(certs: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def tls_redis(tmp_path_factory, certs):
     require_tool("redis-server")
-    with _redis_server(
+    with configured_redis(
         tmp_path_factory.mktemp("tls"),
         *_tls_conf(certs),
     ) as port:
@@ -366,6 +381,13 @@ def test_redis_tls(tls_redis, certs):
             lambda: open_store(url, **extra), "certificate", "could not be verified", "ssl_ca_certs"
         )
     with open_store(url, ssl_cert_reqs="none") as s:  # explicitly unverified
+        assert s.exists(KEY, 0)
+    # The certificate names 127.0.0.1 only: signed by the right CA, but for another host.
+    other_host = f"rediss://localhost:{tls_redis}/0?ssl_ca_certs={certs / 'ca.crt'}"
+    _assert_config_error(
+        lambda: open_store(other_host), "does not name that host", "localhost", "subjectAltName"
+    )
+    with open_store(f"{other_host}&ssl_cert_reqs=none") as s:  # explicitly unverified
         assert s.exists(KEY, 0)
     _assert_config_error(
         lambda: open_store(f"redis://127.0.0.1:{tls_redis}/0?ssl_ca_certs={certs / 'ca.crt'}"),
@@ -474,13 +496,17 @@ def test_a_short_secret_is_refused(tmp_path):
 def tls_acl_redis(tmp_path_factory, certs):
     """TLS and an ACL user (no default user): what a shared production Redis looks like."""
     require_tool("redis-server")
-    with _redis_server(
+    with configured_redis(
         tmp_path_factory.mktemp("tls-acl"),
         *_tls_conf(certs),
         "user default off",
         f"user alice on >{PASSWORD} ~* &* +@all",
     ) as port:
-        yield f"rediss://alice:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={certs / 'ca.crt'}"
+        password = private_file(tmp_path_factory.mktemp("tls-acl-pw") / "pw", PASSWORD)
+        yield (
+            f"rediss://alice@127.0.0.1:{port}/0?ssl_ca_certs={certs / 'ca.crt'}"
+            f"&password_file={password}"
+        )
 
 
 def _transport(spec, store_url: str, **extra):
@@ -491,12 +517,14 @@ def _transport(spec, store_url: str, **extra):
     return ChunkTransport(config, spec, spec.identity())
 
 
-def test_connector_start_up_names_the_wrong_setting(tls_acl_redis, tiny_llama, certs):
+def test_connector_start_up_names_the_wrong_setting(tls_acl_redis, tiny_llama, tmp_path):
     from cachegen.connector.errors import ConnectorError
 
-    wrong = {
-        "password": tls_acl_redis.replace(f":{PASSWORD}@", f":{PASSWORD}-wrong@"),
-        "user": tls_acl_redis.replace("alice:", "mallory:"),
+    wrong_password = private_file(tmp_path / "wrong", f"{PASSWORD}-wrong")
+    wrong = {  # the URL names its password file: "password" alone would be in every message
+        "for user 'alice'": tls_acl_redis.split("&password_file=")[0]
+        + f"&password_file={wrong_password}",
+        "for user 'mallory'": tls_acl_redis.replace("alice@", "mallory@"),
         "certificate": tls_acl_redis.replace("ca.crt", "other-ca.crt"),
         "rediss://": tls_acl_redis.replace("rediss://", "redis://"),
     }
@@ -504,13 +532,15 @@ def test_connector_start_up_names_the_wrong_setting(tls_acl_redis, tiny_llama, c
         with pytest.raises(ConnectorError, match="cannot open the KV store") as caught:
             _transport(tiny_llama, url)
         assert needle in str(caught.value) and PASSWORD not in str(caught.value)
+    short = private_file(tmp_path / "short-secret", "short")
     with pytest.raises(ConnectorError, match="at least 16"):
-        _transport(tiny_llama, tls_acl_redis, store_secret="short")
+        _transport(tiny_llama, tls_acl_redis, store_secret_file=str(short))
 
 
-def test_connector_over_tls_with_an_acl_user_end_to_end(tls_acl_redis, smollm2):
-    """vLLM with the connector on a Redis that needs TLS and an ACL user, signed records: a
-    stored prefix loads directly and through the rate-limited chunk server."""
+def test_connector_over_tls_with_an_acl_user_end_to_end(tls_acl_redis, smollm2, tmp_path):
+    """vLLM with the connector on a Redis that needs TLS and an ACL user (its password in a
+    file), records signed (the secret in a file): a stored prefix loads directly and through
+    the rate-limited chunk server."""
     import os
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -522,7 +552,7 @@ def test_connector_over_tls_with_an_acl_user_end_to_end(tls_acl_redis, smollm2):
         store=tls_acl_redis,
         save_modes=("int8",),
         max_model_len=1024,
-        connector_extra={"store_secret": SECRET},
+        connector_extra={"store_secret_file": str(private_file(tmp_path / "secret", SECRET))},
     ) as engine:
         prompt = engine.tokenize(workload.text("eval")[:8000])[:512] + engine.tokenize(
             "\n\nSummary:", bos=False

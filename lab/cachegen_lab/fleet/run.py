@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 
 from cachegen.errors import CacheGenError, InputError
 from cachegen.modes import RECOMPUTE
+from cachegen.store.secret_files import inline_password_error
 from cachegen_lab.bench.links import link_label
 from cachegen_lab.fleet import census, client, configs, summary
 from cachegen_lab.fleet.drive import Driver, Run, Sending, Stop, warm_up
@@ -51,19 +52,6 @@ def progress(message: str) -> None:
     print(f"fleet-bench: {message}", file=sys.stderr, flush=True)
 
 
-def shown(url: str | None) -> str | None:
-    """``url`` as the document records it: a password replaced by ``***``."""
-    if url is None:
-        return None
-    parts = urlparse(url)
-    if parts.password is None:
-        return url
-    user = f"{parts.username}:" if parts.username else ":"
-    return parts._replace(
-        netloc=f"{user}***@{parts.hostname}:{parts.port or ''}".rstrip(":")
-    ).geturl()
-
-
 @contextlib.contextmanager
 def fresh_store(base: str | None, config_name: str, run_id: str):
     """``(store URL, connector extra)`` of a store no earlier configuration wrote: a new
@@ -83,7 +71,13 @@ def fresh_store(base: str | None, config_name: str, run_id: str):
 
 def store_scheme(base: str) -> str:
     """The scheme of a store URL the fleet shares: ``file`` or one of ``REDIS_SCHEMES``;
-    any other is refused."""
+    any other is refused, and so is a Redis password inline (the servers' command lines and
+    logs would show it)."""
+    refusal = inline_password_error(
+        base, "--store", "it would be on the command line and in the log of every server"
+    )
+    if refusal is not None:
+        raise InputError(str(refusal))
     scheme = urlparse(base).scheme
     if scheme != "file" and scheme not in REDIS_SCHEMES:
         raise InputError(
@@ -240,7 +234,7 @@ def run_config(bench: Bench, config: configs.Config) -> Iterator[dict[str, Any]]
             run = Run(config.name, rate, salt, config.connector)
             setup = {
                 **config.describe(),
-                "store": shown(url),
+                "store": url,
                 "tenant": store_extra.get("tenant"),
                 "cache_salt": salt,
             }
@@ -324,7 +318,7 @@ def fleet_bench(
         "api": api,
         "ignore_eos": ignore_eos,
         "bandwidths_mbps": list(bandwidths),
-        "store": LOCAL_CLUSTER if store == LOCAL_CLUSTER else shown(store),
+        "store": store,
         "slo_ms": slo_ms,
         "stop": None if stop is None else {"server": stop.server, "after": stop.after},
         "kv_cache_gib": kv_cache_gib,
