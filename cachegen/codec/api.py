@@ -7,6 +7,7 @@ codec name or a bitstream's codec id is not a core one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from inspect import signature
 
@@ -118,8 +119,10 @@ def _codec_of(header: Header) -> type[Codec]:
     )
 
 
-def _open(blob: bytes | bytearray | memoryview):
+def _open(blob: bytes | bytearray | memoryview, expect: Callable[[Header], None] | None = None):
     header = parse_header(blob)
+    if expect is not None:  # before anything is sized from the header
+        expect(header)
     cls = _codec_of(header)
     if header.form not in cls.forms:
         raise CodecError(f"bitstream header is corrupt (packed symbols in a {cls.name} stream)")
@@ -131,14 +134,20 @@ def _open(blob: bytes | bytearray | memoryview):
 
 
 def decode(
-    blob: bytes | bytearray | memoryview, out_dtype: torch.dtype = torch.bfloat16
+    blob: bytes | bytearray | memoryview,
+    out_dtype: torch.dtype = torch.bfloat16,
+    expect: Callable[[Header], None] | None = None,
 ) -> KVCache:
     """Decode a bitstream of any codec. Raises ``CodecError`` for corrupt or unsupported input.
 
-    A stream of a layer subset decodes to a ``KVCache`` of the same layers (``layers``)."""
+    A stream of a layer subset decodes to a ``KVCache`` of the same layers (``layers``).
+    ``expect(header)`` runs on the parsed header before its frames are read and before any
+    output is allocated: a caller that knows what the stream must hold (a load knows the chunk
+    it planned and the model's geometry) raises there, so a forged header never sizes an
+    allocation."""
     if out_dtype not in OUT_DTYPES:
         raise CodecError(f"out_dtype must be one of {', '.join(str(d) for d in OUT_DTYPES)}")
-    header, _, frames, decoder = _open(blob)
+    header, _, frames, decoder = _open(blob, expect)
     out = decoder.decode(frames, out_dtype)
     ids = np.concatenate([f.token_ids for f in frames]) if frames else np.zeros(0, dtype=np.int64)
     return KVCache(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from cachegen.connector.errors import ConnectorError
 from cachegen.errors import CacheGenError
 from cachegen.kv import KVCache, ModelIdentity
 from cachegen.models import ModelSpec
+from cachegen.modes import CODED, Form
 from cachegen.store import ChunkCorrupt
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,9 @@ def codec_name(mode: str) -> str:
 class CodecSet:
     """Each mode's codec, made once; while any exists the store is a provider of coding tables
     and model files (a profile's missing tables, and a tcq chunk's model file, come from it),
-    and each codec's are published to the store before its first record
-    (:meth:`publish_tables`)."""
+    and each codec's are published to the store before its first record, and put back when
+    the store has lost them (:meth:`publish_tables`). Chunks whose tables this engine cannot
+    get are no hit (:meth:`undecodable`)."""
 
     def __init__(
         self, store: Any, config: ConnectorConfig, spec: ModelSpec, identity: ModelIdentity
@@ -48,6 +50,7 @@ class CodecSet:
         self._catalogs: dict[str, Any] = {}
         self._store_tables: Any = None  # the store as a table provider, once a codec is made
         self._published: set[str] = set()  # codecs whose tables are in the store
+        self._warned: set[str] = set()  # why chunks are undecodable, as logged
         # Where the cachegen profile came from (ProfileChoice.to_dict), once its codec is made.
         self.profile_choice: dict[str, Any] | None = None
         self._lock = threading.Lock()
@@ -106,27 +109,66 @@ class CodecSet:
 
     def publish_tables(self, mode: str) -> None:
         """Put the tables of every level of ``mode``'s profile, or ``tcq``'s model file, into
-        the store (once per transport, before its first record): a consumer without them then
-        needs neither a copy nor a refit, which may differ on other hardware."""
+        the store (before the transport's first record): a consumer without them then needs
+        neither a copy nor a refit, which may differ on other hardware. Before each later
+        record, one look (a round trip) finds whether the store lost any of them, or the
+        profile document and pointer this engine adopted (evicted, deleted), and puts those
+        back."""
         name = codec_name(mode)
-        if name not in ("cachegen", "tcq") or name in self._published:
+        if name not in ("cachegen", "tcq"):
             return
         codec = self.get(name)
-        if name == "tcq":
-            _publish_model_file(self.store, codec.tcq)
-        else:
-            _publish_tables(self.store, list(codec.profile.tables_ids.values()))
-        self._published.add(name)
+        if name not in self._published:
+            if name == "tcq":
+                _publish_model_file(self.store, codec.tcq)
+            else:
+                _publish_tables(self.store, list(codec.profile.tables_ids.values()))
+            self._published.add(name)
+            return
+        adopted = self.profile_choice is not None and self.profile_choice["refused"] is None
+        lost = _republish(self.store, codec, self.identity if adopted else None)
+        if lost:
+            logger.warning(
+                "cachegen: the store %s had lost %s (evicted or deleted); stored again",
+                self.store.label,
+                ", ".join(lost),
+            )
+
+    def undecodable(self, forms: Sequence[Form]) -> str | None:
+        """Why this engine cannot decode records in ``forms`` now (None: it can): the tables a
+        coded cachegen level needs are neither in memory, nor in this machine's tables
+        directory, nor in the store (which keeps them here once read). Logged once, until
+        they are back."""
+        levels = [f.level for f in forms if f.codec == "cachegen" and f.packing == CODED]
+        if not levels:
+            return None
+        profile = self.get("cachegen").profile
+        try:
+            for level in levels:
+                profile.tables(level)
+        except CacheGenError as exc:
+            reason = (
+                f"chunks of cachegen level {level} are not counted as hits: {exc}. Tables a "
+                "store lost (evicted or deleted) come back with a producer's next save that "
+                "stores a chunk"
+            )
+            if reason not in self._warned:
+                self._warned.add(reason)
+                logger.warning("cachegen: %s", reason)
+            return reason
+        self._warned.clear()
+        return None
 
     def close(self) -> None:
         if self._store_tables is not None:
             _remove_store_tables(self._store_tables)
 
 
-def decode(blob: bytes, out_dtype: torch.dtype) -> KVCache:
+def decode(blob: bytes, out_dtype: torch.dtype, expect: Any = None) -> KVCache:
+    """``blob`` decoded; ``expect(header)`` refuses a header before anything is sized from it."""
     from cachegen.codec import decode
 
-    return decode(blob, out_dtype=out_dtype)
+    return decode(blob, out_dtype=out_dtype, expect=expect)
 
 
 def damaged(exc: BaseException) -> bool:
@@ -183,3 +225,13 @@ def _publish_model_file(store: Any, model_file: Any) -> None:
     from cachegen.store.tables import publish_model_file
 
     publish_model_file(store, model_file)
+
+
+def _republish(store: Any, codec: Any, adopted: ModelIdentity | None) -> list[str]:
+    """What the store had lost of ``codec``'s tables (``adopted``: and of the profile this
+    engine adopted for that model), now stored again."""
+    from cachegen.store.tables import republish_model_file, republish_profile
+
+    if codec.name == "tcq":
+        return republish_model_file(store, codec.tcq)
+    return republish_profile(store, codec.profile, adopted)

@@ -64,13 +64,37 @@ def decisions(controller: Any) -> dict[str, Any]:
 class RecordCheck:
     """Hands each decoded record of ``plan`` to ``on_chunk`` after checking it is the record
     planned: the prompt's tokens ``token_ids`` at its chunk, this model's geometry, and the
-    layers of its part."""
+    layers of its part. :meth:`expect` checks a record's bitstream header the same way before
+    it is decoded."""
 
     plan: Plan
     token_ids: Sequence[int]
     identity: ModelIdentity
     parts: RecordParts
     on_chunk: Callable[[KVCache], None]
+
+    def expect(self, header: Any) -> None:
+        """Refuse a bitstream header (``cachegen.codec.coding.bitstream.Header``) that no record
+        of the plan can have: decoding sizes its output from the header, so a forged one must
+        not get that far. Every record is one whole chunk of this model, starting at a planned
+        chunk, holding the layers of a planned part."""
+        C = self.parts.chunk_tokens
+        model = self.identity
+        geometry = (header.model.num_layers, header.num_kv_heads, header.head_dim)
+        if geometry != (model.num_layers, model.num_kv_heads, model.head_dim):
+            raise ConnectorError(
+                f"a record's header claims the KV geometry {geometry} (layers, heads, head_dim), "
+                f"not this model's; refused before decoding"
+            )
+        if header.num_tokens != C or header.start not in {chunk * C for chunk, _ in self.plan}:
+            raise ConnectorError(
+                f"a record's header claims {header.num_tokens} tokens from position "
+                f"{header.start}, not a planned chunk of {C}; refused before decoding"
+            )
+        if header.layers not in {self.parts.layers(part) for _, part in self.plan}:
+            raise ConnectorError(
+                "a record's header lists layers that no planned part holds; refused before decoding"
+            )
 
     def __call__(self, index: int, kv: KVCache) -> None:
         chunk, part = self.plan[index]

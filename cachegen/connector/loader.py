@@ -91,7 +91,7 @@ class Loader:
             stats = stream_load(
                 self.sources.source(plan.options),
                 plan.records,
-                lambda blob: decode(blob, out_dtype),
+                lambda blob: decode(blob, out_dtype, check.expect),
                 check,
                 controller=controller,
                 timeout_s=self.timeout_s,

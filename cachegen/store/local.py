@@ -9,12 +9,18 @@ Layout under the root directory::
     profiles/<profile id>.cgc         codec profile documents (one record each)
     adopted/<fingerprint>-<codec>.cgc the profile adopted for a model and codec (written once)
     tmp/                              records being written
-    .lock                             taken while evicting
+    usage.json                        the chunks' payload bytes, while a writer bounds the store
+    .lock                             taken while evicting and while counting the bytes
 
 Writes go to ``tmp/`` and are renamed into place, so a reader opens either the old or the
 new complete file, never a partial one; a reader whose file is evicted meanwhile still
 reads it whole (the inode lives until closed). Reads bump the file's mtime, which is the
 LRU clock for eviction when ``max_bytes`` bounds the store.
+
+``max_bytes`` bounds the directory, whoever writes it: every writer of the directory (other
+processes, other store objects) counts what it stores and removes in ``usage.json``, under
+``.lock``, so the bound holds for all of them together. The count starts from the directory's
+contents when the file is missing or unreadable, and each eviction sets it from them again.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ import errno
 import fcntl
 import json
 import os
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -44,6 +49,9 @@ VERSION = 1
 SUFFIX = ".cgc"
 STALE_TMP_S = 3600
 EVICT_TO = 0.9  # after an over-capacity put, evict down to this fraction of max_bytes
+USAGE = "usage.json"
+USAGE_SCHEMA = "cachegen-store-usage"
+USAGE_VERSION = 1
 
 
 class LocalStore(ChunkStore):
@@ -67,9 +75,9 @@ class LocalStore(ChunkStore):
         self.fsync = fsync
         self._chunks = self.root / "chunks"
         self._tmp = self.root / "tmp"
+        self._usage = self.root / USAGE
+        self._lock_path = self.root / ".lock"
         self._init_root()
-        self._lock = threading.Lock()
-        self._approx_bytes = self._scan_bytes() if max_bytes else 0
 
     def _init_root(self) -> None:
         marker = self.root / MARKER
@@ -132,28 +140,24 @@ class LocalStore(ChunkStore):
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
-            for attempt in range(
-                3
-            ):  # an evictor may remove the empty parent between mkdir and rename
-                path.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    os.replace(tmp, path)
-                    break
-                except FileNotFoundError:
-                    if attempt == 2:
-                        raise
+            if not self._counted():
+                _rename_into_place(tmp, path)
+                return
+            with _file_lock(self._lock_path):  # the rename and the count, as one step
+                used = self._read_usage()
+                replaced = _payload_size(path)
+                _rename_into_place(tmp, path)
+                if used is not None:
+                    used += len(blob) - (replaced[0] if replaced else 0)
+                used = self._write_usage(used)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise StoreError(
                 f"cannot write chunk {key} level {level} under {self.root}: {exc}"
             ) from exc
-        if self.max_bytes is not None:
-            with self._lock:
-                self._approx_bytes += len(blob)
-                over = self._approx_bytes > self.max_bytes
-            if over:
-                self.evict(int(self.max_bytes * EVICT_TO))
+        if self.max_bytes is not None and used > self.max_bytes:
+            self.evict(int(self.max_bytes * EVICT_TO))
 
     # ---- reading ---------------------------------------------------------------------
 
@@ -263,6 +267,9 @@ class LocalStore(ChunkStore):
             with contextlib.suppress(OSError):
                 tmp.unlink()
 
+    def _holds_meta(self, records: Sequence[tuple[str, str]]) -> list[bool]:
+        return [self._meta_path(kind, name).is_file() for kind, name in records]
+
     def _delete_meta(self, kind: str, name: str) -> bool:
         try:
             self._meta_path(kind, name).unlink()
@@ -284,34 +291,58 @@ class LocalStore(ChunkStore):
     # ---- removal ---------------------------------------------------------------------
 
     def delete(self, key: str, level: int | None = None) -> int:
-        levels = self.levels(key) if level is None else [level]
-        removed = 0
-        for lv in levels:
-            with contextlib.suppress(FileNotFoundError):
-                self._path(key, lv).unlink()
-                removed += 1
+        paths = [self._path(key, lv) for lv in (self.levels(key) if level is None else [level])]
+        if not self._counted():
+            removed = sum(_unlink(path) is not None for path in paths)
+        else:
+            with _file_lock(self._lock_path):
+                used = self._read_usage()
+                sizes = [size for size in map(_unlink, paths) if size is not None]
+                self._write_usage(None if used is None else used - sum(sizes))
+            removed = len(sizes)
         _prune_empty(self._chunks / validate_key(key), self._chunks)
         return removed
 
     def evict(self, max_bytes: int) -> int:
-        with _file_lock(self.root / ".lock"):
+        with _file_lock(self._lock_path):
             victims, remaining = lru_victims(self.list(), max_bytes)
             removed = 0
             for entry in victims:
-                with contextlib.suppress(FileNotFoundError):
-                    self._path(entry.key, entry.level).unlink()
-                    removed += 1
+                removed += _unlink(self._path(entry.key, entry.level)) is not None
                 _prune_empty(self._chunks / entry.key, self._chunks)
-            with self._lock:
-                self._approx_bytes = remaining
+            if self._counted():
+                self._write_usage(remaining)
         return removed
 
     @property
     def capacity_bytes(self) -> int | None:
         return self.max_bytes
 
-    def _scan_bytes(self) -> int:
-        return sum(e.size for e in self.list())
+    # ---- the shared count of stored bytes (callers hold the lock) ---------------------
+
+    def _counted(self) -> bool:
+        """Whether writes are counted: this store is bounded, or another writer bounds it."""
+        return self.max_bytes is not None or self._usage.exists()
+
+    def _read_usage(self) -> int | None:
+        """The payload bytes stored, as counted; None when there is no valid count."""
+        try:
+            doc = json.loads(self._usage.read_text())
+            doc = check_version(doc, USAGE_SCHEMA, (USAGE_VERSION,), str(self._usage))
+            used = doc["payload_bytes"]
+        except (OSError, ValueError, KeyError, TypeError, InputError):
+            return None
+        return used if isinstance(used, int) and used >= 0 else None
+
+    def _write_usage(self, used: int | None) -> int:
+        """Record ``used`` payload bytes (None: count the directory's chunks afresh); returns
+        the bytes recorded."""
+        used = sum(e.size for e in self.list()) if used is None else max(0, used)
+        doc = versioned(USAGE_SCHEMA, USAGE_VERSION, {"payload_bytes": used})
+        tmp = self._tmp / f"{uuid.uuid4().hex}.json"
+        tmp.write_text(json.dumps(doc) + "\n")
+        os.replace(tmp, self._usage)
+        return used
 
 
 def _payload_size(path: Path) -> tuple[int, float] | None:
@@ -329,6 +360,27 @@ def _payload_size(path: Path) -> tuple[int, float] | None:
     finally:
         os.close(fd)
     return record.payload_size(head, st.st_size), st.st_mtime
+
+
+def _rename_into_place(tmp: Path, path: Path) -> None:
+    for attempt in range(3):  # an evictor may remove the empty parent between mkdir and rename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(tmp, path)
+            return
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+
+
+def _unlink(path: Path) -> int | None:
+    """Remove the record file at ``path``; its payload bytes, or None if it was gone."""
+    found = _payload_size(path)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return None
+    return found[0] if found else 0
 
 
 def _listdir(path: Path) -> list[Path]:

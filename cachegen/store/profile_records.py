@@ -3,7 +3,7 @@ profile documents and, per model and codec, the pointer to the adopted profile.
 
 Kept apart from the chunks (their own file directory or Redis key space): ``list``, ``stats``
 and ``evict`` never see them, and a chunk key can never name one. A backend stores them as
-records of a ``kind`` (TABLES, MODEL_FILES, PROFILES or POINTERS) by name through the four
+records of a ``kind`` (TABLES, MODEL_FILES, PROFILES or POINTERS) by name through the five
 ``_*_meta`` methods; a record is bound (and signed) to ``<kind>:<name>``, never a chunk key
 (those have no ':').
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from cachegen.errors import CacheGenError
 from cachegen.fileio import check_version, versioned
@@ -23,16 +23,16 @@ from cachegen.store.errors import ChunkCorrupt, ChunkTooLarge, StoreConfigError
 # Profile tables (``cachegen.codec.coding.tables``) and model files
 # (``cachegen.codec.transform.model_file``: a tcq model, a kvtc basis): content-addressed by their
 # id (the first 32 hex of the SHA-256 of the file), written once.
-FILE_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+FILE_ID_RE = re.compile(r"^[0-9a-f]{32}\Z")
 MAX_TABLES_BYTES = 64 << 20  # far above any model's tables file; bounds what a read accepts
 MAX_MODEL_FILE_BYTES = 64 << 20  # far above any model file; bounds what a read accepts
 # Codec profile documents (``cachegen.codec.cachegen.profile``): content-addressed by the
 # profile id (the first 16 hex of the SHA-256 of the canonical document), written once; and per
 # model and codec the "adopted" pointer naming the profile every producer and consumer of the store
 # uses, written once by the first producer and never replaced.
-PROFILE_ID_RE = re.compile(r"^[0-9a-f]{16}$")
-FINGERPRINT_RE = re.compile(r"^[0-9a-f]{16,64}$")
-CODEC_NAME_RE = re.compile(r"^[a-z0-9-]{1,32}$")
+PROFILE_ID_RE = re.compile(r"^[0-9a-f]{16}\Z")
+FINGERPRINT_RE = re.compile(r"^[0-9a-f]{16,64}\Z")
+CODEC_NAME_RE = re.compile(r"^[a-z0-9-]{1,32}\Z")
 MAX_PROFILE_BYTES = 1 << 20  # a profile is a few KiB of JSON; bounds what a read accepts
 POINTER_SCHEMA = "cachegen-adopted-profile"
 POINTER_VERSION = 1
@@ -140,7 +140,7 @@ class ProfileRecords:
         """Make ``profile_id`` the adopted profile of the model ``fingerprint`` for ``codec``
         unless the store has one (valid or not): first writer wins, atomically, and a pointer is
         never replaced (``delete_pointer`` removes it). Returns whether it wrote."""
-        name = _pointer_name(fingerprint, codec)
+        name = pointer_name(fingerprint, codec)
         _check(PROFILE_ID_RE, "a profile id is 16 lowercase hex digits", profile_id)
         body = {"model": {"name": model_name, "fingerprint": fingerprint}, "codec": codec}
         doc = versioned(POINTER_SCHEMA, POINTER_VERSION, {**body, "profile": profile_id})
@@ -151,7 +151,7 @@ class ProfileRecords:
     def adopted_profile(self, fingerprint: str, codec: str) -> str | None:
         """The profile id the store's pointer for the model ``fingerprint`` and ``codec`` names;
         None when there is no pointer. ``ChunkCorrupt`` when the pointer fails a check."""
-        name = _pointer_name(fingerprint, codec)
+        name = pointer_name(fingerprint, codec)
         payload = self._read_verified(POINTERS, name, MAX_PROFILE_BYTES)
         if payload is None:
             return None
@@ -172,11 +172,21 @@ class ProfileRecords:
         found = (n.partition("-") for n in self._list_meta(POINTERS))
         return sorted((fp, codec) for fp, _, codec in found if FINGERPRINT_RE.match(fp) and codec)
 
+    def missing_records(self, records: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Those of ``records`` the store does not hold, each a ``(kind, name)``: (TABLES,
+        tables id), (MODEL_FILES, file id), (PROFILES, profile id) or (POINTERS,
+        :func:`pointer_name`). Unverified and in one round trip: how a producer finds what was
+        evicted or deleted, to put it back."""
+        wanted = list(dict.fromkeys(records))
+        for kind, name in wanted:
+            _check_name(kind, name)
+        return [item for item, held in zip(wanted, self._holds_meta(wanted)) if not held]
+
     def delete_pointer(self, fingerprint: str, codec: str) -> bool:
         """Remove the adopted-profile pointer of the model ``fingerprint`` for ``codec``, so the
         next producer's profile is adopted; returns whether there was one. Chunks stored under
         the old profile stay, but new readers look under the new profile's keys."""
-        return self._delete_meta(POINTERS, _pointer_name(fingerprint, codec))
+        return self._delete_meta(POINTERS, pointer_name(fingerprint, codec))
 
     def _put_once(
         self, kind: str, name: str, payload: bytes, get: Callable[[str], bytes | None]
@@ -207,6 +217,10 @@ class ProfileRecords:
         there is none (returns False then, writing nothing). Returns whether it wrote."""
         raise StoreConfigError(f"{type(self).__name__} does not hold codec profiles")
 
+    def _holds_meta(self, records: Sequence[tuple[str, str]]) -> list[bool]:
+        """For each ``(kind, name)``, whether the store has that record (one round trip)."""
+        raise StoreConfigError(f"{type(self).__name__} does not hold codec profiles")
+
     def _delete_meta(self, kind: str, name: str) -> bool:
         raise StoreConfigError(f"{type(self).__name__} does not hold codec profiles")
 
@@ -232,6 +246,19 @@ def _check(pattern: re.Pattern, what: str, value: object) -> None:
         raise StoreConfigError(f"{what}, got {value!r}")
 
 
+def _check_name(kind: str, name: str) -> None:
+    """Raise ``StoreConfigError`` unless ``name`` is a valid name of a record of ``kind``."""
+    if kind in _FILES:
+        _check(FILE_ID_RE, f"a {_FILES[kind][0]} id is 32 lowercase hex digits", name)
+    elif kind == PROFILES:
+        _check(PROFILE_ID_RE, "a profile id is 16 lowercase hex digits", name)
+    elif kind == POINTERS:
+        fingerprint, _, codec = str(name).partition("-")
+        pointer_name(fingerprint, codec)
+    else:
+        raise StoreConfigError(f"unknown kind of profile record {kind!r}")
+
+
 def _file_hash(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
@@ -240,7 +267,7 @@ def _profile_hash(document: bytes | memoryview) -> str:
     return hashlib.sha256(document).hexdigest()[:16]
 
 
-def _pointer_name(fingerprint: str, codec: str) -> str:
+def pointer_name(fingerprint: str, codec: str) -> str:
     """A pointer's name: one per model weights and codec (a profile does not depend on the
     chunk size, which the chunk keys name on their own)."""
     _check(FINGERPRINT_RE, "a model fingerprint is 16 to 64 lowercase hex digits", fingerprint)

@@ -3,9 +3,17 @@ several serving machines.
 
 Each ``(key, level)`` is one string value ``<prefix>:{<key>}:L<level>`` holding the record
 (see record.py). The ``{key}`` hash tag keeps all levels of a chunk in one cluster slot.
-``SET`` replaces a value atomically, so readers never see a partial chunk. A TTL (``ttl_s``)
-and a memory bound (``max_memory``, which sets ``maxmemory`` with ``allkeys-lru`` on the
-server) are optional.
+``SET`` replaces a value atomically, so readers never see a partial chunk.
+
+The store never changes the server's settings (no CONFIG SET: the server may be shared).
+Chunks expire after ``ttl_s`` (optional); the codec's tables, model files, profiles and
+pointers never expire, so a server whose ``maxmemory-policy`` evicts only keys with a TTL
+(``volatile-lru``) evicts chunks and never what they need. ``max_memory`` (which needs
+``ttl_s``) makes the store check at open, read-only, that the server is set up so: its
+``maxmemory`` set and at most ``max_memory``, its policy a ``volatile-*`` one
+(``cachegen.store.redis_memory``). Should the tables go anyway (deleted, or a server set up
+otherwise), consumers stop counting the chunks that need them as hits and the producer's next
+save that stores a chunk puts them back (``cachegen.store.tables.republish_profile``).
 
 The URL carries a password (``redis://:PASS@host``) or an ACL user (``redis://USER:PASS@host``);
 ``rediss://`` speaks TLS, verified against ``ssl_ca_certs``. Opening the store sends one PING,
@@ -19,7 +27,7 @@ import re
 import time
 from collections.abc import Iterator, Sequence
 
-from cachegen.store import record
+from cachegen.store import record, redis_memory
 from cachegen.store.base import ChunkInfo, ChunkStore, lru_victims
 from cachegen.store.errors import ChunkMissing, StoreConfigError, StoreError
 from cachegen.store.keys import validate_key, validate_level
@@ -65,6 +73,7 @@ class RedisStore(ChunkStore):
             )
         if ttl_s is not None and ttl_s <= 0:
             raise StoreConfigError(f"ttl_s must be a positive number of seconds, got {ttl_s}")
+        redis_memory.check_options(max_memory, ttl_s)
         self.url = public_url or url
         self._server = RedisEndpoint(self.url, cluster=cluster)
         self._label = self._server.label  # for messages and logs
@@ -80,9 +89,7 @@ class RedisStore(ChunkStore):
         )
         self._r = self._server.connect(url, timeout_s=timeout_s, retries=retries, tls=tls)
         if max_memory is not None:
-            with self._server.errors("configure maxmemory"):
-                self._r.config_set("maxmemory", int(max_memory))
-                self._r.config_set("maxmemory-policy", "allkeys-lru")
+            redis_memory.check_server(self._r, self._server, int(max_memory))
 
     def _name(self, key: str, level: int) -> str:
         return f"{self.prefix}:{{{validate_key(key)}}}:L{validate_level(level)}"
@@ -221,7 +228,7 @@ class RedisStore(ChunkStore):
     # Profile tables under <prefix>:tables:<id>, model files under <prefix>:model-files:<id>,
     # codec profiles under <prefix>:profiles:<id> and pointers under <prefix>:adopted:<name>:
     # outside the chunks' <prefix>:{key}:L<level> pattern, with no TTL (a chunk stored after
-    # them may outlive any TTL they would get).
+    # them may outlive any TTL they would get, and a volatile-* policy never evicts them).
 
     def _read_meta(self, kind: str, name: str, cap: int) -> bytes | None:
         with self._server.errors(f"read {describe(kind, name)}"):
@@ -233,6 +240,13 @@ class RedisStore(ChunkStore):
     def _write_meta(self, kind: str, name: str, data: bytes, *, exclusive: bool) -> bool:
         with self._server.errors(f"store {describe(kind, name)}"):  # SET NX: first writer wins
             return bool(self._r.set(f"{self.prefix}:{kind}:{name}", data, nx=exclusive))
+
+    def _holds_meta(self, records: Sequence[tuple[str, str]]) -> list[bool]:
+        with self._server.errors("look up profile records"):
+            pipe = self._r.pipeline(transaction=False)
+            for kind, name in records:
+                pipe.exists(f"{self.prefix}:{kind}:{name}")
+            return [bool(n) for n in pipe.execute()] if records else []
 
     def _delete_meta(self, kind: str, name: str) -> bool:
         with self._server.errors(f"delete {describe(kind, name)}"):

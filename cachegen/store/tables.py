@@ -17,6 +17,10 @@ producer. A transport adopts the pointed-to profile (document and tables checked
 its own, so that its chunk keys, which name the profile, are the producer's; without a
 pointer it publishes its own profile and points to it.
 
+What a store loses of them (an eviction, an operator's delete) a producer puts back:
+:func:`republish_profile` and :func:`republish_model_file` look for its records in one round
+trip and store again only the missing ones.
+
 This module imports the codec, so only code that decodes or encodes imports it; a chunk
 server reads stores without it.
 """
@@ -40,6 +44,14 @@ from cachegen.codec.transform.model_file import ModelFile, ModelFileRefused, sam
 from cachegen.kv import ModelIdentity
 from cachegen.store.base import ChunkStore
 from cachegen.store.errors import ChunkCorrupt, ChunkTooLarge, StoreError
+from cachegen.store.profile_records import (
+    MODEL_FILES,
+    POINTERS,
+    PROFILES,
+    TABLES,
+    describe,
+    pointer_name,
+)
 
 
 class StoreTables:
@@ -72,7 +84,7 @@ class StoreTables:
             raise refused(
                 f"{what} {file_id[:16]} in {self.describe()}: refused ({exc}); the chunks that "
                 "need it are recomputed until a producer that has it stores it again (a "
-                "damaged copy is replaced on its next save)"
+                "producer replaces a damaged copy with its first save after it starts)"
             ) from exc
         except StoreError:
             return None
@@ -97,6 +109,38 @@ def publish_model_file(store: ChunkStore, model_file: ModelFile) -> int:
     """Put ``model_file`` (a tcq model, a kvtc basis) into ``store`` unless it holds a valid
     copy; returns the bytes written."""
     return model_file.nbytes if store.put_model_file(model_file.id, model_file.file_bytes) else 0
+
+
+def republish_model_file(store: ChunkStore, model_file: ModelFile) -> list[str]:
+    """Put ``model_file`` back into ``store`` if the store lost it; returns what was put back
+    (named for messages)."""
+    if not store.missing_records([(MODEL_FILES, model_file.id)]):
+        return []
+    publish_model_file(store, model_file)
+    return [describe(MODEL_FILES, model_file.id)]
+
+
+def republish_profile(
+    store: ChunkStore, profile: Profile, adopted: ModelIdentity | None, codec: str = "cachegen"
+) -> list[str]:
+    """Put back into ``store`` what it lost of ``profile``: its tables and, with ``adopted``
+    (the model whose profile for ``codec`` this is), its document and the model's pointer to it
+    (written only if there is none: another producer's may have come first). Returns what was
+    put back (named for messages); tables not in the local tables directory cannot be."""
+    wanted = [(TABLES, tables_id) for tables_id in profile.tables_ids.values()]
+    if adopted is not None:
+        wanted += [(PROFILES, profile.id), (POINTERS, pointer_name(adopted.fingerprint, codec))]
+    restored = []
+    for kind, name in store.missing_records(wanted):
+        if kind == TABLES:
+            written = publish_tables(store, [name]) > 0  # 0: not in the local directory
+        elif kind == PROFILES:
+            written = store.put_profile(profile.id, profile_document(profile))
+        else:
+            written = store.adopt_profile(adopted.fingerprint, codec, profile.id, adopted.name)
+        if written:
+            restored.append(describe(kind, name))
+    return restored
 
 
 # ---- the profile --------------------------------------------------------------------------

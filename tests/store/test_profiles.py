@@ -24,6 +24,7 @@ from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.transport import ChunkTransport
 from cachegen.extract import extract_kv
 from cachegen.kv import ModelIdentity
+from cachegen.models import ServedWeights
 from cachegen.profiles import codec_for, ensure_profile, transient_profile
 from cachegen.store import (
     ChunkCorrupt,
@@ -77,7 +78,7 @@ def test_tables_round_trip_once_and_apart_from_chunks(store, tiny_tables):
     assert store.put_tables(tables_id, data) is True
     assert store.get_tables(tables_id) == data
     assert store.put_tables(tables_id, data) is False  # written once
-    key = chunk_keys(MODEL, "p", list(range(CHUNK)), CHUNK)[0]
+    key = chunk_keys(MODEL, "p", list(range(CHUNK)), CHUNK, weights=ServedWeights("f" * 64))[0]
     store.put(key, 2, b"chunk")
     assert [(e.key, e.level) for e in store.list()] == [(key, 2)]  # tables are not chunks
     assert store.stats().entries == 1 and store.stats().payload_bytes == len(b"chunk")
@@ -184,7 +185,9 @@ def test_a_consumer_with_an_empty_cache_decodes_from_the_store_alone(tiny_llama,
 
     codec = codec_for("cachegen", tiny_llama, chunk_tokens=CHUNK)
     url = (tmp_path / "store").as_uri()
-    key = chunk_keys(tiny_kv.model, codec.profile_id, tiny_kv.token_ids.tolist(), CHUNK)[0]
+    ids = tiny_kv.token_ids.tolist()
+    weights = tiny_llama.served_weights()
+    key = chunk_keys(tiny_kv.model, codec.profile_id, ids, CHUNK, weights=weights)[0]
     chunk = tiny_kv.chunks(CHUNK)[0]
     with open_store(url, secret=SECRET) as s:
         publish_tables(s, [codec.profile.tables_ids[3]])
@@ -221,7 +224,7 @@ def test_transport_tables_come_from_the_store_and_a_refused_copy_recomputes(
     """A producer's save puts the tables into the store first. A consumer that has the profile
     but not its tables, and whose rebuild would differ, loads with the store's tables; once the
     store's copy is damaged and the local one gone, the load stops with the reason and the
-    chunks stay stored (they are sound); so they do when no copy is left anywhere."""
+    chunks are no hit, but stay stored (they are sound); so they do when no copy is left."""
     import cachegen.profiles as profiles
 
     url = (tmp_path / "store").as_uri()
@@ -258,13 +261,14 @@ def test_transport_tables_come_from_the_store_and_a_refused_copy_recomputes(
         result = consumer.load(ids, 0, 2, RequestOptions(mode="cachegen"), [].append)
         assert result.chunks_loaded == 0
         assert result.error.startswith("TablesRefused: profile tables")
-        assert consumer.stored_chunks(ids, RequestOptions(mode="cachegen")) == 2
+        assert consumer.stored_chunks(ids, RequestOptions(mode="cachegen")) == 0  # no hit
 
         (tmp_path / "store" / "tables" / f"{tables_id}.cgc").unlink()  # nobody holds them now
         result = consumer.load(ids, 0, 2, RequestOptions(mode="cachegen"), [].append)
         assert result.chunks_loaded == 0
         assert result.error.startswith("TablesMissing: profile tables")
-        assert consumer.stored_chunks(ids, RequestOptions(mode="cachegen")) == 2  # still sound
+        assert consumer.stored_chunks(ids, RequestOptions(mode="cachegen")) == 0  # no hit
+        assert consumer.store.stats().entries == 2  # sound: kept
     finally:
         consumer.close()
 

@@ -20,7 +20,14 @@ import torch
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.transport import ChunkTransport
 from cachegen.extract import extract_kv
-from cachegen.store import ChunkMissing, RecordAddress, StoreError, StoreUnavailable, open_store
+from cachegen.store import (
+    ChunkMissing,
+    RecordAddress,
+    StoreConfigError,
+    StoreError,
+    StoreUnavailable,
+    open_store,
+)
 from cachegen.store.keys import key_scope
 from tests.support import CHUNK
 
@@ -44,7 +51,7 @@ def cluster(redis_cluster):
 def test_store_round_trip_spreads_chunks_over_the_masters(cluster):
     keys = [f"ns/chunk{i:03d}" for i in range(24)]
     with open_store(cluster.url()) as store:
-        assert store.cluster and store.label.startswith("redis+cluster://:***@")
+        assert store.cluster and "password_file=" in store.label and PASSWORD not in store.label
         for i, key in enumerate(keys):
             for level in (0, 1, 2):
                 store.put(key, level, bytes([i, level]) * (100 + i))
@@ -91,6 +98,32 @@ def test_store_round_trip_spreads_chunks_over_the_masters(cluster):
         for key in keys[1:]:
             store.delete(key)
         assert list(store.list()) == []
+
+
+def test_max_memory_checks_every_master_and_sets_nothing(cluster):
+    """``max_memory`` reads each master's settings (CONFIG GET) and refuses a store whose
+    masters could evict the codec's tables; it changes no setting of any node."""
+    url = cluster.url(query=f"{FAST}&ttl_s=60&max_memory=64mb")
+    masters = cluster.masters()
+    clients = [cluster.client(port) for port in masters]
+    try:
+        for client in clients:
+            client.config_set("maxmemory-policy", "volatile-lru")
+            client.config_set("maxmemory", 32 << 20)
+        open_store(url).close()
+        clients[-1].config_set("maxmemory-policy", "allkeys-lru")
+        with pytest.raises(StoreConfigError, match=f"node 127.0.0.1:{masters[-1]}.*allkeys-lru"):
+            open_store(url)
+        assert [c.config_get("maxmemory-policy")["maxmemory-policy"] for c in clients] == [
+            "volatile-lru",
+            "volatile-lru",
+            "allkeys-lru",
+        ]
+    finally:
+        for client in clients:
+            client.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", 0)
+            client.close()
 
 
 # ---- 2. producer and consumer --------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import threading
@@ -12,6 +13,7 @@ import redis
 import torch
 
 from cachegen.kv import ModelIdentity
+from cachegen.models import ServedWeights
 from cachegen.store import (
     ChunkCorrupt,
     ChunkMissing,
@@ -31,6 +33,7 @@ from tests.support import REPO, free_cluster_port, require_tool
 
 MODEL = ModelIdentity("m", "f" * 64, num_layers=2, num_kv_heads=1, head_dim=64)
 OTHER = ModelIdentity("m", "e" * 64, num_layers=2, num_kv_heads=1, head_dim=64)
+WEIGHTS = ServedWeights("f" * 64)  # a model directory served as it is
 
 
 # ---- keys ------------------------------------------------------------------------------
@@ -38,26 +41,38 @@ OTHER = ModelIdentity("m", "e" * 64, num_layers=2, num_kv_heads=1, head_dim=64)
 
 def test_keys_chain_over_the_prefix():
     tokens = list(range(1000))
-    keys = chunk_keys(MODEL, "cachegen-v1", tokens, 256)
+    keys = chunk_keys(MODEL, "cachegen-v1", tokens, 256, weights=WEIGHTS)
     assert len(keys) == 4  # three full chunks and the 232-token tail
-    assert chunk_keys(MODEL, "cachegen-v1", torch.tensor(tokens[:512]), 256) == keys[:2]
+    assert (
+        chunk_keys(MODEL, "cachegen-v1", torch.tensor(tokens[:512]), 256, weights=WEIGHTS)
+        == keys[:2]
+    )
     changed = tokens.copy()
     changed[300] = 7  # chunk 1 changes, so every key from chunk 1 on changes
-    other = chunk_keys(MODEL, "cachegen-v1", changed, 256)
+    other = chunk_keys(MODEL, "cachegen-v1", changed, 256, weights=WEIGHTS)
     assert other[0] == keys[0] and all(a != b for a, b in zip(other[1:], keys[1:]))
-    assert len(chunk_keys(MODEL, "cachegen-v1", tokens, 256, include_partial=False)) == 3
+    assert (
+        len(chunk_keys(MODEL, "cachegen-v1", tokens, 256, include_partial=False, weights=WEIGHTS))
+        == 3
+    )
 
 
-def test_keys_are_namespaced_by_model_codec_and_chunking():
+def test_keys_are_namespaced_by_model_weights_codec_and_chunking():
     tokens = list(range(512))
-    base = chunk_keys(MODEL, "p1", tokens, 256)
-    for other in (chunk_keys(OTHER, "p1", tokens, 256), chunk_keys(MODEL, "p2", tokens, 256),
-                  chunk_keys(MODEL, "p1", tokens, 128)[:2]):  # fmt: skip
+    base = chunk_keys(MODEL, "p1", tokens, 256, weights=WEIGHTS)
+    for other in (
+        chunk_keys(OTHER, "p1", tokens, 256, weights=WEIGHTS),
+        chunk_keys(MODEL, "p2", tokens, 256, weights=WEIGHTS),
+        chunk_keys(MODEL, "p1", tokens, 128, weights=WEIGHTS)[:2],
+        chunk_keys(MODEL, "p1", tokens, 256, weights=ServedWeights("e" * 64)),
+    ):
         assert not set(base) & set(other)
     assert len({k.split("/")[0] for k in base}) == 1
 
 
-@pytest.mark.parametrize("bad", ["../etc/passwd", "a/b/c", "nohash", "a/b c", "", "a/" + "x" * 200])
+@pytest.mark.parametrize(
+    "bad", ["../etc/passwd", "a/b/c", "nohash", "a/b c", "", "a/" + "x" * 200, "ns/k\n"]
+)
 def test_unsafe_keys_are_rejected(tmp_path, bad):
     s = open_store(str(tmp_path / "s"))
     with pytest.raises(StoreConfigError, match="invalid chunk key"):
@@ -68,7 +83,7 @@ def test_unsafe_keys_are_rejected(tmp_path, bad):
 
 
 def test_round_trip(store):
-    keys = chunk_keys(MODEL, "p", list(range(600)), 256)
+    keys = chunk_keys(MODEL, "p", list(range(600)), 256, weights=WEIGHTS)
     blobs = {(k, lv): os.urandom(1000 + 10 * lv + i) for i, k in enumerate(keys) for lv in (1, 3)}
     for (k, lv), blob in blobs.items():
         store.put(k, lv, blob)
@@ -99,7 +114,7 @@ def needed(keys, *levels: int) -> list[list[RecordAddress]]:
 
 
 def test_stored_prefix(store):
-    keys = chunk_keys(MODEL, "p", list(range(256 * 6)), 256)
+    keys = chunk_keys(MODEL, "p", list(range(256 * 6)), 256, weights=WEIGHTS)
     for k in keys[:4]:
         store.put(k, 0, b"low")
     for k in keys[:2] + keys[3:4]:
@@ -247,7 +262,7 @@ def test_local_concurrent_processes(tmp_path):
 def _get_many_cases(store) -> tuple[list, list]:
     """Stored chunks with a missing one, a damaged one and an unsafe key among them: the
     pairs to ask for and what each must come back as (bytes, or an error type)."""
-    keys = chunk_keys(MODEL, "p", list(range(256 * 6)), 256)
+    keys = chunk_keys(MODEL, "p", list(range(256 * 6)), 256, weights=WEIGHTS)
     blobs = [os.urandom(3000 + i) for i in range(len(keys))]
     for key, blob in zip(keys, blobs):
         store.put(key, 2, blob)
@@ -316,14 +331,16 @@ def test_get_many_with_redis_stopped_fails_every_pair(stopped_redis_store):
     assert all(isinstance(found, StoreUnavailable) for found in got)
 
 
-def test_redis_ttl_and_memory_limit(redis_url):
-    s = open_store(redis_url + "?ttl_s=120&max_memory=256mb&prefix=t1")
+def test_redis_ttl(redis_url):
+    """Chunks expire after ttl_s; the store's other records never do (tests/store/
+    test_redis_memory.py checks max_memory, which sets nothing on the server)."""
+    s = open_store(redis_url + "?ttl_s=120&prefix=t1")
     s.put("ns/ttl", 0, b"v")
+    tables_id = hashlib.sha256(b"tables").hexdigest()[:32]
+    s.put_tables(tables_id, b"tables")
     r = redis.Redis.from_url(redis_url)
     assert 0 < r.ttl("t1:{ns/ttl}:L0") <= 120
-    assert r.config_get("maxmemory")["maxmemory"] == str(256_000_000)
-    assert r.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
-    r.config_set("maxmemory", 0)
+    assert r.ttl(f"t1:tables:{tables_id}") == -1  # no TTL: a volatile-* policy never evicts it
 
 
 def test_redis_stopped_raises_unavailable(stopped_redis_store):
@@ -354,7 +371,7 @@ def test_redis_cluster_single_node(tmp_path):
                 break
             time.sleep(0.05)
         s = open_store(f"redis+cluster://127.0.0.1:{port}")
-        keys = chunk_keys(MODEL, "p", list(range(768)), 256)
+        keys = chunk_keys(MODEL, "p", list(range(768)), 256, weights=WEIGHTS)
         for k in keys[:2]:
             s.put(k, 1, b"cluster-" + k.encode())
         assert s.get(keys[1], 1) == b"cluster-" + keys[1].encode()
