@@ -20,6 +20,15 @@ Converted and generated models live in ``$CACHEGEN_CACHE_DIR/models`` (default
 a temporary directory that is verified and then renamed into place, under a file lock, so a
 crash never leaves a half-written model that later loads. The builders themselves (GGUF
 conversion, tiny models) are in ``cachegen.model_files``.
+
+Two identities of a model's files: ``fingerprint()``, cheap (config plus the edges of each
+weight file; shipped calibrations, codec tables and tcq model files are matched by it), and
+``weights_digest()``, a SHA-256 over the full content of config.json and every weight file,
+which names the weights exactly (``ServedWeights``, in every chunk key: a retrained checkpoint
+written over the same files gets other keys even where its edges did not change). Each file's
+digest is read once per (path, size, mtime) and kept in the cache root's
+``weights-digests.json``; a hub snapshot's weight file is named by its SHA-256 already
+(``blobs/<sha256>``) and is not read.
 """
 
 from __future__ import annotations
@@ -29,14 +38,17 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from cachegen.constants import cache_root
 from cachegen.errors import ModelError
+from cachegen.fileio import write_atomic
 from cachegen.kv import ModelIdentity
 from cachegen.model_files.gguf import GEMMA3, convert_gemma3, convert_smollm2
 from cachegen.model_files.tiny import TINY_CONFIGS, make_tiny
@@ -67,6 +79,70 @@ class ModelSpec:
             name=self.name, fingerprint=fingerprint(self.path), **kv_geometry(self.config)
         )
 
+    @property
+    def commit(self) -> str | None:
+        """The hub commit of a hub model's snapshot (``snapshots/<commit>``), else None."""
+        if self.source == "hub" and self.path.parent.name == "snapshots":
+            return self.path.name
+        return None
+
+    def served_weights(self) -> ServedWeights:
+        """This model served as it is: its weights digest and hub commit, without
+        ``hf_overrides`` or quantization (what ``cachegen store put`` keys chunks with)."""
+        return ServedWeights(weights_digest(self.path), revision=self.commit)
+
+
+@dataclass(frozen=True)
+class ServedWeights:
+    """What else makes an engine's KV besides the model identity (``ModelIdentity``): the
+    full content of the weights and how the engine runs them. Part of every chunk key's
+    namespace (``cachegen.store.keys``), so two engines share chunks only when these agree.
+
+    * ``digest``: ``weights_digest()`` of the model directory (every byte of config.json and
+      of every weight file);
+    * ``revision``: the hub commit vLLM loaded (None for a local directory);
+    * ``hf_overrides``: vLLM's ``hf_overrides`` as canonical JSON (a dict), or
+      ``"config-sha256:<hex>"``, the SHA-256 of the effective config
+      (``model_config.hf_config.to_json_string()``) when they are a function; None for none;
+    * ``quantization``: vLLM's ``model_config.quantization`` (None: the weights as stored).
+
+    ``ModelSpec.served_weights()`` is a model served as it is (no overrides, no quantization),
+    which is what an engine serving that plain model has too: ``ServedWeights.of_engine``.
+    """
+
+    digest: str
+    revision: str | None = None
+    hf_overrides: str | None = None
+    quantization: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def of_engine(cls, spec: ModelSpec, model_config: Any) -> ServedWeights:
+        """What vLLM serves of ``spec`` (resolved from ``model_config`` by the connector's
+        ``served_model``), read from vLLM's ``model_config``: its ``hf_overrides``
+        and ``quantization``."""
+        quantization = getattr(model_config, "quantization", None)
+        return replace(
+            spec.served_weights(),
+            hf_overrides=overrides_key(model_config),
+            quantization=str(quantization) if quantization else None,
+        )
+
+
+def overrides_key(model_config: Any) -> str | None:
+    """vLLM's ``hf_overrides`` of ``model_config`` as they enter a chunk key: a dict as
+    canonical JSON, a function by the SHA-256 of the config it made (two engines agree iff their
+    effective configs agree); None where there are none."""
+    overrides = getattr(model_config, "hf_overrides", None)
+    if callable(overrides):
+        effective = model_config.hf_config.to_json_string()
+        return "config-sha256:" + hashlib.sha256(effective.encode()).hexdigest()
+    if not overrides:
+        return None
+    return json.dumps(overrides, sort_keys=True, separators=(",", ":"), default=repr)
+
 
 def models_dir() -> Path:
     return cache_root() / "models"
@@ -79,10 +155,19 @@ def known_names() -> list[str]:
     return [*EMBEDDED, *TINY_CONFIGS]
 
 
-def resolve(name: str, *, prepare: bool = True) -> ModelSpec:
+def resolve(
+    name: str,
+    *,
+    prepare: bool = True,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> ModelSpec:
     """Resolve ``name`` to a local model directory, building or downloading it if needed.
 
-    With ``prepare=False`` nothing is built or downloaded; the path may not exist yet.
+    With ``prepare=False`` nothing is built or downloaded; the path may not exist yet. A hub
+    model is taken at ``revision`` (a branch, tag or commit; None: the default branch) from the
+    Hugging Face cache ``cache_dir`` (None: the default one, e.g. vLLM's ``download_dir``);
+    both are ignored for other names.
     """
     if not name:
         raise ModelError(f"empty model name; try {EMBEDDED_DEFAULT!r}")
@@ -109,7 +194,8 @@ def resolve(name: str, *, prepare: bool = True) -> ModelSpec:
             "not an existing directory and not a hub id (owner/name). "
             f"The embedded default is {EMBEDDED_DEFAULT!r}."
         )
-    return ModelSpec(name, _hub_snapshot(name) if prepare else Path(), "hub")
+    path = _hub_snapshot(name, revision=revision, cache_dir=cache_dir) if prepare else Path()
+    return ModelSpec(name, path, "hub")
 
 
 def status(name: str) -> dict:
@@ -198,6 +284,144 @@ def fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of a model directory (the files ``fingerprint`` reads the edges of)."""
+    return sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+
+
+def weights_digest(path: Path) -> str:
+    """SHA-256 (64 hex) over the full content of config.json and of every weight file of the
+    model directory ``path``, by sorted file name: any changed byte of any tensor changes it.
+
+    Each file's SHA-256 is read once per (resolved path, size, mtime_ns) and kept in
+    ``digest_cache_path()``; a Hugging Face hub snapshot's file that links to
+    ``blobs/<64 hex>`` is named by that SHA-256 (the hash the hub checkpoint carries) and is
+    not read. A copy of a snapshot in a plain directory has the same digest.
+    """
+    files = sorted([path / "config.json", *weight_files(path)], key=lambda f: f.name)
+    sums = _file_sha256s(files)
+    digest = hashlib.sha256()
+    for file, sha in zip(files, sums):
+        digest.update(f"{file.name}\0{sha}\n".encode())
+    return digest.hexdigest()
+
+
+DIGEST_CACHE_SCHEMA = "cachegen-weights-digests"
+DIGEST_CACHE_VERSION = 1
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def digest_cache_path() -> Path:
+    """Where the SHA-256 of each weight file read is kept, by its (path, size, mtime_ns)."""
+    return cache_root() / "weights-digests.json"
+
+
+def _file_sha256s(files: list[Path]) -> list[str]:
+    """The SHA-256 of each of ``files``: a hub blob's name, a cached digest whose file has the
+    same size and mtime, else read and cached. Files are read under the cache's lock, so the
+    processes of one engine (scheduler, workers) that start together read each file once."""
+    real = [file.resolve(strict=True) for file in files]
+    cached = _read_digest_cache()
+    sums = [_known_sha256(path, cached) for path in real]
+    if None not in sums:
+        return sums
+    with _digest_cache_lock() as writable:
+        cached = _read_digest_cache()  # another process may have read them meanwhile
+        fresh: dict[str, dict] = {}
+        for i, path in enumerate(real):
+            sums[i] = sums[i] or _known_sha256(path, cached)
+            if sums[i] is None:
+                before = path.stat()
+                sums[i] = _sha256_file(path)
+                after = path.stat()
+                if (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns):
+                    fresh[str(path)] = {
+                        "size": before.st_size,
+                        "mtime_ns": before.st_mtime_ns,
+                        "sha256": sums[i],
+                    }  # a file written while it was read is read again next time
+        if fresh and writable:
+            _write_digest_cache(cached, fresh)
+    return sums
+
+
+def _known_sha256(path: Path, cached: dict[str, dict]) -> str | None:
+    """The SHA-256 of the resolved file ``path`` without reading it: a hub blob's name
+    (``blobs/<64 hex>``), or its cached digest while its size and mtime are those cached."""
+    if path.parent.name == "blobs" and _HEX64.fullmatch(path.name):
+        return path.name
+    entry = cached.get(str(path))
+    if entry is None:
+        return None
+    stat = path.stat()
+    if (entry["size"], entry["mtime_ns"]) != (stat.st_size, stat.st_mtime_ns):
+        return None
+    return entry["sha256"]
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_digest_cache() -> dict[str, dict]:
+    """The cached digests by resolved path; a missing, corrupt or other-version cache is
+    empty (and rewritten by the next digest read), a malformed entry is left out."""
+    try:
+        doc = json.loads(digest_cache_path().read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    if (
+        not isinstance(doc, dict)
+        or doc.get("schema") != DIGEST_CACHE_SCHEMA
+        or doc.get("version") != DIGEST_CACHE_VERSION
+        or not isinstance(doc.get("files"), dict)
+    ):
+        return {}
+    return {path: entry for path, entry in doc["files"].items() if _cache_entry_ok(entry)}
+
+
+def _cache_entry_ok(entry: object) -> bool:
+    return (
+        isinstance(entry, dict)
+        and all(type(entry.get(k)) is int for k in ("size", "mtime_ns"))
+        and isinstance(entry.get("sha256"), str)
+        and _HEX64.fullmatch(entry["sha256"]) is not None
+    )
+
+
+@contextlib.contextmanager
+def _digest_cache_lock() -> Iterator[bool]:
+    """Hold the digest cache's lock; yields whether it could be taken (a read-only cache root
+    has none: files are then read without caching their digests)."""
+    path = digest_cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.parent / f".{path.name}.lock", "w")
+    except OSError:
+        yield False
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield True
+
+
+def _write_digest_cache(cached: dict[str, dict], fresh: dict[str, dict]) -> None:
+    """Write ``cached`` plus ``fresh`` to the cache file atomically, under its lock (entries of
+    files that no longer exist are dropped). A cache that cannot be written costs a read next
+    time, no more."""
+    files = {p: e for p, e in cached.items() if os.path.exists(p)}
+    files.update(fresh)
+    doc = {"schema": DIGEST_CACHE_SCHEMA, "version": DIGEST_CACHE_VERSION, "files": files}
+    try:
+        write_atomic(digest_cache_path(), json.dumps(doc, indent=1, sort_keys=True).encode())
+    except OSError:
+        pass
+
+
 # ---- building models ------------------------------------------------------------------
 
 
@@ -244,8 +468,11 @@ def _verify(path: Path) -> None:
             raise ModelError(f"conversion produced non-finite weights in {name}")
 
 
-def _hub_snapshot(repo_id: str) -> Path:
-    """A hub model from the local HF cache, else downloaded; fails fast when offline."""
+def _hub_snapshot(
+    repo_id: str, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None
+) -> Path:
+    """A hub model at ``revision`` from the HF cache ``cache_dir`` (None: the default cache),
+    else downloaded there; fails fast when offline."""
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
     from huggingface_hub import snapshot_download
@@ -256,17 +483,25 @@ def _hub_snapshot(repo_id: str) -> Path:
     )
 
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    where = {
+        "allow_patterns": patterns,
+        "revision": revision,  # vLLM's model_config.revision: resolved to its commit already
+        "cache_dir": None if cache_dir is None else str(cache_dir),
+    }
+    at = "" if revision is None else f" at revision {str(revision)!r}"
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+        cached = Path(snapshot_download(repo_id, local_files_only=True, **where))
+        if (cached / "config.json").is_file():  # vLLM's download_dir may hold weights only
+            return cached
     except (LocalEntryNotFoundError, FileNotFoundError):
         pass
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         raise ModelError(
-            f"{repo_id} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1; "
+            f"{repo_id}{at} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1; "
             f"use the embedded default {EMBEDDED_DEFAULT!r} or a local directory"
         )
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+        return Path(snapshot_download(repo_id, **where))
     except RepositoryNotFoundError as exc:
         raise ModelError(
             f"no model {repo_id!r} on the Hugging Face hub; "
@@ -274,6 +509,7 @@ def _hub_snapshot(repo_id: str) -> Path:
         ) from exc
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
         raise ModelError(
-            f"cannot download {repo_id!r} (hub unreachable and not cached: {type(exc).__name__}); "
+            f"cannot download {repo_id!r}{at} (hub unreachable and not cached: "
+            f"{type(exc).__name__}); "
             f"use the embedded default {EMBEDDED_DEFAULT!r}, a cached model, or a local directory"
         ) from exc

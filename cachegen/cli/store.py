@@ -121,9 +121,22 @@ def _scope_arguments(q: argparse.ArgumentParser) -> None:
 
 
 def _keys(args, codec, kv) -> list[str]:
-    """The chunk keys the connector uses for these tokens, in the key scope of the arguments."""
+    """The chunk keys the connector uses for these tokens, in the key scope of the arguments:
+    those of an engine serving the KV's model as it is (its directory's weights, no
+    ``hf_overrides``, no quantization)."""
+    from cachegen.models import resolve
+
+    spec = resolve(kv.model.name)
+    if spec.identity().fingerprint != kv.model.fingerprint:
+        raise InputError(
+            f"the model {kv.model.name} in {spec.path} is not the one this KV was extracted "
+            "from (its weights fingerprint differs): extract the KV again"
+        )
     salt = key_scope(args.tenant, args.cache_salt)
-    return chunk_keys(kv.model, codec.profile_id, kv.token_ids, args.chunk_tokens, salt=salt)
+    weights = spec.served_weights()
+    return chunk_keys(
+        kv.model, codec.profile_id, kv.token_ids, args.chunk_tokens, weights=weights, salt=salt
+    )
 
 
 def _out(args, data, text: str) -> int:

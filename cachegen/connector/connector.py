@@ -35,7 +35,7 @@ from cachegen.connector.sources import DirectSources, SourcePool
 from cachegen.connector.stats import CacheGenPromMetrics, CacheGenStats
 from cachegen.connector.transport import EngineStore
 from cachegen.connector.worker import WorkerSide
-from cachegen.models import ModelSpec
+from cachegen.models import ModelSpec, ServedWeights
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,16 +72,19 @@ def contained(fallback: Any = None) -> Callable[[Callable], Callable]:
     return wrap
 
 
-def served_model(model_path: str) -> ModelSpec:
-    """The spec of the model vLLM serves; a cachegen-built model keeps its short name, so its
-    chunks are shared with offline tools (``cachegen encode``/``store``) that name it so."""
-    path = Path(model_path).expanduser()
+def served_model(model: Any, download_dir: str | None = None) -> ModelSpec:
+    """The spec of the model vLLM serves, from its ``model_config`` (or a model path): a hub
+    model at the revision vLLM loaded (``model_config.revision``) from its ``download_dir``; a
+    cachegen-built model keeps its short name, so its chunks are shared with offline tools
+    (``cachegen encode``/``store``) that name it so."""
+    name, revision = (model, None) if isinstance(model, str) else (model.model, model.revision)
+    path = Path(name).expanduser()
     if path.is_dir():
         resolved = path.resolve()
-        for name in models.known_names():
-            if (models.models_dir() / name).resolve() == resolved:
-                return models.resolve(name)
-    return models.resolve(model_path)
+        for known in models.known_names():
+            if (models.models_dir() / known).resolve() == resolved:
+                return models.resolve(known)
+    return models.resolve(name, revision=revision, cache_dir=download_dir)
 
 
 class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
@@ -125,9 +128,11 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
         # Before the store is opened: a model or configuration the connector cannot serve
         # stops start-up, and nothing is stored for it (cachegen/connector/checks.py).
         check_kv_cache_config(kv_cache_config)
-        spec = served_model(vllm_config.model_config.model)
+        model_config = vllm_config.model_config
+        spec = served_model(model_config, vllm_config.load_config.download_dir)
         windows = check_model(spec.config, spec.name)
         identity = spec.identity()
+        weights = ServedWeights.of_engine(spec, model_config)  # in every chunk key
         # Options a deployment leaves out take the served model's defaults (its mode: tcq
         # where the model ships a tcq calibration), the same in every role.
         self.config = self.read_config(dict(transfer.kv_connector_extra_config or {}), identity)
@@ -135,7 +140,7 @@ class CacheGenConnector(KVConnectorBase_V1, SupportsHMA):
         groups = cache_groups(kv_cache_config, block_size)
         if role == KVConnectorRole.SCHEDULER and any(w is not None for w in windows):
             _log_windows(spec.name, windows, len(groups))
-        engine_store = EngineStore.open(self.config, spec, identity)
+        engine_store = EngineStore.open(self.config, spec, identity, weights)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

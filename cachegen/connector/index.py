@@ -14,6 +14,7 @@ from cachegen.connector.ladder import LevelPolicy
 from cachegen.connector.parts import FULL, SLIDING, Plan, RecordParts
 from cachegen.errors import CacheGenError
 from cachegen.kv import ModelIdentity
+from cachegen.models import ServedWeights
 from cachegen.modes import Form
 from cachegen.store import RecordAddress, chunk_keys, open_store, stored_prefix
 from cachegen.store.url import without_password
@@ -37,11 +38,13 @@ def open_engine_store(config: ConnectorConfig) -> Any:
 
 @dataclass(frozen=True)
 class KeyChain:
-    """The chunk keys of prompts under each codec's profile (``cachegen.store.keys``)."""
+    """The chunk keys of prompts under each codec's profile (``cachegen.store.keys``), for the
+    model ``identity`` served as ``weights``."""
 
     codecs: CodecSet
     identity: ModelIdentity
     chunk_tokens: int
+    weights: ServedWeights
 
     def keys(self, codec: str, token_ids: Sequence[int], salt: str | None = None) -> list[str]:
         """Keys of the whole chunks of ``token_ids`` under ``codec``'s profile, in the key
@@ -52,6 +55,7 @@ class KeyChain:
             profile,
             list(token_ids),
             self.chunk_tokens,
+            weights=self.weights,
             include_partial=False,
             salt=salt,
         )
@@ -79,7 +83,7 @@ class StoreIndex:
         if self.parts.split and count:
             sliding = [[RecordAddress.of(k, f, SLIDING) for f in forms] for k in keys[:count]]
             count = stored_prefix(self.store, sliding)
-        return count
+        return count if count == 0 or self._decodable(forms) else 0
 
     def loadable_tokens(
         self,
@@ -94,7 +98,14 @@ class StoreIndex:
         load fetches (with ``skip_out_of_window``, only those within the window before its
         end). A prefix that ends inside a chunk is possible only through ``limit``."""
         keys = self.keys(self.ladder.lookup_codec(options), token_ids, options.salt)
-        return self._loadable_end(keys, self.ladder.load_forms(options), options, begin, limit)
+        forms = self.ladder.load_forms(options)
+        end = self._loadable_end(keys, forms, options, begin, limit)
+        return end if end <= begin or self._decodable(forms) else begin
+
+    def _decodable(self, forms: Sequence[Form]) -> bool:
+        """Whether this engine can get what records in ``forms`` need to be decoded (a coded
+        cachegen level's tables): a stored chunk it cannot decode is no hit."""
+        return self.key_chain.codecs.undecodable(forms) is None
 
     def saved_chunks(
         self, token_ids: Sequence[int], modes: Sequence[str], salt: str | None = None

@@ -30,7 +30,7 @@ from cachegen.connector.save_plan import SavePrefix, SaveRecord
 from cachegen.connector.sources import DirectSources, SourcePool
 from cachegen.connector.writer import ChunkWriter
 from cachegen.kv import KVCache, ModelIdentity
-from cachegen.models import ModelSpec
+from cachegen.models import ModelSpec, ServedWeights
 from cachegen.modes import Form
 
 
@@ -46,7 +46,17 @@ class EngineStore:
     keys: KeyChain
 
     @classmethod
-    def open(cls, config: ConnectorConfig, spec: ModelSpec, identity: ModelIdentity) -> EngineStore:
+    def open(
+        cls,
+        config: ConnectorConfig,
+        spec: ModelSpec,
+        identity: ModelIdentity,
+        weights: ServedWeights | None = None,
+    ) -> EngineStore:
+        """``weights``: what the engine serves of ``spec`` (``ServedWeights.of_engine``);
+        None: ``spec`` served as it is (its keys are those of ``cachegen store put``)."""
+        if weights is None:
+            weights = spec.served_weights()
         store = open_engine_store(config)
         codecs = CodecSet(store, config, spec, identity)
         return cls(
@@ -54,7 +64,7 @@ class EngineStore:
             codecs,
             LevelPolicy(codecs, config, identity.fingerprint),
             RecordParts.of(spec, config.chunk_tokens),
-            KeyChain(codecs, identity, config.chunk_tokens),
+            KeyChain(codecs, identity, config.chunk_tokens, weights),
         )
 
     def index(self) -> StoreIndex:

@@ -2,7 +2,8 @@
 
 store = open_store("file:///var/cache/kv")          # or "redis://127.0.0.1:6379/0"
 store = open_store(url, secret=b"...")               # signed records (or CACHEGEN_STORE_SECRET)
-keys = chunk_keys(model_identity, codec_profile_id, token_ids, chunk_tokens)
+keys = chunk_keys(spec.identity(), codec_profile_id, token_ids, chunk_tokens,
+                  weights=spec.served_weights())     # ModelSpec: cachegen.models
 records = [RecordAddress.of(key, "cachegen-11-packed") for key in keys]
 store.write(records[0], blob); store.read(records[0])
 n = stored_prefix(store, [[r] for r in records])     # leading chunks stored in full

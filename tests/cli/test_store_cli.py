@@ -109,7 +109,7 @@ def test_stats_count_each_chunks_raw_bf16_once(tmp_path, tiny_llama, capsys):
     from cachegen.store import chunk_keys, open_store
     from cachegen.store.keys import sliding_key
 
-    ident = tiny_llama.identity()
+    ident, weights = tiny_llama.identity(), tiny_llama.served_weights()
     g = torch.Generator().manual_seed(0)
     shape = (ident.num_layers, ident.num_kv_heads, 512, ident.head_dim)
     kv = KVCache(torch.randn(shape, generator=g).bfloat16(),
@@ -120,7 +120,7 @@ def test_stats_count_each_chunks_raw_bf16_once(tmp_path, tiny_llama, capsys):
 
     def put(store, name: str, kv: KVCache, *, parts=False, salt=None, frame_tokens=256) -> None:
         codec = get_codec(name, chunk_tokens=frame_tokens)
-        keys = chunk_keys(ident, codec.profile_id, kv.token_ids, 256, salt=salt)
+        keys = chunk_keys(ident, codec.profile_id, kv.token_ids, 256, weights=weights, salt=salt)
         for key, chunk in zip(keys, kv.chunks(256)):
             if parts:  # as a model with sliding-window layers stores a chunk: two records
                 store.put(key, 0, codec.encode(chunk.select_layers([0, 1])))

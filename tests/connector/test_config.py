@@ -299,7 +299,8 @@ def test_an_engine_that_may_serve_tcq_without_its_model_file_refuses_to_start(
     config = SimpleNamespace(
         kv_transfer_config=transfer,
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        model_config=SimpleNamespace(model=str(tiny_llama.path)),
+        model_config=SimpleNamespace(model=str(tiny_llama.path), revision=None),
+        load_config=SimpleNamespace(download_dir=None),
         cache_config=SimpleNamespace(block_size=128),
         scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True),
     )

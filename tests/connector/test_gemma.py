@@ -206,7 +206,8 @@ def _fake_vllm_config(model_dir, store: str):
     return SimpleNamespace(
         kv_transfer_config=_transfer_config(store, mode="raw"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        model_config=SimpleNamespace(model=str(model_dir)),
+        model_config=SimpleNamespace(model=str(model_dir), revision=None),
+        load_config=SimpleNamespace(download_dir=None),
         cache_config=SimpleNamespace(block_size=128),
         scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True),
     )

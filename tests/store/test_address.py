@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cachegen.kv import ModelIdentity
+from cachegen.models import ServedWeights
 from cachegen.modes import CACHEGEN, PACKED, TCQ, Form
 from cachegen.store import (
     FULL,
@@ -19,7 +20,8 @@ from cachegen.store import (
 from cachegen.store.keys import sliding_key
 
 MODEL = ModelIdentity("m", "f" * 64, num_layers=2, num_kv_heads=1, head_dim=64)
-KEYS = chunk_keys(MODEL, "p", list(range(256 * 4)), 256)
+WEIGHTS = ServedWeights("f" * 64)
+KEYS = chunk_keys(MODEL, "p", list(range(256 * 4)), 256, weights=WEIGHTS)
 
 
 def test_an_address_names_a_records_chunk_part_and_form():
@@ -39,7 +41,7 @@ def test_an_address_names_a_records_chunk_part_and_form():
 def test_every_form_of_a_chunk_is_its_own_record(store):
     """A scope's keys belong to one codec profile (the namespace hashes it), so the forms
     under one key are one codec's levels; another codec's forms live under its own keys."""
-    int8_key = chunk_keys(MODEL, "int8-profile", list(range(256)), 256)[0]
+    int8_key = chunk_keys(MODEL, "int8-profile", list(range(256)), 256, weights=WEIGHTS)[0]
     forms = [Form(CACHEGEN, 11), Form(CACHEGEN, 11, PACKED), Form(CACHEGEN, 4)]
     records = [RecordAddress.of(KEYS[0], form) for form in forms]
     records.append(RecordAddress.of(int8_key, "int8"))

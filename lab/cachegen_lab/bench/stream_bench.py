@@ -144,7 +144,8 @@ def prepare(
             raise InputError(f"{f.label} is not a form of {codec_name}")
         codec.resolve_level(f.level)
     tokens = ids.numel()
-    keys = chunk_keys(spec.identity(), codec.profile_id, ids, chunk_tokens)
+    weights = spec.served_weights()  # the model served as it is, as `cachegen store put` keys it
+    keys = chunk_keys(spec.identity(), codec.profile_id, ids, chunk_tokens, weights=weights)
     records = {f: [RecordAddress.of(key, f) for key in keys] for f in forms}
     tps = None
     encode_s = {}

@@ -30,7 +30,7 @@ NETNS_DIR = Path("/var/run/netns")
 QUEUE_BYTES = 8 * 1024 * 1024
 TBF_BURST_S = 0.004
 SEND_BUFFER_MAX = 32 * 1024 * 1024
-NAME_RE = re.compile(r"^cachegen-(\d+)-[0-9a-f]{8}$")
+NAME_RE = re.compile(r"^cachegen-(\d+)-[0-9a-f]{8}\Z")
 T = TypeVar("T")
 
 

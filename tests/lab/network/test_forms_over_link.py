@@ -31,8 +31,9 @@ def forms_store(tmp_path_factory, tiny_llama):
     int8 = codec_for("int8", tiny_llama, chunk_tokens=CHUNK)
     level = cachegen.default_level
     store = open_store((tmp_path_factory.mktemp("forms") / "store").as_uri())
+    weights = tiny_llama.served_weights()
     keys = {
-        name: chunk_keys(tiny_llama.identity(), codec.profile_id, ids, CHUNK)
+        name: chunk_keys(tiny_llama.identity(), codec.profile_id, ids, CHUNK, weights=weights)
         for name, codec in (("cachegen", cachegen), ("int8", int8))
     }
     blobs = {}
