@@ -33,8 +33,12 @@ from cachegen.modes import ADAPTIVE, CACHEGEN, LEVEL_LIMIT, TCQ, Form, configure
 from cachegen.modes import CONNECTOR_MODES as MODES
 from cachegen.store import StoreConfigError, default_store_url, parse_size
 from cachegen.store.keys import check_scope_part
+from cachegen.store.record import SECRET_ENV
+from cachegen.store.secret_files import inline_password_error, read_secret_file
+from cachegen.store.url import without_password
 
 PROFILE_SOURCES = ("store", "local")
+CLIENT_REPORTS = ("reasons", "full", "none")
 REQUEST, ENGINE = "request", "engine"  # request options are also the engine's defaults
 Check = Callable[[str, Any], None]
 
@@ -181,11 +185,43 @@ def secret(name: str, value: Any) -> None:
         raise ConnectorError(f"{name} must be a string")  # never echo a secret
 
 
+def secret_file(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConnectorError(f"{name} must be the path of a file, got {value!r}")
+
+
+# kv_connector_extra_config travels on vLLM's command line and is in its start-up log (vLLM
+# logs its non-default arguments): a secret or password there is readable by whoever sees them.
+_ON_THE_COMMAND_LINE = "kv_connector_extra_config is on vLLM's command line and in its log"
+INLINE_SECRET = (
+    f"store_secret cannot be given inline: {_ON_THE_COMMAND_LINE}. Put the secret in a file only "
+    "the server's user can read (chmod 600) and set store_secret_file to its path, or set the "
+    f"environment variable {SECRET_ENV}"
+)
+
+
 def store_url(name: str, value: Any) -> None:
     if not isinstance(value, str) or "://" not in value:
+        shown = "a value with '@'" if isinstance(value, str) and "@" in value else repr(value)
         raise ConnectorError(
-            f"{name} must be a URL like file:///path or redis://host:port/0, got {value!r}"
+            f"{name} must be a URL like file:///path or redis://host:port/0, got {shown}"
         )
+    refusal = inline_password_error(
+        value, f"{name} {without_password(value)!r}", _ON_THE_COMMAND_LINE
+    )
+    if refusal is not None:
+        raise ConnectorError(str(refusal))
+
+
+def _store_secret(path: str | None) -> str | None:
+    """The secret in ``store_secret_file`` (None without one), read at start-up."""
+    if path is None:
+        return None
+    secret_file(STORE_SECRET_FILE, path)
+    try:
+        return read_secret_file(path, STORE_SECRET_FILE)
+    except StoreConfigError as exc:
+        raise ConnectorError(str(exc)) from None
 
 
 def _check_fields(options: Any) -> None:
@@ -288,7 +324,8 @@ class ConnectorConfig:
 
     store: str = option(
         ENGINE,
-        "chunk store URL: file:///dir or redis://host:port/db",
+        "chunk store URL: file:///dir or redis://host:port/db (a password by "
+        "?password_file=PATH or ?password_env=NAME, never inline)",
         store_url,
         default_factory=default_store_url,
     )
@@ -340,9 +377,16 @@ class ConnectorConfig:
         non_negative_number,
         2000.0,
     )
+    client_report: str = option(
+        ENGINE,
+        "what a request's report tells its client: reasons (reason codes only), full (every "
+        "figure and error text: trusted clients) or none",
+        one_of(*CLIENT_REPORTS),
+        "reasons",
+    )
     store_deadline_ms: float = option(
         ENGINE,
-        "longest the scheduler waits for the store's answer to a lookup (ms); later is a miss",
+        "how long after a question the store's answer may come (ms); later is a miss",
         positive_number,
         200.0,
     )
@@ -353,12 +397,14 @@ class ConnectorConfig:
         1.0,
     )
     tenant: str | None = option(ENGINE, "a scope of every chunk key of this engine", scope_part)
-    store_secret: str | None = option(
+    store_secret_file: str | None = option(
         ENGINE,
-        "MAC secret records are signed with (default: $CACHEGEN_STORE_SECRET)",
-        secret,
-        repr=False,
+        "file holding the MAC secret records are signed with (default: $CACHEGEN_STORE_SECRET)",
+        secret_file,
     )
+    # The secret read from store_secret_file (or given from Python), never an option: a value
+    # in kv_connector_extra_config is refused (INLINE_SECRET).
+    store_secret: str | None = field(default=None, repr=False, metadata={"check": secret})
     max_record_bytes: int | None = option(ENGINE, "largest record a load reads", byte_cap)
     max_load_bytes: int | None = option(ENGINE, "most bytes one request's load fetches", byte_cap)
     profile_source: str = option(
@@ -381,6 +427,8 @@ class ConnectorConfig:
         (without ``model``, their declared defaults). ``options_type``: the request options'
         class (a subclass may declare more, as the lab's connector does)."""
         extra = dict(extra or {})
+        if "store_secret" in extra:
+            raise ConnectorError(INLINE_SECRET)
         engine_keys = options_type.keys() | ENGINE_KEYS
         unknown = set(extra) - engine_keys
         if unknown:
@@ -408,6 +456,7 @@ class ConnectorConfig:
                 except StoreConfigError as exc:
                     raise ConnectorError(f"{name}: {exc}") from None
         kwargs.update(extra)  # the engine-only keys
+        kwargs["store_secret"] = _store_secret(extra.get(STORE_SECRET_FILE))
         return cls(**kwargs)
 
     @property
@@ -457,6 +506,7 @@ def _keys(cls: type, scope: str) -> frozenset[str]:
 REQUEST_KEYS = RequestOptions.keys()
 ENGINE_KEYS = REQUEST_KEYS | _keys(ConnectorConfig, ENGINE)
 LEVEL, FORM = "level", "form"
+STORE_SECRET_FILE = "store_secret_file"
 
 
 def describe_options() -> list[dict[str, str]]:

@@ -13,16 +13,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from cachegen.connector.client_report import for_client
 from cachegen.connector.codecs import codec_name
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.index import StoreIndex
 from cachegen.connector.inputs import InputsRefused, request_inputs
-from cachegen.connector.load_plan import LoadPlan, plan_load
+from cachegen.connector.load_plan import LoadPlan
+from cachegen.connector.lookup import Lookup, StoreQuestions
 from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMetadata
 from cachegen.connector.paged_cache import CacheGroup, held_from
 from cachegen.connector.pending_saves import PendingSave, PendingSaves
 from cachegen.connector.stats import StatsRecorder
-from cachegen.connector.store_guard import StoreGuard, StoreUnanswered
+from cachegen.connector.store_guard import PendingAnswer, StoreGuard, StoreUnanswered
 from cachegen.errors import CacheGenError
 from cachegen.fileio import versioned
 from cachegen.store.keys import key_scope
@@ -45,7 +47,8 @@ class _Tracked:
     options: RequestOptions | None  # None: the connector neither loads nor saves it
     error: str | None = None
     fallback: str | None = None  # why it was (partly) recomputed instead of loaded (metrics)
-    lookup: tuple[int, int] | None = None  # (num_computed_tokens asked with, tokens matched)
+    lookup: Lookup | None = None  # the store's answer to the newest lookup, when it comes
+    saved: PendingAnswer[int] | None = None  # leading chunks of the prompt stored already
     load: LoadTask | None = None  # granted by vLLM, not yet sent to the workers
     loading: bool = False  # an asynchronous load is running on the workers
     load_failed: bool = False  # never retried: vLLM recomputes instead
@@ -80,6 +83,7 @@ class SchedulerSide:
         self.pending_saves = PendingSaves(config.chunk_tokens, config.save_wait_ms)
         self.stats = StatsRecorder()  # lookups and loads (the workers count saves)
         self.guard = StoreGuard(config.store_deadline_ms / 1000.0, config.store_backoff_s)
+        self.questions = StoreQuestions(index, self.guard, config, block_size)
 
     # ---- lookup ------------------------------------------------------------------------------
 
@@ -97,6 +101,9 @@ class SchedulerSide:
                 tracked = _Tracked(request, dataclasses.replace(options, salt=salt))
                 if salt is not None:
                     tracked.report["salted"] = True
+                if self.can_save and options.save and self.config.save_modes:
+                    prompt = list(request.prompt_token_ids or [])
+                    tracked.saved = self.questions.saved_chunks(prompt, salt)
             except InputsRefused as exc:  # KV its keys cannot name
                 logger.info("request %s: not loaded nor saved: %s", request.request_id, exc)
                 tracked = _Tracked(request, None, error=str(exc), fallback=exc.reason)
@@ -122,31 +129,27 @@ class SchedulerSide:
         codec = self.index.ladder.lookup_codec(tracked.options)
         if self.pending_saves.holds(tracked, codec, num_computed_tokens):
             return None, False  # vLLM asks again on a later step
-        if tracked.lookup is None or tracked.lookup[0] != num_computed_tokens:
-            tracked.lookup = (num_computed_tokens, self._lookup(tracked, num_computed_tokens))
-        matched = tracked.lookup[1]
+        if tracked.lookup is None or tracked.lookup.computed != num_computed_tokens:
+            prompt = list(tracked.request.prompt_token_ids or [])
+            tracked.lookup = self.questions.lookup(prompt, tracked.options, num_computed_tokens)
+        matched = self._matched(tracked, tracked.lookup)
+        if matched is None:
+            return None, False  # not answered yet: vLLM asks again on a later step
         return matched, matched > 0 and self.load_async
 
-    def _lookup(self, tracked: _Tracked, num_computed_tokens: int) -> int:
-        prompt = tracked.request.prompt_token_ids or []
-        # Never the whole prompt: vLLM must compute at least one token to produce logits.
-        limit = (len(prompt) - 1) // self.block_size * self.block_size
-        options = tracked.options
+    def _matched(self, tracked: _Tracked, lookup: Lookup) -> int | None:
         try:
-            end = self.guard.ask(
-                lambda: self.index.loadable_tokens(prompt, options, num_computed_tokens, limit),
-                "lookup",
-            )
+            return self.questions.matched(lookup)
         except StoreUnanswered as exc:
             logger.warning(
                 "request %s: store lookup failed, computing instead: %s",
                 tracked.request.request_id,
                 exc,
             )
-            tracked.error = f"lookup failed: {exc}"
+            tracked.error = f"lookup failed: {exc.reason}"
             tracked.fallback = exc.reason
+            lookup.matched = 0
             return 0
-        return max(0, end - num_computed_tokens)
 
     def after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -173,14 +176,12 @@ class SchedulerSide:
     ) -> None:
         tracked = self._track(request)
         assert tracked.lookup is not None and tracked.options is not None
-        begin = tracked.lookup[0]
+        begin = tracked.lookup.computed
         end = begin + num_external_tokens
-        last_chunk_end = -(-end // self.config.chunk_tokens) * self.config.chunk_tokens
         skipped_to = self.index.parts.sliding_from(end, tracked.options)
         if skipped_to > begin // self.config.chunk_tokens:
             tracked.sliding_from = max(tracked.sliding_from, skipped_to)
-        prompt = list(request.prompt_token_ids[:last_chunk_end])
-        plan = self._plan(tracked, prompt, begin, end)
+        plan = self._plan(tracked, list(request.prompt_token_ids), end)
         tracked.lossy |= plan.refused is None and not plan.lossless
         tracked.load = LoadTask(
             req_id=request.request_id,
@@ -189,14 +190,12 @@ class SchedulerSide:
             in_background=self.load_async,
         )
 
-    def _plan(self, tracked: _Tracked, prompt: list[int], begin: int, end: int) -> LoadPlan:
+    def _plan(self, tracked: _Tracked, prompt: list[int], end: int) -> LoadPlan:
         """The request's load plan; one refused, so that the request recomputes, when the
         store does not answer in time."""
-        options, cap = tracked.options, self.config.max_load_bytes
+        options, begin = tracked.options, tracked.lookup.computed
         try:
-            return self.guard.ask(
-                lambda: plan_load(self.index, prompt, begin, end, options, cap), "load plan"
-            )
+            return self.questions.load_plan(tracked.lookup, prompt, end, options)
         except StoreUnanswered as exc:
             logger.warning(
                 "request %s: planning its load failed, computing instead: %s",
@@ -204,7 +203,9 @@ class SchedulerSide:
                 exc,
             )
             tracked.fallback = exc.reason
-            return LoadPlan(prompt, begin, end, [], [], options, refused=f"planning failed: {exc}")
+            refused = f"planning failed: {exc.reason}"
+            last_chunk_end = -(-end // self.config.chunk_tokens) * self.config.chunk_tokens
+            return LoadPlan(prompt[:last_chunk_end], begin, end, [], [], options, refused=refused)
 
     # ---- per-step metadata ----------------------------------------------------------------------
 
@@ -253,14 +254,10 @@ class SchedulerSide:
             return None
         if tracked.lossy:  # its KV after the loaded prefix was computed on a lossy form's KV
             return self._skip_save(tracked, "lossy_ancestry")
-        modes = self.config.save_modes
         try:
-            stored = self.guard.ask(
-                lambda: self.index.saved_chunks(prompt[:full], modes, options.salt), "save plan"
-            )
+            stored = self._stored_chunks(tracked)
         except StoreUnanswered as exc:
             logger.warning("request %s: store unavailable, not saving: %s", request.request_id, exc)
-            tracked.report["save_error"] = str(exc)
             return self._skip_save(tracked, exc.reason)
         if stored * self.config.chunk_tokens >= full:
             return None
@@ -288,6 +285,15 @@ class SchedulerSide:
             salt=options.salt,
             save_id=save_id,
         )
+
+    @staticmethod
+    def _stored_chunks(tracked: _Tracked) -> int:
+        """The leading chunks of the prompt stored already, as the store answered when the
+        request came; 0 while the answer is out (the worker skips each record it finds stored).
+        """
+        if tracked.saved is None or not tracked.saved.ready():
+            return 0
+        return tracked.saved.answer()
 
     def _skip_save(self, tracked: _Tracked, reason: str) -> None:
         """Store nothing of the request's prompt, for ``reason`` (a reason code)."""
@@ -330,7 +336,8 @@ class SchedulerSide:
         except Exception:  # noqa: BLE001 - the blocks' fate must still reach vLLM
             logger.exception("request %s: its report failed", request.request_id)
             report = versioned(REPORT_SCHEMA, REPORT_VERSION, {"fallback": "internal_error"})
-        return tracked.loading, {REPORT_KEY: report}
+        shown = for_client(report, self.config.client_report)
+        return tracked.loading, (None if shown is None else {REPORT_KEY: shown})
 
     def _final_report(self, tracked: _Tracked) -> dict[str, Any]:
         report = versioned(REPORT_SCHEMA, REPORT_VERSION, tracked.report)

@@ -1,22 +1,25 @@
 """Nothing the store does holds vLLM's scheduler: each question with a deadline, and a breaker.
 
-The scheduler asks the store on vLLM's step: which prefix of a prompt it holds, what a save
-still has to write, how large a load plan's records are. ``StoreGuard.ask`` puts each question
-to the store on a thread of its own and waits at most ``store_deadline_ms`` for the answer; an
-answer that comes later is dropped, and the request computes its prompt (a miss). A failure or
-a late answer opens the breaker: for ``store_backoff_s`` the store counts as down and every
-question is refused at once, without touching it; after that one question at a time probes it,
-and the first answer in time closes the breaker again.
+The scheduler has questions for the store: which prefix of a prompt it holds, what a save
+still has to write, how large a load plan's records are. ``StoreGuard.submit`` puts a question
+to the store on a thread of its own and returns at once; the scheduler polls the answer on
+later steps (``PendingAnswer``), so vLLM's step never waits on the store. An answer that has
+not come ``store_deadline_ms`` after the question is dropped, and the request computes its
+prompt (a miss). ``StoreGuard.ask`` waits for the answer, within the same deadline, where a
+step cannot go on without it. A failure or a late answer opens the breaker: for
+``store_backoff_s`` the store counts as down and every question is refused at once, without
+touching it; after that one question at a time probes it, and the first answer in time closes
+the breaker again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, TypeVar
 
 from cachegen.connector.errors import ConnectorError
 
@@ -62,19 +65,20 @@ class StoreGuard:
     def ask(self, question: Callable[[], T], what: str) -> T:
         """``question()``'s answer, if it comes within the deadline; else ``StoreUnanswered``
         (``what`` names the question in its message)."""
-        self._admit(what)
-        future = self._pool.submit(question)
+        pending = self.submit(question, what)
+        if pending.future is not None:
+            with contextlib.suppress(Exception):  # answer() tells a failure and a late answer
+                pending.future.result(timeout=self.deadline_s)
+        return pending.answer()
+
+    def submit(self, question: Callable[[], T], what: str) -> PendingAnswer[T]:
+        """``question`` put to the store in the background, unless the breaker refuses it
+        (then the answer is that refusal)."""
         try:
-            answer = future.result(timeout=self.deadline_s)
-        except FutureTimeout:
-            self._trip()
-            ms = round(self.deadline_s * 1000)
-            raise StoreUnanswered(STORE_TIMEOUT, f"{what}: no answer within {ms} ms") from None
-        except Exception as exc:  # noqa: BLE001 - any failure of the store is a miss
-            self._trip()
-            raise StoreUnanswered(STORE_ERROR, f"{what}: {type(exc).__name__}: {exc}") from exc
-        self._recovered()
-        return answer
+            self._admit(what)
+        except StoreUnanswered as exc:
+            return PendingAnswer(self, None, what, self._clock(), refused=exc)
+        return PendingAnswer(self, self._pool.submit(question), what, self._clock())
 
     def _admit(self, what: str) -> None:
         """Let a question through: always while the store is up; after the back-off, one
@@ -100,3 +104,60 @@ class StoreGuard:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class PendingAnswer(Generic[T]):
+    """A question put to the store: :meth:`ready` once answered or late, then :meth:`answer`.
+    An answer nobody polls still settles the breaker when it comes (a probe must not keep the
+    store counted down because its request went away)."""
+
+    def __init__(
+        self,
+        guard: StoreGuard,
+        future: Future | None,
+        what: str,
+        asked_at: float,
+        refused: StoreUnanswered | None = None,
+    ) -> None:
+        self.future = future
+        self.what = what
+        self.asked_at = asked_at
+        self._guard = guard
+        self._lock = threading.Lock()
+        self._outcome: tuple[T | None, StoreUnanswered | None] | None = None
+        if refused is not None:
+            self._outcome = (None, refused)
+        if future is not None:
+            future.add_done_callback(lambda _: self._settle())
+
+    def ready(self) -> bool:
+        """Whether :meth:`answer` returns or raises without waiting."""
+        late = self._guard._clock() - self.asked_at > self._guard.deadline_s
+        return self._outcome is not None or self.future.done() or late
+
+    def answer(self) -> T:
+        """The store's answer; ``StoreUnanswered`` if it failed, was refused, or has not come
+        yet (late: the breaker opens, once). Call when :meth:`ready`."""
+        answer, failure = self._settle()
+        if failure is not None:
+            raise failure
+        return answer
+
+    def _settle(self) -> tuple[T | None, StoreUnanswered | None]:
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = self._outcome_now()
+            return self._outcome
+
+    def _outcome_now(self) -> tuple[T | None, StoreUnanswered | None]:
+        if not self.future.done():
+            self._guard._trip()
+            ms = round(self._guard.deadline_s * 1000)
+            return None, StoreUnanswered(STORE_TIMEOUT, f"{self.what}: no answer within {ms} ms")
+        try:
+            answer = self.future.result()
+        except Exception as exc:  # noqa: BLE001 - any failure of the store is a miss
+            self._guard._trip()
+            return None, StoreUnanswered(STORE_ERROR, f"{self.what}: {type(exc).__name__}: {exc}")
+        self._guard._recovered()
+        return answer, None

@@ -25,7 +25,7 @@ def _raises(*args, **kwargs):
 @pytest.mark.parametrize(
     ("step", "expect", "loaded"),
     [
-        ("_lookup", {}, 0),  # get_num_new_matched_tokens: a miss
+        ("_matched", {}, 0),  # get_num_new_matched_tokens: a miss
         ("_after_alloc", {"fallback": "internal_error"}, 0),  # a load that fails at once
         ("_plan_save", {"save_skipped": "internal_error"}, 512),  # the save only
     ],

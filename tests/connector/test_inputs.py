@@ -8,6 +8,7 @@ scheduler counts for them. LoRA through a real engine: test_adapters.py.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,8 @@ def test_scopes_with_inputs_never_meet_scopes_without(tiny_llama):
         key_scope(None, None, {"mm": [["image", "img-1", 10, 20]]}),
         key_scope(None, None, {"mm": [["image", "img-1", 11, 20]]}),
     ]
-    keys = [chunk_keys(model, "p", ids, CHUNK, salt=scope)[0] for scope in scopes]
+    weights = tiny_llama.served_weights()
+    keys = [chunk_keys(model, "p", ids, CHUNK, weights=weights, salt=scope)[0] for scope in scopes]
     assert len(set(keys)) == len(keys)
     assert key_scope("t", "s", None) == key_scope("t", "s") == json.dumps(["t", "s"])  # as before
 
@@ -120,8 +122,13 @@ def scheduler(tiny_llama, tmp_path):
 
 
 def _matched(side: SchedulerSide, request) -> int:
-    matched, _ = side.num_new_matched_tokens(request, 0)
-    return matched
+    """The tokens matched, asked as vLLM asks: again on each step until the store answered."""
+    for _ in range(1000):
+        matched, _ = side.num_new_matched_tokens(request, 0)
+        if matched is not None:
+            return matched
+        time.sleep(0.01)
+    raise AssertionError("the lookup never answered")
 
 
 def test_a_multimodal_request_loads_only_its_own_items_chunks(scheduler):

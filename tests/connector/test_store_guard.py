@@ -5,6 +5,7 @@ counted down is not asked, and one probe at a time finds it back."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -83,3 +84,39 @@ def test_an_error_opens_the_breaker_and_one_probe_at_a_time_goes_out(clock):
         assert guard.ask(lambda: 3, "lookup") == 3
     finally:
         guard.close()
+
+
+def test_a_submitted_question_never_waits_and_its_answer_is_read_on_a_later_step(guard, clock):
+    release = threading.Event()
+    pending = guard.submit(lambda: release.wait() and 5, "lookup")
+    assert not pending.ready()  # asked: the step goes on without the answer
+    release.set()
+    pending.future.result(timeout=5)
+    assert pending.ready() and pending.answer() == 5 and not guard.down
+
+
+def test_an_answer_not_come_by_the_deadline_is_a_miss_and_opens_the_breaker(guard, clock):
+    release = threading.Event()
+    pending = guard.submit(release.wait, "lookup")
+    clock[0] = DEADLINE_S * 2  # a later step: the deadline has passed
+    assert pending.ready()
+    with pytest.raises(StoreUnanswered) as late:
+        pending.answer()
+    release.set()
+    assert late.value.reason == STORE_TIMEOUT and guard.down
+    refused = guard.submit(lambda: 1, "lookup")  # counted down: answered at once, not asked
+    assert refused.future is None and refused.ready()
+    with pytest.raises(StoreUnanswered, match="counted down"):
+        refused.answer()
+
+
+def test_a_probe_nobody_polls_still_brings_the_store_back(guard, clock):
+    _refused(guard, lambda: (_ for _ in ()).throw(StoreUnavailable("down")))
+    clock[0] = BACKOFF_S
+    probe = guard.submit(lambda: 1, "lookup")  # its request goes away before the next step
+    probe.future.result(timeout=5)
+    for _ in range(500):  # the future's callback settles the breaker just after its result
+        if not guard.down:
+            break
+        time.sleep(0.01)
+    assert not guard.down and guard.ask(lambda: 2, "lookup") == 2

@@ -188,6 +188,7 @@ class ConnectorEngine(StoreClient):
             "shaper": shaper,
             "load_async": load_async,
             "save_async": save_async,
+            "client_report": "full",  # the lab measures: it reads every figure of the report
         }
         if save_modes is not None:  # None: the connector's default mode for the model, saved
             extra.update(save_modes=list(save_modes), mode="raw")
