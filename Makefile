@@ -28,10 +28,13 @@ help:
 # torchcodec from PyPI, which break imports next to the CPU torch (third_party/vllm/README.md).
 # Two distributions from this repository: cachegen (what a server installs) and cachegen-lab
 # (lab/: the harness, research codecs and link emulation), both editable.
-$(STAMP): requirements/cpu.lock pyproject.toml lab/pyproject.toml
+# requirements/peers.lock: the lab's peer systems (LMCache), also --no-deps
+# (third_party/lmcache/README.md); never a dependency of the cachegen distribution.
+$(STAMP): requirements/cpu.lock requirements/peers.lock pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet --no-compile --no-deps -r requirements/cpu.lock
+	$(PIP) install --quiet --no-compile --no-deps -r requirements/peers.lock
 	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PIP) install --quiet --no-deps -e . -e ./lab
 	@touch $@
