@@ -24,7 +24,7 @@ from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMet
 from cachegen.connector.paged_cache import CacheGroup, held_from
 from cachegen.connector.pending_saves import PendingSave, PendingSaves
 from cachegen.connector.stats import StatsRecorder
-from cachegen.connector.store_guard import PendingAnswer, StoreGuard, StoreUnanswered
+from cachegen.connector.store_guard import STORE_DOWN, PendingAnswer, StoreGuard, StoreUnanswered
 from cachegen.errors import CacheGenError
 from cachegen.fileio import versioned
 from cachegen.store.keys import key_scope
@@ -101,9 +101,6 @@ class SchedulerSide:
                 tracked = _Tracked(request, dataclasses.replace(options, salt=salt))
                 if salt is not None:
                     tracked.report["salted"] = True
-                if self.can_save and options.save and self.config.save_modes:
-                    prompt = list(request.prompt_token_ids or [])
-                    tracked.saved = self.questions.saved_chunks(prompt, salt)
             except InputsRefused as exc:  # KV its keys cannot name
                 logger.info("request %s: not loaded nor saved: %s", request.request_id, exc)
                 tracked = _Tracked(request, None, error=str(exc), fallback=exc.reason)
@@ -125,6 +122,7 @@ class SchedulerSide:
             or not tracked.options.load
             or tracked.load_failed
         ):
+            self._ask_saved(tracked)
             return 0, False
         codec = self.index.ladder.lookup_codec(tracked.options)
         if self.pending_saves.holds(tracked, codec, num_computed_tokens):
@@ -132,10 +130,20 @@ class SchedulerSide:
         if tracked.lookup is None or tracked.lookup.computed != num_computed_tokens:
             prompt = list(tracked.request.prompt_token_ids or [])
             tracked.lookup = self.questions.lookup(prompt, tracked.options, num_computed_tokens)
+        self._ask_saved(tracked)  # after the lookup, which probes a store counted down
         matched = self._matched(tracked, tracked.lookup)
         if matched is None:
             return None, False  # not answered yet: vLLM asks again on a later step
         return matched, matched > 0 and self.load_async
+
+    def _ask_saved(self, tracked: _Tracked) -> None:
+        """Ask, once, how much of the prompt is stored, for a request whose prompt is saved."""
+        options = tracked.options
+        if tracked.saved is not None or options is None or not options.save:
+            return
+        if self.can_save and self.config.save_modes:
+            prompt = list(tracked.request.prompt_token_ids or [])
+            tracked.saved = self.questions.saved_chunks(prompt, options.salt)
 
     def _matched(self, tracked: _Tracked, lookup: Lookup) -> int | None:
         try:
@@ -286,14 +294,19 @@ class SchedulerSide:
             save_id=save_id,
         )
 
-    @staticmethod
-    def _stored_chunks(tracked: _Tracked) -> int:
+    def _stored_chunks(self, tracked: _Tracked) -> int:
         """The leading chunks of the prompt stored already, as the store answered when the
-        request came; 0 while the answer is out (the worker skips each record it finds stored).
-        """
-        if tracked.saved is None or not tracked.saved.ready():
+        request came; 0 (the worker skips each record it finds stored) while the answer is
+        out, after a failed load (it may have dropped a damaged chunk since), and when the
+        question was refused while a probe, since answered, was out."""
+        if tracked.saved is None or tracked.load_failed or not tracked.saved.ready():
             return 0
-        return tracked.saved.answer()
+        try:
+            return tracked.saved.answer()
+        except StoreUnanswered as exc:
+            if exc.reason == STORE_DOWN and not self.guard.down:
+                return 0
+            raise
 
     def _skip_save(self, tracked: _Tracked, reason: str) -> None:
         """Store nothing of the request's prompt, for ``reason`` (a reason code)."""

@@ -25,7 +25,7 @@ if __name__ == "__main__":
         kv_connector="CacheGenConnector",
         kv_connector_module_path="cachegen.connector",
         kv_role="kv_both",
-        kv_connector_extra_config={"store": store, "save_async": False},
+        kv_connector_extra_config={"store": store, "save_async": False, "client_report": "full"},
         kv_load_failure_policy="recompute",
     )
     llm = LLM(
