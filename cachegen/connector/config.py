@@ -388,7 +388,7 @@ class ConnectorConfig:
         ENGINE,
         "how long after a question the store's answer may come (ms); later is a miss",
         positive_number,
-        200.0,
+        500.0,
     )
     store_backoff_s: float = option(
         ENGINE,

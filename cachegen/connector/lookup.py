@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from cachegen.connector.config import ConnectorConfig, RequestOptions
 from cachegen.connector.index import StoreIndex
 from cachegen.connector.load_plan import LoadPlan, plan_load
-from cachegen.connector.store_guard import PendingAnswer, StoreGuard
+from cachegen.connector.store_guard import STORE_DOWN, PendingAnswer, StoreGuard, StoreUnanswered
 
 
 @dataclass(frozen=True)
@@ -99,3 +99,18 @@ class StoreQuestions:
         return self.guard.submit(
             lambda: self.index.saved_chunks(prompt[:full], modes, salt), "save plan"
         )
+
+    def stored_chunks(self, pending: PendingAnswer[int] | None, load_failed: bool) -> int:
+        """The leading chunks of the prompt stored already, as the store answered when the
+        request came; 0 (the worker skips each record it finds stored) while the answer is
+        out, after a failed load (it may have dropped a damaged chunk since), and when the
+        question was refused while a probe, since answered, was out. Raises
+        ``StoreUnanswered`` when the store failed or is still counted down."""
+        if pending is None or load_failed or not pending.ready():
+            return 0
+        try:
+            return pending.answer()
+        except StoreUnanswered as exc:
+            if exc.reason == STORE_DOWN and not self.guard.down:
+                return 0
+            raise

@@ -24,7 +24,7 @@ from cachegen.connector.metadata import LoadReports, LoadTask, SaveTask, StepMet
 from cachegen.connector.paged_cache import CacheGroup, held_from
 from cachegen.connector.pending_saves import PendingSave, PendingSaves
 from cachegen.connector.stats import StatsRecorder
-from cachegen.connector.store_guard import STORE_DOWN, PendingAnswer, StoreGuard, StoreUnanswered
+from cachegen.connector.store_guard import PendingAnswer, StoreGuard, StoreUnanswered
 from cachegen.errors import CacheGenError
 from cachegen.fileio import versioned
 from cachegen.store.keys import key_scope
@@ -263,7 +263,7 @@ class SchedulerSide:
         if tracked.lossy:  # its KV after the loaded prefix was computed on a lossy form's KV
             return self._skip_save(tracked, "lossy_ancestry")
         try:
-            stored = self._stored_chunks(tracked)
+            stored = self.questions.stored_chunks(tracked.saved, tracked.load_failed)
         except StoreUnanswered as exc:
             logger.warning("request %s: store unavailable, not saving: %s", request.request_id, exc)
             return self._skip_save(tracked, exc.reason)
@@ -293,20 +293,6 @@ class SchedulerSide:
             salt=options.salt,
             save_id=save_id,
         )
-
-    def _stored_chunks(self, tracked: _Tracked) -> int:
-        """The leading chunks of the prompt stored already, as the store answered when the
-        request came; 0 (the worker skips each record it finds stored) while the answer is
-        out, after a failed load (it may have dropped a damaged chunk since), and when the
-        question was refused while a probe, since answered, was out."""
-        if tracked.saved is None or tracked.load_failed or not tracked.saved.ready():
-            return 0
-        try:
-            return tracked.saved.answer()
-        except StoreUnanswered as exc:
-            if exc.reason == STORE_DOWN and not self.guard.down:
-                return 0
-            raise
 
     def _skip_save(self, tracked: _Tracked, reason: str) -> None:
         """Store nothing of the request's prompt, for ``reason`` (a reason code)."""
