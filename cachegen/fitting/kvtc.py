@@ -72,12 +72,14 @@ def pre_rope_kv(kv: KVCache, thetas, skip: int) -> tuple[torch.Tensor, torch.Ten
     return keys, kv.values[:, :, skip:].to(torch.float32)
 
 
-def fit_kvtc_basis(spec: models.ModelSpec) -> TransformBasis:
+def fit_kvtc_basis(spec: models.ModelSpec, kv: KVCache | None = None) -> TransformBasis:
     """Fit the per-layer PCA bases (keys turned back to pre-RoPE) and every level's bit
     allocation on the ``calibrate`` split's KV; the first ``kvtc_basis.EXACT_TOKENS`` tokens, stored
-    exactly by the codec, are left out of the fit."""
+    exactly by the codec, are left out of the fit. ``kv``: that KV (:func:`fit_kv` of
+    :func:`calibration_ids`), where the caller has already run the model over it."""
     _, tokenizer, spec = fit_model(spec)
-    kv = fit_kv(spec, calibration_ids(tokenizer, spec))
+    if kv is None:
+        kv = fit_kv(spec, calibration_ids(tokenizer, spec))
     thetas = models.rope_thetas(spec.config)
     keys, values = pre_rope_kv(kv, thetas, kvtc_basis.EXACT_TOKENS)
     L, H, n, D = keys.shape
@@ -114,15 +116,18 @@ def fit_kvtc_basis(spec: models.ModelSpec) -> TransformBasis:
     )
 
 
-def ensure_kvtc_basis(model: str | models.ModelSpec) -> TransformBasis:
+def ensure_kvtc_basis(
+    model: str | models.ModelSpec, calibration_kv: KVCache | None = None
+) -> TransformBasis:
     """The model's KVTC basis, fitted and stored on first use (or when it was fitted on other
-    text); a stored basis is read and checked like any."""
+    text); a stored basis is read and checked like any. ``calibration_kv``: the calibration
+    KV, if the caller has it (:func:`fit_kvtc_basis`)."""
     spec = models.resolve(model) if isinstance(model, str) else model
     identity = spec.identity()
     with locked(profile_path(identity).parent):
         ref = kvtc_basis.read_kvtc_basis_ref(identity)
         if ref is not None and ref["calibration"] == kvtc_calibration_spec():
             return find_basis(ref["basis"], identity)
-        basis = save_basis(fit_kvtc_basis(spec))
+        basis = save_basis(fit_kvtc_basis(spec, calibration_kv))
         kvtc_basis.write_kvtc_basis_ref(basis)
         return basis

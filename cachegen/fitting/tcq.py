@@ -231,14 +231,14 @@ def fit_tcq_model(
     tables."""
     levels = dict(sorted((levels or tcq_model.LEVELS).items()))  # the file keeps levels in order
     calibration = tcq_calibration_spec(levels, spec, prediction)
-    if basis is None:
-        basis = ensure_kvtc_basis(spec)
-    else:
-        calibration["basis"] = basis.calibration
     hf_model, tokenizer, spec = fit_model(spec)
     ids = calibration_ids(tokenizer, spec)
     skip = kvtc_basis.EXACT_TOKENS
     kv, stats = attention_stats(hf_model, spec, ids, skip, TCQ_QUERY_ROWS)
+    if basis is None:  # a basis fitted here is fitted on this run's KV: the model runs once
+        basis = ensure_kvtc_basis(spec, kv)
+    else:
+        calibration["basis"] = basis.calibration
     identity = spec.identity()
     if unit_weights:
         weights = np.ones(basis.variances.shape, dtype=np.float32)
