@@ -18,7 +18,7 @@ from cachegen import workload
 from cachegen.codec import CodecError, decode, get_codec, inspect
 from cachegen.codec.cachegen.profile import SHIPPED_DIR
 from cachegen.codec.tcq import model as tcq_model
-from cachegen.extract import extract_kv
+from cachegen.extract import extract_kv, load_model, tokenize
 from cachegen.fitting.tcq import ensure_tcq_model, fit_tcq_model, tcq_calibration_spec
 from cachegen.profiles import codec_for
 from tests.codec.transform_support import forget_fitted_files, relative_error
@@ -50,7 +50,10 @@ def fresh(isolated_profiles):
 
 @pytest.fixture(scope="module")
 def held_out_kv(smollm2):
-    return extract_kv(smollm2, text=workload.domain_text("prose")[:4000]).slice(0, 256)
+    """The KV of a held-out domain's first 256 tokens (the model runs over those only)."""
+    ids = tokenize(load_model(smollm2)[1], workload.domain_text("prose")[:4000])[:256]
+    with torch_on_own_cores():
+        return extract_kv(smollm2, token_ids=ids)
 
 
 def test_each_embedded_model_ships_one_file_named_by_its_content(smollm2, gemma3):
