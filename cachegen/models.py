@@ -274,7 +274,7 @@ def fingerprint(path: Path) -> str:
     """
     digest = hashlib.sha256()
     digest.update((path / "config.json").read_bytes())
-    for weights in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+    for weights in weight_files(path):
         size = weights.stat().st_size
         digest.update(f"{weights.name}:{size}".encode())
         with weights.open("rb") as fh:
@@ -397,15 +397,12 @@ def _cache_entry_ok(entry: object) -> bool:
 def _digest_cache_lock() -> Iterator[bool]:
     """Hold the digest cache's lock; yields whether it could be taken (a read-only cache root
     has none: files are then read without caching their digests)."""
-    path = digest_cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.parent / f".{path.name}.lock", "w")
-    except OSError:
-        yield False
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(_locked(digest_cache_path()))
+        except OSError:
+            yield False
+            return
         yield True
 
 
