@@ -84,9 +84,13 @@ class StoreQuestions:
             lambda: self._plan(prompt, lookup.computed, end, options), "load plan"
         )
 
-    def _plan(self, prompt: list[int], begin: int, end: int, options: RequestOptions) -> LoadPlan:
+    def prefix(self, prompt: list[int], end: int) -> list[int]:
+        """The prompt through the last chunk a load of its tokens up to ``end`` fetches."""
         last_chunk_end = -(-end // self.config.chunk_tokens) * self.config.chunk_tokens
-        prefix = list(prompt[:last_chunk_end])
+        return list(prompt[:last_chunk_end])
+
+    def _plan(self, prompt: list[int], begin: int, end: int, options: RequestOptions) -> LoadPlan:
+        prefix = self.prefix(prompt, end)
         return plan_load(self.index, prefix, begin, end, options, self.config.max_load_bytes)
 
     def saved_chunks(self, prompt: list[int], salt: str | None) -> PendingAnswer[int] | None:

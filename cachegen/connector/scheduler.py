@@ -212,8 +212,8 @@ class SchedulerSide:
             )
             tracked.fallback = exc.reason
             refused = f"planning failed: {exc.reason}"
-            last_chunk_end = -(-end // self.config.chunk_tokens) * self.config.chunk_tokens
-            return LoadPlan(prompt[:last_chunk_end], begin, end, [], [], options, refused=refused)
+            prefix = self.questions.prefix(prompt, end)
+            return LoadPlan(prefix, begin, end, [], [], options, refused=refused)
 
     # ---- per-step metadata ----------------------------------------------------------------------
 
