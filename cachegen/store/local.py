@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from cachegen.errors import InputError
-from cachegen.fileio import check_version, versioned
+from cachegen.fileio import check_version, versioned, write_atomic
 from cachegen.store import record
 from cachegen.store.base import ChunkInfo, ChunkStore, lru_victims
 from cachegen.store.errors import ChunkMissing, StoreConfigError, StoreError
@@ -339,9 +339,7 @@ class LocalStore(ChunkStore):
         the bytes recorded."""
         used = sum(e.size for e in self.list()) if used is None else max(0, used)
         doc = versioned(USAGE_SCHEMA, USAGE_VERSION, {"payload_bytes": used})
-        tmp = self._tmp / f"{uuid.uuid4().hex}.json"
-        tmp.write_text(json.dumps(doc) + "\n")
-        os.replace(tmp, self._usage)
+        write_atomic(self._usage, (json.dumps(doc) + "\n").encode())
         return used
 
 

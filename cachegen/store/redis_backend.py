@@ -15,7 +15,8 @@ pointers never expire, so a server whose ``maxmemory-policy`` evicts only keys w
 otherwise), consumers stop counting the chunks that need them as hits and the producer's next
 save that stores a chunk puts them back (``cachegen.store.tables.republish_profile``).
 
-The URL carries a password (``redis://:PASS@host``) or an ACL user (``redis://USER:PASS@host``);
+The URL names a password (``redis://host/0?password_file=PATH`` or ``?password_env=NAME``;
+``cachegen.store.secret_files``) and an ACL user (``redis://USER@host/0?password_file=...``);
 ``rediss://`` speaks TLS, verified against ``ssl_ca_certs``. Opening the store sends one PING,
 so wrong credentials or an untrusted certificate fail at once with ``StoreConfigError``.
 """
