@@ -1,4 +1,4 @@
-"""Quality subcommands: ``cachegen eval`` and ``cachegen sweep``."""
+"""Quality subcommands: ``cachegen eval``, ``cachegen eval-table`` and ``cachegen sweep``."""
 
 from __future__ import annotations
 
@@ -96,6 +96,27 @@ def register(subparsers) -> None:
         help="also write eval.json, eval.md and eval.png (rate-distortion plot) here",
     )
     _register_sweep(subparsers)
+    _register_table(subparsers)
+
+
+def _register_table(subparsers) -> None:
+    p = options.command(
+        subparsers,
+        "eval-table",
+        _table,
+        help="codecs side by side across models and datasets, from `cachegen eval --out` results",
+        description="One Markdown row per model and dataset, one cell per codec (bits/element, "
+        "perplexity change with its 95%% interval, top-1 agreement), and for each model how the "
+        "--versus codec's bits compare with each other codec's.",
+    )
+    p.add_argument("evals", nargs="+", type=Path, metavar="EVAL_JSON", help="eval.json files")
+    p.add_argument(
+        "--versus",
+        default="lmcache-cachegen",
+        metavar="CODEC",
+        help="the codec every other is compared with" + DEFAULT,
+    )
+    options.json_flag(p, "print the table's cells and comparisons as a JSON document")
 
 
 def _register_sweep(subparsers) -> None:
@@ -133,6 +154,33 @@ def _register_sweep(subparsers) -> None:
         help="with --replot: remove this row, e.g. a level the profile no longer has (repeatable)",
     )
     options.json_flag(p, ROWS_JSON)
+
+
+def _table(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from cachegen.fileio import versioned
+    from cachegen_lab.quality import side_by_side
+    from cachegen_lab.quality.report import read_document
+
+    table = side_by_side.cells([read_document(path) for path in args.evals])
+    comparisons = side_by_side.versus(table, args.versus)
+    if args.json:
+        cells = [
+            {"model": model, "dataset": dataset, "codec": label, **asdict(cell)}
+            for (model, dataset), row in table.items()
+            for label, cell in row.items()
+        ]
+        body = {
+            "cells": cells,
+            "versus": args.versus,
+            "comparisons": [asdict(c) for c in comparisons],
+        }
+        print(json.dumps(versioned(side_by_side.SCHEMA, side_by_side.VERSION, body), indent=2))
+        return 0
+    print(side_by_side.markdown(table))
+    print(side_by_side.versus_markdown(comparisons, args.versus), end="")
+    return 0
 
 
 def _settings(args):
