@@ -62,6 +62,19 @@ def test_the_servers_wheel_holds_no_lab_module_and_no_lab_entry_point(wheel):
     assert modules == {str(p.relative_to(REPO)) for p in (REPO / "cachegen").rglob("*.py")}
 
 
+def test_the_servers_wheel_requires_lmcache_only_in_its_extra(wheel):
+    """``pip install cachegen`` pulls nothing of LMCache; ``cachegen[lmcache]`` does."""
+    with zipfile.ZipFile(wheel) as archive:
+        (metadata,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        requires = [
+            line.removeprefix("Requires-Dist:").strip()
+            for line in archive.read(metadata).decode().splitlines()
+            if line.startswith("Requires-Dist:")
+        ]
+    lmcache = [r for r in requires if r.lower().startswith("lmcache")]
+    assert lmcache and all('extra == "lmcache"' in r for r in lmcache), requires
+
+
 def _lock_packages_without_cachegen(into: Path) -> None:
     """Links to every package of this environment (the lock's) but the two of this
     repository, and their editable finders."""
