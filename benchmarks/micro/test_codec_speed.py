@@ -13,6 +13,11 @@ asserted (it is deterministic); speeds are recorded in ``extra_info`` with their
 because other jobs on a shared machine make timings noisy. Sizes come from the codec
 report's ``measure`` and ``coder_overhead``.
 
+Beside cachegen's default level, ``test_default_level_*`` time tcq's default level and the
+peer codecs (``cachegen_lab.codecs.PEER_CODECS``: LMCache's CacheGen, fp8 and asymmetric
+K16/V8 serdes, run through LMCache's own code, one frame per LMCache chunk) on the same KV,
+both cores for our threads and torch's.
+
 The bare entropy coders (ours, constriction, torchac, zstd) all code the same symbols: the
 level-2 quantized KV, one probability model per (layer, K/V, channel) from the profile.
 """
@@ -31,6 +36,7 @@ from cachegen.codec.cachegen.quant import quantize_chunk
 from cachegen.codec.coding import rans
 from cachegen.profiles import codec_for, ensure_profile
 from cachegen_lab.bench.codec_report import coder_overhead, measure, text_windows
+from cachegen_lab.codecs import PEER_CODECS
 from tests.support import CHUNK
 
 TOKENS = 1024
@@ -218,6 +224,52 @@ def test_baseline_encode(benchmark, kv, name):
     benchmark(codec.encode, kv)
     _record(benchmark, kv.num_elements, f"{name} from bf16")
     _record_size(benchmark, codec, 0, kv)
+
+
+# ---- tcq and the peers at their defaults, beside cachegen's default level ---------------------
+
+DEFAULT_LEVEL_CODECS = ("tcq", *PEER_CODECS)
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    """Both cores, for our codecs' threads and for torch's (LMCache's serdes are torch ops)."""
+    monkeypatch.setenv("CACHEGEN_CODEC_THREADS", "2")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _default_codec(name):
+    """tcq with SmolLM2's model file; a peer at LMCache's chunk (CHUNK tokens)."""
+    return codec_for(name, "smollm2-135m", chunk_tokens=CHUNK)
+
+
+def _default_what(name, codec) -> str:
+    if name in PEER_CODECS:
+        return f"{name} (LMCache's own code)"
+    return f"{name} default level {codec.default_level}"
+
+
+@pytest.mark.parametrize("name", DEFAULT_LEVEL_CODECS)
+def test_default_level_decode(benchmark, kv, name, two_threads):
+    codec = _default_codec(name)
+    blob = codec.encode(kv)
+    benchmark.group = "codec decode"
+    out = benchmark(decode, blob)
+    assert out.keys.dtype == torch.bfloat16
+    _record(benchmark, kv.num_elements, f"{_default_what(name, codec)} -> bf16, 2 thread(s)")
+    benchmark.extra_info["bits_per_element"] = len(blob) * 8 / kv.num_elements
+
+
+@pytest.mark.parametrize("name", DEFAULT_LEVEL_CODECS)
+def test_default_level_encode(benchmark, kv, name, two_threads):
+    codec = _default_codec(name)
+    benchmark.group = "codec encode"
+    benchmark(codec.encode, kv)
+    _record(benchmark, kv.num_elements, f"{_default_what(name, codec)} from bf16, 2 thread(s)")
+    _record_size(benchmark, codec, codec.default_level, kv)
 
 
 def test_coded_size_is_within_one_percent_of_ideal(benchmark, kv, profile):

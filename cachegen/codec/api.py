@@ -27,7 +27,15 @@ from cachegen.modes import LEVELED, Form
 ENTRY_POINT_GROUP = "cachegen.codecs"
 # codec ids of the codecs outside the core, so that their old streams keep their id and a
 # stream of one that is not loaded names it
-RESERVED_IDS = {4: "int8-zstd", 5: "kivi2", 10: "kvtc", 11: "turboquant", 20: "lmcache-cachegen"}
+RESERVED_IDS = {
+    4: "int8-zstd",
+    5: "kivi2",
+    10: "kvtc",
+    11: "turboquant",
+    20: "lmcache-cachegen",
+    21: "lmcache-fp8",
+    22: "lmcache-asym-k16-v8",
+}
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _CODECS: dict[str, type[Codec]] = {

@@ -687,7 +687,8 @@ def test_odd_geometry_uses_the_partial_lane_paths():
 # 2 bits and cachegen's default level (paper level 2 on a model without shipped levels) more.
 GEMMA3_ERROR = {"raw": 0.0, "int8": 0.05, "int8-zstd": 0.05, "fp8": 0.05, "kivi2": 0.6,
                 "cachegen": 0.35, "kvtc": 0.4, "turboquant": 0.2, "tcq": 0.25,
-                "lmcache-cachegen": 0.3}  # fmt: skip
+                "lmcache-cachegen": 0.3, "lmcache-fp8": 0.05,
+                "lmcache-asym-k16-v8": 0.05}  # fmt: skip
 
 
 def test_gemma3_kv_round_trips(gemma3, small_fits):

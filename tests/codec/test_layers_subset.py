@@ -146,6 +146,10 @@ def test_subset_saves_and_loads(tmp_path):
 # ---- every codec -----------------------------------------------------------------------------
 
 
+# LMCache's asym_k16_v8 serde scales a chunk's values by one float for all the layers it holds
+SCALE_OVER_LAYERS = {"lmcache-asym-k16-v8"}
+
+
 @pytest.mark.parametrize("name", available_codecs())
 def test_subset_decodes_to_the_same_layers_of_a_full_stream(name, tiny_kv, tiny_llama):
     codec = codec_for(name, tiny_llama, chunk_tokens=64)
@@ -164,8 +168,13 @@ def test_subset_decodes_to_the_same_layers_of_a_full_stream(name, tiny_kv, tiny_
         part = decode(blob, out_dtype=torch.float32)
         assert part.layers == tuple(layers) and part.model == tiny_kv.model
         assert part.start == tiny_kv.start and torch.equal(part.token_ids, tiny_kv.token_ids)
-        # bit for bit: every codec quantizes each layer on its own
-        assert same(part, full.select_layers(layers)), (name, layers)
+        expected = full.select_layers(layers)
+        if name in SCALE_OVER_LAYERS:  # keys are kept exactly; values' scale moves with the set
+            assert torch.equal(part.keys, expected.keys), (name, layers)
+            error = (part.values - expected.values).norm() / expected.values.norm()
+            assert error < 0.05, (name, layers)
+        else:  # bit for bit: every other codec quantizes each layer on its own
+            assert same(part, expected), (name, layers)
         assert decode(blob).keys.dtype == torch.bfloat16
     # a subset of a subset is the same stream as the subset taken at once
     assert codec.encode(tiny_kv.select_layers([0, 1, 2]).select_layers([0, 2])) == codec.encode(

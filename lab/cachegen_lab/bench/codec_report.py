@@ -7,8 +7,11 @@
 Sizes: SmolLM2 KV of Python documentation text (``pydoc_data.topics`` without the codec's
 calibration topics), cut into windows, every window encoded chunk by chunk into one
 bitstream per chunk, as the streaming path stores it; every byte counted. Reconstruction
-error is reported as SNR (signal-to-noise ratio of the decoded K and V, in dB). Speed:
-the pytest-benchmark JSON of ``benchmarks/micro/test_codec_speed.py``.
+error is reported as SNR (signal-to-noise ratio of the decoded K and V, in dB). The peer
+codecs (``PEER_CODECS``: LMCache's, run through LMCache's own code) are measured on the same
+chunks, each chunk's bitstream holding one frame per LMCache chunk. Speed: the
+pytest-benchmark JSON of ``benchmarks/micro/test_codec_speed.py`` (the peers' encode and
+decode among its cases).
 
 The asv suite (``benchmarks/codec.py``) and the micro-benchmarks measure on the same KV
 (``text_windows``) and take sizes from the same functions (``measure``, ``size_stats``,
@@ -40,6 +43,7 @@ from cachegen.codec.coding import rans
 from cachegen.errors import InputError
 from cachegen.kv import KVCache
 from cachegen.profiles import ensure_profile, transient_profile
+from cachegen_lab.codecs import PEER_CODECS
 
 BASELINES = ["raw", "int8", "fp8", "int8-zstd", "kivi2"]
 
@@ -173,14 +177,24 @@ def coder_overhead(profile: Profile, level: int, windows: list[KVCache], chunk_t
     return {"coded_bits": coded, "ideal_bits": ideal, "overhead_percent": 100 * (coded / ideal - 1)}
 
 
-def sizes_table(model: str, tokens: int, windows: int, chunk_tokens: int) -> str:
-    spec = models.resolve(model)
-    profile = ensure_profile(spec)
-    kvs = text_windows(model, tokens, windows)
+def reference_rows(kvs: list[KVCache], chunk_tokens: int) -> list[tuple[str, str, str, dict]]:
+    """The size table's rows of the baselines, then of the peer codecs (frames of LMCache's
+    chunk, their default, inside each ``chunk_tokens`` bitstream)."""
     rows = []
     for name in BASELINES:
         codec = get_codec(name, chunk_tokens=chunk_tokens)
         rows.append((name, "-", "", measure(codec, 0, kvs, chunk_tokens)))
+    for name in PEER_CODECS:
+        peer = measure(get_codec(name), 0, kvs, chunk_tokens)
+        rows.append((name, "-", "peer: LMCache's own code", peer))
+    return rows
+
+
+def sizes_table(model: str, tokens: int, windows: int, chunk_tokens: int) -> str:
+    spec = models.resolve(model)
+    profile = ensure_profile(spec)
+    kvs = text_windows(model, tokens, windows)
+    rows = reference_rows(kvs, chunk_tokens)
     codec = CacheGenCodec(profile=profile, chunk_tokens=chunk_tokens)
     for level in codec.levels:
         cfg = profile.config(level)
@@ -206,7 +220,9 @@ def sizes_table(model: str, tokens: int, windows: int, chunk_tokens: int) -> str
         f"Model `{model}`, {windows} windows of {tokens} tokens of the workload's eval split "
         f"(no text shared with calibration), one bitstream per {chunk_tokens}-token chunk "
         f"({n_tokens} tokens in all); every byte counted (headers, token ids, scales, payload). "
-        "SNR = 10 log10(signal energy / error energy) of the decoded keys and values.",
+        "SNR = 10 log10(signal energy / error energy) of the decoded keys and values. "
+        f"The peers ({', '.join(PEER_CODECS)}) run LMCache's own code, one frame per "
+        "LMCache chunk (third_party/lmcache/README.md).",
         "",
         "| codec | level | scheme | bits/element | ratio vs fp16 | ratio vs int8 | key SNR (dB) "
         "| value SNR (dB) |",
