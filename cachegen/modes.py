@@ -15,6 +15,10 @@ results and plots.
 A fixed mode stores one :class:`Form` per chunk; a level of cachegen or tcq has a second form,
 ``cachegen-<L>-packed``, ``tcq-<L>-packed``: the same symbols bit-packed (larger, decoded
 without the entropy coder, to the same KV).
+
+A process may add codecs of one form to the vocabulary (:func:`join_codec`): codecs
+registered outside the library (``cachegen.codecs`` entry points) become modes and forms
+there, named by the codec's name. A process that joins none, a server's, has the modes above.
 """
 
 from __future__ import annotations
@@ -42,10 +46,34 @@ MODES = (RECOMPUTE, *CONNECTOR_MODES, ADAPTIVE_FASTEST)
 
 CODED, PACKED = "coded", "packed"
 FORMS = (CODED, PACKED)  # how a level's symbols are stored: entropy-coded or bit-packed
+_JOINED: dict[str, None] = {}  # codecs of one form this process added (join_codec), in order
 LEVEL_LIMIT = 1 << 15  # levels are 0..32767: a store names a form in 16 bits
 FORM_LABELS = (
     f"cachegen-<L>, cachegen-<L>-{PACKED}, tcq-<L>, tcq-<L>-{PACKED}, {', '.join(KV_BASELINES)}"
 )
+
+
+def join_codec(name: str) -> None:
+    """Make ``name``, a codec of one form (no levels), a mode and a form of this process:
+    :meth:`Mode.parse` and :meth:`Form.parse` accept it, and :func:`connector_modes` and
+    :func:`all_modes` list it after the library's. Joining again is harmless; a name the
+    vocabulary already reads otherwise is refused."""
+    if name in _JOINED:
+        return
+    taken = name in MODES or name.partition("-")[0] in LEVELED or name.endswith(f"-{PACKED}")
+    if not name or taken:
+        raise InputError(f"{name!r} cannot join the modes: the vocabulary already reads it")
+    _JOINED[name] = None
+
+
+def connector_modes() -> tuple[str, ...]:
+    """The modes that load KV through the connector, joined codecs included."""
+    return (*CONNECTOR_MODES, *_JOINED)
+
+
+def all_modes() -> tuple[str, ...]:
+    """Every mode, in the vocabulary's order, joined codecs last."""
+    return (*MODES, *_JOINED)
 
 
 @dataclass(frozen=True)
@@ -80,7 +108,8 @@ class Form:
         except InputError:
             form = None
         if form is None or (coded_label != label and form.codec not in LEVELED):
-            raise InputError(f"unknown form {label!r}; forms are {FORM_LABELS}")
+            joined = "".join(f", {name}" for name in _JOINED)
+            raise InputError(f"unknown form {label!r}; forms are {FORM_LABELS}{joined}")
         return form if coded_label == label else dataclasses.replace(form, packing=PACKED)
 
     @property
@@ -151,13 +180,13 @@ class Mode:
     @classmethod
     def parse(cls, label: str) -> Mode:
         """``recompute``, ``raw``, ``int8``, ``fp8``, ``adaptive``, ``adaptive-fastest``,
-        ``cachegen-<level>`` or ``tcq-<level>``."""
-        if label in MODES and label not in LEVELED:
+        ``cachegen-<level>``, ``tcq-<level>`` or a joined codec (:func:`join_codec`)."""
+        if label in all_modes() and label not in LEVELED:
             return cls(label)
         prefix, _, level = label.partition("-")
         if prefix in LEVELED and level.isdigit():
             return cls(prefix, int(level))
         raise InputError(
-            f"unknown mode {label!r}; use {', '.join(m for m in MODES if m not in LEVELED)}, "
+            f"unknown mode {label!r}; use {', '.join(m for m in all_modes() if m not in LEVELED)}, "
             "cachegen-<level> or tcq-<level>"
         )

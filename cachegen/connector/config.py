@@ -29,8 +29,15 @@ from cachegen.connector.errors import ConnectorError
 from cachegen.constants import CHUNK_TOKENS
 from cachegen.errors import InputError
 from cachegen.kv import ModelIdentity
-from cachegen.modes import ADAPTIVE, CACHEGEN, LEVEL_LIMIT, TCQ, Form, configured_form
-from cachegen.modes import CONNECTOR_MODES as MODES
+from cachegen.modes import (
+    ADAPTIVE,
+    CACHEGEN,
+    LEVEL_LIMIT,
+    TCQ,
+    Form,
+    configured_form,
+    connector_modes,
+)
 from cachegen.store import StoreConfigError, default_store_url, parse_size
 from cachegen.store.keys import check_scope_part
 from cachegen.store.record import SECRET_ENV
@@ -138,10 +145,21 @@ def byte_cap(name: str, value: Any) -> None:
         raise ConnectorError(f"{name} must be a positive number of bytes, got {value!r}")
 
 
+def mode_name(name: str, value: Any) -> None:
+    """A mode of ``cachegen.modes.connector_modes`` (read when checked: a process may join
+    codecs to the vocabulary after this module is imported)."""
+    if value not in connector_modes():
+        raise ConnectorError(
+            f"unknown {name} {value!r}; choose one of {', '.join(connector_modes())}"
+        )
+
+
 def modes(name: str, value: Sequence[str]) -> None:
     for mode in value:
-        if mode not in MODES:
-            raise ConnectorError(f"unknown mode {mode!r} in {name}; choose from {', '.join(MODES)}")
+        if mode not in connector_modes():
+            raise ConnectorError(
+                f"unknown mode {mode!r} in {name}; choose from {', '.join(connector_modes())}"
+            )
 
 
 def one_of(*choices: str) -> Check:
@@ -250,7 +268,7 @@ class RequestOptions:
         REQUEST,
         "raw | int8 | fp8 | cachegen | tcq | adaptive (default: tcq where the model ships a tcq "
         "calibration, else cachegen)",
-        one_of(*MODES),
+        mode_name,
         CACHEGEN,
         model_default=default_mode,
     )

@@ -1,8 +1,9 @@
 """The CacheGen paper's three claims judged against a results document, for each codec that
 reaches for them (``CODECS``: CacheGen, the paper's codec, and tcq, this project's): per claim
 and codec the best level at negligible loss with its number, a verdict that says which codec
-reaches the claim, and the tables behind them. ``cachegen_lab.bench.reproduction`` renders
-them into docs/reproduction.md.
+reaches the claim, and the tables behind them. Beside them, each peer codec of the lab
+(``PEERS``: LMCache's CacheGen, one form) gets its number per claim and model, unjudged.
+``cachegen_lab.bench.reproduction`` renders them into docs/reproduction.md.
 
 The paper's numbers are quoted from the paper (SIGCOMM 2024, abstract and section 7); every
 other number comes from the results document.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from cachegen.modes import ADAPTIVE, ADAPTIVE_FASTEST, CACHEGEN, TCQ, Mode
 from cachegen_lab.bench.links import link_label, link_order
+from cachegen_lab.peers import PEER_NAMES
 
 PAPER = {
     "size_vs_int8": (3.5, 4.3),
@@ -26,6 +28,9 @@ QUALITY_CLAIM = "negligible loss of response quality"
 # What "negligible" means in this report; the paper reports accuracy drops under ~2%.
 NEGLIGIBLE_PPL_PCT = 2.0
 CODECS = {CACHEGEN: "CacheGen", TCQ: "tcq"}  # the codecs judged, and their names in the report
+PEERS = PEER_NAMES  # the peer codecs shown beside them, and their names in the report
+NAMES = {**CODECS, **PEERS}
+SEE_MISSING = "not measured (see Not measured in this run)"
 NOT_MEASURED = "not measured"
 # Per model, a codec's levels with their claim's score (higher is better) and its text.
 Scored = dict[str, dict[int, tuple[float, str]]]
@@ -34,7 +39,8 @@ Scored = dict[str, dict[int, tuple[float, str]]]
 @dataclass
 class Claim:
     """One claim: its row of the claims table (``best``: per codec of ``CODECS``, its best
-    level at negligible loss with its number, per model) and its section (``details``)."""
+    level at negligible loss with its number, per model; ``peers``: per peer codec of
+    ``PEERS``, its number per model) and its section (``details``)."""
 
     title: str
     claim: str
@@ -42,6 +48,7 @@ class Claim:
     best: dict[str, str]
     verdict: str
     details: list[str]
+    peers: dict[str, str]
 
 
 def claims(doc: dict) -> list[Claim]:
@@ -117,7 +124,7 @@ def size_claim(doc: dict) -> Claim:
     rows = [
         r
         for r in doc["medians"]
-        if r["kind"] == "stream" and r["mode"] in CODECS and r.get("ratio_vs_int8")
+        if r["kind"] == "stream" and r["mode"] in NAMES and r.get("ratio_vs_int8")
     ]
     details = [
         "Bytes of the whole context's KV as stored (payload, probability tables, scales and "
@@ -138,15 +145,20 @@ def size_claim(doc: dict) -> Claim:
         for r in sorted(at, key=lambda r: link_order(r["bandwidth_mbps"])):
             per_level.setdefault((r["mode"], r["level"]), r)
         for (codec, level), r in sorted(per_level.items(), key=lambda kv: _codec_order(*kv[0])):
-            scored[codec].setdefault(model, {})[level] = (r["ratio_vs_int8"], x(r["ratio_vs_int8"]))
+            if codec in CODECS:
+                ratio = r["ratio_vs_int8"]
+                scored[codec].setdefault(model, {})[level] = (ratio, x(ratio))
             details.append(
-                f"| {model} | {context} | {CODECS[codec]} | "
-                f"{level}{_note(doc, model, codec, level)} | {num(r.get('bits_per_element'))} | "
+                f"| {model} | {context} | {NAMES[codec]} | "
+                f"{_level(level)}{_note(doc, model, codec, level)} | "
+                f"{num(r.get('bits_per_element'))} | "
                 f"{x(r.get('ratio_vs_fp16'))} | {x(r['ratio_vs_int8'])} |"
             )
     details += _unmeasured(doc, "stream", scored)
     best, verdict = _judged(doc, scored, _compare_with(PAPER["size_vs_int8"]))
-    return Claim("KV size vs 8-bit quantization", SIZE_CLAIM, "3.5-4.3x", best, verdict, details)
+    peers = peer_cells(doc, "stream", lambda at: x(at[0].get("ratio_vs_int8")))
+    title = "KV size vs 8-bit quantization"
+    return Claim(title, SIZE_CLAIM, "3.5-4.3x", best, verdict, details, peers)
 
 
 # ---- delay ---------------------------------------------------------------------------------
@@ -167,14 +179,15 @@ def delay_claim(doc: dict) -> Claim:
     details += _stream_delay(doc)
     details += _unmeasured(doc, "e2e", scored)
     best, verdict = _judged(doc, scored, _compare_with(PAPER["delay"]))
+    peers = peer_cells(doc, "e2e", lambda at: _speedups_over_int8(e2e, at))
     title = "Delay of fetching and processing the context"
-    return Claim(title, DELAY_CLAIM, "3.2-3.7x", best, verdict, details)
+    return Claim(title, DELAY_CLAIM, "3.2-3.7x", best, verdict, details, peers)
 
 
 def _e2e_delay(doc: dict, e2e: list[dict]) -> tuple[list[str], dict[str, Scored], list[str]]:
     """TTFT of each codec level and adaptive mode against int8 and text recompute: the table,
     each codec level's best speedup over int8 (its score) and the spans of the speedups."""
-    modes = (*CODECS, ADAPTIVE, ADAPTIVE_FASTEST)
+    modes = (*CODECS, ADAPTIVE, ADAPTIVE_FASTEST, *PEERS)
     rows = [r for r in e2e if r["mode"] in modes]
     scored: dict[str, Scored] = {codec: {} for codec in CODECS}
     speedups: dict[tuple[str, str], list[float]] = {}
@@ -213,7 +226,7 @@ def _e2e_delay(doc: dict, e2e: list[dict]) -> tuple[list[str], dict[str, Scored]
 
 def _spans(speedups: dict[tuple[str, str], list[float]]) -> list[str]:
     """One sentence per mode family: the span of its TTFT speedups over every level and link."""
-    names = {**CODECS, ADAPTIVE: "adaptive", ADAPTIVE_FASTEST: "adaptive-fastest"}
+    names = {**CODECS, ADAPTIVE: "adaptive", ADAPTIVE_FASTEST: "adaptive-fastest", **PEERS}
     out = []
     for mode, name in names.items():
         spans = [
@@ -229,7 +242,7 @@ def _spans(speedups: dict[tuple[str, str], list[float]]) -> list[str]:
 def _stream_delay(doc: dict) -> list[str]:
     """Load time (fetch and decode, pipelined) of int8 vs each codec level without vLLM."""
     rows = [r for r in doc["medians"] if r["kind"] == "stream" and r.get("load_s")]
-    codec_rows = [r for r in rows if r["mode"] in CODECS]
+    codec_rows = [r for r in rows if r["mode"] in NAMES]
     if not codec_rows:
         return []
     out = [
@@ -275,10 +288,9 @@ def quality_claim(doc: dict) -> Claim:
         ]
     for q in sorted(doc["quality"], key=lambda q: (q["model"], q["bits_per_element"])):
         if q["mode"] in CODECS:
-            text = f"{q['ppl_change_pct']:+.1f}% at {num(q['bits_per_element'])} bits/element"
             scored[q["mode"]].setdefault(q["model"], {})[q["level"]] = (
                 -q["bits_per_element"],
-                text,
+                _loss(q),
             )
         details.append(
             f"| {q['model']} | {Mode(q['mode'], q['level']).label} | "
@@ -288,7 +300,8 @@ def quality_claim(doc: dict) -> Claim:
     details += _defaults(doc)
     details += _unmeasured(doc, "quality", scored)
     best, verdict = _judged(doc, scored, lambda scores: "holds")
-    return Claim("Quality", QUALITY_CLAIM, "accuracy within ~2%", best, verdict, details)
+    peers = peer_cells(doc, "quality", lambda at: _loss(at[0]))
+    return Claim("Quality", QUALITY_CLAIM, "accuracy within ~2%", best, verdict, details, peers)
 
 
 def _defaults(doc: dict) -> list[str]:
@@ -310,6 +323,45 @@ def _defaults(doc: dict) -> list[str]:
     return ["", f"{what}: {'; '.join(parts)}."]
 
 
+# ---- the peers -------------------------------------------------------------------------------
+
+
+def peer_cells(doc: dict, kind: str, number: Callable[[list[dict]], str | None]) -> dict[str, str]:
+    """Per peer codec of ``PEERS``, its number per model: ``number`` of its rows of ``kind``
+    (medians; quality rows) on that model at its largest context, or where it was asked for
+    and not measured, a pointer to the reason."""
+    rows = doc["quality"] if kind == "quality" else [r for r in doc["medians"] if r["kind"] == kind]
+    cells = {}
+    for peer in PEERS:
+        found = {
+            m: at for m, _, at in at_largest_context(doc, [r for r in rows if r["mode"] == peer])
+        }
+        missing = {m["model"] for m in doc["missing"] if m["kind"] == kind and m["mode"] == peer}
+        parts = [
+            f"{model}: {number(found[model]) or NOT_MEASURED}"
+            if model in found
+            else f"{model}: {SEE_MISSING}"
+            for model in doc["config"]["models"]
+            if model in found or model in missing
+        ]
+        cells[peer] = "; ".join(parts) or NOT_MEASURED
+    return cells
+
+
+def _speedups_over_int8(e2e: list[dict], rows: list[dict]) -> str | None:
+    """int8's TTFT over each of ``rows``' at the same link, slowest link first."""
+    parts = []
+    for r in sorted(rows, key=lambda r: r["bandwidth_mbps"]):
+        int8 = first(e2e, **cell_of(r), mode="int8")
+        if int8 and r.get("ttft_s"):
+            parts.append(f"{x(int8['ttft_s'] / r['ttft_s'])} at {r['bandwidth_mbps']:g} Mbit/s")
+    return ", ".join(parts) or None
+
+
+def _loss(q: dict) -> str:
+    return f"{q['ppl_change_pct']:+.1f}% at {num(q['bits_per_element'])} bits/element"
+
+
 # ---- shared ----------------------------------------------------------------------------------
 
 
@@ -327,13 +379,17 @@ def _unmeasured(doc: dict, kind: str, scored: dict[str, Scored]) -> list[str]:
     return out
 
 
+def _level(level: int | None) -> str:
+    return "-" if level is None else str(level)
+
+
 def _note(doc: dict, model: str, codec: str, level: int | None) -> str:
     return " (negligible loss)" if level in negligible_levels(doc, model, codec) else ""
 
 
 def _codec_order(mode: str, level: int | None) -> tuple[int, int]:
-    """CacheGen's levels, then tcq's, then the adaptive modes."""
-    order = (*CODECS, ADAPTIVE, ADAPTIVE_FASTEST)
+    """CacheGen's levels, then tcq's, then the adaptive modes, then the peers."""
+    order = (*CODECS, ADAPTIVE, ADAPTIVE_FASTEST, *PEERS)
     return order.index(mode), level or 0
 
 

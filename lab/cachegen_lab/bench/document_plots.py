@@ -14,7 +14,7 @@ from cachegen_lab.bench.plot_kit import footnote, link_x, log_axes, panels, runs
 
 FORMS_SCHEMA = "cachegen-stream-forms-bench"
 TTFT_TABLE_SCHEMA = "cachegen-ttft-table"
-DOCUMENTS = {FORMS_SCHEMA: (1, 2), TTFT_TABLE_SCHEMA: (1, 2)}  # the versions these figures read
+DOCUMENTS = {FORMS_SCHEMA: (1, 2), TTFT_TABLE_SCHEMA: (1, 2, 3)}  # the versions these figures read
 
 
 def plot_document(doc: dict, path: str | Path, where: str) -> Path:

@@ -34,7 +34,7 @@ from cachegen.constants import CHUNK_TOKENS
 from cachegen.cpu import engine_dtype
 from cachegen.errors import InputError
 from cachegen.models import EMBEDDED_DEFAULT, ModelSpec, resolve
-from cachegen.modes import CACHEGEN, CONNECTOR_MODES, RECOMPUTE, TCQ, Form
+from cachegen.modes import CACHEGEN, RECOMPUTE, TCQ, Form, connector_modes
 from cachegen_lab.bench.store_client import StoreClient
 from cachegen_lab.connector import LAB_CONNECTOR, LAB_CONNECTOR_MODULE
 from cachegen_lab.connector.options import LabRequestOptions, lab_config
@@ -265,7 +265,7 @@ class ConnectorEngine(StoreClient):
         token led the runner-up."""
         from vllm import SamplingParams
 
-        modes = (RECOMPUTE, *CONNECTOR_MODES)
+        modes = (RECOMPUTE, *connector_modes())
         if mode not in modes:
             raise InputError(f"unknown mode {mode!r}; choose one of {', '.join(modes)}")
         if max_tokens < 2:

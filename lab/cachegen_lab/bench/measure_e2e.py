@@ -16,6 +16,9 @@ it runs on a plain engine instead, and every KV mode is recorded as missing with
 
 A KV-mode request that loaded nothing is not a measurement of that mode (vLLM simply
 recomputed): it is recorded under ``missing`` with the connector's error, never as a run.
+A peer codec (``cachegen_lab.peers``) is stored on the first engine beside the others, unless
+it refuses the records the connector stores for the model (:func:`peer_refusal`): then it is
+missing with the codec's reason, and the engine never tries to save it.
 
 Each run is the request's ``RequestRow`` (the row the TTFT tables are made of, built in the
 engine's process) as a results ``Run``.
@@ -26,14 +29,19 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import torch
+
+from cachegen.errors import CacheGenError
 from cachegen.modes import ADAPTIVE, ADAPTIVE_FASTEST, CACHEGEN, RECOMPUTE, TCQ, Mode
 from cachegen_lab.bench.engine_process import EngineError, EngineSession, RequestFailed
 from cachegen_lab.bench.modes import tcq_default
 from cachegen_lab.bench.prompts import Context, question
+from cachegen_lab.peers import PEER_MODES
 from cachegen_lab.rows import RequestRow, Run
 
 MARGIN_TOKENS = 64  # room for the question after the context
 WARM_UP_REPEAT = 999  # question number of unmeasured requests (never one of the measured repeats)
+PROBE_TOKENS = 16  # tokens of random KV a peer codec is tried on
 
 
 def connector_options(chunk_tokens: int, kv_modes: list[Mode], cachegen_levels: list[int]) -> dict:
@@ -55,6 +63,31 @@ def default_options(chunk_tokens: int) -> dict:
     """The connector's default configuration (but the store and chunking): it saves the
     model's default mode, in its default save ladder."""
     return {"chunk_tokens": chunk_tokens, "save_modes": None}
+
+
+def peer_refusal(spec, codec_name: str, chunk_tokens: int) -> str | None:
+    """Why the peer codec ``codec_name`` cannot encode the records the connector stores for
+    ``spec`` (None: it can), tried on a few tokens of random KV per record. A model with
+    sliding-window and full-attention layers has a record per kind of layer, which a codec of
+    the whole model's layers may refuse (LMCache's CacheGen, Gemma 3's full-attention layers)."""
+    from cachegen.connector.parts import RecordParts
+    from cachegen.kv import KVCache
+    from cachegen.profiles import codec_for
+
+    identity = spec.identity()
+    parts = RecordParts.of(spec, chunk_tokens)
+    layer_sets = (parts.full_layers, parts.sliding_layers) if parts.split else (None,)
+    try:
+        codec = codec_for(codec_name, spec, build=False, chunk_tokens=chunk_tokens)
+        for layers in layer_sets:
+            count = identity.num_layers if layers is None else len(layers)
+            shape = (count, identity.num_kv_heads, PROBE_TOKENS, identity.head_dim)
+            keys, values = torch.randn(shape), torch.randn(shape)
+            ids = torch.arange(PROBE_TOKENS)
+            codec.encode(KVCache(keys, values, ids, identity, layers=layers))
+    except CacheGenError as exc:
+        return f"{codec_name} cannot encode the connector's records of {spec.name}: {exc}"
+    return None
 
 
 def default_configuration(mode: Mode, model: str) -> bool:
@@ -95,7 +128,7 @@ class E2EMeasurer:
 
     def run(self) -> None:
         modes = self.cfg.modes_of(self.model)
-        kv_modes = [m for m in modes if m.moves_kv and self._has_bound(m)]
+        kv_modes = [m for m in modes if m.moves_kv and self._has_bound(m) and self._storable(m)]
         recompute = Mode(RECOMPUTE) in modes
         shared = [m for m in kv_modes if not default_configuration(m, self.model)]
         default = [m for m in kv_modes if default_configuration(m, self.model)]
@@ -134,7 +167,20 @@ class E2EMeasurer:
                 "the quality bound (max_loss_pct) of adaptive-fastest",
                 context,
             )
-            self.tick(len(self.cfg.bandwidth_mbps) * self.cfg.repeats)
+            self.tick(len(self.cfg.links_of(mode)) * self.cfg.repeats)
+        return False
+
+    def _storable(self, mode: Mode) -> bool:
+        """False for a peer codec that refuses this model's records (:func:`peer_refusal`),
+        recorded as missing at each of its contexts."""
+        if mode.mode not in PEER_MODES:
+            return True
+        reason = peer_refusal(self.spec, mode.mode, self.cfg.chunk_tokens)
+        if reason is None:
+            return True
+        for context in self._contexts_of(mode):
+            self._missing(mode, reason, context)
+            self.tick(len(self.cfg.links_of(mode)) * self.cfg.repeats)
         return False
 
     def _contexts_of(self, mode: Mode) -> list[Context]:
@@ -195,8 +241,11 @@ class E2EMeasurer:
                 self.runs.append(self._run(request, context, repeat, Mode(RECOMPUTE)))
                 self.tick()
 
+    def _cells(self, mode: Mode) -> int:
+        """The measured requests of ``mode`` at one context."""
+        return len(self.cfg.links_of(mode)) * self.cfg.repeats
+
     def _store(self, engine: EngineSession, context: Context, kv_modes: list[Mode]) -> None:
-        cells = len(self.cfg.bandwidth_mbps) * self.cfg.repeats
         if context.tokens < self.cfg.chunk_tokens:
             for mode in kv_modes:
                 self._missing(
@@ -205,26 +254,25 @@ class E2EMeasurer:
                     f"{self.cfg.chunk_tokens}-token chunk, so nothing of it can be stored",
                     context,
                 )
-                self.tick(cells)
+                self.tick(self._cells(mode))
             return
         try:
             engine.store_prefix(context.prompt(question(self.tokenizer, WARM_UP_REPEAT)))
         except RequestFailed as exc:
             for mode in kv_modes:
                 self._missing(mode, f"storing the context failed: {exc}", context)
-                self.tick(cells)
+                self.tick(self._cells(mode))
             return
         for mode in kv_modes:
             self._measure_mode(engine, context, mode)
 
     def _measure_mode(self, engine: EngineSession, context: Context, mode: Mode) -> None:
-        cells = len(self.cfg.bandwidth_mbps) * self.cfg.repeats
         error = self._check_loads(engine, context, mode)
         if error is not None:
             self._missing(mode, error, context)
-            self.tick(cells)
+            self.tick(self._cells(mode))
             return
-        for bandwidth in self.cfg.bandwidth_mbps:
+        for bandwidth in self.cfg.links_of(mode):
             for repeat in range(self.cfg.repeats):
                 try:
                     request = self._request(

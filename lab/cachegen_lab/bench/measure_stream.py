@@ -3,7 +3,7 @@
 The stream bench's steps (``cachegen_lab.bench.stream_bench``) on the sweep's contexts: per
 context the model's KV is extracted once (transformers); per mode its chunks are encoded
 into a local store (``prepare``), decoded twice to warm up (``warm_up``), and loaded back
-at each of the sweep's stream bandwidths (``stream_links``) through a real TCP socket on
+at each of the sweep's stream bandwidths (``stream_links_of``) through a real TCP socket on
 loopback paced by the configured shaper (the ``unlimited`` link: the same socket, unpaced),
 fetching and decoding pipelined, every chunk checked against its tokens (``run_load``).
 Each load's ``StreamRow`` becomes a results ``Run`` with the encoding's sizes
@@ -86,7 +86,7 @@ def _measure_mode(cfg, store, model: str, ids, kv, context: Context, mode: Mode)
     sizes = size_stats([store.read(record) for record in prep.records(form)])
     stream_bench.warm_up(store, prep)
     rows = []
-    for bandwidth in cfg.stream_links:  # None: the unlimited link
+    for bandwidth in cfg.stream_links_of(mode):  # None: the unlimited link
         for repeat in range(cfg.repeats):
             stats, link = stream_bench.run_load(
                 store, prep, shaper=cfg.shaper, bandwidth=bandwidth, rtt_ms=0.0, form=form

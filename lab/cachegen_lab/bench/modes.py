@@ -8,7 +8,8 @@ default level, plus adaptive (the earlier reproduction's ``--modes baseline cach
 the default level's calibration target, :func:`tcq_default`), for a model that ships a tcq
 calibration with a default level (nothing for one that does not); ``all`` = the three. Other
 levels of a profile (calibration may add several) are measured when named, e.g.
-``cachegen-5``. ``mode_name`` is a mode's name in tables and figures.
+``cachegen-5``, and so are the lab's peer codecs (``cachegen_lab.peers``: ``lmcache-cachegen``,
+LMCache's CacheGen). ``mode_name`` is a mode's name in tables and figures.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from cachegen.modes import (
     CACHEGEN,
     CODED,
     KV_BASELINES,
-    MODES,
     PACKED,
     RECOMPUTE,
     TCQ,
     Form,
     Mode,
+    all_modes,
 )
 
 BASELINE = (RECOMPUTE, *KV_BASELINES)
@@ -98,11 +99,12 @@ def expand(labels: list[str], model: str | None = None) -> list[Mode]:
 
 
 def union(mode_lists: Iterable[list[Mode]]) -> list[Mode]:
-    """Every mode of ``mode_lists`` once, in the vocabulary's order (``cachegen.modes.MODES``:
-    recompute, the baselines, cachegen's levels, tcq's, adaptive, adaptive-fastest), levels
-    ascending."""
+    """Every mode of ``mode_lists`` once, in the vocabulary's order (``cachegen.modes.all_modes``:
+    recompute, the baselines, cachegen's levels, tcq's, adaptive, adaptive-fastest, the peer
+    codecs), levels ascending."""
     every = {mode for modes in mode_lists for mode in modes}
-    return sorted(every, key=lambda m: (MODES.index(m.mode), m.level or 0))
+    order = all_modes()
+    return sorted(every, key=lambda m: (order.index(m.mode), m.level or 0))
 
 
 OLD_PACKED_BIT = 1 << 15  # how documents of earlier releases named a packed form: a number

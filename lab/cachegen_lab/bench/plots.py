@@ -86,10 +86,13 @@ def _spread(doc: dict, row: dict, metric: str) -> tuple[float, float]:
 
 def _modes_note(doc: dict, contexts: bool = True) -> str:
     """What the figures' mode labels leave unsaid: the modes measured at the largest context
-    only (for a figure of every context), and adaptive-fastest's quality bound per model."""
+    only (for a figure of every context) or at some links only, and adaptive-fastest's quality
+    bound per model."""
     cfg, notes = doc["config"], []
     if contexts and cfg.get("largest_context_modes"):
         notes.append(f"largest context only: {', '.join(cfg['largest_context_modes'])}.")
+    for label, links in (cfg.get("mode_bandwidth_mbps") or {}).items():
+        notes.append(f"{label} at {', '.join(f'{b:g}' for b in links)} Mbit/s only.")
     bounds = cfg.get("max_loss_pct") or {}
     if ADAPTIVE_FASTEST in _order(doc) and bounds:
         each = ", ".join(f"{model} {bound:g}%" for model, bound in bounds.items())

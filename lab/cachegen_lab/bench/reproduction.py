@@ -1,6 +1,7 @@
 """docs/reproduction.md from results.json (``cachegen report``): each claim of the CacheGen
 paper side by side with what this project measured, for CacheGen (the paper's codec) and tcq
-(this project's, the connector's default), and where the settings differ.
+(this project's, the connector's default), beside LMCache's CacheGen (the lab's peer, one
+form), and where the settings differ.
 
 Every number in the generated file comes from the results document it is given; the
 paper's numbers are quoted from the paper (SIGCOMM 2024, abstract and section 7). The claims
@@ -12,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cachegen.modes import Mode
-from cachegen_lab.bench.claims import CODECS, NEGLIGIBLE_PPL_PCT, claims
+from cachegen_lab.bench.claims import CODECS, NEGLIGIBLE_PPL_PCT, PEERS, claims
 
 
 def render(doc: dict, results_path: str) -> str:
@@ -44,13 +45,17 @@ def render(doc: dict, results_path: str) -> str:
         "measured in this run), with its number per model, and the verdict says which reaches "
         "the paper's.",
         "",
+        *_peers_note(),
+        "",
         f"| paper's claim (SIGCOMM 2024) | paper | {names[0]}: best level with negligible loss | "
-        f"{names[1]}: best level with negligible loss | verdict |",
-        "| --- | --- | --- | --- | --- |",
+        f"{names[1]}: best level with negligible loss | "
+        + "".join(f"{name} | " for name in PEERS.values())
+        + "verdict |",
+        "| --- | --- | --- | --- | " + "--- | " * len(PEERS) + "--- |",
     ]
     judged = claims(doc)
     for c in judged:
-        best = " | ".join(c.best[codec] for codec in CODECS)
+        best = " | ".join([*(c.best[codec] for codec in CODECS), *c.peers.values()])
         lines.append(f"| {c.claim} | {c.paper} | {best} | {c.verdict} |")
     for c in judged:
         lines += ["", f"## {c.title}", "", *c.details]
@@ -59,12 +64,27 @@ def render(doc: dict, results_path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _peers_note() -> list[str]:
+    """What the peers' columns hold."""
+    names = ", ".join(PEERS.values())
+    return [
+        f"Beside them, {names}: LMCache 0.5.6's own CacheGen encoder and decoder (its CPU "
+        "path, its bins for the model; `lmcache-cachegen`, cachegen_lab/codecs/lmcache_peer.py), "
+        "whose bytes cross the same emulated links and whose decoded KV the lab's connector "
+        "injects into the same vLLM engine (LMCache's own vLLM connector has no CPU build). "
+        "It has one form, so its column gives its numbers per model, unjudged: the size ratio "
+        "to int8, int8's TTFT over its TTFT at each link it was measured at, and its "
+        "perplexity change."
+    ]
+
+
 def _modes_note(cfg: dict) -> str:
-    """The modes measured at the largest context only, if any."""
+    """The modes measured at the largest context or at some links only, if any."""
     largest = cfg.get("largest_context_modes") or []
-    if not largest:
-        return ""
-    return f" {', '.join(largest)} measured at the largest context only."
+    notes = [f" {', '.join(largest)} measured at the largest context only."] if largest else []
+    for label, links in (cfg.get("mode_bandwidth_mbps") or {}).items():
+        notes.append(f" {label} measured at {', '.join(f'{b:g}' for b in links)} Mbit/s only.")
+    return "".join(notes)
 
 
 def _missing(doc: dict) -> list[str]:

@@ -21,8 +21,10 @@ from cachegen_lab import rows
 
 SCHEMA_PATH = Path(__file__).with_name("results.schema.json")
 SCHEMA_NAME = "cachegen-bench-results"
-SCHEMA_VERSION = 3  # 2: rows of rows.schema.json, output_tokens_per_s; 3: tcq, adaptive-fastest
-READ_VERSIONS = (2, SCHEMA_VERSION)  # a version 2 file is a version 3 file without tcq's modes
+# 2: rows of rows.schema.json, output_tokens_per_s; 3: tcq, adaptive-fastest; 4: the lab's peer
+# lmcache-cachegen, config.mode_bandwidth_mbps
+SCHEMA_VERSION = 4
+READ_VERSIONS = (2, 3, SCHEMA_VERSION)  # each is the next without the next's modes and keys
 CELL = ("kind", "model", "mode", "level", "bandwidth_mbps", "context_tokens")
 # Run fields that get a median per cell (everything numeric that varies between repeats).
 METRICS = (

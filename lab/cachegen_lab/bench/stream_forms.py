@@ -34,6 +34,7 @@ from cachegen.stream.controller import (
 )
 from cachegen_lab.bench.links import UNLIMITED
 from cachegen_lab.bench.stream_bench import Prepared, prepare, run_load, warm_up
+from cachegen_lab.peers import PEER_MODES
 
 SCHEMA = "cachegen-stream-forms-bench"
 VERSION = 2  # 2: forms by name only (no "slot"), prepared forms by name
@@ -42,8 +43,8 @@ WITHIN = 1.10  # adaptive should finish within this factor of the best allowed f
 
 
 def benched_form(label: str) -> Form:
-    """The form of ``label`` when this bench loads it: a cachegen level, coded or packed, or a
-    baseline."""
+    """The form of ``label`` when this bench loads it: a cachegen level, coded or packed, a
+    baseline or a peer codec of the lab (``lmcache-cachegen``)."""
     try:
         form = Form.parse(label)
     except InputError:
@@ -51,7 +52,7 @@ def benched_form(label: str) -> Form:
     if form is None or form.codec == TCQ:
         raise InputError(
             f"unknown form {label!r}; forms are cachegen-<L>, cachegen-<L>-{PACKED}, "
-            f"{', '.join(KV_BASELINES)} (or {DEFAULT_FORMS!r})"
+            f"{', '.join((*KV_BASELINES, *PEER_MODES))} (or {DEFAULT_FORMS!r})"
         )
     return form
 

@@ -28,13 +28,17 @@ from cachegen_lab.bench import environment, results
 from cachegen_lab.bench.links import UNLIMITED
 from cachegen_lab.bench.modes import expand, tcq_default, union
 from cachegen_lab.bench.prompts import TEXT_SOURCE
+from cachegen_lab.peers import LMCACHE_CACHEGEN
 
 PARTS = ("e2e", "stream", "quality")
 DEFAULT_MODELS_ENV = "CACHEGEN_BENCH_MODELS"  # comma-separated extra models for the profiles
 # The profiles' modes: fp8 is left out (int8 is the paper's 8-bit baseline; --modes all has it).
-PROFILE_MODES = ["recompute", "raw", "int8", "cachegen", "tcq"]
+PROFILE_MODES = ["recompute", "raw", "int8", "cachegen", "tcq", LMCACHE_CACHEGEN]
 # Measured at the profile's largest context only, where the report compares them.
-LARGEST_CONTEXT_MODES = ["raw", "cachegen-1", "cachegen-2", "cachegen-3"]
+LARGEST_CONTEXT_MODES = ["raw", "cachegen-1", "cachegen-2", "cachegen-3", LMCACHE_CACHEGEN]
+# Modes the profiles measure at some links only: the peer at the paper's slowest and fastest
+# links, the two the report compares it at.
+PROFILE_MODE_LINKS = {LMCACHE_CACHEGEN: [100.0, 1000.0]}
 
 
 @dataclass
@@ -42,6 +46,7 @@ class SweepConfig:
     """What a sweep measures. ``modes`` are every model's modes together (the order of tables
     and figures); ``model_modes`` each model's own (unset: ``modes`` for every model);
     ``largest_context_modes`` are measured at the largest of ``context_tokens`` only;
+    ``mode_bandwidth_mbps`` (by mode label) at those links only, end to end and streamed;
     ``max_loss_pct`` is ``adaptive-fastest``'s quality bound per model."""
 
     models: list[str]
@@ -56,6 +61,7 @@ class SweepConfig:
     max_loss_pct: dict[str, float] = field(default_factory=dict)
     model_modes: dict[str, list[Mode]] | None = None
     largest_context_modes: list[Mode] = field(default_factory=list)
+    mode_bandwidth_mbps: dict[str, list[float]] = field(default_factory=dict)
     chunk_tokens: int = 256
     shaper: str = "token-bucket"
     parts: tuple[str, ...] = PARTS
@@ -70,6 +76,8 @@ class SweepConfig:
             raise InputError("no models given")
         if any(b <= 0 for b in self.bandwidth_mbps) or not self.bandwidth_mbps:
             raise InputError("bandwidths must be positive numbers of Mbit/s")
+        if any(not links or min(links) <= 0 for links in self.mode_bandwidth_mbps.values()):
+            raise InputError("a mode's bandwidths must be positive numbers of Mbit/s")
         if self.stream_bandwidth_mbps is not None and (
             not self.stream_bandwidth_mbps
             or any(b is not None and b <= 0 for b in self.stream_bandwidth_mbps)
@@ -101,6 +109,14 @@ class SweepConfig:
             return list(self.bandwidth_mbps)
         return list(self.stream_bandwidth_mbps)
 
+    def links_of(self, mode: Mode) -> list[float]:
+        """The bandwidths ``mode`` is measured at end to end."""
+        return list(self.mode_bandwidth_mbps.get(mode.label, self.bandwidth_mbps))
+
+    def stream_links_of(self, mode: Mode) -> list[float | None]:
+        """The stream part's bandwidths of ``mode``: its own links, where it has them."""
+        return list(self.mode_bandwidth_mbps.get(mode.label, self.stream_links))
+
     def to_json(self) -> dict:
         return {
             "profile": self.profile,
@@ -117,6 +133,7 @@ class SweepConfig:
             "max_loss_pct": dict(self.max_loss_pct),
             "model_modes": {m: [mode.label for mode in self.modes_of(m)] for m in self.models},
             "largest_context_modes": [m.label for m in self.largest_context_modes],
+            "mode_bandwidth_mbps": {m: list(b) for m, b in self.mode_bandwidth_mbps.items()},
             "chunk_tokens": self.chunk_tokens,
             "shaper": self.shaper,
             "parts": list(self.parts),
@@ -137,16 +154,19 @@ def profile(name: str, **overrides) -> SweepConfig:
     paper's 8-bit baseline), and raw and the paper's levels 1-3 are measured at the largest
     context only (``LARGEST_CONTEXT_MODES``: the report compares at the largest context; raw is
     the dearest cell, 188 MB per 4,096 SmolLM2 tokens in a float32 engine); 3 repeats instead
-    of 2 would overrun the budget. Overriding the modes or the contexts measures every mode at
-    every context. ``quick`` is its smoke version (the same modes at one short context): the
-    default model plus ``$CACHEGEN_BENCH_MODELS`` (each model costs two vLLM engine starts,
+    of 2 would overrun the budget. LMCache's CacheGen (``lmcache-cachegen``, the lab's peer)
+    is measured at the largest context and at 100 and 1,000 Mbit/s only
+    (``PROFILE_MODE_LINKS``): what the report's column for it compares. Overriding the modes
+    or the contexts measures every mode at every context; overriding them or the links, every
+    mode at every link. ``quick`` is its smoke version (the same modes at one short context):
+    the default model plus ``$CACHEGEN_BENCH_MODELS`` (each model costs two vLLM engine starts,
     whatever the grid). What each profile takes is measured in docs/benchmarks.md, "How long
     it takes".
     """
     extra = [m.strip() for m in os.environ.get(DEFAULT_MODELS_ENV, "").split(",") if m.strip()]
     base_models = list(EMBEDDED) if name == "default" else [EMBEDDED_DEFAULT]
     chosen = overrides.get("models") or list(dict.fromkeys([*base_models, *extra]))
-    common = dict(models=chosen, modes=PROFILE_MODES)
+    common = dict(models=chosen, modes=PROFILE_MODES, mode_bandwidth_mbps=PROFILE_MODE_LINKS)
     if name == "default":
         base = dict(
             common,
@@ -175,8 +195,10 @@ def profile(name: str, **overrides) -> SweepConfig:
     merged = {**base, **given}
     if "bandwidth_mbps" in given and "stream_bandwidth_mbps" not in given:
         merged["stream_bandwidth_mbps"] = None  # the stream part follows the given rates
+    if "modes" in given or "context_tokens" in given or "bandwidth_mbps" in given:
+        merged.pop("mode_bandwidth_mbps", None)  # a custom grid is measured whole
     if "modes" in given or "context_tokens" in given:
-        merged.pop("largest_context_modes", None)  # a custom grid is measured whole
+        merged.pop("largest_context_modes", None)
     cfg = SweepConfig(profile=name if not given else "custom", **_modes(merged))
     if given:
         cfg.notes.append(f"based on the {name} profile")
@@ -314,7 +336,7 @@ def _cells(cfg: SweepConfig, model: str) -> int:
         modes = cfg.modes_at(model, context)
         kv = [m for m in modes if m.moves_kv]
         if "e2e" in cfg.parts:
-            requests = int(Mode(RECOMPUTE) in modes) + len(kv) * len(cfg.bandwidth_mbps)
+            requests = int(Mode(RECOMPUTE) in modes) + sum(len(cfg.links_of(m)) for m in kv)
             n += cfg.repeats * requests
         if "stream" in cfg.parts:
             n += len([m for m in kv if m.codec_name])

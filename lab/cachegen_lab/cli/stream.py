@@ -78,9 +78,9 @@ def _load_arguments(p: argparse.ArgumentParser) -> None:
         "--forms",
         default=None,
         help="store these forms (a comma list of cachegen-<L>, cachegen-<L>-packed, raw, int8, "
-        "fp8; 'default': the default level coded and packed, raw, int8, fp8), load each alone "
-        "and with the adaptive choice of the fastest form allowed by the quality bound, and "
-        "compare (--codec is not used)",
+        "fp8, lmcache-cachegen; 'default': the default level coded and packed, raw, int8, "
+        "fp8), load each alone and with the adaptive choice of the fastest form allowed by the "
+        "quality bound, and compare (--codec is not used)",
     )
 
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 from cachegen.fileio import versioned, write_atomic
 
-VERSION = 2  # 2: a ttft table row's level may name a packed form (cachegen-11-packed)
+# 2: a ttft table row's level may name a packed form (cachegen-11-packed); 3: a row's mode may
+# be lmcache-cachegen (the lab's peer codec)
+VERSION = 3
 
 
 def add_outputs(p: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ from cachegen.errors import InputError
 from cachegen.modes import CACHEGEN, TCQ
 from cachegen_lab.bench.links import UNLIMITED
 from cachegen_lab.cli import experiment, tables
+from cachegen_lab.peers import PEER_MODES
 
 # --json documents: schema name and the row kind of rows.schema.json (placement rows are not
 # measurement rows of one request)
@@ -71,7 +72,8 @@ def _table_arguments(t: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         help="modes to measure (default: recompute raw int8 fp8 cachegen adaptive; tcq measures "
-        "the transform codec's --tcq-levels)",
+        "the transform codec's --tcq-levels; lmcache-cachegen, LMCache's CacheGen, the lab's "
+        "peer codec)",
     )
     t.add_argument(
         "--slo-ms", type=float, default=None, help="adaptive's load budget (default: 1000)"
@@ -124,6 +126,9 @@ def _table(args: argparse.Namespace) -> int:
         extra["tcq_levels"] = args.tcq_levels or codec_for(TCQ, args.model).levels
     elif args.tcq_levels is not None:
         raise InputError("--tcq-levels goes with the mode tcq (--modes ... tcq)")
+    peers = [m for m in args.modes or () if m in PEER_MODES]
+    if peers:  # a peer codec is stored only when measured (LMCache's encoder is slow)
+        engine_args["save_modes"] = (*engine_args.get("save_modes", SAVE_MODES), *peers)
     if extra:
         engine_args["connector_extra"] = extra
     with TTFTBench(args.model, shaper=args.shaper, **engine_args) as bench:

@@ -5,6 +5,10 @@ Experiments measure loads at a rate and an RTT; a request to this connector name
 ``kv_connector_extra_config`` says how the rate is enforced. Only the lab's engines use it
 (``kv_connector="CacheGenLabConnector"``, ``kv_connector_module_path="cachegen_lab.connector"``);
 a server runs ``cachegen.connector``'s, whose requests choose no link.
+
+The lab's engines also store and load the lab's peer codecs (``cachegen_lab.peers``, modes of
+every lab process), such as ``lmcache-cachegen``: a request and ``save_modes`` name them as
+any mode.
 """
 
 from __future__ import annotations

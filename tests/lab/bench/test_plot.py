@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -184,7 +185,7 @@ def _claims_row(text: str, claim: str) -> list[str]:
 def test_report_says_which_codec_reaches_each_claim(synthetic, tmp_path):
     """Per claim: CacheGen's and tcq's best level at negligible loss (perplexity change of at
     most 2%), each with its number, and a verdict per codec; tcq in every section."""
-    from tests.lab.bench.synthetic_results import BITS, LARGE, SMALL
+    from tests.lab.bench.synthetic_results import BITS, LARGE, PEER, SMALL
 
     path = results.save(synthetic, tmp_path / "results.json")
     out = tmp_path / "reproduction.md"
@@ -202,18 +203,30 @@ def test_report_says_which_codec_reaches_each_claim(synthetic, tmp_path):
         f"{LARGE} level 25: {ratio[LARGE]['tcq-25']:.2f}x"
     )
     assert size[4] == (
+        f"{SMALL}: {ratio[SMALL][PEER]:.2f}x; {LARGE}: {ratio[LARGE][PEER]:.2f}x"
+    )  # LMCache's CacheGen, beside them
+    assert size[5] == (
         f"CacheGen: below the paper's range (best {ratio[SMALL]['cachegen-11']:.2f}x); "
         "tcq: partly reaches the paper's range"
     )
     delay = _claims_row(text, "3.2-3.7x lower delay")
     assert delay[2].startswith(f"{SMALL} level 11: ") and "at 100 Mbit/s" in delay[2]
     assert delay[3].startswith(f"{SMALL} level 24: ") and f"{LARGE} level 25: " in delay[3]
+    assert re.fullmatch(
+        rf"{SMALL}: [0-9.]+x at 100 Mbit/s, [0-9.]+x at 1000 Mbit/s; "
+        rf"{LARGE}: not measured \(see Not measured in this run\)",
+        delay[4],
+    )
     quality = _claims_row(text, "negligible loss")
     assert quality[3] == (
         f"{SMALL} level 24: +0.8% at 2.15 bits/element; "
         f"{LARGE} level 25: +1.5% at 2.67 bits/element"
     )
-    assert quality[4] == "CacheGen: holds; tcq: holds"
+    assert quality[4] == (
+        f"{SMALL}: +1.1% at 4.60 bits/element; {LARGE}: +0.9% at 4.40 bits/element"
+    )
+    assert quality[5] == "CacheGen: holds; tcq: holds"
+    assert "| LMCache's CacheGen | verdict |" in text and "lmcache-cachegen cannot encode" in text
     for row in ("| tcq | 24 (negligible loss) |", "| tcq-24 (negligible loss) |"):
         assert row in text  # the size and the delay sections
     assert f"| {SMALL} | 4096 | 100 | adaptive-fastest |" in text
@@ -232,4 +245,4 @@ def test_report_says_when_a_codec_keeps_no_level_negligible(synthetic, tmp_path)
         f"{synthetic_results.SMALL}: no level with negligible loss; "
         f"{synthetic_results.LARGE}: no level with negligible loss"
     )
-    assert size[4].endswith("tcq: no level with negligible loss")
+    assert size[5].endswith("tcq: no level with negligible loss")

@@ -25,6 +25,7 @@ MODES = [
     "adaptive",
     "cachegen-99",
     "adaptive-fastest",
+    "lmcache-cachegen",
 ]  # tiny-llama has no level 99, and no tcq calibration that bounds adaptive-fastest
 CONTEXT = 256
 
@@ -105,7 +106,12 @@ def test_stream_and_quality_parts_use_the_real_codec(quick):
     doc = results.load(quick[0] / "results.json")
     stream = {(r["mode"], r["level"]): r for r in doc["runs"] if r["kind"] == "stream"}
     # adaptive and recompute have no fixed size; level 99 does not exist
-    assert set(stream) == {("raw", None), ("int8", None), ("cachegen", 2)}
+    assert set(stream) == {
+        ("raw", None),
+        ("int8", None),
+        ("cachegen", 2),
+        ("lmcache-cachegen", None),
+    }
     assert stream[("raw", None)]["ratio_vs_fp16"] == pytest.approx(1.0, rel=0.05)
     assert stream[("int8", None)]["ratio_vs_int8"] == pytest.approx(1.0, rel=1e-6)
     assert stream[("cachegen", 2)]["ratio_vs_int8"] > 1.0
@@ -138,3 +144,20 @@ def test_figures_and_report_from_the_quick_results(quick, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "| paper's claim" in report.read_text()
+
+
+def test_lmcache_cachegen_goes_through_vllm_into_the_results_and_the_report(quick):
+    """The lab's peer, LMCache's CacheGen: stored, loaded and injected by the lab's connector,
+    streamed and scored like the others, and in the report's column of its own."""
+    out, _ = quick
+    doc = results.load(out / "results.json")
+    peer = [r for r in doc["runs"] if r["mode"] == "lmcache-cachegen"]
+    e2e = [r for r in peer if r["kind"] == "e2e"]
+    assert e2e and all(r["loaded_tokens"] == CONTEXT for r in e2e)
+    assert [r for r in peer if r["kind"] == "stream"][0]["ratio_vs_int8"] > 1.0
+    assert [q for q in doc["quality"] if q["mode"] == "lmcache-cachegen"]
+    from cachegen_lab.bench import reproduction
+
+    text = reproduction.render(doc, "results.json")
+    (size,) = [row for row in text.splitlines() if row.startswith("| KV 3.5")]
+    assert "| LMCache's CacheGen |" in text and "tiny-llama: " in size.split(" | ")[4]

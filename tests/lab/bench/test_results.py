@@ -198,14 +198,23 @@ def test_the_default_profile_measures_each_models_defaults_and_makes_room(monkey
         assert set(modes) - set(cfg.modes_at(model, small)) == {
             Mode("raw"),
             *(Mode("cachegen", level) for level in (1, 2, 3)),
+            Mode("lmcache-cachegen"),
         }
-        # e2e: recompute at both contexts, 9 KV modes at the largest, 5 at the other; stream:
-        # the 7 and 3 codec modes of those; quality: one step
-        e2e = cfg.repeats * (2 + len(cfg.bandwidth_mbps) * (9 + 5))
-        assert _cells(cfg, model) == e2e + 7 + 3 + 1
+        # LMCache's CacheGen at two links only
+        assert cfg.links_of(Mode("lmcache-cachegen")) == [100.0, 1000.0]
+        assert cfg.stream_links_of(Mode("lmcache-cachegen")) == [100.0, 1000.0]
+        # e2e: recompute at both contexts, 9 KV modes at every link and the peer at two at the
+        # largest, 5 at the other; stream: the 8 and 3 codec modes of those; quality: one step
+        e2e = cfg.repeats * (2 + len(cfg.bandwidth_mbps) * (9 + 5) + 2)
+        assert _cells(cfg, model) == e2e + 8 + 3 + 1
     written = cfg.to_json()
     assert written["model_modes"]["smollm2-135m"] == [m.label for m in cfg.modes_of("smollm2-135m")]
-    assert written["largest_context_modes"] == ["raw", "cachegen-1", "cachegen-2", "cachegen-3"]
+    assert written["largest_context_modes"] == [
+        *("raw", "cachegen-1", "cachegen-2", "cachegen-3"),
+        "lmcache-cachegen",
+    ]
+    assert written["mode_bandwidth_mbps"] == {"lmcache-cachegen": [100.0, 1000.0]}
+    assert profile("default", bandwidth_mbps=[200.0]).mode_bandwidth_mbps == {}
     assert profile("default", context_tokens=[512, 1024]).largest_context_modes == []
     assert profile("default", modes=["all"]).largest_context_modes == []
 
@@ -220,7 +229,7 @@ def test_the_synthetic_document_follows_the_schema_and_only_runs_are_adaptive_fa
     from tests.lab.bench.synthetic_results import document
 
     synthetic = document()
-    assert synthetic["version"] == results.SCHEMA_VERSION == 3
+    assert synthetic["version"] == results.SCHEMA_VERSION == 4
     assert {"tcq", "adaptive-fastest"} <= {r["mode"] for r in synthetic["runs"]}
     bad = _broken(synthetic, lambda d: d["quality"][0].update(mode="adaptive-fastest", level=None))
     with pytest.raises(results.ResultsError, match="quality/0/mode"):
