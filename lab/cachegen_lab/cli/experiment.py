@@ -309,6 +309,20 @@ def _repeat(args: argparse.Namespace) -> int:
     return tables.emit(args, rows, repeat_markdown(rows), "cachegen-ttft-repeat", None)
 
 
+def _lmcache_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=EMBEDDED_DEFAULT)
+    p.add_argument("--numbers", type=int, default=700, help="numbers the prompt counts")
+    tables.add_outputs(p)
+
+
+def _lmcache(args: argparse.Namespace) -> int:
+    from cachegen_lab.experiments import lmcache_connector
+
+    body = lmcache_connector.run(args.model, args.numbers)
+    text = lmcache_connector.markdown(body)
+    return tables.emit(args, [body], text, "cachegen-lmcache-connector", None)
+
+
 # experiments that measure through one vLLM engine: help, description, arguments, handler
 THROUGH_VLLM = {
     "window": (
@@ -325,5 +339,13 @@ THROUGH_VLLM = {
         "question sent the moment the first answer ends.",
         _repeat_arguments,
         _repeat,
+    ),
+    "lmcache-connector": (
+        "what LMCache's own vLLM connector loads on this machine (none on vLLM's CPU build)",
+        "Answer one counting prompt twice through an engine with LMCacheConnectorV1 (its local "
+        "CPU backend, prefix caching off): the tokens it loaded for the repeat, and LMCache's "
+        "errors.",
+        _lmcache_arguments,
+        _lmcache,
     ),
 }
