@@ -16,11 +16,12 @@ export NUMBA_CACHE_LOCATOR_CLASSES ?= cachegen.kernel_cache.SourceHashLocator,Us
 # that the other process uses.
 TEST_WORKERS ?= 2
 
-.PHONY: install models services lint test bench clean help
+.PHONY: install models services lint test check-refit bench clean help
 
 help:
 	@echo "make test    install, prepare the models, run the lint, the layer contract and the tests"
 	@echo "make lint    ruff (lint and format check) and the layer contract only"
+	@echo "make check-refit  refit the shipped tcq file and compare (after changing a source of the fit)"
 	@echo "make bench   install, prepare the embedded model, run the main benchmark job"
 	@echo "make clean   remove the virtual environment"
 
@@ -71,7 +72,13 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 test: models services lint
-	$(PY) -m pytest --benchmark-skip -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
+	$(PY) -m pytest --benchmark-skip -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 -m "not refit"
+
+# The refit of the shipped tcq file (minutes on two cores, so not in `make test`): run it after
+# changing a source of the fit (tests/codec/refit_guard.py); passing, it records their digest,
+# which a test of `make test` compares.
+check-refit: models
+	CACHEGEN_RECORD_REFIT=1 $(PY) -m pytest -q -p no:cacheprovider -m refit tests/codec/test_shipped_tcq.py
 
 # The main job: the asv suite on the embedded models (one sweep, shared by every suite through
 # setup_cache), the dashboard, results.json, the figures and the reproduction report. The

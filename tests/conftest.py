@@ -30,14 +30,18 @@ LONGEST_FIRST = (
     "tests/connector/test_cluster.py",
     "tests/lab/fleet/test_fleet.py",
     "tests/connector/test_openai.py",
+    "tests/connector/test_chaos.py",
     "tests/docs/test_guide_serve.py",
     "tests/connector/test_smollm2.py",
     "tests/connector/test_tensor_parallel.py",
     "tests/codec/test_codec.py",
-    "tests/codec/test_shipped_tcq.py",
     "tests/connector/test_vllm_load.py",
     "tests/lab/bench/test_quick.py",
+    "tests/lab/connector/test_peer_engine.py",
+    "tests/integrations/test_lmcache_serde.py",
+    "tests/connector/test_store_faults.py",
     "tests/connector/test_head_shards.py",
+    "tests/codec/test_shipped_tcq.py",
 )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from cachegen.codec.tcq import model as tcq_model
 from cachegen.extract import extract_kv, load_model, tokenize
 from cachegen.fitting.tcq import ensure_tcq_model, fit_tcq_model, tcq_calibration_spec
 from cachegen.profiles import codec_for
+from tests.codec import refit_guard
 from tests.codec.transform_support import forget_fitted_files, relative_error
 from tests.support import empty_cache_env
 from tests.worker_threads import torch_on_own_cores
@@ -159,10 +161,19 @@ def test_a_corrupt_or_foreign_shipped_file_is_refused(smollm2, gemma3, fresh, tm
     assert not list(fresh.glob("**/tcq.json"))
 
 
+def test_the_fit_sources_are_those_the_last_refit_check_passed_with():
+    assert refit_guard.recorded_digest() == refit_guard.fit_sources_digest(), (
+        "a source of the tcq fit changed since the refit below last passed: run "
+        "`make check-refit` (it records the sources' digest in tests/codec/refit_checked.json)"
+    )
+
+
+@pytest.mark.refit
 def test_a_refit_here_agrees_with_the_shipped_file_on_held_out_kv(smollm2, held_out_kv, fresh):
     """The comparison is the fitter's own (it fits the kvtc basis too, into an empty profile
     directory): a changed fitter or recipe shows here before it ships. The fit runs on this
-    test process's share of the cores (here, one thread fits the very file two fit)."""
+    test process's share of the cores (here, one thread fits the very file two fit). Not in
+    `make test` (it takes minutes): `make check-refit`, which the test above asks for."""
     shipped = ensure_tcq_model(smollm2)
     with torch_on_own_cores():
         refit = tcq_model.save_tcq_model(fit_tcq_model(smollm2))
@@ -175,3 +186,5 @@ def test_a_refit_here_agrees_with_the_shipped_file_on_held_out_kv(smollm2, held_
     (error, bits), (refit_error, refit_bits) = measured
     assert abs(refit_error - error) <= REFIT_TOLERANCE * error
     assert abs(refit_bits - bits) <= REFIT_TOLERANCE * bits
+    if os.environ.get(refit_guard.RECORD_ENV) == "1":
+        refit_guard.record_digest()
