@@ -13,7 +13,7 @@ from cachegen.fileio import write_atomic
 from cachegen.models import EMBEDDED_DEFAULT
 from cachegen.workload import DOMAINS
 from cachegen_lab.bench.links import UNLIMITED
-from cachegen_lab.fleet import client, configs, router, workloads
+from cachegen_lab.fleet import client, configs, lmcache, router, workloads
 from cachegen_lab.fleet.drive import FleetError, Stop
 from cachegen_lab.fleet.run import KV_CACHE_GIB, LOCAL_CLUSTER, MAX_TOKENS, SERVERS
 
@@ -27,7 +27,8 @@ def register(subparsers) -> None:
         description="Per configuration, one after another: start SERVERS vLLM OpenAI-compatible "
         "servers (prefix-cache: vLLM's prefix cache, no connector; recompute: no cache; raw, "
         "int8, default, adaptive: the connector in that mode over one fresh store shared by the "
-        "servers, vLLM's prefix cache on), send a seeded workload (multi-round-qa: users with a "
+        "servers, vLLM's prefix cache on; lmcache, on a GPU machine only: LMCache's own "
+        "connector over the --store Redis), send a seeded workload (multi-round-qa: users with a "
         "shared system prompt and their own growing chat history, each round waiting for that "
         "user's answer; long-doc-qa: questions about long documents in shuffled order) through "
         "a client-side router, at most CONCURRENCY requests in flight, each streamed and timed, "
@@ -42,9 +43,10 @@ def register(subparsers) -> None:
     p.add_argument(
         "--configs",
         nargs="+",
-        default=list(configs.CONFIGS),
+        default=list(configs.DEFAULT_CONFIGS),
         choices=configs.CONFIGS,
-        help="configurations to run, in this order, each on fresh servers" + options.DEFAULT,
+        help="configurations to run, in this order, each on fresh servers; lmcache needs "
+        "CUDA and a redis:// --store (default: all but lmcache)",
     )
     options.integer(p, "--servers", SERVERS, "servers of the fleet")
     p.add_argument(
@@ -191,6 +193,7 @@ def _fleet_bench(args: argparse.Namespace) -> int:
     from cachegen_lab.fleet.summary import markdown
 
     options.require_positive(args, "servers", "max_tokens")
+    lmcache.check(args.configs, args.store)  # before the workload's tokenizer loads
     work = _workload(args)
     stop = None if args.stop_server is None else Stop(args.stop_server, args.stop_after)
     doc = fleet_bench(

@@ -6,8 +6,12 @@
 ``default``       the connector in its default mode for the model (tcq where the model ships a
                   tcq calibration, else cachegen), prefix cache on
 ``adaptive``      the connector in adaptive mode under ``slo_ms``, prefix cache on
+``lmcache``       LMCache's own connector (``LMCacheConnectorV1``) instead of ours, set by
+                  LMCache's environment variables, sharing the bench's Redis through LMCache,
+                  prefix cache on; on a GPU machine only (``cachegen_lab.fleet.lmcache``)
 
-The connector's servers of one configuration share one store.
+The connector's servers of one configuration share one store; ``lmcache``'s share the Redis of
+``--store``. Without ``--configs`` every configuration but ``lmcache`` runs.
 """
 
 from __future__ import annotations
@@ -16,32 +20,49 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachegen.modes import ADAPTIVE, RECOMPUTE
+from cachegen_lab.fleet import lmcache as lmcache_connector
+from cachegen_lab.fleet.lmcache import LMCACHE
 
 PREFIX_CACHE = "prefix-cache"
 DEFAULT = "default"
-CONFIGS = (PREFIX_CACHE, RECOMPUTE, "raw", "int8", DEFAULT, ADAPTIVE)
+DEFAULT_CONFIGS = (PREFIX_CACHE, RECOMPUTE, "raw", "int8", DEFAULT, ADAPTIVE)
+CONFIGS = (*DEFAULT_CONFIGS, LMCACHE)
 SLO_MS = 500.0
 
 
 @dataclass(frozen=True)
 class Config:
     name: str
-    mode: str  # the OpenAIServer's mode: recompute (no connector) or a connector mode
+    mode: str  # the OpenAIServer's mode: recompute (no connector of ours) or a connector mode
     prefix_caching: bool
     connector_extra: dict[str, Any]
+    lmcache: bool = False  # LMCache's connector instead of ours (mode recompute)
 
     @property
     def connector(self) -> bool:
+        """Our connector: its store, link rates, reports and census."""
         return self.mode != RECOMPUTE
 
+    def server_args(self) -> tuple[str, ...]:
+        """vLLM options this configuration adds to every server's."""
+        return lmcache_connector.server_args() if self.lmcache else ()
+
+    def server_env(self, store: str | None) -> dict[str, str]:
+        """The environment this configuration adds to every server's, sharing ``store``."""
+        return lmcache_connector.environment(store) if self.lmcache else {}
+
     def describe(self) -> dict[str, Any]:
-        return {
+        described = {
             "config": self.name,
             "mode": self.mode,
             "prefix_caching": self.prefix_caching,
             "connector": self.connector,
             "connector_extra": self.connector_extra,
         }
+        if self.lmcache:  # the store's URL is the setup's, without its password
+            described["kv_transfer_config"] = lmcache_connector.TRANSFER
+            described["lmcache_env"] = lmcache_connector.settings()
+        return described
 
 
 def default_mode(model: str) -> str:
@@ -61,6 +82,8 @@ def config(name: str, model: str, slo_ms: float = SLO_MS) -> Config:
         return Config(name, default_mode(model), True, {})
     if name == ADAPTIVE:
         return Config(name, ADAPTIVE, True, {"slo_ms": slo_ms})
+    if name == LMCACHE:
+        return Config(name, RECOMPUTE, True, {}, lmcache=True)
     if name in CONFIGS:
         return Config(name, name, True, {})
     raise ValueError(f"unknown fleet configuration {name!r}")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from cachegen.errors import CacheGenError
 from cachegen_lab.bench.links import link_label
 from cachegen_lab.fleet import client, summary
+from cachegen_lab.fleet.lmcache import SALT_TAG
 from cachegen_lab.fleet.router import Router
 from cachegen_lab.fleet.workloads import Workload
 
@@ -51,6 +52,7 @@ class Run:
     bandwidth_mbps: float | None
     cache_salt: str
     connector: bool
+    lmcache: bool = False  # LMCache's connector: the salt as its request tag
 
     @property
     def label(self) -> str:
@@ -61,11 +63,14 @@ class Run:
 
     def extra_body(self, ignore_eos: bool) -> dict[str, Any]:
         """vLLM's request fields: the run's ``cache_salt`` (so that neither vLLM's prefix
-        cache nor the store's keys reuse another run's KV), the link rate for the connector,
+        cache nor the store's keys reuse another run's KV; for LMCache, which keys chunks
+        without it, also as its request tag), the link rate for the connector,
         ``ignore_eos``."""
         body: dict[str, Any] = {"cache_salt": self.cache_salt}
         if self.connector and self.bandwidth_mbps is not None:
             body["kv_transfer_params"] = {"bandwidth_mbps": self.bandwidth_mbps}
+        if self.lmcache:
+            body["kv_transfer_params"] = {SALT_TAG: self.cache_salt}
         if ignore_eos:
             body["ignore_eos"] = True
         return body

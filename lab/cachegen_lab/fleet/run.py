@@ -2,13 +2,14 @@
 every request.
 
 Per configuration, one after another: a fresh store, ``servers`` vLLM OpenAI-compatible
-servers started together (the connector's ones on that one store), then one run per link rate
-(``bandwidths``; one run, with no rate, for a configuration without the connector): every
-request of the workload through the router (``drive``), then the servers stopped. Each run's
-requests carry their own ``cache_salt``, so a later run of the same servers reuses nothing of
-an earlier one, neither from vLLM's prefix cache nor from the store. A configuration that
-fails (a server that does not start, a failed warm-up) ends the bench: the document keeps the
-runs done before it and records the failure. Progress goes to stderr.
+servers started together (the connector's ones on that one store, LMCache's on the bench's
+Redis), then one run per link rate (``bandwidths``; one run, with no rate, for a
+configuration without the connector): every request of the workload through the router
+(``drive``), then the servers stopped. Each run's requests carry their own ``cache_salt``,
+so a later run of the same servers reuses nothing of an earlier one, neither from vLLM's
+prefix cache nor from the store. A configuration that fails (a server that does not start, a
+failed warm-up) ends the bench: the document keeps the runs done before it and records the
+failure. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from cachegen.errors import CacheGenError, InputError
 from cachegen.modes import RECOMPUTE
 from cachegen.store.secret_files import inline_password_error
 from cachegen_lab.bench.links import link_label
-from cachegen_lab.fleet import census, client, configs, summary
+from cachegen_lab.fleet import census, client, configs, lmcache, summary
 from cachegen_lab.fleet.drive import Driver, Run, Sending, Stop, warm_up
 from cachegen_lab.fleet.router import ROUND_ROBIN, Router
 from cachegen_lab.fleet.workloads import Workload
@@ -145,8 +146,8 @@ def start_fleet(
             log_path=log,
             prefix_caching=config.prefix_caching,
             links=True,  # its requests name the link their loads go over
-            env={**env, **cores},
-            server_args=server_args,
+            env={**env, **cores, **config.server_env(store)},
+            server_args=[*server_args, *config.server_args()],
         )
         stack.callback(server.close)
         servers.append(server)
@@ -210,12 +211,19 @@ def run_one(bench: Bench, fleet: list, run: Run, store: str | None) -> dict[str,
     return {"summary": result, "stops": driver.stops, "records": records, "store": wrote}
 
 
+def config_store(bench: Bench, config: configs.Config):
+    """``(store URL, connector extra)`` the configuration's servers share: a fresh store for
+    our connector's, the bench's Redis itself for LMCache's (its runs' request tags keep
+    them apart), none otherwise."""
+    if config.connector:
+        return fresh_store(bench.store, config.name, bench.run_id)
+    return contextlib.nullcontext((bench.store if config.lmcache else None, {}))
+
+
 def run_config(bench: Bench, config: configs.Config) -> Iterator[dict[str, Any]]:
     """Every run of one configuration, each as it ends, on fresh servers and a fresh store."""
-    no_store = contextlib.nullcontext((None, {}))
-    stores = fresh_store(bench.store, config.name, bench.run_id) if config.connector else no_store
     rates = bench.bandwidths if config.connector else (None,)
-    with stores as (url, store_extra), contextlib.ExitStack() as stack:
+    with config_store(bench, config) as (url, store_extra), contextlib.ExitStack() as stack:
         progress(f"{config.name}: starting {bench.servers} servers")
         fleet = start_fleet(
             stack,
@@ -231,7 +239,7 @@ def run_config(bench: Bench, config: configs.Config) -> Iterator[dict[str, Any]]
         )
         for rate in rates:
             salt = f"fleet-{bench.run_id}-{config.name}-{link_label(rate)}"
-            run = Run(config.name, rate, salt, config.connector)
+            run = Run(config.name, rate, salt, config.connector, config.lmcache)
             setup = {
                 **config.describe(),
                 "store": url,
@@ -239,7 +247,8 @@ def run_config(bench: Bench, config: configs.Config) -> Iterator[dict[str, Any]]
                 "cache_salt": salt,
             }
             entry = {"config": config.name, "bandwidth_mbps": rate, "setup": setup}
-            yield {**entry, **run_one(bench, fleet, run, url)}
+            ours = url if config.connector else None  # a census reads our chunks, not LMCache's
+            yield {**entry, **run_one(bench, fleet, run, ours)}
 
 
 def measure(
@@ -287,6 +296,7 @@ def fleet_bench(
     _check(servers, max_tokens, concurrency, bandwidths, stop, len(work.requests))
     max_model_len = max(MIN_MODEL_LEN, work.prompt_tokens_bound + max_tokens)
     _check_server(store, kv_cache_gib, kv_cache_blocks, max_model_len)
+    lmcache.check(config_names, store)
     bench = Bench(
         model,
         work,

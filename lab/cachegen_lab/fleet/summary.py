@@ -8,17 +8,18 @@ that answered, or the last one tried: another than ``routed`` after a failover),
 (the earlier tries that failed over: their server and error), ``send_s``, ``ttft_s`` (first
 send to first content; null when none came), ``end_s``, ``prompt_tokens``, ``output_tokens``,
 ``cached_tokens`` (vLLM's count of prompt tokens it did not prefill: its prefix cache plus the
-connector's), ``report`` (the connector's report, null when the server sent none), ``error``
-and ``answer``. The summary, per run: requests, errors, failovers (requests with an earlier
-failed try), TTFT p50/p90/p99, requests/s and output tokens/s over the wall time (first send
-to last end), requests per server, prompt and cached tokens, answers equal to the recompute
-run's (when one ran), and for the connector: requests with a report, hits (reports with
-``loaded_tokens`` > 0), the hit rate (hits per request), loaded tokens and bytes, and load
-errors (reports with ``load_error`` or ``error``: part of a prefix recomputed). A run's
-``store`` (null without the connector) is what its requests wrote to the store
-(``cachegen_lab.fleet.census``): keys, entries and payload bytes, per kind and per form (its
-name: ``tcq-22``, ``cachegen-11-packed``...), and how many of them do not read back verified.
-The document holds the settings, every run (its setup, summary, stops, records and store
+connector's), ``report`` (the connector's report, null when the server sent none, as
+LMCache's never does), ``error`` and ``answer``. The summary, per run: requests, errors,
+failovers (requests with an earlier failed try), TTFT p50/p90/p99, requests/s and output
+tokens/s over the wall time (first send to last end), requests per server, prompt and cached
+tokens, answers equal to the recompute run's (when one ran), and for the connector: requests
+with a report, hits (reports with ``loaded_tokens`` > 0), the hit rate (hits per request),
+loaded tokens and bytes, and load errors (reports with ``load_error`` or ``error``: part of a
+prefix recomputed). A run's ``store`` (null without the connector) is what its requests wrote
+to the store (``cachegen_lab.fleet.census``): keys, entries and payload bytes, per kind and
+per form (its name: ``tcq-22``, ``cachegen-11-packed``...), and how many of them do not read
+back verified. The document holds the settings, every run (its setup, with LMCache's
+``kv_transfer_config`` and ``lmcache_env`` for ``lmcache``; summary, stops, records and store
 census) and the failure that ended the bench early (null when every configuration ran).
 Versions 3 (without the store census), 4 and 5 (the census per the store's internal number for
 a form, under ``levels``) are still read.
@@ -86,6 +87,10 @@ SETUP_FIELDS = {
     "store": _STR,
     "tenant": _STR,
     "cache_salt": {"type": "string"},
+}
+LMCACHE_SETUP_FIELDS = {  # in the setup of an lmcache run only
+    "kv_transfer_config": {"type": "object"},
+    "lmcache_env": {"type": "object", "additionalProperties": {"type": "string"}},
 }
 RECORD_FIELDS = {
     "config": {"type": "string"},
@@ -155,7 +160,7 @@ def _census(fields: dict[str, Any]) -> dict[str, Any]:
 RUN_FIELDS = {
     "config": {"type": "string"},
     "bandwidth_mbps": _NUM,
-    "setup": _object(SETUP_FIELDS),
+    "setup": {**_object(SETUP_FIELDS), "properties": {**SETUP_FIELDS, **LMCACHE_SETUP_FIELDS}},
     "summary": _object(SUMMARY_FIELDS),
     "stops": {"type": "array", "items": STOP},
     "records": {"type": "array", "items": _object(RECORD_FIELDS)},
