@@ -26,6 +26,10 @@ from cachegen_lab.codecs.lmcache_peer import (
     lmcache_model_name,
 )
 from tests.codec.transform_support import relative_error
+from tests.lab.codecs.damage_cases import (  # noqa: F401 - run here on this codec's blob
+    test_flipped_byte_is_refused_by_the_frame_checksum,
+    test_truncated_stream_is_refused,
+)
 
 # pickle's framing of one chunk: class, field and tensor-type names, shapes; no KV data
 PICKLE_FRAMING_BYTES = 4096
@@ -132,19 +136,6 @@ def test_a_layer_subset_whose_key_and_value_bins_differ_is_refused(smollm2):
     assert parse_header(codec.encode(kv.select_layers([12, 13]))).params == bytes([16] * 4)
     with pytest.raises(CodecError, match="keys have up to 32 bins and their values 16"):
         codec.encode(kv.select_layers([5]))
-
-
-@pytest.mark.parametrize("cut", [1, 100, 4000])
-def test_truncated_stream_is_refused(blob, cut):
-    with pytest.raises(CodecError):
-        decode(blob[:-cut])
-
-
-def test_flipped_byte_is_refused_by_the_frame_checksum(blob):
-    damaged = bytearray(blob)
-    damaged[len(blob) // 2] ^= 0x40
-    with pytest.raises(CodecError, match="corrupt"):
-        decode(bytes(damaged))
 
 
 def _restream(blob: bytes, kv: KVCache, damage) -> bytes:

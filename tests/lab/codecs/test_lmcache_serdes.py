@@ -19,6 +19,10 @@ from cachegen.kv import KVCache
 from cachegen_lab.codecs.lmcache_peer import LMCACHE_CHUNK_TOKENS
 from cachegen_lab.codecs.lmcache_serdes import byte_object, memory_object
 from tests.codec.transform_support import relative_error
+from tests.lab.codecs.damage_cases import (  # noqa: F401 - run here on this codec's blob
+    test_flipped_byte_is_refused_by_the_frame_checksum,
+    test_truncated_stream_is_refused,
+)
 
 CODECS = ["lmcache-fp8", "lmcache-asym-k16-v8"]
 TEXT = "The quick brown fox jumps over the lazy dog. " * 30
@@ -147,19 +151,6 @@ def test_inspect_counts_every_byte_and_attributes_the_bodies_to_layers(blob, kv)
     bodies = sum(len(frame.body) for frame in parse_frames(blob, parse_header(blob)))
     layers = sum(row["key_bytes"] + row["value_bytes"] for row in info["layers"])
     assert layers == pytest.approx(bodies)
-
-
-@pytest.mark.parametrize("cut", [1, 100, 4000])
-def test_truncated_stream_is_refused(blob, cut):
-    with pytest.raises(CodecError):
-        decode(blob[:-cut])
-
-
-def test_flipped_byte_is_refused_by_the_frame_checksum(blob):
-    damaged = bytearray(blob)
-    damaged[len(blob) // 2] ^= 0x40
-    with pytest.raises(CodecError, match="corrupt"):
-        decode(bytes(damaged))
 
 
 def _restream(blob: bytes, kv: KVCache, body: bytes) -> bytes:
