@@ -100,7 +100,7 @@ def test_a_row_that_breaks_the_schema_is_named():
 
 def test_committed_rows_follow_the_row_schema():
     results = 0
-    for path in sorted(DOCS.glob("quality/*/*.json")):
+    for path in sorted(DOCS.glob("quality/*/**/*.json")):  # result folders, nested ones too
         schema = json.loads(path.read_text())["schema"]
         # calibrations, the packed-form selection's candidates and rankings (docs/quality.md)
         # and the tcq ablation, redundancy, prediction and calibration (docs/codec.md) have rows
