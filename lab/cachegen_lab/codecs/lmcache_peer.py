@@ -126,14 +126,27 @@ def _bins_tensor(bins: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(bins, dtype=torch.float32).to(lmcache.torch_device_type)
 
 
-def _lmcache_input(chunk: KVCache) -> torch.Tensor:
-    """The chunk as LMCache's serializer reads it: its KV_2LTD memory object
-    ``[2, L, n, H * D]``, viewed and permuted as ``serialize`` does to ``[L, 2, n, H, D]``."""
+def kv_2ltd(chunk: KVCache) -> torch.Tensor:
+    """The chunk as LMCache's KV_2LTD memory object holds it: ``[2, L, n, H * D]`` (keys then
+    values; layers, tokens, heads times head_dim)."""
     L, H, n, D = chunk.keys.shape
-    kv_2ltd = torch.stack([chunk.keys, chunk.values]).cpu().permute(0, 1, 3, 2, 4)
-    tensor = kv_2ltd.reshape(2, L, n, H * D)
-    tensor = tensor.view(*tensor.shape[:-1], H, D)
-    return tensor.permute([1, 0, 2, 3, 4])
+    kv = torch.stack([chunk.keys, chunk.values]).cpu().permute(0, 1, 3, 2, 4)
+    return kv.reshape(2, L, n, H * D).contiguous()
+
+
+def put_kv_2ltd(kv: torch.Tensor, header: Header, out: torch.Tensor, token_offset: int) -> None:
+    """Write ``kv``, a KV_2LTD chunk ``[2, L, n, H * D]``, into ``out`` (our ``[2, L, H,
+    tokens, D]``) from ``token_offset`` on."""
+    n = kv.shape[2]
+    x = kv.view(2, header.num_layers, n, header.num_kv_heads, header.head_dim)
+    out[:, :, :, token_offset : token_offset + n] = x.permute(0, 1, 3, 2, 4)
+
+
+def _lmcache_input(chunk: KVCache) -> torch.Tensor:
+    """The chunk as LMCache's serializer reads it: its KV_2LTD memory object, viewed and
+    permuted as ``serialize`` does to ``[L, 2, n, H, D]``."""
+    L, H, n, D = chunk.keys.shape
+    return kv_2ltd(chunk).view(2, L, n, H, D).permute([1, 0, 2, 3, 4])
 
 
 def lmcache_encode(chunk: KVCache, key_bins: tuple[int, ...], value_bins: tuple[int, ...]):
@@ -237,11 +250,7 @@ class LMCacheCacheGenDecoder(FrameDecoder):
             raise CodecError(f"frame {frame.index} is corrupt: lmcache-cachegen CDFs")
 
     def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
-        n = len(frame.token_ids)
-        kv = self.lmcache_decode(frame)  # [2, L, n, H * D], as LMCache's deserializer returns
-        L, H, D = self.header.num_layers, self.header.num_kv_heads, self.header.head_dim
-        x = kv.view(2, L, n, H, D).permute(0, 1, 3, 2, 4)
-        out[:, :, :, token_offset : token_offset + n] = x
+        put_kv_2ltd(self.lmcache_decode(frame), self.header, out, token_offset)
 
     def lmcache_decode(self, frame: Frame) -> torch.Tensor:
         """What LMCache's ``CacheGenDeserializer.deserialize`` returns for this chunk: KV_2LTD

@@ -46,7 +46,7 @@ from cachegen.codec.base import Codec, FrameDecoder, check_size
 from cachegen.codec.coding.bitstream import Frame, Header
 from cachegen.codec.errors import CodecError
 from cachegen.kv import KVCache
-from cachegen_lab.codecs.lmcache_peer import LMCACHE_CHUNK_TOKENS
+from cachegen_lab.codecs.lmcache_peer import LMCACHE_CHUNK_TOKENS, kv_2ltd, put_kv_2ltd
 
 FP8 = torch.float8_e4m3fn  # the fp8 type of both serdes (LMCache's default)
 ASYM_SCALE_BYTES = 4  # one float32 scale for the chunk's values (ScaleScope.PER_TENSOR)
@@ -95,13 +95,6 @@ def memory_object(tensor: torch.Tensor, fmt_name: str = "UNDEFINED"):
 def byte_object(data: bytes | memoryview):
     """A serialized chunk as LMCache's deserializers read it: a uint8 buffer object."""
     return memory_object(torch.frombuffer(bytearray(data), dtype=torch.uint8), "BINARY_BUFFER")
-
-
-def kv_2ltd(chunk: KVCache) -> torch.Tensor:
-    """The chunk as LMCache's KV_2LTD memory object holds it: ``[2, L, n, H * D]``."""
-    L, H, n, D = chunk.keys.shape
-    kv = torch.stack([chunk.keys, chunk.values]).cpu().permute(0, 1, 3, 2, 4)
-    return kv.reshape(2, L, n, H * D).contiguous()
 
 
 def _layout(*tensors: torch.Tensor):
@@ -181,9 +174,7 @@ class _SerdeDecoder(FrameDecoder):
         raise NotImplementedError
 
     def decode_frame(self, frame: Frame, out: torch.Tensor, token_offset: int) -> None:
-        h, n = self.header, len(frame.token_ids)
-        kv = self.lmcache_decode(frame).view(2, h.num_layers, n, h.num_kv_heads, h.head_dim)
-        out[:, :, :, token_offset : token_offset + n] = kv.permute(0, 1, 3, 2, 4)
+        put_kv_2ltd(self.lmcache_decode(frame), self.header, out, token_offset)
 
 
 class LMCacheFp8Decoder(_SerdeDecoder):
