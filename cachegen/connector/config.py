@@ -148,10 +148,7 @@ def byte_cap(name: str, value: Any) -> None:
 def mode_name(name: str, value: Any) -> None:
     """A mode of ``cachegen.modes.connector_modes`` (read when checked: a process may join
     codecs to the vocabulary after this module is imported)."""
-    if value not in connector_modes():
-        raise ConnectorError(
-            f"unknown {name} {value!r}; choose one of {', '.join(connector_modes())}"
-        )
+    one_of(*connector_modes())(name, value)
 
 
 def modes(name: str, value: Sequence[str]) -> None:
