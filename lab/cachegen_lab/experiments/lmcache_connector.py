@@ -47,8 +47,7 @@ def counting_prompt(numbers: int) -> str:
 def run(model: str, numbers: int, output_tokens: int = 4) -> dict[str, Any]:
     """The experiment's document body: versions, the engine's device, each request's
     prompt and cached tokens and answer, LMCache's errors."""
-    # Not imported here: imported before vLLM starts its engine, LMCache's modules break the
-    # CPU platform's kernel registration; the engine imports it through the connector.
+    # Looked up, not imported: the engine's process imports it, through vLLM's connector.
     if importlib.util.find_spec("lmcache") is None:
         raise InputError(
             "LMCache is not installed: pip install --no-deps -r requirements/peers.lock"
