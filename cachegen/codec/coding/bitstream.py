@@ -329,6 +329,23 @@ def _check_layer_list(subset: tuple[int, ...], num_layers: int) -> None:
         )
 
 
+FRAME_HEADER_BYTES = _FRAME.size  # each frame's payload length and CRC-32
+
+
+def stream_length(blob: bytes | memoryview, header: Header) -> int:
+    """Bytes of the stream ``header`` begins in ``blob`` (its header and frames), read from
+    the frames' lengths alone: for a stream that other bytes follow (a fixed-size record)."""
+    end = header.size
+    for index in range(header.num_frames):
+        if end + _FRAME.size > len(blob):
+            raise CodecError(f"bitstream is truncated before frame {index}")
+        length, _ = _FRAME.unpack_from(blob, end)
+        end += _FRAME.size + length
+    if end > len(blob):
+        raise CodecError(f"bitstream is truncated inside frame {header.num_frames - 1}")
+    return end
+
+
 def parse_frames(blob: bytes | memoryview, header: Header) -> list[Frame]:
     """Split the bytes after the header into frames, checking lengths, counts and checksums."""
     view = memoryview(blob)

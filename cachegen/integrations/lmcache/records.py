@@ -15,7 +15,6 @@ then assume (docs/guide/lmcache.md, "What it costs").
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -23,12 +22,16 @@ import numpy as np
 import torch
 
 from cachegen.codec import CodecError, decode
-from cachegen.codec.coding.bitstream import Header, parse_header
+from cachegen.codec.coding.bitstream import (
+    FRAME_HEADER_BYTES,
+    Header,
+    parse_header,
+    stream_length,
+)
 from cachegen.kv import KVCache, ModelIdentity
 
 CODECS = ("tcq", "cachegen")  # the codecs with levels and a model file (or profile) per model
 HEADER_BYTES = 512  # room for a header (about 100 to 130 bytes, docs/bitstream.md)
-FRAME_HEADER = struct.Struct("<II")  # payload length, CRC-32
 TOKEN_ID_BYTES = 2  # the zeros written as token ids fit u16
 # The budget's margin over the codec's estimate from its model file: a chunk encoded as if it
 # began the prompt, and text unlike the calibration text, cost more than the estimate.
@@ -124,7 +127,7 @@ class RecordCodec:
         self._check_layout(layout)
         frames = math.ceil(layout.num_tokens / self.codec.chunk_tokens)
         payload = math.ceil(self.budget_bits * layout.num_elements / 8)
-        framing = frames * FRAME_HEADER.size + layout.num_tokens * TOKEN_ID_BYTES
+        framing = frames * FRAME_HEADER_BYTES + layout.num_tokens * TOKEN_ID_BYTES
         return HEADER_BYTES + framing + payload
 
     def encode(self, chunk: torch.Tensor, out: torch.Tensor) -> int:
@@ -159,7 +162,7 @@ class RecordCodec:
         record = record[:size]
         header = parse_header(record)
         self.expect(layout)(header)
-        end = _stream_end(record, header)
+        end = stream_length(record, header)
         if np.frombuffer(record[end:], dtype=np.uint8).any():
             raise CodecError("cachegen serde: record is damaged (bytes after its stream)")
         kv = decode(record[:end], out_dtype=out.dtype, expect=self.expect(layout))
@@ -227,16 +230,3 @@ def _refuse_other(header: Header, codec, identity: ModelIdentity, fitted_id: str
             f"profile (level {header.level}) than this serde's {codec.profile_id[:16]}; "
             "refused before decoding"
         )
-
-
-def _stream_end(record: memoryview, header: Header) -> int:
-    """Where the stream in ``record`` ends: its header, then each frame's header and payload."""
-    end = header.size
-    for _ in range(header.num_frames):
-        if end + FRAME_HEADER.size > len(record):
-            raise CodecError("cachegen serde: record is truncated (a frame is cut off)")
-        length, _ = FRAME_HEADER.unpack_from(record, end)
-        end += FRAME_HEADER.size + length
-    if end > len(record):
-        raise CodecError("cachegen serde: record is truncated (a frame is cut off)")
-    return end
