@@ -24,9 +24,10 @@ from typing import Any
 from cachegen.cpu import engine_dtype
 from cachegen.errors import InputError
 from cachegen.models import resolve
+from cachegen_lab.fleet import lmcache
 
 LMCACHE_ENV = {  # LMCache reads its configuration from these when it has no file
-    "LMCACHE_CHUNK_SIZE": "256",
+    "LMCACHE_CHUNK_SIZE": str(lmcache.CHUNK_TOKENS),
     "LMCACHE_LOCAL_CPU": "True",
     "LMCACHE_MAX_LOCAL_CPU_SIZE": "1",  # GiB
 }
@@ -101,7 +102,7 @@ def _requests(spec, prompt: str, output_tokens: int) -> list[dict[str, Any]]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    transfer = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+    transfer = KVTransferConfig(**lmcache.TRANSFER)
     llm = LLM(
         model=str(spec.path),
         max_model_len=4096,

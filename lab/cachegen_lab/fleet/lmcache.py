@@ -17,10 +17,11 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from cachegen.errors import InputError
 from cachegen.store.secret_files import named_password
+from cachegen_lab.codecs.lmcache_peer import LMCACHE_CHUNK_TOKENS
 
 LMCACHE = "lmcache"
 TRANSFER = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
-CHUNK_TOKENS = 256  # LMCache's default chunk_size, the one its CacheGen serde is tuned for
+CHUNK_TOKENS = LMCACHE_CHUNK_TOKENS  # LMCache's default chunk_size, its CacheGen serde's
 CPU_GIB = 5  # each server's LMCache CPU buffer (LMCache's default max_local_cpu_size)
 SERDE = "cachegen"  # LMCache's own CacheGen (its valid serdes: naive, kivi, cachegen)
 SCHEMES = ("redis", "rediss")  # LMCache's RedisConnector: redis-py's from_url
