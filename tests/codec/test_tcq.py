@@ -207,7 +207,9 @@ def reference_decode(
             coefficients = []
             for a, b in zip([1, *bounds[:-1]], bounds):  # token 0 is exact
                 part = rows[a - 1 : b - 1]
-                sym, offset = tcq_encode.quantize_rows(model, code, layer, k, part, model.adaptive)
+                sym, offset, _ = tcq_encode.quantize_rows(
+                    model, code, layer, k, part, model.adaptive
+                )
                 centred = torch.from_numpy(sym.T.copy()).float() - radius
                 if model.adaptive:  # the sinks' rows a quarter step finer
                     centred += _refinements(
@@ -237,8 +239,7 @@ def _refinements(model, code, layer: int, k: int, part, values) -> torch.Tensor:
     whose values are ``values`` [heads, tokens, head_dim]: ``r / 4`` on its refined rows."""
     from cachegen.codec.tcq import refine as tcq_refine
 
-    y, _ = tcq_encode._coefficients(model, code, layer, k, part, True)
-    sym = tcq_encode._rounded(y, code.radius[layer][k])
+    sym, _, y = tcq_encode.quantize_rows(model, code, layer, k, part, True)
     fine = tcq_refine.refinement_symbols(y, sym, code.radius[layer][k]).astype(np.float32) - 2
     rows = tcq_refine.refined_rows(values[None])[0]
     return torch.from_numpy((fine * rows[None]).T.copy()) / tcq_refine.REFINE_UNITS

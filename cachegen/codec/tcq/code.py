@@ -92,6 +92,22 @@ class LevelCode:
         table choice; decoders never need it)."""
         return code_lengths(self.freq_cum)
 
+    @functools.cached_property
+    def family_bits(self) -> tuple[np.ndarray, np.ndarray]:
+        """The family tables' code lengths by symbol, for the encoder's table choice, which
+        reads every family table's length of one symbol at once: [symbols, family tables]
+        float64, symbol ``v`` of radius ``r`` at row ``start[r] + v``; and ``start``
+        [MAX_RADIUS + 1] (-1: no family table of that radius)."""
+        start = np.full(MAX_RADIUS + 1, -1, dtype=np.int64)
+        blocks = [np.zeros((0, self.family_size))]
+        rows = 0
+        for r in np.flatnonzero(self.family_row >= 0):
+            first = self.family_row[r]
+            block = self.code_bits[first : first + self.family_size, : 2 * r + 1].T
+            start[r], rows = rows, rows + len(block)
+            blocks.append(block)
+        return np.ascontiguousarray(np.concatenate(blocks)), start
+
     def stream_tables(
         self, tcq: TcqModel, layers: tuple[int, ...], predicted: bool = False
     ) -> StreamTables:

@@ -1,8 +1,9 @@
 """The ``tcq`` encoder: a chunk's frame body (layout in :mod:`cachegen.codec.tcq.codec`).
 
 Each (layer, K/V) stream's rows go through their level's analysis matrix into symbols of
-the kept components (:func:`quantize_rows`); in adaptive frames each component also gets an
-offset and the table that codes its symbols in the fewest bits (:func:`choose_tables`)."""
+the kept components (:func:`quantize_rows`: one product, then one kernel pass that finds the
+offsets and rounds); in adaptive frames each component also gets an offset and the table
+that codes its symbols in the fewest bits (:func:`choose_tables`)."""
 
 from __future__ import annotations
 
@@ -37,36 +38,26 @@ def quantize_rows(
     kind: int,
     rows: torch.Tensor,
     centred: bool = False,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Symbols ``[kept, tokens]`` (uint8) of ``rows`` [tokens, channels] (float32, pre-RoPE
-    keys or values of layer ``layer``) and each kept component's offset (int8, in
+    keys or values of layer ``layer``), each kept component's offset (int8, in
     1 / OFFSET_UNITS steps: the median of its coefficients when ``centred``, else 0: the
-    quantizer's grid moves with it)."""
-    y, offset = _coefficients(tcq, code, layer, kind, rows, centred)
-    return _rounded(y, code.radius[layer][kind]), offset
-
-
-def _coefficients(
-    tcq: TcqModel, code: LevelCode, layer: int, kind: int, rows: torch.Tensor, centred: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """The kept components' coefficients [kept, tokens] in steps, less the offsets
-    :func:`quantize_rows` chooses, and the offsets."""
-    kept = code.kept[layer][kind]
+    quantizer's grid moves with it), and the coefficients in steps less the offsets
+    [kept, tokens] (float32)."""
     mean = torch.from_numpy(tcq.mean[layer, kind])
-    y = (code.analysis[layer][kind] @ (rows - mean).T).numpy()  # [kept, tokens], in steps
-    offset = np.zeros(len(kept), dtype=np.float32)
-    if centred and y.shape[1]:
-        middle = (y.shape[1] - 1) // 2  # the lower median, as torch.median takes it
-        median = np.partition(y, middle, axis=1)[:, middle]
-        offset = np.clip(np.round(median * OFFSET_UNITS), -127, 127)
-        y -= (offset / OFFSET_UNITS)[:, None]
-    return y, offset.astype(np.int8)
+    return _quantize_deviations(code, layer, kind, rows - mean, centred)
 
 
-def _rounded(y: np.ndarray, radius: np.ndarray) -> np.ndarray:
-    """Symbols (radii added, uint8) of coefficients ``y`` [kept, tokens] in steps."""
-    r = radius.astype(np.float32)[:, None]
-    return (np.clip(np.round(y), -r, r) + r).astype(np.uint8)
+def _quantize_deviations(
+    code: LevelCode, layer: int, kind: int, deviations: torch.Tensor, centred: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`quantize_rows` of rows whose channel means are already subtracted."""
+    y = (code.analysis[layer][kind] @ deviations.T).numpy()  # [kept, tokens], in steps
+    sym = np.empty(y.shape, dtype=np.uint8)
+    offset = np.empty(y.shape[0], dtype=np.int8)
+    radius = code.radius[layer][kind]
+    tcq_kernels.quantize_coefficients(y, radius, centred, OFFSET_UNITS, sym, offset)
+    return sym, offset, y
 
 
 def choose_tables(code: LevelCode, rows: np.ndarray, radius: np.ndarray, sym: np.ndarray):
@@ -75,9 +66,7 @@ def choose_tables(code: LevelCode, rows: np.ndarray, radius: np.ndarray, sym: np
     bits (the first of the family's cheapest, and only where it is cheaper than the calibrated
     one)."""
     choice = np.zeros(len(radius), dtype=np.uint8)
-    tcq_kernels.choose_tables(
-        sym, radius, rows, code.family_row, code.family_size, code.code_bits, choice
-    )
+    tcq_kernels.choose_tables(sym, radius, rows, code.code_bits, *code.family_bits, choice)
     return choice
 
 
@@ -115,19 +104,23 @@ def frame_symbols(tcq: TcqModel, code: LevelCode, chunk: KVCache, refine: bool =
         frame.refined = refined_rows(q[1])
         frame.refinements = [np.zeros((0, 0), dtype=np.uint8)] * (2 * L)
 
+    # every stream's rows [tokens, channels] less their means, laid out in one pass
+    rows = q.permute(1, 0, 3, 2, 4).reshape(L, 2, m, H * D)
+    deviations = rows - torch.from_numpy(tcq.mean[layers])[:, :, None, :]
+
     def kernel(todo: np.ndarray) -> None:
         for s in todo:
             i, k = divmod(int(s), 2)
             if not len(code.kept[layers[i]][k]) or not m:
                 continue
-            rows = q[k, i].permute(1, 0, 2).reshape(m, H * D)
-            y, offset = _coefficients(tcq, code, layers[i], k, rows, tcq.adaptive)
-            radius = code.radius[layers[i]][k]
-            frame.symbols[s], frame.offsets[s] = _rounded(y, radius), offset
+            sym, frame.offsets[s], y = _quantize_deviations(
+                code, layers[i], k, deviations[i, k], tcq.adaptive
+            )
+            frame.symbols[s] = sym
             if frame.refined is not None:
                 rows_i = frame.refined[i]
-                fine = refinement_symbols(y[:, rows_i], frame.symbols[s][:, rows_i], radius)
-                frame.refinements[s] = fine
+                radius = code.radius[layers[i]][k]
+                frame.refinements[s] = refinement_symbols(y[:, rows_i], sym[:, rows_i], radius)
 
     run_batches(kernel, np.array([len(code.kept[lay][k]) + 1 for lay in layers for k in (0, 1)]))
     return frame

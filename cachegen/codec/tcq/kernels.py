@@ -1,6 +1,7 @@
 """Numba kernels of the ``tcq`` codec (:mod:`cachegen.codec.tcq.codec`).
 
-The encoder's :func:`choose_tables` picks each component's table for a frame. A frame
+The encoder's :func:`quantize_coefficients` rounds each component's coefficients around its
+offset, and :func:`choose_tables` picks each component's table for a frame. A frame
 decodes in three passes, each over all its (layer, K/V) streams:
 
 1. :func:`decode_coefficients` (codec threads): each stream's rANS symbols, centred on their
@@ -296,32 +297,83 @@ def write_rows(
                 store_row(row, cos, sin, first_angle[k] + t, rotate, head_dim, out32, out16, o)
 
 
+@numba.njit(nogil=True, cache=True)
+def quantize_coefficients(y, radius, centred, offset_units, sym, offset):
+    """Each kept component's symbols (into ``sym`` [components, tokens], uint8: the rounded
+    coefficient clipped to ``[-r, r]``, plus ``r``) of its coefficients ``y`` [components,
+    tokens] (float32, in steps), and where ``centred`` its offset (into ``offset``, int8, in
+    1 / ``offset_units`` steps: the lower median of the coefficients, clipped to +-127), which
+    ``y`` then has subtracted in place. The median of the rounded values is the rounded median
+    (rounding keeps order), so one histogram over +-128 finds it."""
+    C, T = y.shape
+    units = np.float32(offset_units)
+    hist = np.zeros(257, dtype=np.int64)
+    for c in range(C):
+        shift = np.float32(0.0)
+        offset[c] = 0
+        if centred and T > 0:
+            hist[:] = 0
+            for t in range(T):
+                v = min(max(np.rint(y[c, t] * units), np.float32(-128.0)), np.float32(128.0))
+                hist[np.int64(v) + 128] += 1
+            seen, middle, at = 0, (T - 1) // 2, 0
+            while seen + hist[at] <= middle:
+                seen += hist[at]
+                at += 1
+            off = min(max(at - 128, -127), 127)
+            offset[c] = off
+            shift = np.float32(off) / units
+        r = np.float32(radius[c])
+        for t in range(T):
+            v = y[c, t] - shift
+            y[c, t] = v
+            sym[c, t] = np.uint8(min(max(np.rint(v), -r), r) + r)
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def choose_tables(sym, radius, rows, family_row, family_size, code_bits, choice):
+def choose_tables(sym, radius, rows, code_bits, family_bits, family_start, choice):
     """Into ``choice`` (uint8, one per component of ``sym`` [components, tokens]): 0 where
     the component's calibrated table (row ``rows[c]`` of ``code_bits``, each row the code
     lengths of its table's symbols) codes its symbols in the fewest bits, else ``1 + j`` for
-    the first cheapest of the ``family_size`` family tables of its radius (rows from
-    ``family_row[radius[c]]``)."""
+    the first cheapest family table ``j`` of its radius (``family_bits`` [symbols, tables]:
+    symbol ``v`` of radius ``r`` at row ``family_start[r] + v``; -1: the radius has none).
+    Costs sum over the symbols that occur only (a frame's component takes a few of its
+    alphabet's values), in ascending order."""
     C, T = sym.shape
     width = code_bits.shape[1]
-    counts = np.zeros(width, dtype=np.float64)
+    # four histograms, so that runs of one symbol do not wait on each other's increments
+    hist = np.zeros((4, width), dtype=np.int64)
+    seen = np.empty(width, dtype=np.int64)
+    counts = np.empty(width, dtype=np.float64)
+    cost = np.empty(family_bits.shape[1], dtype=np.float64)
     for c in range(C):
-        n = 2 * radius[c] + 1
-        counts[:n] = 0.0
+        lo, hi = width, 0
         for t in range(T):
-            counts[sym[c, t]] += 1.0
-        own = 0.0
-        for v in range(n):
-            own += counts[v] * code_bits[rows[c], v]
-        best, best_cost = 0, own
-        first = family_row[radius[c]]
-        for j in range(family_size if first >= 0 else 0):
-            cost = 0.0
-            for v in range(n):
-                cost += counts[v] * code_bits[first + j, v]
-            if cost < best_cost:
-                best, best_cost = 1 + j, cost
+            v = np.int64(sym[c, t])
+            hist[t & 3, v] += 1
+            lo, hi = min(lo, v), max(hi, v)
+        n = 0
+        for v in range(lo, hi + 1):
+            count = hist[0, v] + hist[1, v] + hist[2, v] + hist[3, v]
+            if count:
+                seen[n], counts[n] = v, count
+                n += 1
+                hist[0, v] = hist[1, v] = hist[2, v] = hist[3, v] = 0
+        best, best_cost = 0, 0.0
+        for i in range(n):
+            best_cost += counts[i] * code_bits[rows[c], seen[i]]
+        first = family_start[radius[c]]
+        if first < 0:
+            choice[c] = 0
+            continue
+        cost[:] = 0.0
+        for i in range(n):
+            at, count = first + seen[i], counts[i]
+            for j in range(cost.shape[0]):
+                cost[j] += count * family_bits[at, j]
+        for j in range(cost.shape[0]):
+            if cost[j] < best_cost:
+                best, best_cost = 1 + j, cost[j]
         choice[c] = best
 
 

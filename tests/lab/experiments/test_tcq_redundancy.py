@@ -91,7 +91,7 @@ def test_coefficients_are_the_encoders(tiny_llama, model):
     q = torch.cat([kv.keys[None], kv.values[None]])[:, :, :, tcq_code.EXACT_TOKENS :].float()
     q[0] = rotate_layer_keys(q[0], tcq_code.EXACT_TOKENS, model.rope_thetas, inverse=True)
     rows = q[1, 2].permute(1, 0, 2).reshape(-1, H * D)
-    sym, _ = tcq_encode.quantize_rows(model, code, 2, 1, rows)
+    sym, _, _ = tcq_encode.quantize_rows(model, code, 2, 1, rows)
     expected = sym.astype(np.int64) - code.radius[2][1][:, None]
     ours = lab.quantized(model, LEVEL, y)[2, 1][:, code.kept[2][1]].T
     clipped = np.abs(ours) > code.radius[2][1][:, None]  # the encoder clips, the lab does not
