@@ -84,6 +84,37 @@ def _register_tcq(names) -> None:
     _tcq_outputs(p)
     p = options.command(
         names,
+        "tcq-layers",
+        _tcq_layers,
+        help="what one layered tcq stream per chunk would cost, its prefixes coarser levels",
+        description="Bits and distortion of tcq's dedicated levels beside two layered streams "
+        "built from them: prefixes that decode to dedicated levels exactly, and a top level's "
+        "symbols embedded under their dead-zone coarsening.",
+    )
+    _tcq_data(p, "comma-separated domains", 4, "windows per domain")
+    p.add_argument("--top-level", type=int, default=24, help="the layered stream's finest level")
+    p.add_argument(
+        "--perplexity-calibration-windows",
+        type=int,
+        default=0,
+        help="also score the prefixes' perplexity, their slopes chosen on this many windows "
+        "of pydoc's calibrate split (0: bits and distortion only)",
+    )
+    p.add_argument(
+        "--ladder", default="20,22,24", help="the exact stream's levels, rising to --top-level"
+    )
+    p.add_argument("--context-tokens", type=int, default=1024)
+    p.add_argument("--continuation-tokens", type=int, default=128, help="scored tokens per window")
+    p.add_argument(
+        "--split",
+        default="eval",
+        choices=("eval", "calibrate"),
+        help="pydoc's split: eval (held out) or calibrate (to choose a layout on)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    _tcq_outputs(p)
+    p = options.command(
+        names,
         "tcq-prediction",
         _tcq_prediction,
         help="what tcq's cross-layer prediction saves, at the same decoded KV",
@@ -126,11 +157,11 @@ def _datasets(args: argparse.Namespace) -> list[str]:
     return [x.strip() for x in args.dataset.split(",") if x.strip()]
 
 
-def _level_ids(text: str) -> list[int]:
+def _level_ids(text: str, flag: str = "--levels") -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError as exc:
-        raise InputError(f"--levels must be comma-separated integers, got {text!r}") from exc
+        raise InputError(f"{flag} must be comma-separated integers, got {text!r}") from exc
 
 
 def _sources(text: str) -> list[int | None]:
@@ -183,6 +214,27 @@ def _tcq_redundancy(args: argparse.Namespace) -> int:
         )
 
     return _finish(args, compute, tcq_redundancy.table)
+
+
+def _tcq_layers(args: argparse.Namespace) -> int:
+    from cachegen_lab.experiments import tcq_layers
+
+    def compute(command: str) -> dict:
+        return tcq_layers.run(
+            args.model,
+            args.top_level,
+            _level_ids(args.ladder, "--ladder"),
+            _datasets(args),
+            args.windows,
+            (args.context_tokens, args.continuation_tokens),
+            args.split,
+            args.seed,
+            command,
+            progress=not args.no_progress,
+            quality_windows=args.perplexity_calibration_windows,
+        )
+
+    return _finish(args, compute, tcq_layers.table)
 
 
 def _tcq_prediction(args: argparse.Namespace) -> int:

@@ -50,16 +50,23 @@ LOUDNESS_EDGES = (0.25, 0.5, 1.0)  # mean |symbol| of a token's earlier componen
 def coefficients(model: tcq_model.TcqModel, kv: KVCache) -> np.ndarray:
     """The PCA coefficients [L, 2, tokens, C] (float32, unscaled) of ``kv``'s tokens past the
     exact ones, as tcq's encoder computes them (keys turned back to their pre-RoPE form)."""
-    e = min(tcq_code.EXACT_TOKENS, kv.num_tokens)
+    layers = list(kv.layer_indices)
+    mean = model.mean[layers][:, :, None, :]
+    rows = stream_rows(model, kv)
+    return np.einsum("lktc,lkic->lkti", rows - mean, model.components[layers], optimize=True)
+
+
+def stream_rows(model: tcq_model.TcqModel, kv: KVCache) -> np.ndarray:
+    """The rows [L, 2, tokens, channels] (float32) that tcq's encoder codes of ``kv``'s tokens
+    past its exact ones: keys turned back to their pre-RoPE form, heads side by side."""
+    e = tcq_code.exact_count(kv.start, kv.num_tokens)
     x = kv_tensor(kv)[:, :, :, e:].to(torch.float32)
     layers = list(kv.layer_indices)
     thetas = tuple(model.rope_thetas[i] for i in layers)
     if any(thetas):
         x[0] = rotate_layer_keys(x[0], kv.start + e, thetas, inverse=True)
     _, L, H, m, D = x.shape
-    rows = x.permute(1, 0, 3, 2, 4).reshape(L, 2, m, H * D).numpy()
-    mean = model.mean[layers][:, :, None, :]
-    return np.einsum("lktc,lkic->lkti", rows - mean, model.components[layers], optimize=True)
+    return x.permute(1, 0, 3, 2, 4).reshape(L, 2, m, H * D).numpy()
 
 
 def quantized(model: tcq_model.TcqModel, level: int, y: np.ndarray) -> np.ndarray:
