@@ -2,7 +2,8 @@
 ``cachegen experiment NAME`` (``cachegen experiment --help`` lists them).
 
 ``tcq_ablation`` (where tcq's gains come from: its transform or its component weights),
-``tcq_redundancy`` (what redundancy tcq leaves in its symbols), ``packed_fit`` (which
+``tcq_redundancy`` (what redundancy tcq leaves in its symbols), ``tcq_layers`` (what one
+layered stream per chunk would cost, its prefixes coarser levels), ``packed_fit`` (which
 calibrated allocations fit coded + packed), ``stream_sim`` (the adaptive controller over
 simulated bandwidth traces, behind ``cachegen stream-bench --controller-eval``), ``window``
 (what ``skip_out_of_window`` saves a load) and ``repeat`` (how soon a prefill's chunks are
