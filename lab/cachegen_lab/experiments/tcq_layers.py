@@ -27,7 +27,7 @@ attention logits, values' on the output projection), per element. It is a proxy:
 chosen here must still show its perplexity change through ``cachegen eval``. Run::
 
     cachegen experiment tcq-layers --model smollm2-135m --top-level 24 \\
-        --dataset pydoc,prose,code --split-of-pydoc calibrate --windows 4 --json OUT.json
+        --dataset pydoc --split calibrate --windows 4 --json OUT.json
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from cachegen.codec.tcq import encode as tcq_encode
 from cachegen.codec.tcq import model as tcq_model
-from cachegen.codec.tcq.code import level_code
+from cachegen.codec.tcq.code import OFFSET_UNITS, level_code
 from cachegen.errors import InputError
 from cachegen.fileio import versioned
 from cachegen_lab.experiments.tcq_redundancy import stream_rows
@@ -52,15 +52,16 @@ FRAME_TOKENS = 256  # the connector's chunk: one frame per stored record
 
 
 def entropy_bits(sym: np.ndarray) -> np.ndarray:
-    """Plug-in entropy in bits of each row of ``sym`` [rows, tokens] (non-negative ints):
+    """Plug-in entropy in bits of each row of ``sym`` [rows, tokens] (ints):
     ``-sum(count * log2(count / tokens))``."""
-    rows, tokens = sym.shape
-    if not tokens:
+    rows, _ = sym.shape
+    if not sym.size:
         return np.zeros(rows)
-    keys = np.arange(rows, dtype=np.int64)[:, None] * (int(sym.max()) + 1) + sym
-    unique, counts = np.unique(keys, return_counts=True)
-    bits = -counts * np.log2(counts / tokens)
-    return np.bincount(unique // (int(sym.max()) + 1), weights=bits, minlength=rows)
+    values = sym.astype(np.int64) - int(sym.min())
+    width = int(values.max()) + 1
+    unique, counts = np.unique(np.arange(rows)[:, None] * width + values, return_counts=True)
+    bits = -counts * np.log2(counts / sym.shape[1])
+    return np.bincount(unique // width, weights=bits, minlength=rows)
 
 
 def dead_zone(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -122,7 +123,7 @@ class FrameMeasure:
             sym, offset, _ = tcq_encode.quantize_rows(tcq, code, layer, kind, rows, True)
             q = sym.astype(np.int64) - code.radius[layer][kind][:, None]
             symbols[level] = (kept, q, offset)
-            decoded = self._decoded(level, layer, kind, kept, q, offset, full.shape)
+            decoded = decoded_coefficients(tcq, level, layer, kind, kept, q, offset)
             error = weighted_error(full, decoded, unit)
             sums.add(level, sums.dedicated, float(entropy_bits(sym).sum()), error)
         for depth in range(1, len(ladder) + 1):
@@ -130,17 +131,11 @@ class FrameMeasure:
             sums.add(ladder[depth - 1], sums.exact, float(entropy_bits(joint).sum()))
         self._embedded(layer, kind, full, unit, symbols[self.top], sums)
 
-    def _decoded(self, level, layer, kind, kept, values, offset, shape) -> np.ndarray:
-        step = self.tcq.steps[self.tcq.level_index(level), layer, kind][kept]
-        out = np.zeros(shape)
-        out[kept] = (values + offset[:, None] / 4.0) * step[:, None]
-        return out
-
     def _embedded(self, layer, kind, full, unit, top_symbols, sums: Sums) -> None:
         kept, q, offset = top_symbols
         coarse, middle = dead_zone(q)
-        fine = self._decoded(self.top, layer, kind, kept, q, offset, full.shape)
-        base = self._decoded(self.top, layer, kind, kept, middle, offset, full.shape)
+        fine = decoded_coefficients(self.tcq, self.top, layer, kind, kept, q, offset)
+        base = decoded_coefficients(self.tcq, self.top, layer, kind, kept, middle, offset)
         dropped = np.setdiff1d(np.arange(len(unit)), kept)
         sums.dropped_error += weighted_error(full[dropped], 0 * full[dropped], unit[dropped])
         scale = unit[kept, None]
@@ -148,13 +143,23 @@ class FrameMeasure:
         sums.components.append(
             np.stack(
                 [
-                    entropy_bits(coarse - coarse.min(initial=0)),
+                    entropy_bits(coarse),
                     (((full[kept] - base[kept]) / scale) ** 2).sum(axis=1),
-                    entropy_bits(q - q.min(initial=0)),
+                    entropy_bits(q),
                     (((full[kept] - fine[kept]) / scale) ** 2).sum(axis=1),
                 ]
             )
         )
+
+
+def decoded_coefficients(tcq, level, layer, kind, kept, values, offset) -> np.ndarray:
+    """Coefficients [C, tokens] of every component of (``layer``, ``kind``) that level
+    ``level``'s kept components ``kept`` decode to from ``values`` [kept, tokens] (in steps)
+    and ``offset`` [kept] (in 1 / OFFSET_UNITS steps); 0 for the dropped ones."""
+    step = tcq.steps[tcq.level_index(level), layer, kind]
+    out = np.zeros((len(step), values.shape[1]))
+    out[kept] = (values + offset[:, None] / OFFSET_UNITS) * step[kept, None]
+    return out
 
 
 def weighted_error(full: np.ndarray, decoded: np.ndarray, unit: np.ndarray) -> float:
@@ -180,26 +185,50 @@ def slope_of(gain_bits: np.ndarray, gain_error: np.ndarray) -> np.ndarray:
     return gain_error / np.maximum(gain_bits, 1e-12)
 
 
+@dataclass
+class Refinements:
+    """The embedded stream's refinements over the frames of a :class:`Sums`: each kept
+    component's base bits and error, the bits and error its refinement costs and removes,
+    its slope, and the order a prefix takes them in (falling slope)."""
+
+    base_bits: np.ndarray
+    base_error: np.ndarray
+    gain_bits: np.ndarray
+    gain_error: np.ndarray
+    slope: np.ndarray
+    order: np.ndarray
+
+    @classmethod
+    def of(cls, sums: Sums) -> Refinements:
+        rows = np.concatenate(sums.components, axis=1)
+        gain_bits = np.maximum(rows[2] - rows[0], 0.0)
+        gain_error = rows[1] - rows[3]
+        slope = slope_of(gain_bits, gain_error)
+        order = np.argsort(-slope, kind="stable")
+        return cls(rows[0], rows[1], gain_bits, gain_error, slope, order)
+
+    def spent(self, sums: Sums, side: int) -> np.ndarray:
+        """Bits, summed over the frames, of the base (each kept component's layer in
+        ``side`` bits) and of each prefix that takes one more refinement."""
+        base = self.base_bits.sum() + side * sums.kept_top
+        return base + np.concatenate([[0.0], np.cumsum(self.gain_bits[self.order])])
+
+
 def embedded_curve(sums: Sums, side: int) -> tuple[np.ndarray, np.ndarray]:
     """Bits and distortion, both summed over the frames, of the embedded stream's prefixes
     from its base to its top, components refined in falling order of distortion removed per
     bit; the base carries each kept component's layer in ``side`` bits."""
-    rows = np.concatenate(sums.components, axis=1)
-    gain_bits = np.maximum(rows[2] - rows[0], 0.0)
-    gain_error = rows[1] - rows[3]
-    order = np.argsort(-slope_of(gain_bits, gain_error), kind="stable")
-    bits = rows[0].sum() + side * sums.kept_top
-    bits += np.concatenate([[0.0], np.cumsum(gain_bits[order])])
-    removed = np.concatenate([[0.0], np.cumsum(gain_error[order])])
-    error = sums.dropped_error + rows[1].sum() - removed
-    return bits, error
+    refinements = Refinements.of(sums)
+    removed = np.concatenate([[0.0], np.cumsum(refinements.gain_error[refinements.order])])
+    error = sums.dropped_error + refinements.base_error.sum() - removed
+    return refinements.spent(sums, side), error
 
 
 def intermediate_levels(sums: Sums, top: int) -> dict[int, float]:
     """The dedicated levels below ``top`` that cost more than the embedded base, each with its
     bits per element: the prefixes a stream would offer between base and top."""
     n = sums.elements
-    base = np.concatenate(sums.components, axis=1)[0].sum() / n
+    base = sum(float(rows[0].sum()) for rows in sums.components) / n
     return {
         level: bits / n
         for level, (bits, _) in sorted(sums.dedicated.items())

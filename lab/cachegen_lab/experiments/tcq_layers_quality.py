@@ -45,7 +45,10 @@ class Simulation:
             sym, offset, _ = tcq_encode.quantize_rows(self.tcq, code, layer, kind, rows, True)
             q = sym.astype(np.int64) - code.radius[layer][kind][:, None]
             bits = float(tcq_layers.entropy_bits(sym).sum())
-            return self._coefficients(level, layer, kind, q, offset, rows.shape[0]), bits
+            kept = code.kept[layer][kind]
+            return tcq_layers.decoded_coefficients(
+                self.tcq, level, layer, kind, kept, q, offset
+            ), bits
 
         return self._decoded(kv, stream)
 
@@ -62,18 +65,15 @@ class Simulation:
             gain_bits, gain_error = refinement_gains(y, q, coarse, middle)
             refined = slope is None or tcq_layers.slope_of(gain_bits, gain_error) >= slope
             values = np.where(np.reshape(refined, (-1, 1)), q, middle)
-            bits = float(tcq_layers.entropy_bits(coarse - coarse.min(initial=0)).sum())
+            bits = float(tcq_layers.entropy_bits(coarse).sum())
             bits += float((gain_bits * refined).sum()) + side_bits * len(q)
-            return self._coefficients(self.top, layer, kind, values, offset, rows.shape[0]), bits
+            kept = code.kept[layer][kind]
+            decoded = tcq_layers.decoded_coefficients(
+                self.tcq, self.top, layer, kind, kept, values, offset
+            )
+            return decoded, bits
 
         return self._decoded(kv, stream)
-
-    def _coefficients(self, level, layer, kind, values, offset, tokens) -> np.ndarray:
-        kept = level_code(self.tcq, level).kept[layer][kind]
-        step = self.tcq.steps[self.tcq.level_index(level), layer, kind][kept]
-        out = np.zeros((self.tcq.components.shape[2], tokens))
-        out[kept] = (values + offset[:, None] / 4.0) * step[:, None]
-        return out
 
     def _decoded(self, kv: KVCache, stream: StreamCode) -> tuple[KVCache, float]:
         parts, bits = [], 0.0
@@ -110,10 +110,7 @@ def refinement_gains(y, q, coarse, middle) -> tuple[np.ndarray, np.ndarray]:
     """Per kept component: the bits its refinement costs (the top level's entropy less the
     base's) and the squared error it removes, in the top level's steps, of coefficients ``y``
     (in steps, less the offsets) coded as ``q`` against their base's ``middle``."""
-    shift = q.min(initial=0)
-    gain_bits = tcq_layers.entropy_bits(q - shift) - tcq_layers.entropy_bits(
-        coarse - coarse.min(initial=0)
-    )
+    gain_bits = tcq_layers.entropy_bits(q) - tcq_layers.entropy_bits(coarse)
     gain_error = ((y - middle) ** 2).sum(axis=1) - ((y - q) ** 2).sum(axis=1)
     return np.maximum(gain_bits, 0.0), gain_error
 
@@ -121,16 +118,13 @@ def refinement_gains(y, q, coarse, middle) -> tuple[np.ndarray, np.ndarray]:
 def slopes_for(sums: tcq_layers.Sums, targets: dict[int, float], side_bits: int) -> dict:
     """For each level, the slope at which the embedded prefix costs ``targets[level]`` bits
     per element on the frames of ``sums`` (the calibration windows)."""
-    rows = np.concatenate(sums.components, axis=1)
-    gain_bits = np.maximum(rows[2] - rows[0], 0.0)
-    slope = tcq_layers.slope_of(gain_bits, rows[1] - rows[3])
-    order = np.argsort(-slope, kind="stable")
-    base = rows[0].sum() + side_bits * sums.kept_top
-    spent = base + np.cumsum(gain_bits[order])
+    refinements = tcq_layers.Refinements.of(sums)
+    spent = refinements.spent(sums, side_bits)[1:]  # after each refinement
+    slopes = refinements.slope[refinements.order]
     out = {}
     for level, bits in targets.items():
         at = int(np.searchsorted(spent, bits * sums.elements))
-        out[level] = float(slope[order][min(at, len(order) - 1)])
+        out[level] = float(slopes[min(at, len(slopes) - 1)])
     return out
 
 

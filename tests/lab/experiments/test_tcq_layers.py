@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cachegen.cli import main
+from cachegen.codec.tcq.code import level_code
 from cachegen.fitting.tcq import ensure_tcq_model
 from cachegen_lab.experiments import tcq_layers as lab
 
@@ -117,7 +118,7 @@ def test_the_whole_embedded_stream_is_the_top_level(tiny_llama, model):
     level_kv, level_bits = simulation.dedicated(kv, top)
     whole, whole_bits = simulation.embedded(kv, None, 2)
     assert torch.equal(whole.keys, level_kv.keys) and torch.equal(whole.values, level_kv.values)
-    kept = sum(len(c) for code in [lab.level_code(model, top)] for per in code.kept for c in per)
+    kept = sum(len(c) for per in level_code(model, top).kept for c in per)
     frames = len(kv.chunks(lab.FRAME_TOKENS))
     assert whole_bits == pytest.approx(level_bits + 2 * kept * frames)
     base, base_bits = simulation.embedded(kv, float("inf"), 2)
