@@ -89,10 +89,18 @@ def _register_tcq(names) -> None:
         help="what one layered tcq stream per chunk would cost, its prefixes coarser levels",
         description="Bits and distortion of tcq's dedicated levels beside two layered streams "
         "built from them: prefixes that decode to dedicated levels exactly, and a top level's "
-        "symbols embedded under their dead-zone coarsening.",
+        "symbols embedded under a coarser base (--base).",
     )
     _tcq_data(p, "comma-separated domains", 4, "windows per domain")
     p.add_argument("--top-level", type=int, default=24, help="the layered stream's finest level")
+    p.add_argument(
+        "--base",
+        default="dead-zone",
+        choices=("dead-zone", "triple-step"),
+        help="the embedded stream's base: the top level's cells merged in pairs beside a zero "
+        "cell of three (dead-zone), or in threes, a uniform grid of three times its step "
+        "(triple-step)",
+    )
     p.add_argument(
         "--perplexity-calibration-windows",
         type=int,
@@ -232,6 +240,7 @@ def _tcq_layers(args: argparse.Namespace) -> int:
             command,
             progress=not args.no_progress,
             quality_windows=args.perplexity_calibration_windows,
+            base=args.base,
         )
 
     return _finish(args, compute, tcq_layers.table)

@@ -9,9 +9,11 @@ is written as a codec:
   coded given the coarser ones). Its bits at a level are the joint entropy of that level's
   symbols and the coarser ones', which exceeds the level's own wherever a finer cell straddles
   a coarser cell's edge.
-* ``embedded``: one top level's symbols ``q``, a base layer of their dead-zone coarsening
-  ``sign(q) * (|q| >> 1)`` (cells ``{-1, 0, 1}``, ``{2, 3}``, ``{4, 5}``, ...: a wider zero cell,
-  decoded at each cell's middle), and refinement layers that restore ``q`` component by
+* ``embedded``: one top level's symbols ``q``, a base layer that merges their cells (its
+  layout, :data:`BASES`: the dead-zone coarsening ``sign(q) * (|q| >> 1)``, cells ``{-1, 0,
+  1}``, ``{2, 3}``, ``{4, 5}``, ...: a wider zero cell; or the triple step, cells ``{-1, 0,
+  1}``, ``{2, 3, 4}``, ...: a uniform grid of three times the top step; either decoded at each
+  cell's middle), and refinement layers that restore ``q`` component by
   component, the components of each frame in the order of the distortion their refinement
   removes per bit it costs (one slope for all frames, as an encoder aiming at a size would
   choose). Every prefix then decodes a quantizer whose cells are unions of the top level's,
@@ -47,7 +49,7 @@ from cachegen.fileio import versioned
 from cachegen_lab.experiments.tcq_redundancy import stream_rows
 
 SCHEMA = "cachegen-tcq-layers"
-VERSION = 1
+VERSION = 2  # 2 added the base layout ("base"); version 1 documents are "dead-zone"
 FRAME_TOKENS = 256  # the connector's chunk: one frame per stored record
 
 
@@ -71,6 +73,21 @@ def dead_zone(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     cell = np.abs(q) >> 1
     middle = np.where(cell > 0, 2 * cell + 0.5, 0.0)
     return np.sign(q) * cell, np.sign(q) * middle
+
+
+def triple_step(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The base layer of centred symbols ``q`` on a uniform grid of three times the top
+    level's step: its symbols ``sign(q) * ((|q| + 1) // 3)`` (cells ``{-1, 0, 1}``,
+    ``{2, 3, 4}``, ``{5, 6, 7}``, ...: every cell as wide as the zero cell, so no more
+    shrinkage than a dedicated level's) and what they decode to, each cell's middle ``3 *``
+    its symbol. Three is the smallest ratio at which a grid centred on 0 nests in a finer
+    one."""
+    coarse = np.sign(q) * ((np.abs(q) + 1) // 3)
+    return coarse, 3.0 * coarse
+
+
+# the base layouts a layered stream may refine from: name -> (q -> base symbols, middles)
+BASES = {"dead-zone": dead_zone, "triple-step": triple_step}
 
 
 @dataclass
@@ -98,8 +115,10 @@ class Sums:
 class FrameMeasure:
     """One frame's coefficients against a model file's levels."""
 
-    def __init__(self, tcq: tcq_model.TcqModel, levels: list[int], top: int) -> None:
-        self.tcq, self.levels, self.top = tcq, levels, top
+    def __init__(
+        self, tcq: tcq_model.TcqModel, levels: list[int], top: int, base: str = "dead-zone"
+    ) -> None:
+        self.tcq, self.levels, self.top, self.base = tcq, levels, top, BASES[base]
         self.codes = {level: level_code(tcq, level) for level in levels}
 
     def measure(self, rows: np.ndarray, sums: Sums, ladder: list[int]) -> None:
@@ -133,7 +152,7 @@ class FrameMeasure:
 
     def _embedded(self, layer, kind, full, unit, top_symbols, sums: Sums) -> None:
         kept, q, offset = top_symbols
-        coarse, middle = dead_zone(q)
+        coarse, middle = self.base(q)
         fine = decoded_coefficients(self.tcq, self.top, layer, kind, kept, q, offset)
         base = decoded_coefficients(self.tcq, self.top, layer, kind, kept, middle, offset)
         dropped = np.setdiff1d(np.arange(len(unit)), kept)
@@ -287,8 +306,10 @@ def run(
     command: str,
     progress: bool = True,
     quality_windows: int = 0,
+    base: str = "dead-zone",
 ) -> dict:
-    """``tokens``: context and scored continuation tokens per window."""
+    """``tokens``: context and scored continuation tokens per window; ``base``: the embedded
+    stream's base layout, a name of :data:`BASES`."""
     from cachegen.extract import extract_kv, load_model
     from cachegen.fitting.tcq import ensure_tcq_model
     from cachegen_lab.quality.datasets import DataSettings, load_windows
@@ -301,7 +322,7 @@ def run(
             raise InputError(f"tcq levels are {', '.join(map(str, levels))}, not {level}")
     if not ladder or ladder[-1] != top or sorted(ladder) != ladder:
         raise InputError("--ladder must list rising levels that end at --top-level")
-    frames = FrameMeasure(fitted, levels, top)
+    frames = FrameMeasure(fitted, levels, top, base)
 
     def measured(data: DataSettings) -> tuple[list, Sums]:
         sums = Sums()
@@ -320,7 +341,7 @@ def run(
         texts, sums = measured(data)
         row = {"dataset": dataset, "data": data.describe(), **summary(sums, top, ladder)}
         if scored:
-            row["perplexity"] = _scored(spec.name, texts, fitted, top, levels, scored, progress)
+            row["perplexity"] = _scored(spec.name, texts, fitted, (top, base), scored, progress)
         rows.append(row)
     return versioned(
         SCHEMA,
@@ -330,6 +351,7 @@ def run(
             "model": spec.name,
             "model_file": fitted.id,
             "top_level": top,
+            "base": base,
             "ladder": ladder,
             "frame_tokens": FRAME_TOKENS,
             "bits_per_element": "plug-in entropy of each component's symbols over a frame",
@@ -359,13 +381,14 @@ def _calibrated_slopes(measured, fitted, top: int, windows: int, context_tokens:
     }
 
 
-def _scored(model: str, texts, fitted, top: int, levels: list[int], scored: dict, progress):
+def _scored(model: str, texts, fitted, layout: tuple[int, str], scored: dict, progress):
     from cachegen_lab.experiments import tcq_layers_quality as quality
     from cachegen_lab.quality.evaluate import EvalSettings, evaluate
 
-    simulation = quality.Simulation(fitted, top)
+    top, base = layout
+    simulation = quality.Simulation(fitted, top, base)
     slopes = {int(level): slope for level, slope in scored["levels"].items()}
-    shown = [level for level in levels if level <= top]
+    shown = [level for level in sorted(fitted.levels) if level <= top]
     chosen = quality.candidates(simulation, shown, slopes, scored["side_bits"])
     return evaluate(model, texts, chosen, EvalSettings(gen_windows=0), progress=progress)
 

@@ -11,7 +11,10 @@ nothing else.
 A prefix of the embedded stream refines, in every frame, the components whose refinement
 removes at least a given distortion per bit (its *slope*). The slope of each prefix is chosen
 on windows of pydoc's ``calibrate`` split, where the prefix costs what the dedicated level
-it stands for costs there; the held-out windows then show its bits and perplexity."""
+it stands for costs there; the held-out windows then show its bits and perplexity. Beside
+them, prefixes that refine by the base's cell rather than by component: every component's
+zero cells, or every component's other cells, so that no component's step changes against
+another's."""
 
 from __future__ import annotations
 
@@ -35,8 +38,8 @@ StreamCode = Callable[[int, int, torch.Tensor], tuple[np.ndarray, float]]
 class Simulation:
     """Decode a KV as a dedicated level or as an embedded prefix would, frame by frame."""
 
-    def __init__(self, tcq: tcq_model.TcqModel, top: int) -> None:
-        self.tcq, self.top = tcq, top
+    def __init__(self, tcq: tcq_model.TcqModel, top: int, base: str = "dead-zone") -> None:
+        self.tcq, self.top, self.base = tcq, top, tcq_layers.BASES[base]
 
     def dedicated(self, kv: KVCache, level: int) -> tuple[KVCache, float]:
         code = level_code(self.tcq, level)
@@ -61,12 +64,34 @@ class Simulation:
         def stream(layer: int, kind: int, rows: torch.Tensor) -> tuple[np.ndarray, float]:
             sym, offset, y = tcq_encode.quantize_rows(self.tcq, code, layer, kind, rows, True)
             q = sym.astype(np.int64) - code.radius[layer][kind][:, None]
-            coarse, middle = tcq_layers.dead_zone(q)
+            coarse, middle = self.base(q)
             gain_bits, gain_error = refinement_gains(y, q, coarse, middle)
             refined = slope is None or tcq_layers.slope_of(gain_bits, gain_error) >= slope
             values = np.where(np.reshape(refined, (-1, 1)), q, middle)
             bits = float(tcq_layers.entropy_bits(coarse).sum())
             bits += float((gain_bits * refined).sum()) + side_bits * len(q)
+            kept = code.kept[layer][kind]
+            decoded = tcq_layers.decoded_coefficients(
+                self.tcq, self.top, layer, kind, kept, values, offset
+            )
+            return decoded, bits
+
+        return self._decoded(kv, stream)
+
+    def cells_refined(self, kv: KVCache, cells: str) -> tuple[KVCache, float]:
+        """The prefix that refines, in every component alike, the base's zero cells
+        (``cells`` "zero"), its other cells ("outer") or none ("none": the base alone), with
+        no side information (one rule for every frame)."""
+        code = level_code(self.tcq, self.top)
+
+        def stream(layer: int, kind: int, rows: torch.Tensor) -> tuple[np.ndarray, float]:
+            sym, offset, _ = tcq_encode.quantize_rows(self.tcq, code, layer, kind, rows, True)
+            q = sym.astype(np.int64) - code.radius[layer][kind][:, None]
+            coarse, middle = self.base(q)
+            refined = {"zero": coarse == 0, "outer": coarse != 0, "none": False}[cells]
+            values = np.where(refined, q, middle)
+            # each token's symbol names its base cell and, where refined, its top cell
+            bits = float(tcq_layers.entropy_bits(np.where(refined, 2 * q, 2 * coarse + 1)).sum())
             kept = code.kept[layer][kind]
             decoded = tcq_layers.decoded_coefficients(
                 self.tcq, self.top, layer, kind, kept, values, offset
@@ -130,7 +155,8 @@ def slopes_for(sums: tcq_layers.Sums, targets: dict[int, float], side_bits: int)
 
 def candidates(simulation: Simulation, levels: list[int], slopes: dict, side_bits: int) -> list:
     """``cachegen eval`` candidates: each dedicated level, and the embedded stream's prefix
-    standing for each level of ``slopes`` and its whole stream."""
+    standing for each level of ``slopes``, its whole stream, its base, and the prefixes that
+    refine the base's zero cells or its other cells in every component."""
     from cachegen_lab.quality.evaluate import Candidate
 
     out = [
@@ -147,4 +173,6 @@ def candidates(simulation: Simulation, levels: list[int], slopes: dict, side_bit
             )
         )
     out.append(Candidate("embedded", "whole", lambda kv: simulation.embedded(kv, None, side_bits)))
+    for cells, name in (("none", "base"), ("zero", "zero cells"), ("outer", "outer cells")):
+        out.append(Candidate("embedded", name, lambda kv, c=cells: simulation.cells_refined(kv, c)))
     return out

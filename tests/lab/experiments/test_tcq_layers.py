@@ -39,13 +39,23 @@ def test_the_base_merges_the_top_levels_cells_into_a_dead_zone():
     assert np.all(np.abs(decoded - q) <= 1.0)
 
 
-def test_the_embedded_curve_runs_from_its_base_to_the_top_level(tiny_llama, model):
+def test_the_triple_step_base_is_a_uniform_grid_of_three_top_cells():
+    q = np.arange(-8, 9)
+    coarse, decoded = lab.triple_step(q)
+    assert coarse.tolist() == [-3, -2, -2, -2, -1, -1, -1, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert np.array_equal(decoded, 3 * coarse)
+    # every base cell holds three top cells and decodes at the middle one
+    assert np.all(np.abs(decoded - q) <= 1) and np.all(np.bincount(coarse[1:-1] + 2) == 3)
+
+
+@pytest.mark.parametrize("base", sorted(lab.BASES))
+def test_the_embedded_curve_runs_from_its_base_to_the_top_level(tiny_llama, model, base):
     from cachegen.extract import extract_kv
     from cachegen_lab.experiments.tcq_redundancy import stream_rows
 
     levels = sorted(model.levels)
     top = levels[-2]
-    frames, sums = lab.FrameMeasure(model, levels, top), lab.Sums()
+    frames, sums = lab.FrameMeasure(model, levels, top, base), lab.Sums()
     kv = extract_kv(tiny_llama, text="The quick brown fox jumps over the lazy dog. " * 12)
     for chunk in kv.chunks(32):
         frames.measure(stream_rows(model, chunk), sums, [levels[0], top])
@@ -66,9 +76,10 @@ def test_the_command_writes_its_document(tiny_llama, model, tmp_path):
     argv = ["experiment", "tcq-layers", "--model", tiny_llama.name, "--windows", "1"]
     argv += ["--context-tokens", "64", "--dataset", "pydoc", "--no-progress", "--json", str(out)]
     argv += ["--top-level", str(levels[-1]), "--ladder", f"{levels[0]},{levels[-1]}"]
-    assert main(argv) == 0
+    assert main([*argv, "--base", "triple-step"]) == 0
     doc = json.loads(out.read_text())
     assert doc["schema"] == lab.SCHEMA and doc["version"] == lab.VERSION
+    assert doc["base"] == "triple-step"
     (row,) = doc["rows"]
     assert [r["level"] for r in row["levels"]] == levels
     assert row["embedded"]["top"]["distortion"] == pytest.approx(row["levels"][-1]["distortion"])
@@ -108,13 +119,14 @@ def test_the_simulation_decodes_what_the_codec_decodes(tiny_llama, model):
     assert 0 < bits < 16 * kv.num_elements
 
 
-def test_the_whole_embedded_stream_is_the_top_level(tiny_llama, model):
+@pytest.mark.parametrize("layout", sorted(lab.BASES))
+def test_the_whole_embedded_stream_is_the_top_level(tiny_llama, model, layout):
     from cachegen.extract import extract_kv
     from cachegen_lab.experiments import tcq_layers_quality as quality
 
     kv = extract_kv(tiny_llama, text="The quick brown fox jumps over the lazy dog. " * 12)
     top = sorted(model.levels)[-2]
-    simulation = quality.Simulation(model, top)
+    simulation = quality.Simulation(model, top, layout)
     level_kv, level_bits = simulation.dedicated(kv, top)
     whole, whole_bits = simulation.embedded(kv, None, 2)
     assert torch.equal(whole.keys, level_kv.keys) and torch.equal(whole.values, level_kv.values)
@@ -124,3 +136,20 @@ def test_the_whole_embedded_stream_is_the_top_level(tiny_llama, model):
     base, base_bits = simulation.embedded(kv, float("inf"), 2)
     assert base_bits < whole_bits
     assert not torch.equal(base.keys, whole.keys)
+
+
+@pytest.mark.parametrize("layout", sorted(lab.BASES))
+def test_refining_a_kind_of_cell_lies_between_base_and_top(tiny_llama, model, layout):
+    from cachegen.extract import extract_kv
+    from cachegen_lab.experiments import tcq_layers_quality as quality
+
+    kv = extract_kv(tiny_llama, text="The quick brown fox jumps over the lazy dog. " * 12)
+    simulation = quality.Simulation(model, sorted(model.levels)[-2], layout)
+    base, base_bits = simulation.cells_refined(kv, "none")
+    assert torch.equal(base.keys, simulation.embedded(kv, float("inf"), 0)[0].keys)
+    top, top_bits = simulation.embedded(kv, None, 0)
+    for cells in ("zero", "outer"):
+        prefix, bits = simulation.cells_refined(kv, cells)
+        assert base_bits <= bits <= top_bits + 1e-6, cells
+        error = (prefix.values.float() - top.values.float()).abs().sum()
+        assert error < (base.values.float() - top.values.float()).abs().sum()
