@@ -139,8 +139,7 @@ class FrameMeasure:
         for level in self.levels:
             code = self.codes[level]
             kept = code.kept[layer][kind]
-            sym, offset, _ = tcq_encode.quantize_rows(tcq, code, layer, kind, rows, True)
-            q = sym.astype(np.int64) - code.radius[layer][kind][:, None]
+            sym, q, offset, _ = centred_symbols(tcq, code, layer, kind, rows)
             symbols[level] = (kept, q, offset)
             decoded = decoded_coefficients(tcq, level, layer, kind, kept, q, offset)
             error = weighted_error(full, decoded, unit)
@@ -169,6 +168,14 @@ class FrameMeasure:
                 ]
             )
         )
+
+
+def centred_symbols(tcq, code, layer: int, kind: int, rows: torch.Tensor) -> tuple:
+    """:func:`cachegen.codec.tcq.encode.quantize_rows` of (``layer``, ``kind``)'s ``rows`` at the
+    level of ``code``, centred: (symbols, the same centred on 0 as int64, offsets, coefficients
+    in steps less the offsets)."""
+    sym, offset, y = tcq_encode.quantize_rows(tcq, code, layer, kind, rows, True)
+    return sym, sym.astype(np.int64) - code.radius[layer][kind][:, None], offset, y
 
 
 def decoded_coefficients(tcq, level, layer, kind, kept, values, offset) -> np.ndarray:

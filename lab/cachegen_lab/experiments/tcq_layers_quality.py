@@ -23,7 +23,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from cachegen.codec.tcq import encode as tcq_encode
 from cachegen.codec.tcq import model as tcq_model
 from cachegen.codec.tcq.code import exact_count, level_code
 from cachegen.codec.transform.rotary import rotate_layer_keys
@@ -45,8 +44,7 @@ class Simulation:
         code = level_code(self.tcq, level)
 
         def stream(layer: int, kind: int, rows: torch.Tensor) -> tuple[np.ndarray, float]:
-            sym, offset, _ = tcq_encode.quantize_rows(self.tcq, code, layer, kind, rows, True)
-            q = sym.astype(np.int64) - code.radius[layer][kind][:, None]
+            sym, q, offset, _ = tcq_layers.centred_symbols(self.tcq, code, layer, kind, rows)
             bits = float(tcq_layers.entropy_bits(sym).sum())
             kept = code.kept[layer][kind]
             return tcq_layers.decoded_coefficients(
@@ -59,39 +57,38 @@ class Simulation:
         """The prefix that refines every component whose slope is at least ``slope`` (None:
         every component, the whole stream); each frame's kept components name their layer in
         ``side_bits`` bits each."""
-        code = level_code(self.tcq, self.top)
 
-        def stream(layer: int, kind: int, rows: torch.Tensor) -> tuple[np.ndarray, float]:
-            sym, offset, y = tcq_encode.quantize_rows(self.tcq, code, layer, kind, rows, True)
-            q = sym.astype(np.int64) - code.radius[layer][kind][:, None]
-            coarse, middle = self.base(q)
+        def prefix(q, coarse, middle, y) -> tuple[np.ndarray, float]:
             gain_bits, gain_error = refinement_gains(y, q, coarse, middle)
             refined = slope is None or tcq_layers.slope_of(gain_bits, gain_error) >= slope
-            values = np.where(np.reshape(refined, (-1, 1)), q, middle)
             bits = float(tcq_layers.entropy_bits(coarse).sum())
             bits += float((gain_bits * refined).sum()) + side_bits * len(q)
-            kept = code.kept[layer][kind]
-            decoded = tcq_layers.decoded_coefficients(
-                self.tcq, self.top, layer, kind, kept, values, offset
-            )
-            return decoded, bits
+            return np.where(np.reshape(refined, (-1, 1)), q, middle), bits
 
-        return self._decoded(kv, stream)
+        return self._top_prefix(kv, prefix)
 
     def cells_refined(self, kv: KVCache, cells: str) -> tuple[KVCache, float]:
         """The prefix that refines, in every component alike, the base's zero cells
         (``cells`` "zero"), its other cells ("outer") or none ("none": the base alone), with
         no side information (one rule for every frame)."""
+
+        def prefix(q, coarse, middle, y) -> tuple[np.ndarray, float]:
+            refined = {"zero": coarse == 0, "outer": coarse != 0, "none": False}[cells]
+            # each token's symbol names its base cell and, where refined, its top cell
+            bits = float(tcq_layers.entropy_bits(np.where(refined, 2 * q, 2 * coarse + 1)).sum())
+            return np.where(refined, q, middle), bits
+
+        return self._top_prefix(kv, prefix)
+
+    def _top_prefix(self, kv: KVCache, prefix: Callable) -> tuple[KVCache, float]:
+        """``kv`` decoded as a prefix of the top level's stream: ``prefix(q, coarse, middle,
+        y)`` gives, from a stream's centred top symbols, their base's symbols and middles and
+        the coefficients, the values [kept, tokens] the prefix decodes to and its bits."""
         code = level_code(self.tcq, self.top)
 
         def stream(layer: int, kind: int, rows: torch.Tensor) -> tuple[np.ndarray, float]:
-            sym, offset, _ = tcq_encode.quantize_rows(self.tcq, code, layer, kind, rows, True)
-            q = sym.astype(np.int64) - code.radius[layer][kind][:, None]
-            coarse, middle = self.base(q)
-            refined = {"zero": coarse == 0, "outer": coarse != 0, "none": False}[cells]
-            values = np.where(refined, q, middle)
-            # each token's symbol names its base cell and, where refined, its top cell
-            bits = float(tcq_layers.entropy_bits(np.where(refined, 2 * q, 2 * coarse + 1)).sum())
+            _, q, offset, y = tcq_layers.centred_symbols(self.tcq, code, layer, kind, rows)
+            values, bits = prefix(q, *self.base(q), y)
             kept = code.kept[layer][kind]
             decoded = tcq_layers.decoded_coefficients(
                 self.tcq, self.top, layer, kind, kept, values, offset
